@@ -1,0 +1,285 @@
+"""Public functions: validate -> pick a backend -> run the fused passes -> return named outputs.
+
+Only this module reads `backend=`. Inputs are never modified (unless `inplace_backward=True`, which
+writes dlogits into the logits' storage and bumps their version counter).
+"""
+
+from typing import Dict, NamedTuple, Optional
+
+import torch
+
+from . import backends, correction
+from .autograd import CoefficientLossFunction, TokenStatsFunction, TokenStatsParams
+from .config import PolicyLossConfig, RolloutCorrection, resolve_config
+from .loss import sequence_stage
+from .segments import Segments
+from .validation import check_cu_seqlens, check_logits, check_tensor, value_checks
+
+
+class PolicyLossOutput(NamedTuple):
+    loss: torch.Tensor  # () differentiable w.r.t. logits (or logprobs / entropy for policy_loss)
+    logprobs: torch.Tensor  # [B, T] or [N] float32, detached; 0 off the mask
+    entropy: Optional[torch.Tensor]  # like logprobs, or None
+    is_weights: Optional[torch.Tensor]  # weights multiplying the policy term, or None
+    mask: torch.Tensor  # bool, the final mask after rejection
+    metrics: Dict[str, torch.Tensor]  # 0-d device tensors named as in SPEC §8
+
+
+class TokenStats(NamedTuple):
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    sum_pi_squared: Optional[torch.Tensor]
+
+
+class CorrectionOutput(NamedTuple):
+    weights: Optional[torch.Tensor]  # IS weights (0 off the mask), or None when is_level is None
+    mask: torch.Tensor  # bool mask after rejection
+    metrics: Dict[str, torch.Tensor]
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _segments(token_shape, cu_seqlens, device) -> Segments:
+    if len(token_shape) == 2:
+        return Segments.padded(token_shape[0], token_shape[1], device)
+    return Segments.packed(cu_seqlens, token_shape[0], device)
+
+
+def _check_per_token(shape, device, **tensors) -> None:
+    for name, x in tensors.items():
+        if x is not None:
+            check_tensor(name, x, kind="mask" if name == "response_mask" else "float", shape=shape, device=device)
+
+
+def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_logprobs) -> None:
+    if config.loss_type == "reinforce" and old_logprobs is not None:
+        raise ValueError(
+            "old_logprobs: loss_type='reinforce' is the bypass-mode loss (SPEC §6) and takes no old_logprobs; "
+            "pass rollout_logprobs only, or use loss_type='ppo_clip'"
+        )
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"ref_logprobs: expected a tensor since kl_coef={config.kl_coef} > 0, got None")
+    rc = config.rollout_correction
+    if rc is not None and rc.enabled and rollout_logprobs is None:
+        raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
+
+
+def _run_stage(lp, entropy, advantages, mask, old, roll, ref, seg, config, token_shape):
+    stage = sequence_stage(lp.detach(), None if entropy is None else entropy.detach(), advantages, mask, old, roll, ref, seg, config)
+    loss = CoefficientLossFunction.apply(stage.loss, lp, entropy, stage.coef_logprob, stage.coef_entropy)
+    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
+    return loss, stage, shape
+
+
+def decoupled_ppo_loss(
+    logits: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
+    old_logprobs: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+    config: Optional[PolicyLossConfig] = None, ignore_index: int = -100, **overrides,
+) -> PolicyLossOutput:
+    """Decoupled PPO / REINFORCE loss with rollout correction, from logits (SPEC §1-§8).
+
+    Args:
+        logits: [B, T, V] (padded) or [N, V] (packed), float16/bfloat16/float32 (float64 on torch).
+        labels: [B, T] / [N] integer sampled tokens; `ignore_index` marks tokens outside the loss.
+        advantages: [B, T] / [N] float.
+        response_mask: [B, T] / [N] bool or 0/1; 1 = generated token that enters the loss.
+        old_logprobs: proximal policy log-probs (decoupled mode) or None.
+        rollout_logprobs: behaviour (inference engine) log-probs; alone they select bypass mode.
+        ref_logprobs: reference policy log-probs for the KL penalty.
+        cu_seqlens: [S + 1] int32/int64 sequence offsets of the packed layout (None: one sequence).
+        config: a PolicyLossConfig; keyword `overrides` replace its fields.
+    Returns:
+        PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics).
+    Raises:
+        TypeError / ValueError naming the argument, before any kernel runs (SPEC §11).
+    """
+    config = resolve_config(config, overrides)
+    check_logits(logits)
+    device = logits.device
+    token_shape = tuple(logits.shape[:-1])
+    V = logits.shape[-1]
+    check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
+    _check_per_token(
+        token_shape, device, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+    )
+    if cu_seqlens is not None and logits.dim() == 3:
+        raise ValueError("cu_seqlens: must be None with padded [B, T, V] logits; pass [N, V] logits to pack sequences")
+    check_cu_seqlens(cu_seqlens, token_shape, device)
+    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
+
+    flat_labels = labels.reshape(-1)
+    in_mask = response_mask.reshape(-1).bool()
+    N = flat_labels.numel()
+    if config.validate:
+        value_checks(
+            valid=in_mask, labels=flat_labels, vocab=V, ignore_index=ignore_index, cu_seqlens=cu_seqlens,
+            num_tokens=N, finite=[("advantages", advantages.reshape(-1))],
+            not_nan=[(n, None if x is None else x.reshape(-1)) for n, x in
+                     (("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs), ("ref_logprobs", ref_logprobs))],
+        )
+    # m: the response mask minus ignored tokens and (with validate=False) out-of-range labels, which
+    # are treated as masked so that nothing is ever read out of bounds.
+    mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
+    row_labels = torch.where(mask, flat_labels.long(), torch.full_like(flat_labels, -1, dtype=torch.long))
+
+    logits2d = logits.reshape(N, V)
+    backend = backends.select(config.backend, logits2d, config.chunk_rows)
+    params = TokenStatsParams(backend, config.temperature, config.needs_entropy, False, config.inplace_backward)
+    lp, entropy, _ = TokenStatsFunction.apply(logits2d, row_labels, params)
+
+    seg = _segments(token_shape, cu_seqlens, device)
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    loss, stage, shape = _run_stage(
+        lp, entropy, flat(advantages), mask, flat(old_logprobs), flat(rollout_logprobs), flat(ref_logprobs),
+        seg, config, token_shape,
+    )
+    return PolicyLossOutput(
+        loss, shape(lp.detach()), shape(None if entropy is None else entropy.detach()), shape(stage.is_weights),
+        shape(stage.mask), stage.metrics,
+    )
+
+
+def policy_loss(
+    logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
+    old_logprobs: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, **overrides,
+) -> PolicyLossOutput:
+    """The same loss as `decoupled_ppo_loss` when log-probs (and entropy) come from elsewhere.
+
+    Args:
+        logprobs: [B, T] or [N] float current-policy log-probs of the sampled tokens (with autograd).
+        entropy: like logprobs, needed when entropy_coeff != 0 (with autograd).
+        The other arguments are those of `decoupled_ppo_loss`.
+    Returns:
+        PolicyLossOutput; `loss` is differentiable w.r.t. logprobs and entropy.
+    """
+    config = resolve_config(config, overrides)
+    check_tensor("logprobs", logprobs, kind="float")
+    if logprobs.dim() not in (1, 2):
+        raise ValueError(f"logprobs: expected [B, T] (padded) or [N] (packed), got shape {tuple(logprobs.shape)}")
+    device, token_shape = logprobs.device, tuple(logprobs.shape)
+    _check_per_token(
+        token_shape, device, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+    )
+    check_cu_seqlens(cu_seqlens, token_shape, device)
+    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
+    if config.entropy_coeff != 0 and entropy is None:
+        raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
+    mask = response_mask.reshape(-1).bool()
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    if config.validate:
+        value_checks(
+            valid=mask, cu_seqlens=cu_seqlens, num_tokens=mask.numel(), finite=[("advantages", flat(advantages))],
+            not_nan=[("logprobs", flat(logprobs)), ("old_logprobs", flat(old_logprobs)),
+                     ("rollout_logprobs", flat(rollout_logprobs)), ("ref_logprobs", flat(ref_logprobs))],
+        )
+    dt = _stat_dtype(logprobs.dtype)
+    lp = flat(logprobs)
+    ent = flat(entropy)
+    seg = _segments(token_shape, cu_seqlens, device)
+    stage_lp = lp.detach().to(dt)
+    stage = sequence_stage(
+        stage_lp, None if ent is None else ent.detach().to(dt), flat(advantages), mask,
+        flat(old_logprobs), flat(rollout_logprobs), flat(ref_logprobs), seg, config,
+    )
+    loss = CoefficientLossFunction.apply(stage.loss, lp, ent, stage.coef_logprob, stage.coef_entropy)
+    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
+    return PolicyLossOutput(
+        loss, shape(torch.where(mask, stage_lp, torch.zeros_like(stage_lp))),
+        shape(None if ent is None else ent.detach().to(dt)), shape(stage.is_weights), shape(stage.mask), stage.metrics,
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
+    compute_sum_pi_squared: bool = False, ignore_index: int = -100, backend: str = "auto", validate: bool = True,
+    inplace_backward: bool = False,
+) -> TokenStats:
+    """Per-token log-prob of `labels` under softmax(logits / T), with entropy and sum p^2 (SPEC §2).
+
+    Args:
+        logits: [..., V] float; labels: [...] integer (`ignore_index` rows give 0 and no gradient).
+    Returns:
+        TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
+        to logits from logprobs and entropy.
+    """
+    check_logits(logits, allow_any_rank=True)
+    token_shape = tuple(logits.shape[:-1])
+    V = logits.shape[-1]
+    check_tensor("labels", labels, kind="int", shape=token_shape, device=logits.device)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
+    if backend not in ("auto", "torch", "triton", "cuda"):
+        raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cuda', got {backend!r}")
+    flat_labels = labels.reshape(-1)
+    N = flat_labels.numel()
+    if validate:
+        value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index)
+    keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
+    row_labels = torch.where(keep, flat_labels.long(), torch.full_like(flat_labels, -1, dtype=torch.long))
+    logits2d = logits.reshape(N, V)
+    params = TokenStatsParams(
+        backends.select(backend, logits2d), float(temperature), compute_entropy, compute_sum_pi_squared,
+        inplace_backward,
+    )
+    lp, entropy, sum_pi_squared = TokenStatsFunction.apply(logits2d, row_labels, params)
+    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
+    return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))
+
+
+def rollout_correction(
+    train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
+    cu_seqlens: Optional[torch.Tensor] = None, config: RolloutCorrection, validate: bool = True,
+) -> CorrectionOutput:
+    """IS weights (SPEC §4), rejection mask (§5) and rollout_corr/* metrics (§8), without a loss.
+
+    Args:
+        train_logprobs: [B, T] / [N] log-probs of the training policy (ℓold in decoupled mode).
+        rollout_logprobs: same shape, from the inference engine.
+        response_mask: same shape, bool or 0/1.
+        config: a RolloutCorrection.
+    Returns:
+        CorrectionOutput(weights or None, mask, metrics); nothing carries autograd.
+    """
+    if not isinstance(config, RolloutCorrection):
+        raise TypeError(f"config: expected a RolloutCorrection, got {type(config).__name__}")
+    check_tensor("train_logprobs", train_logprobs, kind="float")
+    if train_logprobs.dim() not in (1, 2):
+        raise ValueError(f"train_logprobs: expected [B, T] or [N], got shape {tuple(train_logprobs.shape)}")
+    device, token_shape = train_logprobs.device, tuple(train_logprobs.shape)
+    _check_per_token(token_shape, device, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    check_cu_seqlens(cu_seqlens, token_shape, device)
+    mask = response_mask.reshape(-1).bool()
+    tr, ro = train_logprobs.reshape(-1), rollout_logprobs.reshape(-1)
+    if validate:
+        value_checks(valid=mask, cu_seqlens=cu_seqlens, num_tokens=mask.numel(),
+                     not_nan=[("train_logprobs", tr), ("rollout_logprobs", ro)])
+    dt = _stat_dtype(train_logprobs.dtype)
+    zero = torch.zeros((), dtype=dt, device=device)
+    tr = torch.where(mask, tr.detach().to(dt), zero)
+    ro = torch.where(mask, ro.detach().to(dt), zero)
+    seg = _segments(token_shape, cu_seqlens, device)
+    delta = tr - ro
+    weights = correction.is_weights(delta, mask, seg, config) if config.is_level is not None else None
+    final_mask, metrics = mask, {}
+    if config.rs:
+        final_mask, metrics = correction.rejection(delta, mask, seg, config)
+    metrics.update(correction.offpolicy_metrics(tr, ro, mask, seg, config, weights))
+    return CorrectionOutput(
+        None if weights is None else weights.weights.reshape(token_shape), final_mask.reshape(token_shape), metrics
+    )
+
+
+def metrics_to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """Device metrics -> Python floats for loggers, with one host synchronisation for all of them."""
+    if not metrics:
+        return {}
+    names = list(metrics)
+    values = torch.stack([metrics[n].detach().reshape(()).to(torch.float64) for n in names]).cpu().tolist()
+    return dict(zip(names, values))

@@ -1,0 +1,322 @@
+"""Frozen option objects: `PolicyLossConfig`, `RolloutCorrection` and the SPEC §5 presets.
+
+Every field is checked in ``__post_init__`` so a bad configuration fails where it is written, not
+deep inside a training step. Thresholds are plain Python floats: they reach kernels as run-time
+arguments and never force a recompilation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional, Tuple, Union
+
+# Option names of SPEC §5. k1 options take ratio bounds (lo, hi); k2/k3 options an upper bound.
+TOKEN_RS_OPTIONS = ("token_k1", "token_k2", "token_k3")
+SEQ_RS_OPTIONS = (
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+RS_OPTIONS = TOKEN_RS_OPTIONS + SEQ_RS_OPTIONS
+IS_LEVELS = (None, "token", "sequence")
+LOSS_TYPES = ("ppo_clip", "reinforce")
+LOSS_AGG_MODES = (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+)
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+BACKENDS = ("auto", "torch", "triton", "cuda")
+
+Threshold = Union[float, Tuple[float, float]]
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_finite_positive(name: str, value, *, allow_zero: bool = False) -> float:
+    if not _is_number(value):
+        raise TypeError(f"{name}: expected a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    ok = value >= 0 if allow_zero else value > 0
+    if not (ok and math.isfinite(value)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
+    return value
+
+
+def _ratio_bounds(name: str, value) -> Tuple[float, float]:
+    """A k1 / IcePop bound: (lo, hi) with 0 < lo <= hi, or a single hi meaning (1/hi, hi)."""
+    if _is_number(value):
+        hi = _check_finite_positive(name, value)
+        if hi < 1.0:
+            raise ValueError(f"{name}: a single ratio bound hi means (1/hi, hi) and needs hi >= 1, got {hi!r}")
+        return (1.0 / hi, hi)
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        lo = _check_finite_positive(f"{name}[0] (lo)", value[0])
+        hi = _check_finite_positive(f"{name}[1] (hi)", value[1])
+        if lo > hi:
+            raise ValueError(f"{name}: expected lo <= hi, got lo={lo!r} > hi={hi!r}")
+        return (lo, hi)
+    raise TypeError(f"{name}: expected a number or a (lo, hi) pair, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """Importance weights (SPEC §4) and rejection masks (SPEC §5) against the rollout policy.
+
+    Args:
+        is_level: None (no weights), "token" or "sequence".
+        is_threshold: C > 0 for truncated IS, w = min(raw, C); or (lo, hi) for IcePop, w = raw inside
+            [lo, hi] and 0 outside (the mask is not changed).
+        is_batch_normalize: divide the weights by their batch mean (skipped if that mean <= 1e-8).
+        rs: rejection options, a mapping ``{option: threshold}`` (or a sequence of pairs). k1 options
+            take ratio bounds (lo, hi) or a single hi meaning (1/hi, hi) and keep lo <= rho <= hi;
+            k2/k3 options take an upper bound u and keep stat <= u. Options combine by logical AND.
+    """
+
+    is_level: Optional[str] = None
+    is_threshold: Threshold = 2.0
+    is_batch_normalize: bool = False
+    rs: Tuple[Tuple[str, Threshold], ...] = field(default=())
+
+    def __post_init__(self):
+        if self.is_level not in IS_LEVELS:
+            raise ValueError(f"is_level: expected one of {IS_LEVELS}, got {self.is_level!r}")
+        if _is_number(self.is_threshold):
+            threshold: Threshold = _check_finite_positive("is_threshold", self.is_threshold)
+        else:
+            threshold = _ratio_bounds("is_threshold", self.is_threshold)
+        object.__setattr__(self, "is_threshold", threshold)
+        if not isinstance(self.is_batch_normalize, bool):
+            raise TypeError(f"is_batch_normalize: expected a bool, got {self.is_batch_normalize!r}")
+        pairs = self.rs.items() if isinstance(self.rs, Mapping) else self.rs
+        normalized = []
+        seen = set()
+        for item in pairs:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise TypeError(f"rs: expected {{option: threshold}} or (option, threshold) pairs, got {item!r}")
+            option, bound = item
+            if option not in RS_OPTIONS:
+                raise ValueError(f"rs: unknown option {option!r}; expected one of {RS_OPTIONS}")
+            if option in seen:
+                raise ValueError(f"rs: option {option!r} given twice")
+            seen.add(option)
+            name = f"rs[{option!r}]"
+            if option.endswith("k1"):
+                normalized.append((option, _ratio_bounds(name, bound)))
+            else:
+                if not _is_number(bound):
+                    raise TypeError(f"{name}: {option} takes one upper bound u (keep stat <= u), got {bound!r}")
+                normalized.append((option, _check_finite_positive(name, bound)))
+        object.__setattr__(self, "rs", tuple(normalized))
+
+    # -- derived views ---------------------------------------------------------------------------
+    @property
+    def is_icepop(self) -> bool:
+        return isinstance(self.is_threshold, tuple)
+
+    @property
+    def is_bounds(self) -> Tuple[float, float]:
+        """(lo, hi) used by the diagnostics: IcePop's bounds, or (1/C, C) for truncated IS."""
+        if self.is_icepop:
+            return self.is_threshold  # type: ignore[return-value]
+        return (1.0 / self.is_threshold, self.is_threshold)  # type: ignore[operator]
+
+    @property
+    def enabled(self) -> bool:
+        return self.is_level is not None or bool(self.rs)
+
+    # -- presets of SPEC §5; keyword arguments override the preset's values ------------------------
+    @classmethod
+    def token_tis(cls, threshold: float = 2.0, **kw) -> "RolloutCorrection":
+        return cls(**{"is_level": "token", "is_threshold": threshold, **kw})
+
+    @classmethod
+    def seq_tis(cls, threshold: float = 2.0, **kw) -> "RolloutCorrection":
+        return cls(**{"is_level": "sequence", "is_threshold": threshold, **kw})
+
+    @classmethod
+    def seq_mis(cls, threshold: float = 2.0, bounds: Threshold = (0.5, 2.0), **kw) -> "RolloutCorrection":
+        return cls(**{"is_level": "sequence", "is_threshold": threshold, "rs": {"seq_sum_k1": bounds}, **kw})
+
+    @classmethod
+    def geo_rs(cls, bounds: Threshold = (0.999, 1.001), **kw) -> "RolloutCorrection":
+        return cls(**{"rs": {"seq_mean_k1": bounds}, **kw})
+
+    @classmethod
+    def geo_rs_token_tis(
+        cls, bounds: Threshold = (0.999, 1.001), threshold: float = 2.0, **kw
+    ) -> "RolloutCorrection":
+        return cls(**{"is_level": "token", "is_threshold": threshold, "rs": {"seq_mean_k1": bounds}, **kw})
+
+    @classmethod
+    def k3_rs(cls, threshold: float = 0.01, **kw) -> "RolloutCorrection":
+        return cls(**{"rs": {"seq_mean_k3": threshold}, **kw})
+
+    @classmethod
+    def icepop(cls, bounds: Tuple[float, float] = (0.5, 5.0), **kw) -> "RolloutCorrection":
+        return cls(**{"is_level": "token", "is_threshold": tuple(bounds), **kw})
+
+    @classmethod
+    def from_verl(
+        cls,
+        rollout_is: Optional[str] = None,
+        rollout_is_threshold: Union[float, str, None] = 2.0,
+        rollout_rs: Optional[str] = None,
+        rollout_rs_threshold: Union[float, str, None] = None,
+        rollout_is_batch_normalize: bool = False,
+    ) -> "RolloutCorrection":
+        """Build from verl's ``algorithm.rollout_correction`` strings.
+
+        ``rollout_is_threshold`` is a float C or "lo_hi" (IcePop); ``rollout_rs`` is a comma list
+        ("seq_mean_k1,token_k3") and ``rollout_rs_threshold`` one spec shared by all options or one per
+        option ("0.999_1.001,0.01"). k1 bounds keep lo <= rho <= hi as verl's docs state (verl's code
+        keeps 1/hi <= rho <= 1/lo; the two agree for symmetric bounds such as (1/h, h)).
+        """
+        if rollout_is in ("", "none", "None"):
+            rollout_is = None
+        is_threshold: Threshold = 2.0
+        if rollout_is is not None and rollout_is_threshold is not None:
+            is_threshold = _parse_verl_bound("rollout_is_threshold", rollout_is_threshold)
+        rs: Tuple[Tuple[str, Threshold], ...] = ()
+        if rollout_rs not in (None, "", "none", "None"):
+            options = [o.strip() for o in str(rollout_rs).split(",") if o.strip()]
+            if rollout_rs_threshold is None:
+                raise ValueError("rollout_rs_threshold: required when rollout_rs is set")
+            specs = (
+                [rollout_rs_threshold]
+                if _is_number(rollout_rs_threshold)
+                else [s.strip() for s in str(rollout_rs_threshold).split(",") if s.strip()]
+            )
+            if len(specs) == 1:
+                specs = specs * len(options)
+            if len(specs) != len(options):
+                raise ValueError(
+                    f"rollout_rs_threshold: expected 1 or {len(options)} comma-separated thresholds "
+                    f"for rollout_rs={rollout_rs!r}, got {rollout_rs_threshold!r}"
+                )
+            rs = tuple(
+                (opt, _parse_verl_bound(f"rollout_rs_threshold ({opt})", spec)) for opt, spec in zip(options, specs)
+            )
+        return cls(
+            is_level=rollout_is, is_threshold=is_threshold, is_batch_normalize=rollout_is_batch_normalize, rs=rs
+        )
+
+
+def _parse_verl_bound(name: str, spec) -> Threshold:
+    if _is_number(spec):
+        return float(spec)
+    if isinstance(spec, str):
+        text = spec.strip()
+        try:
+            if "_" in text:
+                lo, hi = text.split("_", 1)
+                return (float(lo), float(hi))
+            return float(text)
+        except ValueError:
+            pass
+    raise ValueError(f"{name}: expected a number or a 'lo_hi' string, got {spec!r}")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Options of the decoupled PPO / REINFORCE loss (SPEC §6-§7).
+
+    Args:
+        loss_type: "ppo_clip" (default) or "reinforce" (bypass mode only).
+        clip_ratio_low, clip_ratio_high: eps_lo, eps_hi of the clip range (1 - eps_lo, 1 + eps_hi).
+        clip_ratio_c: dual-clip constant c > 1 (default 3.0), or None to disable dual clip.
+        loss_agg_mode: one of token-mean (default), token-sum, seq-mean-token-sum,
+            seq-mean-token-mean, seq-mean-token-sum-norm.
+        loss_scale_factor: K for seq-mean-token-sum-norm (default: padded width T, or the longest
+            packed sequence).
+        global_num_tokens, global_num_seqs: denominators to use instead of the local counts (for
+            data-parallel training where every rank must divide by the global count).
+        temperature: T > 0; log-probs are those of softmax(logits / T).
+        entropy_coeff: weight of the entropy bonus (Loss -= entropy_coeff * agg(H)).
+        compute_entropy: return per-token entropy even when entropy_coeff == 0.
+        kl_coef, kl_type: KL penalty beta * agg(KL) against ref_logprobs; kl_type k1, k2, k3
+            ("low_var_kl" is an alias of k3).
+        rollout_correction: a `RolloutCorrection` or None.
+        backend: "auto", "torch", "triton" or "cuda".
+        validate: run the value checks of SPEC §11 (one device sync). False for sync-free steps.
+        chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
+        inplace_backward: let fused backends write dlogits into the logits' storage.
+    """
+
+    loss_type: str = "ppo_clip"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = 3.0
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    global_num_tokens: Optional[float] = None
+    global_num_seqs: Optional[float] = None
+    temperature: float = 1.0
+    entropy_coeff: float = 0.0
+    compute_entropy: bool = False
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    rollout_correction: Optional[RolloutCorrection] = None
+    backend: str = "auto"
+    validate: bool = True
+    chunk_rows: Optional[int] = None
+    inplace_backward: bool = False
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
+        object.__setattr__(self, "clip_ratio_low", _check_finite_positive("clip_ratio_low", self.clip_ratio_low, allow_zero=True))
+        object.__setattr__(self, "clip_ratio_high", _check_finite_positive("clip_ratio_high", self.clip_ratio_high, allow_zero=True))
+        if self.clip_ratio_low >= 1.0:
+            raise ValueError(f"clip_ratio_low: expected eps_lo < 1 so that 1 - eps_lo > 0, got {self.clip_ratio_low!r}")
+        if self.clip_ratio_c is not None:
+            c = _check_finite_positive("clip_ratio_c", self.clip_ratio_c)
+            if c <= 1.0:
+                raise ValueError(f"clip_ratio_c: expected c > 1 (or None to disable dual clip), got {c!r}")
+            object.__setattr__(self, "clip_ratio_c", c)
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode: expected one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        for name in ("loss_scale_factor", "global_num_tokens", "global_num_seqs"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _check_finite_positive(name, value))
+        object.__setattr__(self, "temperature", _check_finite_positive("temperature", self.temperature))
+        if not _is_number(self.entropy_coeff) or not math.isfinite(self.entropy_coeff):
+            raise ValueError(f"entropy_coeff: expected a finite number, got {self.entropy_coeff!r}")
+        object.__setattr__(self, "entropy_coeff", float(self.entropy_coeff))
+        object.__setattr__(self, "kl_coef", _check_finite_positive("kl_coef", self.kl_coef, allow_zero=True))
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type: expected one of {KL_TYPES}, got {self.kl_type!r}")
+        if self.kl_type == "low_var_kl":
+            object.__setattr__(self, "kl_type", "k3")
+        if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
+            raise TypeError(
+                f"rollout_correction: expected a RolloutCorrection or None, got {type(self.rollout_correction).__name__}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
+        for name in ("compute_entropy", "validate", "inplace_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
+            raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.compute_entropy or self.entropy_coeff != 0.0
+
+    def with_overrides(self, **overrides) -> "PolicyLossConfig":
+        unknown = set(overrides) - set(self.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown PolicyLossConfig field(s): {sorted(unknown)}")
+        return replace(self, **overrides) if overrides else self
+
+
+def resolve_config(config: Optional[PolicyLossConfig], overrides: dict) -> PolicyLossConfig:
+    if config is None:
+        config = PolicyLossConfig()
+    elif not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"config: expected a PolicyLossConfig or None, got {type(config).__name__}")
+    return config.with_overrides(**overrides)

@@ -1,0 +1,179 @@
+"""SPEC §4 (IS weights), §5 (rejection masks) and the rollout_corr/* diagnostics of §8, unfused.
+
+Everything here is float64 and loops over sequences in Python, so that each line can be checked
+against the spec. Inputs are flat [N] tensors; `seqs` lists each sequence's token indices.
+"""
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .sequences import masked_mean, mean_or_zero
+
+CLAMP = 20.0  # SPEC §4 safety clamp before any exp
+
+
+def _zero(device):
+    return torch.zeros((), dtype=torch.float64, device=device)
+
+
+def is_weights(delta, mask, seqs: List[torch.Tensor], rc):
+    """SPEC §4. Returns (w, truncated, norm_factor): the applied weights (0 off the mask), the weights
+    before batch normalisation, and the mean they were divided by (1 when normalisation is off or
+    skipped)."""
+    device = delta.device
+    delta_hat = delta.clamp(-CLAMP, CLAMP)
+    if rc.is_level == "token":
+        raw = torch.exp(delta_hat)
+    else:
+        raw = torch.zeros_like(delta)
+        for idx in seqs:
+            S = torch.where(mask[idx], delta[idx], torch.zeros_like(delta[idx])).sum()
+            raw[idx] = torch.exp(S.clamp(-CLAMP, CLAMP))
+    if rc.is_icepop:
+        lo, hi = rc.is_threshold
+        w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
+    else:
+        w = torch.minimum(raw, torch.full_like(raw, rc.is_threshold))
+    w = torch.where(mask, w, torch.zeros_like(w))
+    factor = torch.ones((), dtype=torch.float64, device=device)
+    if rc.is_batch_normalize:
+        if rc.is_level == "token":
+            mean = masked_mean(w, mask)
+        else:  # one weight per non-empty sequence
+            mean = mean_or_zero([w[idx][mask[idx]][0] for idx in seqs if mask[idx].any()], device)
+        if mean > 1e-8:
+            factor = mean
+    return w / factor, w, factor
+
+
+def _k_stats(delta_hat):
+    k1 = -delta_hat
+    k2 = 0.5 * delta_hat**2
+    k3 = torch.exp(delta_hat) - 1 - delta_hat
+    return {"k1": k1, "k2": k2, "k3": k3}
+
+
+def rejection(delta, mask, seqs, rc):
+    """SPEC §5. Returns (new_mask, per-option info for the metrics)."""
+    delta_hat = delta.clamp(-CLAMP, CLAMP)
+    stats = _k_stats(delta_hat)
+    keep_all = mask.clone()
+    info = {}
+    for option, bound in rc.rs:
+        kind = option.split("_")[-1]
+        k = stats[kind]
+        if option.startswith("token_"):
+            stat = k
+            if kind == "k1":
+                lo, hi = bound
+                # keep lo <= rho <= hi with rho = exp(-k1), compared in log space
+                keep = (-stat >= math.log(lo)) & (-stat <= math.log(hi))
+            else:
+                keep = stat <= bound
+            values = stat[mask]
+        else:
+            keep = torch.ones_like(mask)
+            values = []
+            for idx in seqs:
+                m = mask[idx]
+                km = k[idx][m]
+                if option.startswith("seq_sum_"):
+                    s = km.sum()
+                elif option.startswith("seq_mean_"):
+                    s = km.mean() if m.any() else _zero(delta.device)
+                else:  # seq_max_
+                    s = km.max() if m.any() else _zero(delta.device)
+                if kind == "k1":
+                    lo, hi = bound
+                    ok = bool((-s >= math.log(lo)) & (-s <= math.log(hi)))
+                else:
+                    ok = bool(s <= bound)
+                keep[idx] = ok
+                if m.any():
+                    values.append(s)
+            values = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=delta.device)
+        option_keep = keep & mask
+        info[option] = {
+            "values": values,
+            "masked_fraction": masked_mean((mask & ~option_keep).double(), mask),
+        }
+        keep_all = keep_all & keep
+    return keep_all, info
+
+
+def diagnostics(train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, new_mask=None, rs_info=None) -> Dict[str, torch.Tensor]:
+    """The rollout_corr/* metrics of SPEC §8, on the original mask.
+
+    `w` are the IS weights before batch normalisation (what verl reports as well)."""
+    device = train_lp.device
+    delta = torch.where(mask, train_lp - rollout_lp, torch.zeros_like(train_lp))
+    delta_hat = delta.clamp(-CLAMP, CLAMP)
+    out = {}
+    out["kl"] = masked_mean(rollout_lp - train_lp, mask)
+    out["k3_kl"] = masked_mean(torch.exp(delta_hat) - delta_hat - 1, mask)
+    # chi2 = E[rho^2] - 1, written as E[rho^2 - 1] so that an empty batch gives 0, not -1
+    out["chi2_token"] = masked_mean(torch.exp(2 * delta_hat) - 1, mask)
+    out["tv_token"] = masked_mean(0.5 * (torch.exp(delta_hat) - 1).abs(), mask)
+
+    chi2_seq, tr_ppl, ro_ppl, tr_log_ppl, ro_log_ppl, diffs = [], [], [], [], [], []
+    for idx in seqs:
+        m = mask[idx]
+        if not m.any():
+            continue
+        S = delta[idx][m].sum()
+        chi2_seq.append(torch.exp(2 * S.clamp(-CLAMP, CLAMP)) - 1)
+        mean_tr = train_lp[idx][m].mean()
+        mean_ro = rollout_lp[idx][m].mean()
+        tr_ppl.append(torch.exp(-mean_tr))
+        ro_ppl.append(torch.exp(-mean_ro))
+        tr_log_ppl.append(-mean_tr)
+        ro_log_ppl.append(-mean_ro)
+        diffs.append(mean_ro - mean_tr)
+    out["chi2_seq"] = mean_or_zero(chi2_seq, device)
+    out["c_star"] = torch.sqrt(2 * (1 + out["chi2_seq"]))
+    out["training_ppl"] = mean_or_zero(tr_ppl, device)
+    out["rollout_ppl"] = mean_or_zero(ro_ppl, device)
+    out["training_log_ppl"] = mean_or_zero(tr_log_ppl, device)
+    out["rollout_log_ppl"] = mean_or_zero(ro_log_ppl, device)
+    out["log_ppl_diff"] = mean_or_zero(diffs, device)
+    out["log_ppl_abs_diff"] = mean_or_zero([d.abs() for d in diffs], device)
+    out["log_ppl_diff_max"] = torch.stack(diffs).max() if diffs else _zero(device)
+    out["log_ppl_diff_min"] = torch.stack(diffs).min() if diffs else _zero(device)
+    out["ppl_ratio"] = mean_or_zero([torch.exp(d) for d in diffs], device)
+
+    if rc is not None and rc.is_level is not None:
+        lo, hi = rc.is_bounds
+        out["rollout_is_mean"] = masked_mean(w, mask)
+        x = w.clamp(0, hi)
+        mean_x = masked_mean(x, mask)
+        out["rollout_is_std"] = torch.sqrt(torch.clamp(masked_mean(x * x, mask) - mean_x**2, min=0))
+        out["rollout_is_min"] = w[mask].min() if mask.any() else _zero(device)
+        out["rollout_is_max"] = w[mask].max() if mask.any() else _zero(device)
+        if rc.is_level == "token":
+            out["rollout_is_ratio_fraction_high"] = masked_mean((delta_hat > math.log(hi)).double(), mask)
+            out["rollout_is_ratio_fraction_low"] = masked_mean((delta_hat < math.log(lo)).double(), mask)
+        else:
+            sums = [delta[idx][mask[idx]].sum().clamp(-CLAMP, CLAMP) for idx in seqs if mask[idx].any()]
+            out["rollout_is_ratio_fraction_high"] = mean_or_zero([(s > math.log(hi)).double() for s in sums], device)
+            out["rollout_is_ratio_fraction_low"] = mean_or_zero([(s < math.log(lo)).double() for s in sums], device)
+        # ESS = 1 / mean(x~^2), x~ = x / mean(x); 0 when every weight is 0 or nothing is valid
+        if mean_x > 0:
+            out["rollout_is_eff_sample_size"] = 1.0 / masked_mean((x / mean_x) ** 2, mask)
+        else:
+            out["rollout_is_eff_sample_size"] = _zero(device)
+        if rc.is_batch_normalize:
+            out["rollout_is_batch_norm_factor"] = norm_factor
+
+    if rc is not None and rc.rs:
+        out["rollout_rs_masked_fraction"] = masked_mean((mask & ~new_mask).double(), mask)
+        rejected = [(mask[idx] & ~new_mask[idx]).any().double() for idx in seqs if mask[idx].any()]
+        out["rollout_rs_seq_masked_fraction"] = mean_or_zero(rejected, device)
+        for option, info in rs_info.items():
+            v = info["values"]
+            out[f"rollout_rs_{option}_mean"] = v.mean() if v.numel() else _zero(device)
+            out[f"rollout_rs_{option}_max"] = v.max() if v.numel() else _zero(device)
+            out[f"rollout_rs_{option}_min"] = v.min() if v.numel() else _zero(device)
+            out[f"rollout_rs_{option}_masked_fraction"] = info["masked_fraction"]
+    return {f"rollout_corr/{k}": v for k, v in out.items()}

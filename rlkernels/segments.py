@@ -1,0 +1,68 @@
+"""The sequence structure of a flat [N] token axis (SPEC §3), with segmented reductions.
+
+Both layouts become one: padded [B, T] is B segments of T tokens, packed [N] is the segments of
+`cu_seqlens`. Every reduction is a fixed-order torch op (no host sync, nothing data-dependent in
+shapes), so the per-sequence stage never synchronises the device.
+"""
+
+from typing import Optional, Union
+
+import torch
+
+
+class Segments:
+    def __init__(self, seq_id: torch.Tensor, num_seqs: int, width: Union[int, torch.Tensor], padded_T: Optional[int]):
+        self.seq_id = seq_id  # [N] int64, the sequence of each token
+        self.num_seqs = num_seqs  # S, known from shapes alone
+        self.width = width  # K default of seq-mean-token-sum-norm: T, or the longest packed sequence
+        self._T = padded_T
+
+    @classmethod
+    def padded(cls, B: int, T: int, device) -> "Segments":
+        seq_id = torch.arange(B, device=device).repeat_interleave(T)
+        return cls(seq_id, B, T, T)
+
+    @classmethod
+    def packed(cls, cu_seqlens: Optional[torch.Tensor], N: int, device) -> "Segments":
+        if cu_seqlens is None:  # [N, V] without cu_seqlens: one sequence
+            return cls(torch.zeros(N, dtype=torch.long, device=device), 1, N, None)
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        S = cu.numel() - 1
+        seq_id = torch.searchsorted(cu[1:], torch.arange(N, device=device), right=True)
+        width = (cu[1:] - cu[:-1]).max() if S > 0 else torch.zeros((), dtype=torch.long, device=device)
+        return cls(seq_id, S, width, None)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """[N] -> [S] sums (callers zero the masked tokens first)."""
+        if self._T is not None:  # padded: a fixed-order row sum
+            return x.view(self.num_seqs, self._T).sum(1)
+        return x.new_zeros(self.num_seqs).index_add_(0, self.seq_id, x)
+
+    def max(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[N] -> [S] max over masked-in tokens; an empty sequence has max 0 (SPEC §5)."""
+        filled = torch.where(mask, x, torch.full_like(x, float("-inf")))
+        if self._T is not None:
+            out = filled.view(self.num_seqs, self._T).amax(1) if self._T > 0 else x.new_full((self.num_seqs,), float("-inf"))
+        else:
+            out = x.new_full((self.num_seqs,), float("-inf")).scatter_reduce_(0, self.seq_id, filled, "amax")
+        return torch.where(self.sum(mask.to(x.dtype)) > 0, out, torch.zeros_like(out))
+
+    def expand(self, per_seq: torch.Tensor) -> torch.Tensor:
+        """[S] -> [N]: each token gets its sequence's value."""
+        return per_seq.index_select(0, self.seq_id)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x where mask is set; 0 over an empty set (SPEC §8). Values off the mask may be NaN."""
+    total = torch.where(mask, x, torch.zeros_like(x)).sum()
+    return total / mask.sum().clamp_min(1).to(x.dtype)
+
+
+def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Max (or min) of x where mask is set; 0 over an empty set."""
+    fill = float("-inf") if largest else float("inf")
+    filled = torch.where(mask, x, torch.full_like(x, fill))
+    if filled.numel() == 0:
+        return x.new_zeros(())
+    out = filled.max() if largest else filled.min()
+    return torch.where(mask.any(), out, torch.zeros_like(out))

@@ -1,0 +1,115 @@
+"""Input checks of SPEC §11. One message format: `<argument>: expected <what>, got <what>`.
+
+Structural checks (type, dtype, rank, shape, device) are free and always run. Value checks (label
+range, cu_seqlens contents, NaN/inf) need to look at device memory: they are gathered into one flag
+tensor and read with a single host sync, and `validate=False` skips them for sync-free steps.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
+    return f"{type(x).__name__}"
+
+
+def check_tensor(name: str, x, *, kind: str, shape: Optional[Tuple[int, ...]] = None, device=None) -> None:
+    """kind: 'float' (fp16/bf16/fp32/fp64), 'int' (any integer dtype), 'mask' (bool, int or float)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {_describe(x)}")
+    if kind == "float" and x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
+    if kind == "int" and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
+        raise TypeError(f"{name}: expected an integer dtype (int64 or int32), got {x.dtype}")
+    if kind == "mask" and x.dtype.is_complex:
+        raise TypeError(f"{name}: expected a bool, integer or float 0/1 mask, got {x.dtype}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of logits), got {x.device}")
+
+
+def check_logits(logits, *, allow_any_rank: bool = False) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor, got {_describe(logits)}")
+    if logits.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logits: expected float16, bfloat16, float32 or float64, got {logits.dtype}")
+    if allow_any_rank:
+        if logits.dim() < 1:
+            raise ValueError(f"logits: expected shape [..., V], got a 0-d tensor")
+    elif logits.dim() not in (2, 3):
+        raise ValueError(f"logits: expected [B, T, V] (padded) or [N, V] (packed), got shape {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected a vocabulary of at least 1 entry, got V = {logits.shape[-1]}")
+
+
+def check_cu_seqlens(cu_seqlens, token_shape: Tuple[int, ...], device) -> None:
+    if cu_seqlens is None:
+        return
+    if len(token_shape) != 1:
+        raise ValueError(
+            f"cu_seqlens: only valid with the packed layout ([N, V] logits, [N] per-token tensors); "
+            f"got per-token shape {tuple(token_shape)} — pass cu_seqlens=None for padded [B, T, V] inputs"
+        )
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected an int32/int64 torch.Tensor, got {_describe(cu_seqlens)}")
+    if cu_seqlens.dtype not in INDEX_DTYPES:
+        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor [S + 1] with S >= 0, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens: expected a tensor on {device} (the device of logits), got {cu_seqlens.device}")
+
+
+class ValueChecks:
+    """Collects device-side boolean failure flags and raises for the first one, with one sync."""
+
+    def __init__(self):
+        self._flags: List[torch.Tensor] = []
+        self._messages: List[str] = []
+
+    def add(self, failed: torch.Tensor, message: str) -> None:
+        self._flags.append(failed.reshape(()))
+        self._messages.append(message)
+
+    def run(self) -> None:
+        if not self._flags:
+            return
+        failed = torch.stack(self._flags).tolist()  # the one host synchronisation
+        for bad, message in zip(failed, self._messages):
+            if bad:
+                raise ValueError(message)
+
+
+def value_checks(
+    *, valid: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab: int = 0, ignore_index: int = -100,
+    cu_seqlens: Optional[torch.Tensor] = None, num_tokens: int = 0,
+    finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (), not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
+) -> None:
+    """Value checks of SPEC §11 on valid tokens only (padding may hold anything)."""
+    checks = ValueChecks()
+    if cu_seqlens is not None:
+        cu = cu_seqlens.long()
+        checks.add(cu[0] != 0, f"cu_seqlens: expected cu_seqlens[0] == 0")
+        if cu.numel() > 1:
+            checks.add((cu[1:] < cu[:-1]).any(), "cu_seqlens: expected non-decreasing offsets")
+        checks.add(cu[-1] != num_tokens, f"cu_seqlens: expected cu_seqlens[-1] == N = {num_tokens} (the number of rows)")
+    if labels is not None:
+        out_of_range = valid & (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+        checks.add(
+            out_of_range.any(),
+            f"labels: expected values in [0, {vocab}) or ignore_index={ignore_index} on tokens of the response mask",
+        )
+    for name, x in not_nan:
+        if x is not None:
+            checks.add((valid & torch.isnan(x)).any(), f"{name}: expected no NaN on tokens of the response mask")
+    for name, x in finite:
+        if x is not None:
+            checks.add((valid & ~torch.isfinite(x)).any(), f"{name}: expected finite values (no NaN/inf) on tokens of the response mask")
+    checks.run()

@@ -1,0 +1,43 @@
+"""rlkernels: fused GPU kernels for off-policy policy-gradient losses in LLM RL.
+
+A pure-Python install by default. The CUDA extension in csrc/ is built only when asked for
+(RLKERNELS_BUILD_CUDA=1) on a machine with a CUDA build of PyTorch and nvcc; see README.
+"""
+
+import os
+
+from setuptools import find_packages, setup
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("RLKERNELS_BUILD_CUDA") == "1":
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    ext_modules = [
+        CUDAExtension(
+            "rlkernels._C",
+            ["csrc/bindings.cpp", "csrc/token_stats.cu", "csrc/token_grad.cu"],
+            extra_compile_args={
+                "cxx": ["-O3"],
+                "nvcc": ["-O3", "--use_fast_math", "-lineinfo",
+                         "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+                         "-gencode=arch=compute_90,code=compute_90"],
+            },
+        )
+    ]
+    cmdclass = {"build_ext": BuildExtension}
+
+setup(
+    name="rlkernels",
+    version="0.1.0",
+    description="Fused kernels for decoupled PPO / rollout-correction losses in LLM RL",
+    packages=find_packages(include=["rlkernels", "rlkernels.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-xdist"],
+        "triton": ["triton>=3.2"],
+        "bench": ["matplotlib", "pytest-benchmark", "tqdm"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
