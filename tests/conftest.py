@@ -1,0 +1,29 @@
+"""Test-wide switches, markers and tolerances.
+
+Triton kernels run on the CPU through the interpreter: TRITON_INTERPRET must be set before any
+kernel module is imported, so it is set here, at collection, whenever no GPU is present.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# CI runs on 2 cores: hypothesis budgets are explicit per test; no deadline (first calls compile).
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("thorough", deadline=None, max_examples=500, suppress_health_check=list(HealthCheck))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+HAS_CUDA = torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; none on this machine")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none on this machine (run benchmarks/gpu_check.sh on one)"))
