@@ -30,7 +30,7 @@ class TokenStatsFunction(torch.autograd.Function):
         stats = params.backend.token_stats_fwd(
             logits, labels, params.temperature, params.compute_entropy, params.compute_sum_pi_squared
         )
-        ctx.save_for_backward(logits, labels, stats.lse, stats.entropy)
+        ctx.save_for_backward(logits, labels, stats.row_max, stats.log_norm, stats.entropy)
         ctx.params = params
         if stats.sum_pi_squared is not None:
             ctx.mark_non_differentiable(stats.sum_pi_squared)
@@ -38,12 +38,12 @@ class TokenStatsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, _grad_sum_pi_squared):
-        logits, labels, lse, entropy = ctx.saved_tensors
+        logits, labels, row_max, log_norm, entropy = ctx.saved_tensors
         params = ctx.params
         if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(lse)
+            grad_logprobs = torch.zeros_like(row_max)
         dlogits = params.backend.token_grad_bwd(
-            logits, labels, lse, entropy, grad_logprobs, grad_entropy if entropy is not None else None,
+            logits, labels, row_max, log_norm, entropy, grad_logprobs, grad_entropy if entropy is not None else None,
             params.temperature, params.inplace_backward,
         )
         if params.inplace_backward:

@@ -113,12 +113,13 @@ def offpolicy_metrics(
     mean_tr = seg.sum(train_lp) / lengths.clamp_min(1)
     mean_ro = seg.sum(rollout_lp) / lengths.clamp_min(1)
     diff = mean_ro - mean_tr
+    rho_seq_sq = torch.exp(2 * seg.sum(delta).clamp(-CLAMP, CLAMP))
     out = {
         "kl": masked_mean(-delta, mask),
         "k3_kl": masked_mean(rho - delta_hat - 1, mask),
         # chi2 = E[rho^2] - 1 written as E[rho^2 - 1]: equal, but 0 (not -1) on an empty batch
         "chi2_token": masked_mean(rho * rho - 1, mask),
-        "chi2_seq": masked_mean(torch.exp(2 * seg.sum(delta).clamp(-CLAMP, CLAMP)) - 1, nonempty),
+        "chi2_seq": masked_mean(rho_seq_sq - 1, nonempty),
         "tv_token": masked_mean(0.5 * (rho - 1).abs(), mask),
         "training_ppl": masked_mean(torch.exp(-mean_tr), nonempty),
         "rollout_ppl": masked_mean(torch.exp(-mean_ro), nonempty),
@@ -130,7 +131,9 @@ def offpolicy_metrics(
         "log_ppl_diff_min": masked_extreme(diff, nonempty, largest=False),
         "ppl_ratio": masked_mean(torch.exp(diff), nonempty),
     }
-    out["c_star"] = torch.sqrt(2 * (1 + out["chi2_seq"]))
+    # sqrt(2 (1 + chi2_seq)) taken as sqrt(2 E[rho_seq^2]): 1 + (E[rho^2] - 1) rounds to 0 in
+    # float32 when every rho_seq is tiny, E[rho^2] itself does not
+    out["c_star"] = torch.sqrt(2 * masked_mean(rho_seq_sq, nonempty))
     if rc is not None and rc.is_level is not None:
         lo, hi = rc.is_bounds
         w = weights.truncated

@@ -14,8 +14,14 @@ import torch
 
 
 class RowStats(NamedTuple):
-    lse: torch.Tensor  # [N] log-sum-exp of logits / T (saved for backward)
-    logprobs: torch.Tensor  # [N]
+    # The log-normaliser is kept as two parts, lse = row_max / T + log_norm, and never summed into
+    # one float32: at logits ~1e4 a float32 lse carries an absolute error of 2^-24 * 1e4 ~ 6e-4,
+    # which would become a 6e-4 relative error in every p of the backward. In two parts,
+    # z - row_max is exact for the entries that matter (Sterbenz) and is scaled by 1/T only after
+    # the subtraction, and log_norm lies in [0, log V].
+    row_max: torch.Tensor  # [N] max_v z_v, unscaled (0 for skipped rows and rows without a finite entry)
+    log_norm: torch.Tensor  # [N] log sum_v exp((z_v - row_max) / T)
+    logprobs: torch.Tensor  # [N] (z_y - row_max) / T - log_norm
     entropy: Optional[torch.Tensor]  # [N] or None
     sum_pi_squared: Optional[torch.Tensor]  # [N] or None
 
@@ -33,10 +39,13 @@ class Backend(Protocol):
         """One read of the logits: lse, logprob, and on request entropy and sum p^2 per row."""
 
     def token_grad_bwd(
-        self, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, entropy: Optional[torch.Tensor],
+        self, logits: torch.Tensor, labels: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
+        entropy: Optional[torch.Tensor],
         coef_logprob: torch.Tensor, coef_entropy: Optional[torch.Tensor], temperature: float, inplace: bool,
     ) -> torch.Tensor:
         """dlogits = (c*(onehot - p) + e*(-p*(log p + H))) / T in the logits dtype; one read, one write.
+
+        log p = (z - row_max) / T - log_norm, formed in that order (see RowStats).
 
         With `inplace` the result may be written into the logits' storage (the caller bumps the
         version counter)."""

@@ -117,13 +117,14 @@ def diagnostics(train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, 
     out["chi2_token"] = masked_mean(torch.exp(2 * delta_hat) - 1, mask)
     out["tv_token"] = masked_mean(0.5 * (torch.exp(delta_hat) - 1).abs(), mask)
 
-    chi2_seq, tr_ppl, ro_ppl, tr_log_ppl, ro_log_ppl, diffs = [], [], [], [], [], []
+    rho_seq_sq, chi2_seq, tr_ppl, ro_ppl, tr_log_ppl, ro_log_ppl, diffs = [], [], [], [], [], [], []
     for idx in seqs:
         m = mask[idx]
         if not m.any():
             continue
         S = delta[idx][m].sum()
-        chi2_seq.append(torch.exp(2 * S.clamp(-CLAMP, CLAMP)) - 1)
+        rho_seq_sq.append(torch.exp(2 * S.clamp(-CLAMP, CLAMP)))
+        chi2_seq.append(rho_seq_sq[-1] - 1)
         mean_tr = train_lp[idx][m].mean()
         mean_ro = rollout_lp[idx][m].mean()
         tr_ppl.append(torch.exp(-mean_tr))
@@ -132,7 +133,7 @@ def diagnostics(train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, 
         ro_log_ppl.append(-mean_ro)
         diffs.append(mean_ro - mean_tr)
     out["chi2_seq"] = mean_or_zero(chi2_seq, device)
-    out["c_star"] = torch.sqrt(2 * (1 + out["chi2_seq"]))
+    out["c_star"] = torch.sqrt(2 * mean_or_zero(rho_seq_sq, device))  # = sqrt(2 (1 + chi2_seq))
     out["training_ppl"] = mean_or_zero(tr_ppl, device)
     out["rollout_ppl"] = mean_or_zero(ro_ppl, device)
     out["training_log_ppl"] = mean_or_zero(tr_log_ppl, device)

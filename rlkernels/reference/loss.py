@@ -58,7 +58,7 @@ def aggregate(values, mask, seqs, mode, K, global_num_tokens=None, global_num_se
     total = sum((vm[idx].sum() for idx in nonempty), zero) / G
     if mode == "seq-mean-token-sum":
         return total
-    return total / K  # seq-mean-token-sum-norm
+    return total / K if K > 0 else zero  # seq-mean-token-sum-norm; K = 0 only for an empty packed batch
 
 
 def policy_loss(

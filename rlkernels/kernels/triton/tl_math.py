@@ -1,0 +1,71 @@
+"""Device helpers shared by the vocabulary kernels, and the one launch heuristic both passes use.
+
+The heuristic lives here (not in a kernel module) so that the forward and the backward, and their
+`aot_specs()`, enumerate the same table: CI compiles exactly the configurations a GPU run can pick.
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def safe_shift(m_i):
+    """The running max as an exp() shift: -inf (no finite entry seen yet) becomes 0.
+
+    Subtracting an infinite max would give (-inf) - (-inf) = NaN on rows (or row prefixes) whose
+    entries are all -inf; with shift 0 their exp() terms are exactly 0 and their lse stays -inf.
+    """
+    return tl.where(m_i == float("-inf"), 0.0, m_i)
+
+
+class VocabConfig(NamedTuple):
+    BLOCK_V: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+# (largest next_power_of_2(V) served, BLOCK_V, BLOCK_N, num_warps). Every tile holds 16 elements per
+# thread (BLOCK_N * BLOCK_V == 16 * 32 * num_warps): two 16-byte loads of bf16 and no spills. Small
+# vocabularies stack BLOCK_N rows per program so a program still moves >= 4 KiB; from 4096 up a row
+# is one program and the loop streams BLOCK_V-wide blocks (8192 elements, 16 warps for LLM vocabularies).
+VOCAB_TIERS: Tuple[Tuple[int, int, int, int], ...] = (
+    (64, 64, 32, 4),
+    (256, 256, 8, 4),
+    (1024, 1024, 2, 4),
+    (4096, 4096, 1, 8),
+    (1 << 62, 8192, 1, 16),
+)
+# The loop body has no dot, so there is nothing for software pipelining to overlap through shared
+# memory; one stage keeps SHARED at the reduction scratch only (checked in the AOT report).
+NUM_STAGES = 1
+
+
+def vocab_config(V: int, block_v: Optional[int] = None, block_n: Optional[int] = None) -> VocabConfig:
+    """The launch configuration for a vocabulary of V entries.
+
+    `block_v` / `block_n` are test hooks (e.g. BLOCK_V < V to exercise the multi-block loop); with
+    `block_v` given and `block_n` not, one row per program.
+    """
+    if block_v is None and block_n is None:
+        p2 = triton.next_power_of_2(max(int(V), 1))
+        for limit, bv, bn, warps in VOCAB_TIERS:
+            if p2 <= limit:
+                return VocabConfig(bv, bn, warps, NUM_STAGES)
+    bv = block_v if block_v is not None else min(triton.next_power_of_2(max(int(V), 1)), VOCAB_TIERS[-1][1])
+    bn = block_n if block_n is not None else 1
+    for x, name in ((bv, "block_v"), (bn, "block_n")):
+        if x < 1 or x & (x - 1):
+            raise ValueError(f"{name}: expected a power of two >= 1, got {x}")
+    warps = max(1, min(16, (bv * bn) // 512))
+    return VocabConfig(bv, bn, warps, NUM_STAGES)
+
+
+def all_vocab_configs() -> Tuple[VocabConfig, ...]:
+    """Every configuration `vocab_config` picks without test overrides (for `aot_specs()`)."""
+    return tuple(VocabConfig(bv, bn, warps, NUM_STAGES) for _, bv, bn, warps in VOCAB_TIERS)
+
+
+TRITON_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
