@@ -56,7 +56,7 @@ def _check_per_token(shape, device, **tensors) -> None:
 def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_logprobs) -> None:
     if config.loss_type == "reinforce" and old_logprobs is not None:
         raise ValueError(
-            "old_logprobs: loss_type='reinforce' is the bypass-mode loss (SPEC §6) and takes no old_logprobs; "
+            "old_logprobs: expected None with loss_type='reinforce' (the bypass-mode loss of SPEC §6); "
             "pass rollout_logprobs only, or use loss_type='ppo_clip'"
         )
     if config.kl_coef > 0 and ref_logprobs is None:

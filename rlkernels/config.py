@@ -50,7 +50,7 @@ def _ratio_bounds(name: str, value) -> Tuple[float, float]:
     if _is_number(value):
         hi = _check_finite_positive(name, value)
         if hi < 1.0:
-            raise ValueError(f"{name}: a single ratio bound hi means (1/hi, hi) and needs hi >= 1, got {hi!r}")
+            raise ValueError(f"{name}: expected hi >= 1 (a single ratio bound hi means (1/hi, hi)), got {hi!r}")
         return (1.0 / hi, hi)
     if isinstance(value, (tuple, list)) and len(value) == 2:
         lo = _check_finite_positive(f"{name}[0] (lo)", value[0])
@@ -107,7 +107,7 @@ class RolloutCorrection:
                 normalized.append((option, _ratio_bounds(name, bound)))
             else:
                 if not _is_number(bound):
-                    raise TypeError(f"{name}: {option} takes one upper bound u (keep stat <= u), got {bound!r}")
+                    raise TypeError(f"{name}: expected one upper bound u (keep stat <= u) for {option}, got {bound!r}")
                 normalized.append((option, _check_finite_positive(name, bound)))
         object.__setattr__(self, "rs", tuple(normalized))
 

@@ -139,9 +139,9 @@ def offpolicy_metrics(
         w = weights.truncated
         x = w.clamp(0, hi)
         mean_x = masked_mean(x, mask)
-        mean_x2 = masked_mean(x * x, mask)
         out["rollout_is_mean"] = masked_mean(w, mask)
-        out["rollout_is_std"] = torch.sqrt((mean_x2 - mean_x * mean_x).clamp_min(0))
+        # two-pass variance: E[x^2] - E[x]^2 cancels catastrophically in float32 when w ~ 1
+        out["rollout_is_std"] = torch.sqrt(masked_mean((x - mean_x) ** 2, mask))
         out["rollout_is_min"] = masked_extreme(w, mask, largest=False)
         out["rollout_is_max"] = masked_extreme(w, mask, largest=True)
         if rc.is_level == "token":

@@ -149,7 +149,7 @@ def diagnostics(train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, 
         out["rollout_is_mean"] = masked_mean(w, mask)
         x = w.clamp(0, hi)
         mean_x = masked_mean(x, mask)
-        out["rollout_is_std"] = torch.sqrt(torch.clamp(masked_mean(x * x, mask) - mean_x**2, min=0))
+        out["rollout_is_std"] = torch.sqrt(masked_mean((x - mean_x) ** 2, mask))
         out["rollout_is_min"] = w[mask].min() if mask.any() else _zero(device)
         out["rollout_is_max"] = w[mask].max() if mask.any() else _zero(device)
         if rc.is_level == "token":

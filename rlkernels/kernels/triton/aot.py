@@ -4,7 +4,7 @@
 rlkernels/kernels/triton/ that defines `aot_specs()` (found with pkgutil, so new kernel modules join
 automatically) to a cubin for each compute capability, reads its resource usage with the cuobjdump
 shipped in Triton's package, and prints one row per (spec, cc): registers, spill bytes (LOCAL),
-stack, static shared memory and the widest global load in the SASS (128 = 16-byte vector loads).
+stack, static shared memory and the widest global load (128 = 16-byte vector loads).
 It exits 1 on any compile error or any spill.
 
 Under TRITON_INTERPRET=1, `@triton.jit` yields interpreter objects that cannot be compiled, so the
@@ -25,9 +25,9 @@ from typing import Dict, List, Optional
 
 DEFAULT_CCS = (80, 90)
 _RESOURCE_RE = re.compile(r"(REG|STACK|SHARED|LOCAL):(\d+)")
-# LDG.E.128, LDG.E.64, LDG.E.U16, LDG.E (32-bit), with optional cache qualifiers in between
-_LDG_RE = re.compile(r"\bLDG\.E((?:\.[A-Z0-9_]+)*)")
-_LDG_BITS = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
+# ld.global[.cache hints][.v2|.v4].b16|.b32|...: the PTX global loads (ptxas keeps their width; read
+# from the PTX because `cuobjdump --dump-sass` costs ~1 s per kernel)
+_LD_GLOBAL_RE = re.compile(r"\bld\.global((?:\.[\w:]+)+)")
 
 
 @dataclass
@@ -88,24 +88,34 @@ def compile_spec(spec, cc: int):
     )
 
 
+def widest_global_load(ptx: str) -> int:
+    """Bits moved by the widest global load of 8-32-bit elements in the PTX (128 = the 16-byte vector
+    loads we want for the logits; 64-bit elements, i.e. int64 labels, are left out so they cannot stand in)."""
+    widest = 0
+    for quals in _LD_GLOBAL_RE.findall(ptx):
+        vec, size = 1, 0
+        for q in quals.strip(".").split("."):
+            if q in ("v2", "v4", "v8"):
+                vec = int(q[1:])
+            elif re.fullmatch(r"[busf](8|16|32)", q):
+                size = int(q[1:])
+        widest = max(widest, vec * size)
+    return widest
+
+
 def resource_usage(cubin: bytes) -> Dict[str, int]:
-    """REG / STACK / SHARED / LOCAL of the (single) kernel in a cubin, and the widest LDG in bits."""
+    """REG / STACK / SHARED / LOCAL (spill bytes) of the (single) kernel in a cubin."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        cuobjdump = _nvidia_bin("cuobjdump")
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True, check=True)
-        sass = subprocess.run([cuobjdump, "--dump-sass", path], capture_output=True, text=True, check=True)
+        usage = subprocess.run(
+            [_nvidia_bin("cuobjdump"), "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        )
     found = {k: int(v) for k, v in _RESOURCE_RE.findall(usage.stdout)}
     missing = {"REG", "STACK", "SHARED", "LOCAL"} - set(found)
     if missing:
         raise RuntimeError(f"cuobjdump --dump-resource-usage: no {sorted(missing)} in:\n{usage.stdout}")
-    widths = []
-    for quals in _LDG_RE.findall(sass.stdout):
-        bits = [_LDG_BITS[q] for q in quals.strip(".").split(".") if q in _LDG_BITS]
-        widths.append(max(bits) if bits else 32)
-    found["LDG_BITS"] = max(widths) if widths else 0
     return found
 
 
@@ -116,7 +126,7 @@ def run_spec(spec, cc: int) -> AotResult:
         kernel = compile_spec(spec, cc)
         usage = resource_usage(kernel.asm["cubin"])
         res.regs, res.spills, res.stack, res.shared = usage["REG"], usage["LOCAL"], usage["STACK"], usage["SHARED"]
-        res.ldg_bits = usage["LDG_BITS"]
+        res.ldg_bits = widest_global_load(kernel.asm["ptx"])
     except Exception as exc:  # reported in the table; the exit status says it failed
         first = str(exc).strip().splitlines()
         res.error = f"{type(exc).__name__}: {first[0] if first else ''}"[:200]
@@ -142,6 +152,30 @@ def discover_specs(only: Optional[str] = None):
     return out
 
 
+_WORKER_SPECS: Dict[str, list] = {}
+
+
+def _run_indexed(job) -> AotResult:
+    """Worker entry: (module name, spec index, cc). Specs hold JITFunctions, which do not pickle, so
+    each worker process imports the kernel module itself."""
+    module, index, cc = job
+    if module not in _WORKER_SPECS:
+        from . import __name__ as pkg_name
+
+        _WORKER_SPECS[module] = list(importlib.import_module(f"{pkg_name}.{module}").aot_specs())
+    return run_spec(_WORKER_SPECS[module][index], cc)
+
+
+def run_all(jobs, workers: int) -> List[AotResult]:
+    if workers <= 1 or len(jobs) <= 1:
+        return [_run_indexed(j) for j in jobs]
+    import multiprocessing
+
+    # fork: the children inherit the imported modules and compile independently (no GPU involved)
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        return pool.map(_run_indexed, jobs, chunksize=1)
+
+
 def format_table(results: List[AotResult]) -> str:
     width = max([len("kernel config")] + [len(r.name) for r in results])
     head = f"{'kernel config':<{width}}  {'cc':>3} {'warps':>5} {'stages':>6} {'regs':>4} {'spills':>6} " \
@@ -162,6 +196,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlkernels.kernels.triton.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--cc", type=int, nargs="+", default=list(DEFAULT_CCS), help="compute capabilities (80 90)")
     parser.add_argument("--only", default=None, help="only kernel modules whose name contains this")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: all cores)")
     args = parser.parse_args(argv)
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -169,19 +204,22 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "rlkernels.kernels.triton.aot", *(argv if argv is not None else sys.argv[1:])]
         return subprocess.run(cmd, env=env).returncode
 
-    results, failures = [], []
+    # Triton 3.9 warns when this is unset; "1" is its current default (and Triton 3.6's behaviour),
+    # so the AOT compile matches a JIT launch
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    jobs, failures = [], []
     for module, specs in discover_specs(args.only):
         if isinstance(specs, str):
             failures.append(f"{module}: {specs}")
             continue
-        for spec in specs:
-            for cc in args.cc:
-                results.append(run_spec(spec, cc))
+        jobs += [(module, i, cc) for i in range(len(specs)) for cc in args.cc]
+    t0 = time.perf_counter()
+    results = run_all(jobs, args.jobs)
     print(format_table(results))
     failures += [f"{r.name} sm_{r.cc}: {r.error}" for r in results if r.error]
     failures += [f"{r.name} sm_{r.cc}: {r.spills} bytes spilled" for r in results if not r.error and r.spills]
-    total = sum(r.seconds for r in results)
-    print(f"\n{len(results)} compiles ({len(results) - len(failures)} clean) in {total:.1f} s")
+    clean = sum(r.ok for r in results)
+    print(f"\n{len(results)} compiles ({clean} clean) in {time.perf_counter() - t0:.1f} s wall, {args.jobs} jobs")
     if not results and not failures:
         failures.append("no AotSpec found")
     for f in failures:
