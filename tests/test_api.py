@@ -1,0 +1,248 @@
+"""Behaviour users rely on: empty batches, untouched inputs, no host sync, the secondary entry points."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rlkernels
+from rlkernels import PolicyLossConfig, RolloutCorrection, reference
+
+from .cases import TOLERANCES, assert_close, batches, configs
+
+ALL_CORRECTIONS = [None, RolloutCorrection.token_tis(), RolloutCorrection.seq_mis(), RolloutCorrection.geo_rs_token_tis(),
+                   RolloutCorrection.icepop(), RolloutCorrection.k3_rs(), RolloutCorrection.seq_tis(is_batch_normalize=True)]
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _empty_cases():
+    V = 7
+    yield "N=0 packed", torch.zeros(0, V), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), torch.tensor([0])
+    yield "N=0 no sequences", torch.zeros(0, V), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), torch.tensor([0, 0, 0])
+    yield "all masked padded", torch.randn(2, 3, V), torch.randint(0, V, (2, 3)), torch.zeros(2, 3, dtype=torch.bool), None
+    yield "B=0 padded", torch.zeros(0, 4, V), torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4, dtype=torch.bool), None
+    mask = torch.tensor([False, False, True, True, False])
+    yield "empty sequences", torch.randn(5, V), torch.randint(0, V, (5,)), mask, torch.tensor([0, 0, 2, 5, 5])
+
+
+@pytest.mark.parametrize("case", list(_empty_cases()), ids=lambda c: c[0])
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("rc", ALL_CORRECTIONS, ids=str)
+def test_empty_and_all_masked_give_zero_loss_and_gradient(case, mode, rc):
+    _, logits, labels, mask, cu = case
+    logits = logits.clone().requires_grad_(True)
+    shape = labels.shape
+    # a rejection that removes everything: Geo-RS with a bound nothing satisfies exactly
+    out = rlkernels.decoupled_ppo_loss(
+        logits, labels, torch.randn(shape), mask, old_logprobs=-torch.rand(shape), rollout_logprobs=-torch.rand(shape),
+        ref_logprobs=-torch.rand(shape), cu_seqlens=cu, loss_agg_mode=mode, rollout_correction=rc, kl_coef=0.1,
+        entropy_coeff=0.01,
+    )
+    valid_left = bool(out.mask.any())
+    if not valid_left:
+        assert out.loss.item() == 0.0
+    (g,) = torch.autograd.grad(out.loss, logits)
+    assert torch.isfinite(g).all()
+    if not mask.any():
+        assert torch.count_nonzero(g) == 0
+    for name, value in out.metrics.items():
+        assert torch.isfinite(value), name
+
+
+def test_rejecting_everything_gives_zero_not_nan():
+    # verl returns NaN here (PEERS.md); SPEC §7: nothing to average -> 0
+    B, T, V = 2, 4, 5
+    logits = torch.randn(B, T, V, requires_grad=True)
+    old = -torch.rand(B, T)
+    out = rlkernels.decoupled_ppo_loss(logits, torch.randint(0, V, (B, T)), torch.randn(B, T), torch.ones(B, T, dtype=torch.bool),
+                                       old_logprobs=old, rollout_logprobs=old - 1.0,
+                                       rollout_correction=RolloutCorrection.geo_rs(bounds=(0.999, 1.001)))
+    assert not out.mask.any() and out.loss.item() == 0.0
+    assert out.metrics["rollout_corr/rollout_rs_masked_fraction"].item() == 1.0
+    out.loss.backward()
+    assert torch.count_nonzero(logits.grad) == 0
+
+
+def test_icepop_zeroing_every_weight_gives_finite_ess():
+    # verl raises ZeroDivisionError in its ESS here (PEERS.md); this project reports 0
+    old = torch.zeros(1, 3)
+    out = rlkernels.rollout_correction(old, old - 5.0, torch.ones(1, 3), config=RolloutCorrection.icepop())
+    assert out.weights.abs().sum().item() == 0.0
+    assert out.metrics["rollout_corr/rollout_is_eff_sample_size"].item() == 0.0
+
+
+@settings(max_examples=40)
+@given(batch=batches(dtype=torch.float32), mode=st.sampled_from(["decoupled", "bypass", "on-policy"]), data=st.data())
+def test_inputs_are_never_modified(batch, mode, data):
+    config = data.draw(configs(mode))
+    kw = batch.kwargs(mode)
+    tensors = [batch.logits, batch.labels, batch.advantages, batch.response_mask] + [v for v in kw.values() if v is not None]
+    before = [(t.clone(), t._version) for t in tensors]
+    logits = batch.logits.requires_grad_(True)
+    out = rlkernels.decoupled_ppo_loss(logits, batch.labels, batch.advantages, batch.response_mask, config=config, **kw)
+    out.loss.backward()
+    for t, (copy, version) in zip(tensors, before):
+        assert torch.equal(t.detach(), copy) or (torch.isnan(copy).any() and torch.equal(torch.isnan(t), torch.isnan(copy)))
+        assert t._version == version
+
+
+def test_no_host_sync_with_validation_off(monkeypatch):
+    """validate=False must not read device memory from Python: every sync path raises here."""
+    B, T, V = 3, 4, 11
+    logits = torch.randn(B, T, V, requires_grad=True)
+    old = -torch.rand(B, T)
+    args = (logits, torch.randint(0, V, (B, T)), torch.randn(B, T), torch.rand(B, T) > 0.3)
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("host synchronisation on the hot path")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for rc in ALL_CORRECTIONS:
+        for mode in AGG_MODES:
+            out = rlkernels.decoupled_ppo_loss(*args, old_logprobs=old, rollout_logprobs=old - 0.1, ref_logprobs=old,
+                                               rollout_correction=rc, loss_agg_mode=mode, kl_coef=0.1, entropy_coeff=0.01,
+                                               validate=False)
+            torch.autograd.grad(out.loss, logits)
+    monkeypatch.undo()
+
+
+def test_metrics_to_floats():
+    old = -torch.rand(2, 5)
+    out = rlkernels.rollout_correction(old, old - 0.1, torch.ones(2, 5), config=RolloutCorrection.seq_mis())
+    floats = rlkernels.metrics_to_floats(out.metrics)
+    assert set(floats) == set(out.metrics)
+    assert all(isinstance(v, float) for v in floats.values())
+    assert floats["rollout_corr/kl"] == pytest.approx(-0.1, rel=1e-5)  # mean(l_mu - l_train)
+    assert rlkernels.metrics_to_floats({}) == {}
+
+
+@settings(max_examples=60)
+@given(batch=batches(), mode=st.sampled_from(["decoupled", "bypass", "on-policy"]), data=st.data())
+def test_policy_loss_matches_reference(batch, mode, data):
+    config = data.draw(configs(mode))
+    lp_ref, ent_ref, _ = reference.token_stats(batch.logits, batch.labels, temperature=config.temperature)
+    lp = lp_ref.detach().clone().requires_grad_(True)
+    ent = ent_ref.detach().clone().requires_grad_(True) if config.needs_entropy else None
+    kw = batch.kwargs(mode)
+    out = rlkernels.policy_loss(lp, batch.advantages, batch.response_mask, entropy=ent, config=config, **kw)
+    lp2 = lp_ref.detach().clone().requires_grad_(True)
+    ent2 = ent_ref.detach().clone().requires_grad_(True) if ent is not None else None
+    exp = reference.policy_loss(lp2, batch.advantages, batch.response_mask, entropy=ent2, config=config, **kw)
+    tol = TOLERANCES[torch.float64]
+    assert_close(out.loss, exp.loss, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, abs(float(exp.loss.detach()))), name="loss")
+    for name in exp.metrics:
+        assert_close(out.metrics[name], exp.metrics[name], rtol=tol["rtol"], atol=1e-9, name=name)
+    assert torch.equal(out.mask, exp.mask)
+    inputs = [lp] + ([ent] if ent is not None else [])
+    grads = torch.autograd.grad(out.loss, inputs, allow_unused=True)
+    ref_grads = torch.autograd.grad(exp.loss, [lp2] + ([ent2] if ent2 is not None else []), allow_unused=True)
+    for g, rg in zip(grads, ref_grads):
+        g = torch.zeros_like(lp) if g is None else g
+        rg = torch.zeros_like(lp) if rg is None else rg
+        assert_close(g, rg, rtol=1e-9, atol=1e-12, name="dloss/dstat")
+
+
+def test_policy_loss_equals_decoupled_ppo_loss_on_the_same_logprobs():
+    B, T, V = 3, 5, 13
+    logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (B, T))
+    adv, mask, old = torch.randn(B, T, dtype=torch.float64), torch.rand(B, T) > 0.2, -torch.rand(B, T, dtype=torch.float64)
+    cfg = PolicyLossConfig(rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.5, 2.0)), entropy_coeff=0.01)
+    fused = rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, old_logprobs=old, rollout_logprobs=old - 0.2, config=cfg)
+    stats = rlkernels.token_logprobs(logits, labels, compute_entropy=True)
+    split = rlkernels.policy_loss(stats.logprobs, adv, mask, entropy=stats.entropy, old_logprobs=old,
+                                  rollout_logprobs=old - 0.2, config=cfg)
+    assert torch.allclose(fused.loss, split.loss, rtol=1e-12)
+    g1, = torch.autograd.grad(fused.loss, logits)
+    g2, = torch.autograd.grad(split.loss, logits)
+    assert torch.allclose(g1, g2, rtol=1e-10, atol=1e-14)
+
+
+@settings(max_examples=60)
+@given(batch=batches(), temperature=st.sampled_from([1.0, 0.6, 1.7]), data=st.data())
+def test_token_logprobs_matches_reference(batch, temperature, data):
+    logits = batch.logits.clone().requires_grad_(True)
+    stats = rlkernels.token_logprobs(logits, batch.labels, temperature=temperature, compute_entropy=True,
+                                     compute_sum_pi_squared=True)
+    ref_logits = batch.logits.clone().requires_grad_(True)
+    r_lp, r_ent, r_s2 = reference.token_stats(ref_logits, batch.labels, temperature=temperature)
+    tol = TOLERANCES[torch.float64]
+    assert_close(stats.logprobs, r_lp, **tol, name="logprobs")
+    assert_close(stats.entropy, r_ent, **tol, name="entropy")
+    assert_close(stats.sum_pi_squared, r_s2, rtol=1e-9, atol=1e-12, name="sum_pi_squared")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    c = torch.randn(batch.labels.shape, generator=gen, dtype=torch.float64)
+    e = torch.randn(batch.labels.shape, generator=gen, dtype=torch.float64)
+    (g,) = torch.autograd.grad((stats.logprobs * c).sum() + (stats.entropy * e).sum(), logits)
+    (rg,) = torch.autograd.grad((r_lp * c).sum() + (r_ent * e).sum(), ref_logits)
+    assert_close(g, rg, rtol=1e-9, atol=1e-9 * max(1e-3, float(rg.abs().max()) if rg.numel() else 1.0), name="dlogits")
+
+
+@settings(max_examples=60)
+@given(batch=batches(), rc=st.sampled_from(ALL_CORRECTIONS[1:]))
+def test_rollout_correction_matches_reference(batch, rc):
+    out = rlkernels.rollout_correction(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,
+                                       cu_seqlens=batch.cu_seqlens, config=rc)
+    cfg = PolicyLossConfig(rollout_correction=rc)
+    exp = reference.policy_loss(batch.old_logprobs, torch.zeros_like(batch.old_logprobs), batch.response_mask,
+                                old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
+                                cu_seqlens=batch.cu_seqlens, config=cfg)
+    assert torch.equal(out.mask, exp.mask)
+    if rc.is_level is not None:
+        assert_close(out.weights, exp.is_weights, rtol=1e-9, atol=1e-12, name="weights")
+    for name, value in exp.metrics.items():
+        if name.startswith("rollout_corr/"):
+            assert_close(out.metrics[name], value, rtol=1e-9, atol=1e-9, name=name)
+
+
+def test_inplace_backward_bumps_version_and_matches():
+    B, T, V = 2, 3, 9
+    base = torch.randn(B, T, V)
+    labels, adv, mask = torch.randint(0, V, (B, T)), torch.randn(B, T), torch.ones(B, T, dtype=torch.bool)
+    a = base.clone().requires_grad_(True)
+    out = rlkernels.decoupled_ppo_loss(a, labels, adv, mask)
+    (expected,) = torch.autograd.grad(out.loss, a)
+
+    leaf = base.clone().requires_grad_(True)
+    logits = leaf * 1.0  # a non-leaf buffer the caller allows us to overwrite
+    out = rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, inplace_backward=True)
+    version = logits._version
+    out.loss.backward()
+    assert logits._version > version
+    assert torch.allclose(leaf.grad, expected, atol=1e-7)
+
+    # another op that saved the logits now fails loudly instead of using the overwritten values
+    leaf = base.clone().requires_grad_(True)
+    logits = leaf * 1.0
+    other = (logits**2).sum()  # pow saves its input
+    out = rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, inplace_backward=True)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        other.backward()
+
+
+def test_overrides_and_config_compose():
+    B, T, V = 2, 3, 5
+    logits = torch.randn(B, T, V, dtype=torch.float64)
+    args = (logits, torch.randint(0, V, (B, T)), torch.randn(B, T, dtype=torch.float64), torch.ones(B, T, dtype=torch.bool))
+    a = rlkernels.decoupled_ppo_loss(*args, config=PolicyLossConfig(temperature=0.5, loss_agg_mode="token-sum"))
+    b = rlkernels.decoupled_ppo_loss(*args, config=PolicyLossConfig(loss_agg_mode="token-sum"), temperature=0.5)
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_output_shapes_and_dtypes():
+    for logits, labels, cu in [(torch.randn(2, 3, 7, dtype=torch.bfloat16), torch.randint(0, 7, (2, 3)), None),
+                               (torch.randn(6, 7, dtype=torch.float16), torch.randint(0, 7, (6,)), torch.tensor([0, 2, 6]))]:
+        shape = labels.shape
+        out = rlkernels.decoupled_ppo_loss(logits, labels, torch.randn(shape), torch.ones(shape), cu_seqlens=cu,
+                                           old_logprobs=-torch.rand(shape), rollout_logprobs=-torch.rand(shape),
+                                           rollout_correction=RolloutCorrection.token_tis(), compute_entropy=True)
+        assert out.loss.shape == () and out.loss.dtype == torch.float32
+        assert out.logprobs.shape == shape and out.logprobs.dtype == torch.float32 and not out.logprobs.requires_grad
+        assert out.entropy.shape == shape and out.is_weights.shape == shape
+        assert out.mask.shape == shape and out.mask.dtype == torch.bool
+        assert all(v.shape == () for v in out.metrics.values())
+        assert math.isfinite(out.loss.item())
