@@ -1,0 +1,253 @@
+"""The Triton token-gradient backward (kernels/triton/token_grad.py) against float64 autograd through
+the oracle, and the Triton backend against the torch backend through the public API.
+
+Runs under TRITON_INTERPRET=1 on CPU tensors, on small odd shapes (see test_triton_token_stats.py).
+Tolerances for dlogits, relative to the largest expected |g| of the case (scale):
+- fp32 output: atol = rtol = 1e-5 (fp32 math: log p = (z - row_max)/T - log_norm carries a few ulps
+  of log_norm, i.e. ~1e-7 relative error in p; 1e-5 leaves room for the entropy term's products).
+- bf16 / fp16 output: the same plus one rounding to the output dtype, half an ulp = 2^-8 (bf16, 8
+  significant bits) or 2^-11 (fp16, 11 bits) relative; fp16 subnormals (< 6.1e-5) round absolutely
+  by <= 2^-25, inside atol. Under TRITON_INTERPRET=1 the bf16 row is one full ulp, 2^-7: the
+  interpreter's fp32 -> bf16 cast truncates (triton/runtime/interpreter.py `cast_impl` passes no
+  rounding mode) where the GPU's cvt.rn rounds to nearest.
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rlkernels
+from rlkernels import reference
+from rlkernels.kernels.triton.token_grad import token_grad_bwd
+from rlkernels.kernels.triton.token_stats import token_stats_fwd
+
+from .test_triton_token_stats import DTYPES, ROW_KINDS, assert_close, make_rows
+
+pytestmark = [
+    pytest.mark.interpret,
+    # the interpreter evaluates both sides of every tl.where in numpy: log(0), 0 * -inf and 0 / 0 on
+    # lanes the kernel then discards warn there (a GPU computes them silently); results are checked
+    pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning"),
+]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BF16_ROUNDING = 2.0**-7 if INTERPRETED else 2.0**-8  # truncation in the interpreter, see the docstring
+OUT_RTOL = {torch.float32: 1e-5, torch.bfloat16: BF16_ROUNDING + 1e-5, torch.float16: 2.0**-11 + 1e-5}
+ATOL = 1e-5
+
+
+def oracle_grad(logits, labels, temperature, c, e):
+    """float64 d(sum c*logprob + e*H)/dlogits through the reference (e = None: no entropy term)."""
+    x = logits.double().requires_grad_(True)
+    lp, ent, _ = reference.token_stats(x, labels, temperature=temperature)
+    loss = (c.double() * lp).sum()
+    if e is not None:
+        loss = loss + (e.double() * ent).sum()
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def coefficients(N, seed, zero_rows=(), entropy=True):
+    gen = torch.Generator().manual_seed(seed)
+    c = torch.randn(N, generator=gen)
+    e = torch.randn(N, generator=gen) if entropy else None
+    for i in zero_rows:
+        c[i] = 0.0
+        if e is not None:
+            e[i] = 0.0
+    return c, e
+
+
+def run_grad(logits, labels, temperature, c, e, *, inplace=False, block_v=None, block_n=None):
+    stats = token_stats_fwd(logits, labels, temperature, e is not None, False)
+    return token_grad_bwd(
+        logits, labels, stats.row_max, stats.log_norm, stats.entropy, c, e, temperature, inplace,
+        block_v=block_v, block_n=block_n,
+    )
+
+
+def check_grad(logits, labels, temperature, c, e, **kw):
+    expected = oracle_grad(logits, labels, temperature, c, e)
+    g = run_grad(logits.clone(), labels, temperature, c, e, **kw)
+    assert g.dtype == logits.dtype and g.shape == logits.shape
+    scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
+    assert_close(g, expected, atol=ATOL * scale, rtol=OUT_RTOL[logits.dtype], name="dlogits")
+    # rows with c = e = 0 and skipped rows: exactly zero
+    valid = (labels >= 0) & (labels < logits.shape[1])
+    dead = ~valid | ((c == 0) & ((e == 0) if e is not None else True))
+    assert torch.equal(g[dead].float(), torch.zeros_like(g[dead].float()))
+    return g
+
+
+@pytest.mark.parametrize("V", [1, 7, 129, 300])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_adversarial_rows(V, dtype, with_entropy):
+    logits, labels = make_rows(18, V, dtype, seed=V)
+    c, e = coefficients(18, seed=V, zero_rows=(0, 10), entropy=with_entropy)
+    check_grad(logits, labels, 1.0, c, e)
+
+
+@pytest.mark.parametrize("block_v,block_n", [(16, 1), (32, 4)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_block_with_temperature(block_v, block_n, dtype):
+    logits, labels = make_rows(11, 203, dtype, seed=block_v)
+    c, e = coefficients(11, seed=1, zero_rows=(4,))
+    check_grad(logits, labels, 0.7, c, e, block_v=block_v, block_n=block_n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_target_column_formed_in_fp32(dtype):
+    # p_y in (0.9, 0.9999): the target column c (1 - p_y) must carry one output rounding only. With
+    # p_y rounded to bf16 first (Liger), 1 - p_y is off by up to 2^-9 / (1 - p_y): 50% at p_y = 0.999.
+    V = 50
+    labels = torch.arange(8) % V
+    logits = torch.zeros(8, V, dtype=torch.float64)
+    for i, p in enumerate([0.9, 0.99, 0.995, 0.999, 0.9995, 0.9999, 0.97, 0.93]):
+        logits[i, labels[i]] = float(torch.log(torch.tensor(p * (V - 1) / (1 - p), dtype=torch.float64)))
+    logits = logits.to(dtype)
+    c = torch.ones(8)
+    g = run_grad(logits, labels, 1.0, c, None)
+    expected = oracle_grad(logits, labels, 1.0, c, None)
+    col = torch.arange(8)
+    assert_close(g[col, labels].double(), expected[col, labels], atol=0.0, rtol=OUT_RTOL[dtype] + 1e-5,
+                 name="target column")
+
+
+def test_inactive_rows_are_not_read():
+    logits, labels = make_rows(8, 40, torch.float32, seed=2, kinds=("normal",))
+    c, e = coefficients(8, seed=2, zero_rows=(1, 3, 5))
+    stats = token_stats_fwd(logits, labels, 1.0, True, False)
+    poisoned = logits.clone()
+    poisoned[[1, 3, 5]] = float("nan")  # a read of a c = e = 0 row would leak NaN into dlogits
+    g = token_grad_bwd(poisoned, labels, stats.row_max, stats.log_norm, stats.entropy, c, e, 1.0, False)
+    assert not torch.isnan(g).any()
+    assert torch.equal(g[[1, 3, 5]], torch.zeros(3, 40))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inplace(dtype):
+    logits, labels = make_rows(9, 70, dtype, seed=4)
+    c, e = coefficients(9, seed=4, zero_rows=(2,))
+    expected = run_grad(logits, labels, 0.8, c, e)
+    buf = logits.clone()
+    g = run_grad(buf, labels, 0.8, c, e, inplace=True)
+    assert g is buf and torch.equal(buf, expected)
+
+
+def test_non_contiguous_rows_and_inplace_copy_back():
+    logits, labels = make_rows(10, 77, torch.float32, seed=6)
+    c, e = coefficients(10, seed=6, zero_rows=(3,))
+    expected = run_grad(logits, labels, 1.0, c, e)
+    wide = torch.full((10, 100), float("nan"))
+    strided = wide[:, 9:86]  # row stride 100, unit V stride: no copy
+    strided.copy_(logits)
+    g = run_grad(strided, labels, 1.0, c, e, inplace=True, block_v=32)
+    assert g is strided and torch.equal(strided, expected)
+    assert torch.isnan(wide[:, :9]).all() and torch.isnan(wide[:, 86:]).all()  # padding untouched
+    transposed = logits.t().contiguous().t()  # V stride 10: computed through a copy, written back
+    g = run_grad(transposed, labels, 1.0, c, e, inplace=True)
+    assert g is transposed and torch.equal(transposed, expected)
+    expanded_c = torch.tensor(0.5).expand(10)  # stride-0 coefficients (the grad of a .sum())
+    assert_close(run_grad(logits, labels, 1.0, expanded_c, None), oracle_grad(logits, labels, 1.0, expanded_c, None),
+                 atol=ATOL, rtol=1e-5, name="dlogits")
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    N=st.integers(1, 12), V=st.integers(1, 260), dtype=st.sampled_from(DTYPES),
+    temperature=st.sampled_from([1.0, 0.7, 2.5]), block=st.sampled_from([(None, None), (16, 1), (32, 4)]),
+    with_entropy=st.booleans(), seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_oracle_property(N, V, dtype, temperature, block, with_entropy, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kinds = tuple(ROW_KINDS[i] for i in torch.randperm(len(ROW_KINDS), generator=gen).tolist())
+    logits, labels = make_rows(N, V, dtype, seed, kinds=kinds)
+    c, e = coefficients(N, seed, zero_rows=range(0, N, 4), entropy=with_entropy)
+    check_grad(logits, labels, temperature, c, e, block_v=block[0], block_n=block[1])
+
+
+# ---- the public API: backend="triton" against backend="torch" ---------------------------------------
+
+# the two backends differ by fp32 summation order only, so fp32 tolerances apply to the statistics;
+# bf16 dlogits may differ by one rounding on each side (2 * 2^-8 relative; 2^-8 + 2^-7 interpreted)
+API_GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8 + BF16_ROUNDING}
+
+
+def _grads(fn, logits, backend, **kw):
+    x = logits.clone().requires_grad_(True)
+    out = fn(x, backend=backend, **kw)
+    return out, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_api(dtype):
+    gen = torch.Generator().manual_seed(0)
+    B, T, V = 2, 5, 37
+    logits = (torch.randn(B, T, V, generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    labels[0, 1] = -100
+    labels[1, 4] = -100
+    c, e = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    results = {}
+    for backend in ("triton", "torch"):
+        x = logits.clone().requires_grad_(True)
+        out = rlkernels.token_logprobs(x, labels, temperature=0.8, compute_entropy=True, compute_sum_pi_squared=True,
+                                       backend=backend)
+        (g,) = torch.autograd.grad((out.logprobs * c + out.entropy * e).sum(), x)
+        results[backend] = (out, g)
+    (out, g), (ref, ref_g) = results["triton"], results["torch"]
+    for name in ("logprobs", "entropy", "sum_pi_squared"):
+        assert_close(getattr(out, name), getattr(ref, name), atol=1e-5, rtol=1e-5, name=name)
+    assert g.dtype == dtype
+    assert_close(g, ref_g, atol=1e-5 * max(1.0, float(ref_g.abs().max())), rtol=API_GRAD_RTOL[dtype], name="dlogits")
+    assert torch.equal(g[0, 1], torch.zeros_like(g[0, 1]))  # ignore_index row: no gradient
+
+
+def _ppo_inputs(dtype, packed):
+    gen = torch.Generator().manual_seed(1 + packed)
+    shape = (10,) if packed else (2, 5)
+    V = 29
+    logits = (torch.randn(*shape, V, generator=gen) * 2).to(dtype)
+    labels = torch.randint(0, V, shape, generator=gen)
+    mask = torch.rand(shape, generator=gen) < 0.8
+    adv = torch.randn(shape, generator=gen)
+    old = -torch.rand(shape, generator=gen) * 3
+    roll = old + torch.randn(shape, generator=gen) * 0.3
+    kw = dict(old_logprobs=old, rollout_logprobs=roll)
+    if packed:
+        kw["cu_seqlens"] = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    return logits, labels, adv, mask, kw
+
+
+@pytest.mark.parametrize(
+    "dtype,packed,overrides",
+    [
+        (torch.float32, False, dict(entropy_coeff=0.01, temperature=0.7)),
+        (torch.float32, True, dict(rollout_correction=rlkernels.RolloutCorrection(is_level="token"))),
+        (torch.bfloat16, False, dict(entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")),
+        (torch.float32, False, dict(entropy_coeff=0.01, inplace_backward=True)),
+    ],
+    ids=["fp32-entropy-T", "fp32-packed-tis", "bf16-seqmean", "fp32-inplace"],
+)
+def test_decoupled_ppo_loss_api(dtype, packed, overrides):
+    logits, labels, adv, mask, kw = _ppo_inputs(dtype, packed)
+    results = {}
+    for backend in ("triton", "torch"):
+        leaf = logits.clone().requires_grad_(True)
+        x = leaf * 1  # a non-leaf, so that an in-place backward has a buffer of its own to write into
+        out = rlkernels.decoupled_ppo_loss(x, labels, adv, mask, backend=backend, **kw, **overrides)
+        version = x._version
+        out.loss.backward()
+        if overrides.get("inplace_backward"):
+            assert x._version > version  # the autograd wrapper told autograd about the in-place write
+        results[backend] = (out, leaf.grad)
+    (out, g), (ref, ref_g) = results["triton"], results["torch"]
+    assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5, name="loss")
+    assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5, name="logprobs")
+    if ref.entropy is not None:
+        assert_close(out.entropy, ref.entropy, atol=1e-5, rtol=1e-5, name="entropy")
+    assert_close(g, ref_g, atol=1e-5 * max(1.0, float(ref_g.abs().max())), rtol=API_GRAD_RTOL[dtype], name="dlogits")
