@@ -10,18 +10,23 @@ from setuptools import find_packages, setup
 
 ext_modules, cmdclass = [], {}
 if os.environ.get("RLKERNELS_BUILD_CUDA") == "1":
+    # Needs a CUDA build of torch and nvcc; build with --no-build-isolation so that the installed torch
+    # (whose headers and ABI the extension must match) is the one compiled against.
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
+    # nvcc flags: keep in sync with NVCC_FLAGS / NVCC_ARCH_FLAGS in rlkernels/backends/cuda_backend.py
+    # (tests/test_cuda_compile.py checks). Default targets sm_80, sm_90 (+ PTX); TORCH_CUDA_ARCH_LIST, when
+    # set, replaces them (torch ignores that variable as soon as any -gencode flag is given).
+    nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo"]
+    nvcc_arch_flags = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
     ext_modules = [
         CUDAExtension(
-            "rlkernels._C",
+            "rlkernels._C",  # an empty Python module; importing it registers torch.ops.rlkernels_cuda.*
             ["csrc/bindings.cpp", "csrc/token_stats.cu", "csrc/token_grad.cu"],
-            extra_compile_args={
-                "cxx": ["-O3"],
-                "nvcc": ["-O3", "--use_fast_math", "-lineinfo",
-                         "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
-                         "-gencode=arch=compute_90,code=compute_90"],
-            },
+            extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags + nvcc_arch_flags},
         )
     ]
     cmdclass = {"build_ext": BuildExtension}

@@ -5,7 +5,7 @@ Skipped here (conftest skips `gpu` tests without CUDA); on a GPU machine build f
 
 Tolerances: bf16/fp16 logits upcast exactly to fp32, so every statistic carries only fp32
 summation error (rtol 2e-5, as cases.TOLERANCES); dlogits is rounded once to the logits dtype
-(2^-8 bf16, 2^-11 fp16), plus an absolute floor of 1e-5 of the row's largest gradient.
+(one ulp: 2^-7 bf16, 2^-10 fp16), plus an absolute floor of 1e-5 of the row's largest gradient.
 """
 
 import math
@@ -25,7 +25,9 @@ from .parity import check_against_reference
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# one unit in the last place of the logits dtype: a value computed in fp32 and the float64 truth may
+# round to neighbouring bf16/fp16 numbers
+GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 # V = 1 (one entry: p = 1), 7 and 129 (warp rows, odd: scalar head/tail), 32000 and 151936 (block rows)
 VOCABS = [1, 7, 129, 32000, 151936]
 KINDS = ["normal", "offset_pos", "offset_neg", "neg_inf", "one_hot"]
@@ -92,8 +94,8 @@ def test_backward_matches_reference(cuda, dtype, V, kind, T, with_entropy):
     gen = torch.Generator().manual_seed(2)
     c = torch.randn(N, generator=gen, dtype=torch.float64)
     e = torch.randn(N, generator=gen, dtype=torch.float64) if with_entropy else torch.zeros(N, dtype=torch.float64)
-    c[7] = 0.0
-    e[7] = 0.0  # both coefficients zero: an all-zero row, never read
+    c[2] = 0.0
+    e[2] = 0.0  # both coefficients zero: an all-zero row, never read (rows 1 and 4 are skipped)
     stats = cuda.token_stats_fwd(logits, labels, T, with_entropy, False)
     grad = cuda.token_grad_bwd(
         logits, labels, stats.row_max, stats.log_norm, stats.entropy, c.float().cuda(),
@@ -107,7 +109,7 @@ def test_backward_matches_reference(cuda, dtype, V, kind, T, with_entropy):
     scale = ref.abs().amax(1, keepdim=True).clamp_min(1e-3)
     assert_close(grad / scale, ref / scale, rtol=GRAD_RTOL[dtype], atol=1e-5, name="dlogits")
     dead = (labels < 0) | (labels >= V)
-    dead[7] = True
+    dead[2] = True
     assert torch.all(grad[dead] == 0), "skipped and zero-coefficient rows must be exactly 0"
 
 
