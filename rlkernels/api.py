@@ -9,7 +9,8 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 from . import backends, correction
-from .autograd import CoefficientLossFunction, TokenStatsFunction, TokenStatsParams
+from . import custom_ops
+from .autograd import CoefficientLossFunction
 from .config import PolicyLossConfig, RolloutCorrection, resolve_config
 from .loss import sequence_stage
 from .segments import Segments
@@ -66,11 +67,13 @@ def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_lo
         raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
 
 
-def _run_stage(lp, entropy, advantages, mask, old, roll, ref, seg, config, token_shape):
-    stage = sequence_stage(lp.detach(), None if entropy is None else entropy.detach(), advantages, mask, old, roll, ref, seg, config)
-    loss = CoefficientLossFunction.apply(stage.loss, lp, entropy, stage.coef_logprob, stage.coef_entropy)
-    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
-    return loss, stage, shape
+def _token_stats(logits2d, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows):
+    """The fused forward as a custom op; "auto" is resolved here, the one place that reads backend=."""
+    name = backends.select(backend, logits2d, chunk_rows).name
+    _, _, lp, ent, s2 = custom_ops.token_stats(
+        logits2d, row_labels, temperature, entropy, sum_pi_squared, inplace, name, chunk_rows or 0
+    )
+    return lp, ent if entropy else None, s2 if sum_pi_squared else None
 
 
 def decoupled_ppo_loss(
@@ -126,17 +129,18 @@ def decoupled_ppo_loss(
     mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     row_labels = torch.where(mask, flat_labels.long(), torch.full_like(flat_labels, -1, dtype=torch.long))
 
-    logits2d = logits.reshape(N, V)
-    backend = backends.select(config.backend, logits2d, config.chunk_rows)
-    params = TokenStatsParams(backend, config.temperature, config.needs_entropy, False, config.inplace_backward)
-    lp, entropy, _ = TokenStatsFunction.apply(logits2d, row_labels, params)
-
-    seg = _segments(token_shape, cu_seqlens, device)
-    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    loss, stage, shape = _run_stage(
-        lp, entropy, flat(advantages), mask, flat(old_logprobs), flat(rollout_logprobs), flat(ref_logprobs),
-        seg, config, token_shape,
+    lp, entropy, _ = _token_stats(
+        logits.reshape(N, V), row_labels, config.temperature, config.needs_entropy, False, config.inplace_backward,
+        config.backend, config.chunk_rows,
     )
+
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    stage = sequence_stage(
+        lp.detach(), None if entropy is None else entropy.detach(), flat(advantages), mask, flat(old_logprobs),
+        flat(rollout_logprobs), flat(ref_logprobs), _segments(token_shape, cu_seqlens, device), config,
+    )
+    loss = CoefficientLossFunction.apply(stage.loss, lp, entropy, stage.coef_logprob, stage.coef_entropy)
+    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
     return PolicyLossOutput(
         loss, shape(lp.detach()), shape(None if entropy is None else entropy.detach()), shape(stage.is_weights),
         shape(stage.mask), stage.metrics,
@@ -223,12 +227,10 @@ def token_logprobs(
         value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index)
     keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     row_labels = torch.where(keep, flat_labels.long(), torch.full_like(flat_labels, -1, dtype=torch.long))
-    logits2d = logits.reshape(N, V)
-    params = TokenStatsParams(
-        backends.select(backend, logits2d), float(temperature), compute_entropy, compute_sum_pi_squared,
-        inplace_backward,
+    lp, entropy, sum_pi_squared = _token_stats(
+        logits.reshape(N, V), row_labels, float(temperature), compute_entropy, compute_sum_pi_squared,
+        inplace_backward, backend, None,
     )
-    lp, entropy, sum_pi_squared = TokenStatsFunction.apply(logits2d, row_labels, params)
     shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
     return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))
 

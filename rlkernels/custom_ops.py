@@ -1,0 +1,113 @@
+"""The two vocabulary-wide passes as torch.library custom ops, so torch.compile sees them as opaque
+ops (with shapes from the fake implementations) instead of tracing into backend code.
+
+`rlkernels::token_stats` (forward) carries its own autograd formula: its backward calls
+`rlkernels::token_grad` (or the mutating `rlkernels::token_grad_`, for an in-place backward that
+writes into the logits' storage; the op's schema declares the mutation, so autograd bumps the
+logits' version counter and any other user of the old values fails loudly).
+
+Absent optional outputs (entropy, sum p^2) are returned as empty [0] tensors: custom ops return
+tensors only.
+"""
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from . import backends
+
+
+def _backend(name: str, logits: Tensor, chunk_rows: int):
+    return backends.select(name, logits, chunk_rows or None)
+
+
+@torch.library.custom_op("rlkernels::token_stats", mutates_args=())
+def token_stats(
+    logits: Tensor, labels: Tensor, temperature: float, compute_entropy: bool, compute_sum_pi_squared: bool,
+    inplace_backward: bool, backend: str, chunk_rows: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # logits: (N, V); labels: (N,) int64, -1 on rows that take no part. `inplace_backward` only
+    # matters to the backward (see the module docstring).
+    stats = _backend(backend, logits, chunk_rows).token_stats_fwd(
+        logits, labels, temperature, compute_entropy, compute_sum_pi_squared
+    )
+    absent = lambda t: stats.logprobs.new_empty(0) if t is None else t  # noqa: E731 (outputs may not alias)
+    return stats.row_max, stats.log_norm, stats.logprobs, absent(stats.entropy), absent(stats.sum_pi_squared)
+
+
+def _stat_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+@token_stats.register_fake
+def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward, backend, chunk_rows):
+    N = logits.shape[0]
+    new = lambda n: logits.new_empty(n, dtype=_stat_dtype(logits))  # noqa: E731
+    return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
+
+
+@torch.library.custom_op("rlkernels::token_grad", mutates_args=())
+def token_grad(
+    logits: Tensor, labels: Tensor, row_max: Tensor, log_norm: Tensor, entropy: Tensor, coef_logprob: Tensor,
+    coef_entropy: Tensor, temperature: float, backend: str, chunk_rows: int,
+) -> Tensor:
+    has_entropy = coef_entropy.numel() > 0
+    return _backend(backend, logits, chunk_rows).token_grad_bwd(
+        logits, labels, row_max, log_norm, entropy if has_entropy else None, coef_logprob,
+        coef_entropy if has_entropy else None, temperature, False,
+    )
+
+
+@token_grad.register_fake
+def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend, chunk_rows):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("rlkernels::token_grad_", mutates_args=("logits",))
+def token_grad_(
+    logits: Tensor, labels: Tensor, row_max: Tensor, log_norm: Tensor, entropy: Tensor, coef_logprob: Tensor,
+    coef_entropy: Tensor, temperature: float, backend: str, chunk_rows: int,
+) -> None:
+    has_entropy = coef_entropy.numel() > 0
+    out = _backend(backend, logits, chunk_rows).token_grad_bwd(
+        logits, labels, row_max, log_norm, entropy if has_entropy else None, coef_logprob,
+        coef_entropy if has_entropy else None, temperature, True,
+    )
+    if out.data_ptr() != logits.data_ptr():  # a backend that could not work in place
+        logits.copy_(out)
+
+
+@token_grad_.register_fake
+def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend, chunk_rows):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, temperature, _, _, inplace_backward, backend, chunk_rows = inputs
+    row_max, log_norm, _, entropy, _ = output
+    ctx.save_for_backward(logits, labels, row_max, log_norm, entropy)
+    ctx.options = (temperature, inplace_backward, backend, chunk_rows)
+    ctx.mark_non_differentiable(row_max, log_norm, output[4])
+
+
+def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared):
+    logits, labels, row_max, log_norm, entropy = ctx.saved_tensors
+    temperature, inplace_backward, backend, chunk_rows = ctx.options
+    if grad_logprobs is None:
+        grad_logprobs = torch.zeros_like(row_max)
+    use_entropy = grad_entropy is not None and entropy.numel() > 0
+    coef_entropy = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
+    args = (logits, labels, row_max, log_norm, entropy, grad_logprobs.to(row_max.dtype), coef_entropy,
+            temperature, backend, chunk_rows)
+    if inplace_backward:
+        # the gradient is written into the logits' storage; the op's declared mutation bumps the
+        # version counter, so another op that saved these logits fails instead of reading a gradient
+        token_grad_(*args)
+        dlogits = logits
+    else:
+        dlogits = token_grad(*args)
+    return dlogits, None, None, None, None, None, None, None
+
+
+token_stats.register_autograd(_backward, setup_context=_setup_context)
