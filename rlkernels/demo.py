@@ -89,7 +89,7 @@ def _time(fn, repeats: int, device) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--sequences", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3)
