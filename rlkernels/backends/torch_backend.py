@@ -1,9 +1,14 @@
 """The chunked PyTorch backend: the CPU default and the fallback everywhere.
 
 Rows are processed `chunk_rows` at a time, so at most a few float32 [chunk, V] temporaries exist at
-once (peak extra memory O(chunk * V + N)); the full log-softmax is never materialised. Forward keeps
-only (row_max, log_norm) and the entropy per row for the backward, which recomputes
-p = exp((z - row_max) / T - log_norm) chunk by chunk.
+once (peak extra memory O(chunk * V + N)); the full log-softmax is never materialised.
+
+Each chunk goes through as few ATen ops as possible, because on a CPU every op is its own parallel
+region and separate elementwise passes cost more than the arithmetic: the forward is amax +
+log_softmax (one fused kernel), the backward recomputes p with ATen's fused softmax and writes
+-c * p / T straight into the gradient, then overwrites the target column with c * (1 - p_y) / T
+formed in float32. The backward therefore does not replay the saved (row_max, log_norm): a fused
+softmax over a cache-resident chunk is cheaper here than the separate passes replaying would take.
 """
 
 from typing import Iterator, Optional, Tuple
@@ -39,11 +44,13 @@ class TorchBackend:
             yield start, min(N, start + rows)
 
     @staticmethod
-    def _shifted(chunk, row_max, acc, temperature, out=None) -> torch.Tensor:
-        """(z - row_max) / T in the accumulation dtype, into `out` or a new buffer (never into the
-        logits unless `out` is their storage, i.e. an in-place backward)."""
-        shifted = torch.sub(chunk.to(acc), row_max, out=out)
-        return shifted.mul_(1.0 / temperature) if temperature != 1.0 else shifted
+    def _scaled(chunk, row_max, acc, temperature) -> torch.Tensor:
+        """z / T, or rather (z - row_max) / T: subtracting before scaling keeps the differences exact
+        at large logits (at 1e4 a scaled float32 logit is off by ~1e-3). At T = 1 the fused softmax
+        kernels shift internally and the chunk goes in as it is."""
+        if temperature == 1.0:
+            return chunk
+        return (chunk.to(acc) - row_max[:, None]).mul_(1.0 / temperature)
 
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
         N, V = logits.shape
@@ -51,35 +58,36 @@ class TorchBackend:
         valid = (labels >= 0) & (labels < V)
         safe_labels = labels.clamp(0, max(V - 1, 0)).unsqueeze(1)
         row_max = torch.zeros(N, dtype=acc, device=logits.device)
-        log_norm = torch.zeros_like(row_max)
         logprobs = torch.zeros_like(row_max)
         entropy = torch.zeros_like(row_max) if compute_entropy else None
         sum_pi_squared = torch.zeros_like(row_max) if compute_sum_pi_squared else None
         for s, e in self._chunks(N, V):
-            m = logits[s:e].amax(1, keepdim=True).to(acc)
-            # -inf is the max identity; a row with no finite entry keeps shift 0 (and gets log_norm
-            # = -inf, logprob = -inf, entropy 0, sum p^2 0: no distribution, never NaN)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            shifted = self._shifted(logits[s:e], m, acc, temperature)
-            target = shifted.gather(1, safe_labels[s:e]).squeeze(1)
-            ex = shifted.exp() if compute_entropy else shifted.exp_()
-            s1 = ex.sum(1)
-            log_s1 = s1.log()
-            row_max[s:e] = m.squeeze(1)
-            log_norm[s:e] = log_s1
-            logprobs[s:e] = target - log_s1
-            has_mass = s1 > 0
-            if compute_entropy:
-                # H = -sum p log p = log s1 - sum(ex * shifted) / s1; ex = 0 at -inf logits, where
-                # the product is 0 * -inf = NaN by IEEE but 0 by the limit p log p -> 0: nansum.
-                h = log_s1 - ex.mul_(shifted).nansum(1) / s1
-                entropy[s:e] = torch.where(has_mass, h, torch.zeros_like(h))
-            if compute_sum_pi_squared:
-                ex2 = ex.square_().sum(1) if not compute_entropy else (shifted.exp_().square_()).sum(1)
-                sum_pi_squared[s:e] = torch.where(has_mass, ex2 / (s1 * s1), torch.zeros_like(s1))
+            chunk = logits[s:e]
+            m = chunk.amax(1).to(acc)
+            # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats)
+            row_max[s:e] = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            log_p = torch.log_softmax(self._scaled(chunk, row_max[s:e], acc, temperature), dim=1, dtype=acc)
+            logprobs[s:e] = log_p.gather(1, safe_labels[s:e]).squeeze(1)
+            if compute_entropy or compute_sum_pi_squared:
+                p = log_p.exp()
+                if compute_entropy:
+                    # -sum p log p; p = 0 at -inf logits makes 0 * -inf = NaN by IEEE, 0 by the limit
+                    entropy[s:e] = -(p * log_p).nansum(1)
+                if compute_sum_pi_squared:
+                    sum_pi_squared[s:e] = torch.linalg.vector_norm(p, 2, dim=1).square()
+        # softmax of a row without a finite entry is NaN: no distribution, logprob -inf, entropy and
+        # sum p^2 0 (see base.RowStats); log_norm = (z_y - row_max)/T - logprob, so that
+        # lse = row_max/T + log_norm holds in the two parts the other backends keep
+        no_mass = torch.isnan(logprobs)
+        logprobs = logprobs.masked_fill(no_mass, float("-inf"))
+        target = logits.gather(1, safe_labels).squeeze(1).to(acc)
+        log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), (target - row_max) / temperature - logprobs)
         zero = torch.zeros((), dtype=acc, device=logits.device)
-        clean = lambda t: None if t is None else torch.where(valid, t, zero)  # noqa: E731
-        return RowStats(clean(row_max), clean(log_norm), clean(logprobs), clean(entropy), clean(sum_pi_squared))
+        keep = lambda t: None if t is None else torch.where(valid & ~no_mass, t, zero)  # noqa: E731
+        return RowStats(
+            torch.where(valid, row_max, zero), torch.where(valid, log_norm, zero), torch.where(valid, logprobs, zero),
+            keep(entropy), keep(sum_pi_squared),
+        )
 
     def token_grad_bwd(self, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inplace):
         N, V = logits.shape
@@ -88,30 +96,28 @@ class TorchBackend:
         out = logits if inplace else torch.empty((N, V), dtype=logits.dtype, device=device)
         valid = (labels >= 0) & (labels < V)
         active = valid & ((coef_logprob != 0) | (coef_entropy != 0 if coef_entropy is not None else False))
-        # Inactive rows, and rows without a distribution (log_norm = -inf), get log_norm = +inf so
-        # that p = 0: inactive rows come out exactly 0, distribution-less ones as c at the target.
-        usable = active & (log_norm > float("-inf"))
-        log_norm = torch.where(usable, log_norm.to(acc), torch.full((), float("inf"), dtype=acc, device=device))
-        row_max = row_max.to(acc)
-        c = torch.where(active, coef_logprob.to(acc), torch.zeros((), dtype=acc, device=device))
-        safe_labels = labels.clamp(0, max(V - 1, 0)).unsqueeze(1)
+        zero = torch.zeros((), dtype=acc, device=device)
         inv_t = 1.0 / temperature
-        write_direct = out.dtype == acc  # build the gradient in its destination: no extra copy
+        # coefficients of inactive rows are 0, so `where` (not a product) keeps their rows exactly 0
+        # even where the logits hold no distribution (all -inf: p is NaN there)
+        c = torch.where(active, coef_logprob.to(acc), zero) * inv_t
+        safe_labels = labels.clamp(0, max(V - 1, 0)).unsqueeze(1)
+        usable = (active & (log_norm > float("-inf"))).unsqueeze(1)
+        row_max = row_max.to(acc)
         for s, e in self._chunks(N, V):
-            buf = self._shifted(logits[s:e], row_max[s:e, None], acc, temperature, out=out[s:e] if write_direct else None)
-            log_p = buf.sub_(log_norm[s:e, None])  # (z - row_max)/T - log_norm, in this order: see RowStats
-            c_rows = c[s:e, None]
-            if coef_entropy is not None:
-                # dH/dz = -p (log p + H): g = -p * (c + e * (log p + H)); where p = 0 the term is 0
-                p = log_p.exp()
-                t = log_p.add_(entropy[s:e, None].to(acc)).mul_(coef_entropy[s:e, None].to(acc)).add_(c_rows)
-                g = t.mul_(p).neg_().masked_fill_(p == 0, 0.0)
+            chunk, c_rows, y = logits[s:e], c[s:e, None], safe_labels[s:e]
+            if coef_entropy is None:
+                p = torch.where(usable[s:e], torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc), zero)
+                torch.mul(p, -c_rows, out=out[s:e])  # -c p / T, rounded once to the logits dtype
+                # the target column: c (1 - p_y) / T formed in float32 and written once, never as the
+                # rounded -c p_y plus c, which cancels to garbage in bf16 as p_y -> 1
+                out[s:e].scatter_(1, y, (c_rows * (1 - p.gather(1, y))).to(out.dtype))
             else:
-                g = log_p.exp_().mul_(-c_rows)
-            # the target column: c * (1 - p_y), formed in the accumulation dtype (never in bf16)
-            g.scatter_add_(1, safe_labels[s:e], c_rows)
-            if inv_t != 1.0:
-                g.mul_(inv_t)
-            if not write_direct:
+                # g = -p (c + e (log p + H)) = -p (c + e H) - e p log p, with p log p = 0 at p = 0
+                p = torch.where(usable[s:e], torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc), zero)
+                e_rows = torch.where(active, coef_entropy.to(acc), zero)[s:e, None] * inv_t
+                g = p * (-c_rows - e_rows * entropy[s:e, None].to(acc))
+                g.sub_(torch.xlogy(p, p).mul_(e_rows))
+                g.scatter_add_(1, y, c_rows)  # + c at the target, in float32 before the rounding
                 out[s:e].copy_(g)
         return out
