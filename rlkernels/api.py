@@ -12,7 +12,6 @@ from . import backends, correction
 from . import custom_ops
 from .autograd import CoefficientLossFunction
 from .config import PolicyLossConfig, RolloutCorrection, resolve_config
-from .loss import sequence_stage
 from .segments import Segments
 from .validation import check_cu_seqlens, check_logits, check_tensor, value_checks
 
@@ -135,7 +134,7 @@ def decoupled_ppo_loss(
     )
 
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    stage = sequence_stage(
+    stage = backends.select_stage(config.backend, logits)(
         lp.detach(), None if entropy is None else entropy.detach(), flat(advantages), mask, flat(old_logprobs),
         flat(rollout_logprobs), flat(ref_logprobs), _segments(token_shape, cu_seqlens, device), config,
     )
@@ -188,7 +187,7 @@ def policy_loss(
     ent = flat(entropy)
     seg = _segments(token_shape, cu_seqlens, device)
     stage_lp = lp.detach().to(dt)
-    stage = sequence_stage(
+    stage = backends.select_stage(config.backend, logprobs)(
         stage_lp, None if ent is None else ent.detach().to(dt), flat(advantages), mask,
         flat(old_logprobs), flat(rollout_logprobs), flat(ref_logprobs), seg, config,
     )

@@ -11,11 +11,15 @@ import torch
 
 
 class Segments:
-    def __init__(self, seq_id: torch.Tensor, num_seqs: int, width: Union[int, torch.Tensor], padded_T: Optional[int]):
+    def __init__(
+        self, seq_id: torch.Tensor, num_seqs: int, width: Union[int, torch.Tensor], padded_T: Optional[int],
+        cu_seqlens: Optional[torch.Tensor] = None,
+    ):
         self.seq_id = seq_id  # [N] int64, the sequence of each token
         self.num_seqs = num_seqs  # S, known from shapes alone
         self.width = width  # K default of seq-mean-token-sum-norm: T, or the longest packed sequence
-        self._T = padded_T
+        self.padded_T = padded_T  # T of the padded layout, None when packed
+        self.cu_seqlens = cu_seqlens  # [S + 1] int64 offsets of the packed layout, None when padded
 
     @classmethod
     def padded(cls, B: int, T: int, device) -> "Segments":
@@ -25,24 +29,25 @@ class Segments:
     @classmethod
     def packed(cls, cu_seqlens: Optional[torch.Tensor], N: int, device) -> "Segments":
         if cu_seqlens is None:  # [N, V] without cu_seqlens: one sequence
-            return cls(torch.zeros(N, dtype=torch.long, device=device), 1, N, None)
+            cu = torch.tensor([0, N], dtype=torch.long, device=device)
+            return cls(torch.zeros(N, dtype=torch.long, device=device), 1, N, None, cu)
         cu = cu_seqlens.to(device=device, dtype=torch.long)
         S = cu.numel() - 1
         seq_id = torch.searchsorted(cu[1:], torch.arange(N, device=device), right=True)
         width = (cu[1:] - cu[:-1]).max() if S > 0 else torch.zeros((), dtype=torch.long, device=device)
-        return cls(seq_id, S, width, None)
+        return cls(seq_id, S, width, None, cu)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """[N] -> [S] sums (callers zero the masked tokens first)."""
-        if self._T is not None:  # padded: a fixed-order row sum
-            return x.view(self.num_seqs, self._T).sum(1)
+        if self.padded_T is not None:  # padded: a fixed-order row sum
+            return x.view(self.num_seqs, self.padded_T).sum(1)
         return x.new_zeros(self.num_seqs).index_add_(0, self.seq_id, x)
 
     def max(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[N] -> [S] max over masked-in tokens; an empty sequence has max 0 (SPEC §5)."""
         filled = torch.where(mask, x, torch.full_like(x, float("-inf")))
-        if self._T is not None:
-            out = filled.view(self.num_seqs, self._T).amax(1) if self._T > 0 else x.new_full((self.num_seqs,), float("-inf"))
+        if self.padded_T is not None:
+            out = filled.view(self.num_seqs, self.padded_T).amax(1) if self.padded_T > 0 else x.new_full((self.num_seqs,), float("-inf"))
         else:
             out = x.new_full((self.num_seqs,), float("-inf")).scatter_reduce_(0, self.seq_id, filled, "amax")
         return torch.where(self.sum(mask.to(x.dtype)) > 0, out, torch.zeros_like(out))

@@ -7,7 +7,7 @@ import torch
 from .base import Backend, RowStats
 from .torch_backend import TorchBackend
 
-__all__ = ["Backend", "RowStats", "available", "select"]
+__all__ = ["Backend", "RowStats", "available", "select", "select_stage"]
 
 
 @lru_cache(maxsize=None)
@@ -63,3 +63,22 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None) -> Backend:
                 return backend
         return TorchBackend(chunk_rows)
     raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cuda', got {name!r}")
+
+
+def select_stage(name: str, tensor: torch.Tensor):
+    """The per-sequence stage (SPEC §4-§8 on [N] scalars) that goes with a backend name.
+
+    The fused Triton stage replaces ~60 small torch launches on the GPU; on the CPU, and while
+    torch.compile traces (Inductor fuses the torch stage itself), the torch stage runs."""
+    from ..loss import sequence_stage
+
+    if name == "auto":
+        name = "triton" if tensor.is_cuda else "torch"
+    # the fused stage computes in float32: float64 statistics (torch backend only) stay on torch
+    if name in ("triton", "cuda") and tensor.dtype != torch.float64 and not torch.compiler.is_compiling():
+        backend = _triton_backend()
+        if backend is not None and backend.supports(tensor):
+            from ..kernels.triton.seq_stage import sequence_stage_triton
+
+            return sequence_stage_triton
+    return sequence_stage

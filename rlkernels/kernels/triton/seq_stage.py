@@ -61,6 +61,8 @@ P_PPOKL: tl.constexpr = tl.constexpr(26)
 P_KLL: tl.constexpr = tl.constexpr(27)
 P_ENT: tl.constexpr = tl.constexpr(28)
 P_RS: tl.constexpr = tl.constexpr(29)  # option j: 29 + 2j (sum of its values), 30 + 2j (tokens it drops)
+P_RHO2S: tl.constexpr = tl.constexpr(51)  # rho_seq^2 = exp(2 clamp(S_i)) on non-empty sequences
+P_ISM2: tl.constexpr = tl.constexpr(52)  # sum_t (x_t - mean_i x)^2 around the sequence's own mean (token IS)
 NUM_P: tl.constexpr = tl.constexpr(64)
 
 # Columns of the per-sequence max partials [S, NUM_X] (-inf = no contribution); minima are stored negated.
@@ -115,7 +117,6 @@ AGG_CODES = {
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3, "low_var_kl": 3}
 IS_LEVEL_CODES = {None: 0, "token": 1, "sequence": 2}
 RS_BITS = {name: 1 << j for j, name in enumerate(RS_OPTIONS)}  # token_k1 = 1, ..., seq_max_k3 = 1024
-RS_TOKEN_MASK: tl.constexpr = tl.constexpr(0b111)  # token_k1 | token_k2 | token_k3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,8 +201,9 @@ def _token_block(
         l_old = lp
     keep = valid & keep_seq
     w = tl.zeros_like(lp) + 1.0
+    w_trunc = w
     if HAS_ROLL:
-        if (RS & RS_TOKEN_MASK) or (IS_LEVEL == 1):
+        if (RS & 7) or (IS_LEVEL == 1):  # 7 = token_k1 | token_k2 | token_k3
             if DECOUPLED:
                 dh = _clamp(l_old - _load_valid(roll_ptr, offs, inb, valid), -CLAMP, CLAMP)
             else:
@@ -216,6 +218,7 @@ def _token_block(
                 w = tl.where(valid, _truncate(tl.exp(dh), is_lo, is_hi, IS_ICEPOP), 0.0)
         if IS_LEVEL == 2:
             w = tl.where(valid, w_seq, 0.0)
+        w_trunc = w
         if IS_BN:
             w = w / is_factor
     # SPEC §6 policy term; c_t = -A * w * r on the unclipped branch (and where the ±20 clamp passes it)
@@ -265,7 +268,7 @@ def _token_block(
         H = _load_valid(ent_ptr, offs, inb, valid)
     else:
         H = tl.zeros_like(lp)
-    return valid, keep, w, L, dL, clipped, dual, -dpg, kl, dkl, H
+    return valid, keep, w_trunc, w, L, dL, clipped, dual, -dpg, kl, dkl, H
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,6 +362,7 @@ def _seq_stage_fwd_kernel(
     # ---- pass 1: sequence statistics on the original mask (SPEC §4, §5, §8) ----
     keep_seq = start <= end  # AND of the sequence-level rejection options
     w_seq = 1.0
+    seq_mean_x = 0.0
     is_factor = 1.0
     if IS_BN:
         is_factor = tl.load(is_factor_ptr)
@@ -455,7 +459,9 @@ def _seq_stage_fwd_kernel(
         tl.store(psum_row + P_KL, tl.sum(-acc_delta, axis=0))
         tl.store(psum_row + P_K3KL, tl.sum(acc_k3kl, axis=0))
         tl.store(psum_row + P_CHI2T, tl.sum(acc_chi2, axis=0))
-        tl.store(psum_row + P_CHI2S, tl.where(nonempty, tl.exp(2.0 * seq_delta_hat) - 1.0, 0.0))
+        rho2_seq = tl.exp(2.0 * seq_delta_hat)
+        tl.store(psum_row + P_CHI2S, tl.where(nonempty, rho2_seq - 1.0, 0.0))
+        tl.store(psum_row + P_RHO2S, tl.where(nonempty, rho2_seq, 0.0))
         tl.store(psum_row + P_TV, tl.sum(acc_tv, axis=0))
         tl.store(psum_row + P_TPPL, tl.where(nonempty, tl.exp(-mean_tr), 0.0))
         tl.store(psum_row + P_RPPL, tl.where(nonempty, tl.exp(-mean_ro), 0.0))
@@ -467,6 +473,7 @@ def _seq_stage_fwd_kernel(
         tl.store(pmax_row + X_DIFFMAX, tl.where(nonempty, diff, float("-inf")))
         tl.store(pmax_row + X_DIFFMIN, tl.where(nonempty, -diff, float("-inf")))
         if IS_LEVEL == 1:
+            seq_mean_x = tl.sum(acc_x, axis=0) / len_c
             tl.store(psum_row + P_ISW, tl.sum(acc_w, axis=0))
             tl.store(psum_row + P_ISX, tl.sum(acc_x, axis=0))
             tl.store(psum_row + P_ISX2, tl.sum(acc_x2, axis=0))
@@ -496,7 +503,8 @@ def _seq_stage_fwd_kernel(
             _store_option(psum_row, pmax_row, 2, sum_k3, tl.sum(drop_t3, axis=0), _nan_max(max_t3), _nan_max(neg_t3))
         # sequence options: one value per sequence, applied to all its tokens
         if RS & 8:
-            keep_seq = keep_seq & _seq_option(psum_row, pmax_row, 3, sum_k1, rs_lo_sk1, rs_hi_sk1, True, nonempty, n_len)
+            keep_seq = keep_seq & _seq_option(
+                psum_row, pmax_row, 3, sum_k1, rs_lo_sk1, rs_hi_sk1, True, nonempty, n_len)
         if RS & 16:
             keep_seq = keep_seq & _seq_option(psum_row, pmax_row, 4, sum_k2, 0.0, rs_hi_sk2, False, nonempty, n_len)
         if RS & 32:
@@ -512,10 +520,12 @@ def _seq_stage_fwd_kernel(
                 psum_row, pmax_row, 8, sum_k3 / len_c, 0.0, rs_hi_mk3, False, nonempty, n_len)
         if RS & 512:  # an empty sequence has max 0 (SPEC §5)
             keep_seq = keep_seq & _seq_option(
-                psum_row, pmax_row, 9, tl.where(nonempty, _nan_max(max_k2), 0.0), 0.0, rs_hi_xk2, False, nonempty, n_len)
+                psum_row, pmax_row, 9, tl.where(nonempty, _nan_max(max_k2), 0.0), 0.0, rs_hi_xk2, False,
+                nonempty, n_len)
         if RS & 1024:
             keep_seq = keep_seq & _seq_option(
-                psum_row, pmax_row, 10, tl.where(nonempty, _nan_max(max_k3), 0.0), 0.0, rs_hi_xk3, False, nonempty, n_len)
+                psum_row, pmax_row, 10, tl.where(nonempty, _nan_max(max_k3), 0.0), 0.0, rs_hi_xk3, False,
+                nonempty, n_len)
 
     # ---- pass 2: final mask, per-token outputs, actor partials over m' (SPEC §6-§8) ----
     acc_cnt = zero
@@ -527,10 +537,11 @@ def _seq_stage_fwd_kernel(
     acc_ppokl = zero
     acc_kll = zero
     acc_ent = zero
+    acc_m2 = zero
     for t0 in range(start, end, BLOCK_T):
         offs = t0 + tl.arange(0, BLOCK_T)
         inb = offs < end
-        valid, keep, w, L, dL, clipped, dual, neg_dpg, kl, dkl, H = _token_block(
+        valid, keep, w_trunc, w, L, dL, clipped, dual, neg_dpg, kl, dkl, H = _token_block(
             offs, inb, lp_ptr, ent_ptr, adv_ptr, mask_ptr, old_ptr, roll_ptr, ref_ptr,
             keep_seq, w_seq, is_factor, clip_lo, clip_hi, clip_c, is_lo, is_hi,
             rs_lo_tk1, rs_hi_tk1, rs_hi_tk2, rs_hi_tk3,
@@ -546,6 +557,9 @@ def _seq_stage_fwd_kernel(
         acc_ppokl += tl.where(keep, neg_dpg, 0.0)
         acc_kll += tl.where(keep, kl, 0.0)
         acc_ent += mf * H  # as (a * H).sum(): a is 0 off m'
+        if IS_LEVEL == 1:  # two-pass variance of x = clamp(w, 0, hi), first around the sequence mean
+            x_dev = _clamp(w_trunc, 0.0, is_hi) - seq_mean_x
+            acc_m2 += tl.where(valid, x_dev * x_dev, 0.0)
         if RETURN_W:
             tl.store(w_out_ptr + offs, w, mask=inb)
         if RETURN_MASK:
@@ -577,13 +591,15 @@ def _seq_stage_fwd_kernel(
     tl.store(psum_row + P_PPOKL, tl.sum(acc_ppokl, axis=0))
     tl.store(psum_row + P_KLL, tl.sum(acc_kll, axis=0) * seq_scale)
     tl.store(psum_row + P_ENT, tl.sum(acc_ent, axis=0) * seq_scale)
+    if IS_LEVEL == 1:
+        tl.store(psum_row + P_ISM2, tl.sum(acc_m2, axis=0))
 
     # ---- pass 3 (seq-mean-token-mean): c_t and e_t need 1/|y'_i|, known only now ----
     if AGG == 3:
         for t0 in range(start, end, BLOCK_T):
             offs = t0 + tl.arange(0, BLOCK_T)
             inb = offs < end
-            valid, keep, w, L, dL, clipped, dual, neg_dpg, kl, dkl, H = _token_block(
+            valid, keep, w_trunc, w, L, dL, clipped, dual, neg_dpg, kl, dkl, H = _token_block(
                 offs, inb, lp_ptr, ent_ptr, adv_ptr, mask_ptr, old_ptr, roll_ptr, ref_ptr,
                 keep_seq, w_seq, is_factor, clip_lo, clip_hi, clip_c, is_lo, is_hi,
                 rs_lo_tk1, rs_hi_tk1, rs_hi_tk2, rs_hi_tk3,
@@ -600,16 +616,20 @@ def _seq_stage_fwd_kernel(
 
 @triton.jit
 def _seq_stage_finish_kernel(
-    # data ptrs: column totals [NUM_P] (sums) and [NUM_X] (maxima) over sequences; output [NUM_OUT]
-    psum_ptr, pmax_ptr, out_ptr,
+    # data ptrs: column totals [NUM_P] (sums) and [NUM_X] (maxima) over sequences; output [NUM_OUT];
+    # the per-sequence partials [S, NUM_P] (read only for the IS weight variance)
+    psum_ptr, pmax_ptr, out_ptr, psum_rows_ptr,
+    # sizes
+    S,
     # scalars (fp32; <= 0 means "use the local count")
     kl_coef, ent_coeff, num_tokens, num_seqs, scale_k,
     # constexpr
     HAS_ROLL: tl.constexpr, IS_LEVEL: tl.constexpr, RS: tl.constexpr, KL_TYPE: tl.constexpr,
-    HAS_ENT: tl.constexpr, AGG: tl.constexpr,
+    HAS_ENT: tl.constexpr, AGG: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # One program: turns the column totals into the global factor g of SPEC §7, the loss and every
-    # metric of SPEC §8 (means over an empty set are 0). Reads <= 96 floats, writes NUM_OUT floats.
+    # metric of SPEC §8 (means over an empty set are 0). Reads <= 96 floats (+ 8 B per sequence with
+    # IS weights, for a variance that does not cancel), writes NUM_OUT floats.
     n_tok = tl.load(psum_ptr + P_CNT)
     n_seq = tl.load(psum_ptr + P_NONEMPTY)
     n_tok_d = tl.where(n_tok > 0, n_tok, 1.0)
@@ -630,13 +650,26 @@ def _seq_stage_finish_kernel(
         tl.store(out_ptr + O_DIFFMAX, tl.where(n_seq > 0, tl.load(pmax_ptr + X_DIFFMAX), 0.0))
         tl.store(out_ptr + O_DIFFMIN, tl.where(n_seq > 0, -tl.load(pmax_ptr + X_DIFFMIN), 0.0))
         tl.store(out_ptr + O_PPLR, tl.load(psum_ptr + P_PPLR) / n_seq_d)
-        tl.store(out_ptr + O_CSTAR, tl.sqrt(2.0 * (1.0 + chi2_seq)))
+        # sqrt(2 (1 + chi2_seq)) as sqrt(2 E[rho_seq^2]): 1 + chi2_seq rounds to 0 when every rho_seq is tiny
+        tl.store(out_ptr + O_CSTAR, tl.sqrt(2.0 * (tl.load(psum_ptr + P_RHO2S) / n_seq_d)))
         if IS_LEVEL > 0:
             mean_x = tl.load(psum_ptr + P_ISX) / n_tok_d
             mean_x2 = tl.load(psum_ptr + P_ISX2) / n_tok_d
-            var = mean_x2 - mean_x * mean_x
+            # variance without E[x^2] - E[x]^2 cancellation (Chan et al.): sum_i M2_i + sum_i n_i (m_i - m)^2,
+            # M2_i around each sequence's own mean (0 for sequence-level weights, constant per sequence)
+            acc_between = tl.zeros([BLOCK_S], tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                offs_s = (s0 + tl.arange(0, BLOCK_S)).to(tl.int64)
+                in_s = offs_s < S
+                n_i = tl.load(psum_rows_ptr + offs_s * NUM_P + P_CNT, mask=in_s, other=0.0)
+                sx_i = tl.load(psum_rows_ptr + offs_s * NUM_P + P_ISX, mask=in_s, other=0.0)
+                dev = sx_i / tl.where(n_i > 0, n_i, 1.0) - mean_x
+                acc_between += tl.where(n_i > 0, n_i * (dev * dev), 0.0)
+            m2 = tl.sum(acc_between, axis=0)
+            if IS_LEVEL == 1:
+                m2 = m2 + tl.load(psum_ptr + P_ISM2)
             tl.store(out_ptr + O_ISMEAN, tl.load(psum_ptr + P_ISW) / n_tok_d)
-            tl.store(out_ptr + O_ISSTD, tl.sqrt(tl.where(var < 0, 0.0, var)))
+            tl.store(out_ptr + O_ISSTD, tl.sqrt(m2 / n_tok_d))
             tl.store(out_ptr + O_ISMIN, tl.where(n_tok > 0, -tl.load(pmax_ptr + X_ISMIN), 0.0))
             tl.store(out_ptr + O_ISMAX, tl.where(n_tok > 0, tl.load(pmax_ptr + X_ISMAX), 0.0))
             if IS_LEVEL == 1:
@@ -660,7 +693,8 @@ def _seq_stage_finish_kernel(
                         opt_d = n_seq_d
                     tl.store(out_ptr + O_RS + 4 * j, tl.load(psum_ptr + P_RS + 2 * j) / opt_d)
                     tl.store(out_ptr + O_RS + 4 * j + 1, tl.where(n_tok > 0, tl.load(pmax_ptr + X_RS + 2 * j), 0.0))
-                    tl.store(out_ptr + O_RS + 4 * j + 2, tl.where(n_tok > 0, -tl.load(pmax_ptr + X_RS + 2 * j + 1), 0.0))
+                    neg_min = tl.load(pmax_ptr + X_RS + 2 * j + 1)
+                    tl.store(out_ptr + O_RS + 4 * j + 2, tl.where(n_tok > 0, -neg_min, 0.0))
                     tl.store(out_ptr + O_RS + 4 * j + 3, tl.load(psum_ptr + P_RS + 2 * j + 1) / n_tok_d)
             tl.store(out_ptr + O_REJ, tl.load(psum_ptr + P_REJ) / n_tok_d)
             tl.store(out_ptr + O_SEQREJ, tl.load(psum_ptr + P_SEQREJ) / n_seq_d)
@@ -703,6 +737,15 @@ def _seq_stage_finish_kernel(
 def _block_t(longest: int) -> int:
     # one block covers a whole short sequence; 1024 tokens per iteration beyond that
     return min(max(triton.next_power_of_2(max(longest, 1)), 16), 1024)
+
+
+_FINISH_BLOCK_S = 256  # sequences per iteration of the finish kernel's variance loop
+_FINISH_WARPS = 4
+
+
+def _num_warps(block_t: int) -> int:
+    # the all-options variant needs 239 registers per thread at BLOCK_T=1024 with 4 warps, 128 with 8 (sm_90, no spills)
+    return 8 if block_t >= 512 else 4
 
 
 def _rs_args(rs) -> Tuple[int, List[float]]:
@@ -759,7 +802,7 @@ def _metric_slots(has_roll: bool, rs, is_level, has_ref: bool, has_ent: bool) ->
 
 
 def _cu_seqlens(seg: Segments, device) -> torch.Tensor:
-    cu = getattr(seg, "cu_seqlens", None)
+    cu = seg.cu_seqlens
     if cu is not None:
         return cu.to(device=device, dtype=torch.int64).contiguous()
     # seq_id is non-decreasing, so the first token of sequence s is where s would be inserted
@@ -806,8 +849,8 @@ def sequence_stage_triton(
     old_f, roll_f, ref_f = flat(old), flat(rollout), flat(ref)
     mask_b = mask.reshape(-1).to(torch.bool).contiguous()
     mask_u8 = mask_b.view(torch.uint8)
-    packed = seg._T is None
-    T = 0 if packed else int(seg._T)
+    packed = seg.padded_T is None
+    T = 0 if packed else int(seg.padded_T)
     cu = _cu_seqlens(seg, device) if packed else lp_f
     block_t = _block_t(N if packed else T)
 
@@ -824,6 +867,7 @@ def sequence_stage_triton(
             _is_weight_sums_kernel[(S,)](
                 old_f if decoupled else lp_f, roll_f, mask_u8, cu, sums, T, is_lo, is_hi,
                 PACKED=packed, IS_LEVEL=IS_LEVEL_CODES[is_level], IS_ICEPOP=rc.is_icepop, BLOCK_T=block_t,
+                num_warps=_num_warps(block_t),
             )
         lengths, w_sums = sums[:, 0], sums[:, 1]
         if is_level == "token":
@@ -858,6 +902,7 @@ def sequence_stage_triton(
             IS_ICEPOP=bool(is_level is not None and rc.is_icepop), IS_BN=is_bn, RS=rs_flags, REINFORCE=reinforce,
             HAS_DUAL=config.clip_ratio_c is not None, KL_TYPE=KL_CODES[config.kl_type] if has_ref else 0,
             HAS_ENT=has_ent, WRITE_E=write_e, RETURN_W=apply_w, RETURN_MASK=bool(rs), AGG=agg, BLOCK_T=block_t,
+            num_warps=_num_warps(block_t),
         )
         psum_tot = psum.sum(0)  # fixed-order reductions over sequences: deterministic
         pmax_tot = pmax.amax(0)
@@ -866,13 +911,14 @@ def sequence_stage_triton(
         pmax_tot = torch.full((int(NUM_X),), float("-inf"), dtype=torch.float32, device=device)
     out = torch.zeros(int(NUM_OUT), dtype=torch.float32, device=device)
     _seq_stage_finish_kernel[(1,)](
-        psum_tot, pmax_tot, out,
+        psum_tot, pmax_tot, out, psum if S > 0 else psum_tot, S,
         config.kl_coef, config.entropy_coeff,
         config.global_num_tokens if config.global_num_tokens is not None else -1.0,
         config.global_num_seqs if config.global_num_seqs is not None else -1.0,
         config.loss_scale_factor if config.loss_scale_factor is not None else -1.0,
         HAS_ROLL=has_roll, IS_LEVEL=IS_LEVEL_CODES[is_level], RS=rs_flags,
-        KL_TYPE=KL_CODES[config.kl_type] if has_ref else 0, HAS_ENT=has_ent, AGG=agg,
+        KL_TYPE=KL_CODES[config.kl_type] if has_ref else 0, HAS_ENT=has_ent, AGG=agg, BLOCK_S=_FINISH_BLOCK_S,
+        num_warps=_FINISH_WARPS,
     )
     scale = out[int(O_SCALE)]
     if agg != AGG_CODES["token-sum"]:
@@ -920,8 +966,8 @@ def _fwd_spec(name: str, **cx) -> AotSpec:
     sig.update({c: "constexpr" for c in _FWD_CONSTEXPRS})
     aligned = tuple(p for p in _FWD_PTRS if p != "is_factor_ptr")
     label = ",".join(f"{k}={int(v)}" for k, v in cx.items())
-    return AotSpec(f"seq_stage_fwd[{name}:{label}]", _seq_stage_fwd_kernel, sig, dict(cx), num_warps=4,
-                   aligned=aligned)
+    return AotSpec(f"seq_stage_fwd[{name}:{label}]", _seq_stage_fwd_kernel, sig, dict(cx),
+                   num_warps=_num_warps(cx["BLOCK_T"]), aligned=aligned)
 
 
 def aot_specs() -> List[AotSpec]:
@@ -932,13 +978,19 @@ def aot_specs() -> List[AotSpec]:
                 REINFORCE=False, HAS_DUAL=True, KL_TYPE=0, HAS_ENT=False, WRITE_E=False, RETURN_W=False,
                 RETURN_MASK=False, AGG=0, BLOCK_T=1024)
     all_rs = (1 << len(RS_OPTIONS)) - 1
-    for reinforce in (False, True):
-        for is_level in (0, 1, 2):
-            for agg in range(5):
-                for rs in (0, RS_BITS["seq_mean_k1"] | RS_BITS["token_k3"]):
-                    cx = dict(base, REINFORCE=reinforce, DECOUPLED=not reinforce, IS_LEVEL=is_level, AGG=agg, RS=rs,
-                              RETURN_MASK=bool(rs), RETURN_W=is_level > 0, PACKED=agg % 2 == 0)
-                    specs.append(_fwd_spec("mode", **cx))
+    some_rs = RS_BITS["seq_mean_k1"] | RS_BITS["token_k3"]  # Geo-RS + a token option
+    # ppo_clip (decoupled) x IS level x agg mode; rejection on for every other one, layouts alternate
+    for is_level in (0, 1, 2):
+        for agg in range(5):
+            rs = some_rs if (is_level + agg) % 2 else 0
+            specs.append(_fwd_spec("ppo", **dict(base, IS_LEVEL=is_level, AGG=agg, RS=rs, RETURN_MASK=bool(rs),
+                                                 RETURN_W=is_level > 0, PACKED=agg % 2 == 0)))
+    # reinforce (bypass) x IS level x {token-mean, seq-mean-token-mean}: the agg modes differ only by pass 3
+    for is_level in (0, 1, 2):
+        for agg in (0, 3):
+            specs.append(_fwd_spec("reinforce", **dict(base, REINFORCE=True, DECOUPLED=False, IS_LEVEL=is_level,
+                                                       AGG=agg, RS=some_rs if agg else 0, RETURN_MASK=bool(agg),
+                                                       RETURN_W=is_level > 0)))
     # the heaviest variants: every option, icepop + batch normalisation, KL, entropy, padded small block
     specs.append(_fwd_spec("all", **dict(base, IS_LEVEL=2, IS_BN=True, RS=all_rs, RETURN_MASK=True, RETURN_W=True,
                                          KL_TYPE=3, HAS_ENT=True, WRITE_E=True, AGG=3)))
@@ -953,13 +1005,15 @@ def aot_specs() -> List[AotSpec]:
             {"ltr_ptr": "*fp32", "roll_ptr": "*fp32", "mask_ptr": "*u8", "cu_ptr": "*i64", "out_ptr": "*fp32",
              "T": "i32", "is_lo": "fp32", "is_hi": "fp32", "PACKED": "constexpr", "IS_LEVEL": "constexpr",
              "IS_ICEPOP": "constexpr", "BLOCK_T": "constexpr"},
-            {"PACKED": True, "IS_LEVEL": is_level, "IS_ICEPOP": False, "BLOCK_T": 1024},
+            {"PACKED": True, "IS_LEVEL": is_level, "IS_ICEPOP": False, "BLOCK_T": 1024}, num_warps=8,
             aligned=("ltr_ptr", "roll_ptr", "mask_ptr")))
-    fin_sig = {"psum_ptr": "*fp32", "pmax_ptr": "*fp32", "out_ptr": "*fp32", "kl_coef": "fp32", "ent_coeff": "fp32",
-               "num_tokens": "fp32", "num_seqs": "fp32", "scale_k": "fp32", "HAS_ROLL": "constexpr",
-               "IS_LEVEL": "constexpr", "RS": "constexpr", "KL_TYPE": "constexpr", "HAS_ENT": "constexpr",
-               "AGG": "constexpr"}
+    fin_sig = {"psum_ptr": "*fp32", "pmax_ptr": "*fp32", "out_ptr": "*fp32", "psum_rows_ptr": "*fp32", "S": "i32",
+               "kl_coef": "fp32", "ent_coeff": "fp32", "num_tokens": "fp32", "num_seqs": "fp32", "scale_k": "fp32",
+               "HAS_ROLL": "constexpr", "IS_LEVEL": "constexpr", "RS": "constexpr", "KL_TYPE": "constexpr",
+               "HAS_ENT": "constexpr", "AGG": "constexpr", "BLOCK_S": "constexpr"}
     for agg in range(5):
-        cx = dict(HAS_ROLL=True, IS_LEVEL=agg % 3, RS=all_rs if agg % 2 else 0, KL_TYPE=3, HAS_ENT=True, AGG=agg)
-        specs.append(AotSpec(f"seq_stage_finish[AGG={agg}]", _seq_stage_finish_kernel, fin_sig, cx, num_warps=1))
+        cx = dict(HAS_ROLL=True, IS_LEVEL=agg % 3, RS=all_rs if agg % 2 else 0, KL_TYPE=3, HAS_ENT=True, AGG=agg,
+                  BLOCK_S=_FINISH_BLOCK_S)
+        specs.append(AotSpec(f"seq_stage_finish[AGG={agg},IS_LEVEL={agg % 3}]", _seq_stage_finish_kernel, fin_sig, cx,
+                             num_warps=_FINISH_WARPS, aligned=("psum_ptr", "pmax_ptr", "out_ptr", "psum_rows_ptr")))
     return specs
