@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
+# Runs in under 8 minutes: versions, optional CUDA extension build, GPU tests, Triton kernel tests,
+# the 8192 x 151936 bf16 head-to-head (triton vs cuda vs torch backend vs naive, GB/s vs the bytes
+# model), and the quick CUDA suite. Logs and JSON go to $OUT (default benchmarks/results/gpu).
+#   BUILD_CUDA=0 benchmarks/gpu_check.sh     # skip the extension build
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results/gpu}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+PEAK_GBPS="${PEAK_GBPS:-4800}"
+declare -A STATUS
+step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.log, remember the exit code
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  STATUS[$name]="rc=$rc $((SECONDS - t0))s"
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+}
+
+{ nvidia-smi; nvcc --version; $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/versions.log"
+
+if [ "${BUILD_CUDA:-1}" = "1" ]; then
+  step build_cuda 200 env RLKERNELS_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" $PY -m pip install -e . --no-build-isolation --no-deps
+fi
+$PY -c "from rlkernels import backends; print('backends available:', backends.available())" 2>&1 | tee "$OUT/backends.log"
+
+step gpu_tests 75 $PY -m pytest -m gpu -q -x -p no:cacheprovider
+if ls tests/kernels/test_*.py > /dev/null 2>&1; then
+  step triton_kernel_tests 60 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
+fi
+
+# head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
+step headline 120 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
+  --providers "naive,rlkernels[torch],rlkernels[triton],rlkernels[cuda]" --warmup 3 --reps 20 --max-seconds 4 --no-plot \
+  --shape ppo:seq_mis:8192:151936:bf16 --shape logprobs:-:8192:151936:bf16
+
+step quick_suite 150 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
+
+# ---- summary, last
+echo
+echo "================ SUMMARY ================"
+for k in "${!STATUS[@]}"; do printf '%-22s %s\n' "$k" "${STATUS[$k]}"; done
+$PY - "$OUT" "$PEAK_GBPS" <<'PYEOF'
+import json, os, sys
+out, peak = sys.argv[1], float(sys.argv[2])
+for tag in ("h200-8192x151936", "cuda-quick"):
+    path = os.path.join(out, tag + ".json")
+    if not os.path.exists(path):
+        print(f"{tag}: no JSON"); continue
+    data = json.load(open(path))
+    print(f"\n{tag}{' (partial: stopped by the time limit)' if data.get('partial') else ''}; bytes model: fwd 1 read, fwd+bwd 2 reads + 1 write of N*V; % of {peak:.0f} GB/s")
+    print(f"{'op':9} {'N':>6} {'V':>7} {'mode':6} {'provider':18} {'median ms':>10} {'GB/s':>8} {'%peak':>6} {'peak MiB':>9}")
+    for r in data["results"]:
+        if r.get("status") == "ok":
+            print(f"{r['op']:9} {r['N']:>6} {r['V']:>7} {r['mode']:6} {r['provider']:18} {r['time_ms']['median']:>10.3f} "
+                  f"{r['gbps']:>8.0f} {r.get('pct_peak', 0):>6.1f} {r['peak_mem_bytes'] / 2**20:>9.0f}")
+        elif tag != "cuda-quick":
+            print(f"{r['op']:9} {r['N']:>6} {r['V']:>7} {r['mode']:6} {r['provider']:18} {r['status']}: {r.get('reason', '')[:70]}")
+    bad = [c for c in data.get("checks", []) if not c["ok"]]
+    print(f"agreement vs rlkernels[torch]: {len(data.get('checks', [])) - len(bad)}/{len(data.get('checks', []))} ok")
+    for c in bad:
+        print(f"  MISMATCH {c['provider']} {c['op']} N={c['N']} V={c['V']} {c['mode']} {c['field']} rel {c['rel_err']:.2e}")
+PYEOF
