@@ -24,7 +24,7 @@ from rlkernels import reference
 from rlkernels.kernels.triton.token_grad import token_grad_bwd
 from rlkernels.kernels.triton.token_stats import token_stats_fwd
 
-from .test_triton_token_stats import DTYPES, ROW_KINDS, assert_close, make_rows
+from .test_triton_token_stats import DTYPES, ROW_KINDS, assert_close, dtype_id, make_rows
 
 pytestmark = [
     pytest.mark.interpret,
@@ -83,7 +83,7 @@ def check_grad(logits, labels, temperature, c, e, **kw):
 
 
 @pytest.mark.parametrize("V", [1, 7, 129, 300])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_adversarial_rows(V, dtype, with_entropy):
     logits, labels = make_rows(18, V, dtype, seed=V)
@@ -92,14 +92,14 @@ def test_adversarial_rows(V, dtype, with_entropy):
 
 
 @pytest.mark.parametrize("block_v,block_n", [(16, 1), (32, 4)])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_multi_block_with_temperature(block_v, block_n, dtype):
     logits, labels = make_rows(11, 203, dtype, seed=block_v)
     c, e = coefficients(11, seed=1, zero_rows=(4,))
     check_grad(logits, labels, 0.7, c, e, block_v=block_v, block_n=block_n)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
 def test_target_column_formed_in_fp32(dtype):
     # p_y in (0.9, 0.9999): the target column c (1 - p_y) must carry one output rounding only. With
     # p_y rounded to bf16 first (Liger), 1 - p_y is off by up to 2^-9 / (1 - p_y): 50% at p_y = 0.999.
@@ -117,6 +117,22 @@ def test_target_column_formed_in_fp32(dtype):
                  name="target column")
 
 
+def test_row_without_distribution():
+    # an all -inf row that still has coefficients: p = 0 everywhere, so the gradient is c / T at the
+    # target and 0 elsewhere (the torch backend's convention), never NaN
+    logits = torch.randn(3, 20)
+    logits[1] = float("-inf")
+    labels = torch.tensor([2, 3, 4])
+    c, e = torch.tensor([0.5, 2.0, -1.0]), torch.tensor([1.0, 3.0, 0.5])
+    stats = token_stats_fwd(logits, labels, 0.5, True, False)
+    g = token_grad_bwd(logits, labels, stats.row_max, stats.log_norm, stats.entropy, c, e, 0.5, False)
+    expected_row = torch.zeros(20)
+    expected_row[3] = 2.0 / 0.5
+    assert torch.equal(g[1], expected_row)
+    ref = oracle_grad(logits[[0, 2]], labels[[0, 2]], 0.5, c[[0, 2]], e[[0, 2]])
+    assert_close(g[[0, 2]], ref, atol=ATOL, rtol=1e-5, name="dlogits")
+
+
 def test_inactive_rows_are_not_read():
     logits, labels = make_rows(8, 40, torch.float32, seed=2, kinds=("normal",))
     c, e = coefficients(8, seed=2, zero_rows=(1, 3, 5))
@@ -128,7 +144,7 @@ def test_inactive_rows_are_not_read():
     assert torch.equal(g[[1, 3, 5]], torch.zeros(3, 40))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_inplace(dtype):
     logits, labels = make_rows(9, 70, dtype, seed=4)
     c, e = coefficients(9, seed=4, zero_rows=(2,))
@@ -183,7 +199,7 @@ def _grads(fn, logits, backend, **kw):
     return out, x
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_token_logprobs_api(dtype):
     gen = torch.Generator().manual_seed(0)
     B, T, V = 2, 5, 37

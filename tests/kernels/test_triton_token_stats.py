@@ -30,6 +30,10 @@ pytestmark = [
 
 STAT_TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 statistics, see the module docstring
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dtype_id(dtype):
+    return str(dtype).replace("torch.", "")
 # every adversarial row kind appears in every batch (rows cycle through them)
 ROW_KINDS = ("normal", "offset_pos", "offset_neg", "neg_inf", "one_finite", "one_hot", "peaked", "skip_neg", "skip_big")
 
@@ -120,7 +124,7 @@ def check_stats(logits, labels, temperature, *, block_v=None, block_n=None, entr
 
 # V: 1 (degenerate), 7 (< 16), 64 (exactly a tier's BLOCK_V), 129 and 300 (off powers of two, 2 tiers)
 @pytest.mark.parametrize("V", [1, 7, 64, 129, 300])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_adversarial_rows(V, dtype):
     logits, labels = make_rows(18, V, dtype, seed=V)
     check_stats(logits, labels, 1.0)
@@ -128,7 +132,7 @@ def test_adversarial_rows(V, dtype):
 
 # multi-block loop (BLOCK_V < V) with one row and with several rows per program, and a temperature
 @pytest.mark.parametrize("block_v,block_n", [(16, 1), (32, 4), (128, 2)])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_multi_block(block_v, block_n, dtype):
     logits, labels = make_rows(11, 203, dtype, seed=block_v)
     check_stats(logits, labels, 0.7, block_v=block_v, block_n=block_n)
@@ -171,16 +175,16 @@ def test_all_skipped_and_empty():
 
 @pytest.mark.parametrize("block_v", [None, 8])
 def test_all_neg_inf_row(block_v):
-    # no distribution at all: the shift must stay finite, so lse = -inf exactly (never NaN), and the
-    # other outputs follow the torch backend (0/0 there too; validation keeps such rows out of losses)
+    # no distribution at all: the shift must stay finite ((-inf) - (-inf) is NaN), and the row reads
+    # row_max 0, log_norm -inf, logprob -inf, entropy 0, sum p^2 0: never NaN
     logits = torch.randn(3, 20)
     logits[1] = float("-inf")
     labels = torch.tensor([2, 3, 4])
-    out = token_stats_fwd(logits, labels, 1.0, True, True, block_v=block_v)
-    assert out.row_max[1] == 0 and out.log_norm[1] == float("-inf")
-    ref = TorchBackend().token_stats_fwd(logits, labels, 1.0, True, True)
-    for a, e, name in zip(out, ref, ref._fields):
-        assert_close(a, e, **STAT_TOL, name=name)
+    out = token_stats_fwd(logits, labels, 0.7, True, True, block_v=block_v)
+    assert [float(t[1]) for t in out] == [0.0, float("-inf"), float("-inf"), 0.0, 0.0]
+    ref = TorchBackend().token_stats_fwd(logits, labels, 0.7, True, True)
+    for a, e, name in zip(out, ref, ref._fields):  # the other rows: as the torch backend
+        assert_close(a[[0, 2]], e[[0, 2]], **STAT_TOL, name=name)
 
 
 def test_temperature_is_a_runtime_scalar():

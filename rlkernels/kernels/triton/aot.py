@@ -177,17 +177,17 @@ def run_all(jobs, workers: int) -> List[AotResult]:
 
 
 def format_table(results: List[AotResult]) -> str:
-    width = max([len("kernel config")] + [len(r.name) for r in results])
-    head = f"{'kernel config':<{width}}  {'cc':>3} {'warps':>5} {'stages':>6} {'regs':>4} {'spills':>6} " \
-           f"{'stack':>5} {'shared':>6} {'ldg':>4} {'sec':>5}"
+    """One row per (spec, cc); numbers first so that long kernel names cannot push them apart."""
+    head = (f"{'cc':>3} {'warps':>5} {'stages':>6} {'regs':>4} {'spills':>6} {'stack':>5} {'shared':>6} {'ldg':>4} "
+            f"{'sec':>5}  kernel config")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.error:
-            lines.append(f"{r.name:<{width}}  {r.cc:>3} {r.num_warps:>5} {r.num_stages:>6} ERROR {r.error}")
+            lines.append(f"{r.cc:>3} {r.num_warps:>5} {r.num_stages:>6} {'ERROR':>4}  {r.name}: {r.error}")
             continue
         lines.append(
-            f"{r.name:<{width}}  {r.cc:>3} {r.num_warps:>5} {r.num_stages:>6} {r.regs:>4} {r.spills:>6} "
-            f"{r.stack:>5} {r.shared:>6} {r.ldg_bits:>4} {r.seconds:>5.2f}"
+            f"{r.cc:>3} {r.num_warps:>5} {r.num_stages:>6} {r.regs:>4} {r.spills:>6} {r.stack:>5} {r.shared:>6} "
+            f"{r.ldg_bits:>4} {r.seconds:>5.2f}  {r.name}"
         )
     return "\n".join(lines)
 

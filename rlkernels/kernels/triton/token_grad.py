@@ -29,7 +29,8 @@ def _token_grad_bwd_kernel(
     # dlogits = (c (onehot - p) - e p (log p + H)) / T block by block: reads N*V and writes N*V
     # elements of the logits dtype (dlogits_ptr may alias logits_ptr). Hazards: log p is formed as
     # (z - row_max) / T - log_norm (no fp32 lse); the target column c (1 - p_y) is formed in fp32;
-    # p = 0 terms are 0, not 0 * -inf; rows with c = e = 0 or a skipped label write zeros unread.
+    # p = 0 terms are 0, not 0 * -inf; rows with c = e = 0 or a skipped label write zeros unread;
+    # a row without a finite logit (log_norm = -inf) gets p = 0, not NaN.
     pid_n = tl.program_id(0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -44,6 +45,9 @@ def _token_grad_bwd_kernel(
         active = valid & (c != 0.0)
     row_max = tl.load(row_max_ptr + offs_n, mask=active, other=0.0)
     log_norm = tl.load(log_norm_ptr + offs_n, mask=active, other=0.0)
+    # a row without a distribution (log_norm = -inf) takes log_norm = +inf: p = 0 everywhere and
+    # the row's gradient is c / T at the target (-inf - -inf would be NaN)
+    log_norm = tl.where(log_norm == float("-inf"), float("inf"), log_norm)
     inv_t = 1.0 / tl.cast(temperature, tl.float32)  # tl.cast: a float64 scalar must not widen the math (Liger #1366)
     in_ptrs = logits_ptr + offs_n * stride_logits_n  # int64 offsets: N * V > 2^31 happens
     out_ptrs = dlogits_ptr + offs_n * stride_dlogits_n

@@ -1,4 +1,5 @@
-"""Token statistics forward (SPEC §2): (row_max, log_norm), logprob, and on request entropy and sum p^2, one read of [N, V]."""
+"""Token statistics forward (SPEC §2): (row_max, log_norm), logprob, and on request entropy and sum p^2,
+from one read of the [N, V] logits."""
 
 import contextlib
 
@@ -67,17 +68,21 @@ def _token_stats_fwd_kernel(
         l_i = alpha * l_i + tl.sum(ex, axis=1)
         m_i = m_new
 
-    row_max = safe_shift(m_i)  # 0 on rows without a finite entry (their log_norm is -inf, never NaN)
+    # A row without a finite entry has no distribution: row_max 0, log_norm -inf, logprob -inf,
+    # entropy 0 and sum p^2 0, never NaN (the torch backend's convention).
+    has_mass = l_i > 0.0
+    row_max = safe_shift(m_i)
     log_norm = tl.log(l_i)
     z_y = tl.load(row_ptrs + labels, mask=active, other=0.0).to(tl.float32)
+    logprob = tl.where(has_mass, (z_y - row_max) * inv_t - log_norm, float("-inf"))
     tl.store(row_max_ptr + offs_n, tl.where(active, row_max, 0.0), mask=mask_n)
     tl.store(log_norm_ptr + offs_n, tl.where(active, log_norm, 0.0), mask=mask_n)
-    tl.store(logprobs_ptr + offs_n, tl.where(active, (z_y - row_max) * inv_t - log_norm, 0.0), mask=mask_n)
+    tl.store(logprobs_ptr + offs_n, tl.where(active, logprob, 0.0), mask=mask_n)
     if HAS_ENTROPY:
         # H = lse - sum p zs = log l - t / l
-        tl.store(entropy_ptr + offs_n, tl.where(active, log_norm - t_i / l_i, 0.0), mask=mask_n)
+        tl.store(entropy_ptr + offs_n, tl.where(active & has_mass, log_norm - t_i / l_i, 0.0), mask=mask_n)
     if HAS_SUM_PI_SQUARED:
-        tl.store(sum_pi_squared_ptr + offs_n, tl.where(active, s_i / (l_i * l_i), 0.0), mask=mask_n)
+        tl.store(sum_pi_squared_ptr + offs_n, tl.where(active & has_mass, s_i / (l_i * l_i), 0.0), mask=mask_n)
 
 
 def device_guard(t: torch.Tensor):
@@ -144,8 +149,8 @@ def aot_specs():
                         "BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V,
                     }
                     signature = {
-                        "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32", "log_norm_ptr": "*fp32",
-                        "logprobs_ptr": "*fp32",
+                        "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32",
+                        "log_norm_ptr": "*fp32", "logprobs_ptr": "*fp32",
                         "entropy_ptr": "*fp32", "sum_pi_squared_ptr": "*fp32", "N": "i32", "V": "i32",
                         "stride_logits_n": "i32", "temperature": "fp32",
                         **{k: "constexpr" for k in constexprs},
@@ -157,7 +162,7 @@ def aot_specs():
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         # what the JIT sees on a real launch: torch allocations are 16-byte aligned and
                         # LLM vocabularies (and so the row stride) are multiples of 16
-                        aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "logprobs_ptr", "entropy_ptr",
-                                 "sum_pi_squared_ptr", "V", "stride_logits_n"),
+                        aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "logprobs_ptr",
+                                 "entropy_ptr", "sum_pi_squared_ptr", "V", "stride_logits_n"),
                     ))
     return specs
