@@ -1,5 +1,7 @@
 """One parity check shared by every backend's test file: backend vs the float64 oracle."""
 
+import os
+
 import torch
 
 import rlkernels
@@ -8,8 +10,11 @@ from rlkernels import reference
 from ..cases import TOLERANCES, assert_close
 
 
-# dlogits of half-precision logits are rounded once more, to the logits dtype
+# dlogits of half-precision logits are rounded once more, to the logits dtype: half an ulp with
+# round-to-nearest. Triton's CPU interpreter truncates float32 -> bf16/fp16 instead (a whole ulp),
+# so kernels it runs get twice the bound; on a GPU the store rounds to nearest.
 OUTPUT_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+INTERPRETER_TRUNCATES = 2.0
 
 
 def check_against_reference(batch, mode, config, *, backend, device="cpu"):
@@ -50,6 +55,9 @@ def check_against_reference(batch, mode, config, *, backend, device="cpu"):
     # one-hot rows give true values of 1e-19 that it reports as 0).
     g_scale = max(1e-3, float(ref_grad.abs().max())) if ref_grad.numel() else 1.0
     assert grad.dtype == logits.dtype
-    grad_rtol = max(tol["rtol"], OUTPUT_ROUNDING.get(logits.dtype, 0.0))
+    rounding = OUTPUT_ROUNDING.get(logits.dtype, 0.0)
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        rounding *= INTERPRETER_TRUNCATES
+    grad_rtol = max(tol["rtol"], rounding)
     assert_close(grad, ref_grad, rtol=grad_rtol, atol=tol["atol"] * g_scale, name="dlogits")
     return out, expected

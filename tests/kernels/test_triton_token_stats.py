@@ -21,6 +21,8 @@ from rlkernels.backends.torch_backend import TorchBackend
 from rlkernels.kernels.triton.tl_math import vocab_config
 from rlkernels.kernels.triton.token_stats import token_stats_fwd
 
+from ..cases import assert_close
+
 pytestmark = [
     pytest.mark.interpret,
     # the interpreter evaluates both sides of every tl.where in numpy: log(0), 0 * -inf and 0 / 0 on
@@ -76,25 +78,6 @@ def oracle(logits, labels, temperature):
     valid = (labels >= 0) & (labels < logits.shape[1])
     lse = torch.logsumexp(logits.double() / temperature, dim=1)
     return lp, ent, s2, torch.where(valid, lse, torch.zeros_like(lse))
-
-
-def assert_close(actual, expected, *, atol, rtol, name):
-    """allclose with NaN/inf agreement and a message naming the worst element."""
-    a, e = actual.detach().double(), expected.detach().double()
-    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert torch.equal(torch.isnan(a), torch.isnan(e)), f"{name}: NaN pattern differs"
-    assert torch.equal(torch.isposinf(a), torch.isposinf(e)) and torch.equal(torch.isneginf(a), torch.isneginf(e)), (
-        f"{name}: inf pattern differs"
-    )
-    fin = torch.isfinite(e)
-    if fin.any():
-        err = (a[fin] - e[fin]).abs()
-        bound = atol + rtol * e[fin].abs()
-        worst = int(torch.argmax(err - bound))
-        assert bool((err <= bound).all()), (
-            f"{name}: worst element actual={a[fin][worst].item()!r} expected={e[fin][worst].item()!r} "
-            f"err={err[worst].item():.3e} > bound={bound[worst].item():.3e}"
-        )
 
 
 def check_stats(logits, labels, temperature, *, block_v=None, block_n=None, entropy=True, s2=True):
