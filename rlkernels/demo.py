@@ -116,9 +116,9 @@ def main(argv=None):
     header = f"{'preset':<20} {'loss':>9} {'kept':>6} {'IS mean':>8} {'ESS':>6} {'kl':>8} {'chi2_tok':>9} {'clipfrac':>8}  verdict"
     print(header)
     print("-" * len(header))
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    fmt = lambda v, width: f"{'-':>{width}}" if v is None else f"{v:>{width}.3f}"  # noqa: E731
     for name, loss, kept, is_mean, ess, kl, chi2, clipfrac, verdict in rows:
-        print(f"{name:<20} {loss:>9.5f} {kept:>6.1%} {fmt(is_mean, '>8.3f')} {fmt(ess, '>6.3f')} {kl:>8.4f} "
+        print(f"{name:<20} {loss:>9.5f} {kept:>6.1%} {fmt(is_mean, 8)} {fmt(ess, 6)} {kl:>8.4f} "
               f"{chi2:>9.4f} {clipfrac:>8.3f}  {verdict}")
     print("\nhealth thresholds: " + "; ".join(f"{label} {rule}" for label, _, rule in HEALTH.values()))
 
