@@ -35,6 +35,7 @@ PRESETS = {
 
 def synthetic_batch(num_seqs: int, vocab: int, device, seed: int = 0, dtype=torch.float32):
     """A packed batch: logits of the trainer, and what the inference engine reported for them."""
+    torch.manual_seed(seed)  # the label sampler below draws from the global generator
     g = torch.Generator(device="cpu").manual_seed(seed)
     lengths = torch.randint(8, 65, (num_seqs,), generator=g)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])

@@ -98,26 +98,39 @@ class TorchBackend:
         active = valid & ((coef_logprob != 0) | (coef_entropy != 0 if coef_entropy is not None else False))
         zero = torch.zeros((), dtype=acc, device=device)
         inv_t = 1.0 / temperature
-        # coefficients of inactive rows are 0, so `where` (not a product) keeps their rows exactly 0
-        # even where the logits hold no distribution (all -inf: p is NaN there)
+        # inactive rows have c = e = 0 and so come out exactly 0 from the products below
         c = torch.where(active, coef_logprob.to(acc), zero) * inv_t
         safe_labels = labels.clamp(0, max(V - 1, 0)).unsqueeze(1)
-        usable = (active & (log_norm > float("-inf"))).unsqueeze(1)
+        usable = active & (log_norm > float("-inf"))
         row_max = row_max.to(acc)
         for s, e in self._chunks(N, V):
             chunk, c_rows, y = logits[s:e], c[s:e, None], safe_labels[s:e]
+            p = torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc)
+            # a row without a finite logit has no distribution and a NaN softmax: its gradient is c
+            # at the target if it is active (p := 0), else 0 -- fixed per row, not with a full pass
+            no_distribution = torch.isnan(p[:, 0]) & ~usable[s:e]
+            p_y = torch.where(usable[s:e, None], p.gather(1, y), zero)
             if coef_entropy is None:
-                p = torch.where(usable[s:e], torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc), zero)
-                torch.mul(p, -c_rows, out=out[s:e])  # -c p / T, rounded once to the logits dtype
+                g = torch.mul(p, -c_rows, out=out[s:e])  # -c p / T, rounded once to the logits dtype
+                _zero_rows(g, no_distribution)
                 # the target column: c (1 - p_y) / T formed in float32 and written once, never as the
                 # rounded -c p_y plus c, which cancels to garbage in bf16 as p_y -> 1
-                out[s:e].scatter_(1, y, (c_rows * (1 - p.gather(1, y))).to(out.dtype))
+                g.scatter_(1, y, (c_rows * (1 - p_y)).to(out.dtype))
             else:
                 # g = -p (c + e (log p + H)) = -p (c + e H) - e p log p, with p log p = 0 at p = 0
-                p = torch.where(usable[s:e], torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc), zero)
                 e_rows = torch.where(active, coef_entropy.to(acc), zero)[s:e, None] * inv_t
                 g = p * (-c_rows - e_rows * entropy[s:e, None].to(acc))
                 g.sub_(torch.xlogy(p, p).mul_(e_rows))
+                _zero_rows(g, no_distribution)
                 g.scatter_add_(1, y, c_rows)  # + c at the target, in float32 before the rounding
                 out[s:e].copy_(g)
         return out
+
+
+def _zero_rows(t: torch.Tensor, rows: torch.Tensor) -> None:
+    """t[rows] = 0. On the CPU an index touches only those rows; on a GPU sizing the index would sync
+    the host, so a masked fill -- a full pass, but sync-free -- stands in for it."""
+    if t.device.type == "cpu":
+        t.index_fill_(0, torch.nonzero(rows).squeeze(1), 0.0)  # (t[rows] = 0 takes a slow full path)
+    else:
+        t.masked_fill_(rows[:, None], 0.0)
