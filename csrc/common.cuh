@@ -71,10 +71,21 @@ template <> struct Elem<float> {
   }
 };
 
-template <> struct Elem<__half> {
+// fp16 and bf16 differ only in how one 32-bit word of two elements converts; Packed16 turns that
+// into the 16-byte (8-element) vector conversions both use.
+template <typename Word> struct Packed16 {
   static constexpr int kVec = 8;
-  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ void unpack(uint4 v, float (&out)[kVec]) {
+    Word::unpack_word(v.x, out[0], out[1]); Word::unpack_word(v.y, out[2], out[3]);
+    Word::unpack_word(v.z, out[4], out[5]); Word::unpack_word(v.w, out[6], out[7]);
+  }
+  static __device__ __forceinline__ uint4 pack(const float (&in)[kVec]) {
+    return make_uint4(Word::pack_word(in[0], in[1]), Word::pack_word(in[2], in[3]), Word::pack_word(in[4], in[5]),
+                      Word::pack_word(in[6], in[7]));
+  }
+};
+
+struct HalfWord {
   static __device__ __forceinline__ void unpack_word(uint32_t w, float& lo, float& hi) {
     lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
     hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
@@ -83,19 +94,9 @@ template <> struct Elem<__half> {
     const __half2 h = __floats2half2_rn(lo, hi);  // one cvt.rn.f16x2.f32
     return *reinterpret_cast<const uint32_t*>(&h);
   }
-  static __device__ __forceinline__ void unpack(uint4 v, float (&out)[kVec]) {
-    unpack_word(v.x, out[0], out[1]); unpack_word(v.y, out[2], out[3]);
-    unpack_word(v.z, out[4], out[5]); unpack_word(v.w, out[6], out[7]);
-  }
-  static __device__ __forceinline__ uint4 pack(const float (&in)[kVec]) {
-    return make_uint4(pack_word(in[0], in[1]), pack_word(in[2], in[3]), pack_word(in[4], in[5]), pack_word(in[6], in[7]));
-  }
 };
 
-template <> struct Elem<__nv_bfloat16> {
-  static constexpr int kVec = 8;
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+struct BFloat16Word {
   static __device__ __forceinline__ void unpack_word(uint32_t w, float& lo, float& hi) {
     lo = __uint_as_float(w << 16);  // bf16 is the top half of an fp32: the conversion is exact
     hi = __uint_as_float(w & 0xffff0000u);
@@ -104,13 +105,16 @@ template <> struct Elem<__nv_bfloat16> {
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // one cvt.rn.bf16x2.f32
     return *reinterpret_cast<const uint32_t*>(&h);
   }
-  static __device__ __forceinline__ void unpack(uint4 v, float (&out)[kVec]) {
-    unpack_word(v.x, out[0], out[1]); unpack_word(v.y, out[2], out[3]);
-    unpack_word(v.z, out[4], out[5]); unpack_word(v.w, out[6], out[7]);
-  }
-  static __device__ __forceinline__ uint4 pack(const float (&in)[kVec]) {
-    return make_uint4(pack_word(in[0], in[1]), pack_word(in[2], in[3]), pack_word(in[4], in[5]), pack_word(in[6], in[7]));
-  }
+};
+
+template <> struct Elem<__half> : Packed16<HalfWord> {
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <> struct Elem<__nv_bfloat16> : Packed16<BFloat16Word> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
 
 // ---- row layout: [0, head) scalar, [head, head + nvec*VEC) 16-byte vectors, the rest scalar.
@@ -121,6 +125,15 @@ struct RowSplit {
   int64_t head;
   int64_t nvec;
 };
+
+// Calls f(T{}) with T the element type of `dtype`: one switch for every launcher.
+template <typename F> inline void dispatch_logits_dtype(LogitsDtype dtype, F&& f) {
+  switch (dtype) {
+    case LogitsDtype::kFloat32: f(float{}); break;
+    case LogitsDtype::kFloat16: f(__half{}); break;
+    case LogitsDtype::kBFloat16: f(__nv_bfloat16{}); break;
+  }
+}
 
 template <typename T>
 __device__ __forceinline__ int64_t misalignment(const void* p) {

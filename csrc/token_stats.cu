@@ -162,17 +162,7 @@ const char* token_stats_fwd_launch(const void* logits, const int64_t* labels, fl
                   static_cast<float>(1.4426950408889634 / temperature),  // each rounded once, from double
                   static_cast<float>(1.0 / temperature)};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case LogitsDtype::kFloat32:
-      launch_rows<float>(a, s);
-      break;
-    case LogitsDtype::kFloat16:
-      launch_rows<__half>(a, s);
-      break;
-    case LogitsDtype::kBFloat16:
-      launch_rows<__nv_bfloat16>(a, s);
-      break;
-  }
+  dispatch_logits_dtype(dtype, [&](auto zero) { launch_rows<decltype(zero)>(a, s); });
   return launch_status();
 }
 
