@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
-# Runs in under 8 minutes: versions, optional CUDA extension build, GPU tests, Triton kernel tests,
+# Runs in under 8 minutes (step limits 150 + 60 + 45 + 90 + 90 s = 7.25 min): versions, optional CUDA extension build, GPU tests, Triton kernel tests,
 # the 8192 x 151936 bf16 head-to-head (triton vs cuda vs torch backend vs naive, GB/s vs the bytes
 # model), and the quick CUDA suite. Logs and JSON go to $OUT (default benchmarks/results/gpu).
 #   BUILD_CUDA=0 benchmarks/gpu_check.sh     # skip the extension build
@@ -25,21 +25,21 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a time limit, log to $OUT/NAME.
 { nvidia-smi; nvcc --version; $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/versions.log"
 
 if [ "${BUILD_CUDA:-1}" = "1" ]; then
-  step build_cuda 200 env RLKERNELS_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" $PY -m pip install -e . --no-build-isolation --no-deps
+  step build_cuda 150 env RLKERNELS_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" $PY -m pip install -e . --no-build-isolation --no-deps
 fi
 $PY -c "from rlkernels import backends; print('backends available:', backends.available())" 2>&1 | tee "$OUT/backends.log"
 
-step gpu_tests 75 $PY -m pytest -m gpu -q -x -p no:cacheprovider
+step gpu_tests 60 $PY -m pytest -m gpu -q -x -p no:cacheprovider
 if ls tests/kernels/test_*.py > /dev/null 2>&1; then
-  step triton_kernel_tests 60 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
+  step triton_kernel_tests 45 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
 fi
 
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
-step headline 120 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
+step headline 90 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
   --providers "naive,rlkernels[torch],rlkernels[triton],rlkernels[cuda]" --warmup 3 --reps 20 --max-seconds 4 --no-plot \
   --shape ppo:seq_mis:8192:151936:bf16 --shape logprobs:-:8192:151936:bf16
 
-step quick_suite 150 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
+step quick_suite 90 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
 
 # ---- summary, last
 echo
