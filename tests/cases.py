@@ -12,6 +12,7 @@ Tolerances (one row per compared dtype, with the reason):
   amplifies it by |delta| <= 20 (the clamp), so 2e-5 bounds it.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -20,6 +21,14 @@ from hypothesis import strategies as st
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
 from rlkernels.config import RS_OPTIONS
+
+# Every property test states its CI example budget; HYPOTHESIS_SCALE=10 runs ten times as many.
+EXAMPLE_SCALE = int(os.environ.get("HYPOTHESIS_SCALE", "1"))
+
+
+def scaled(n: int) -> int:
+    return n * EXAMPLE_SCALE
+
 
 TOLERANCES = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=1e-5)}
 LOGIT_KINDS = ("normal", "offset_pos", "offset_neg", "neg_inf", "one_hot")

@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# CI runs on 2 cores: hypothesis budgets are explicit per test; no deadline (first calls compile).
+# CI runs on 2 cores: example budgets are explicit per test (scale them with HYPOTHESIS_SCALE, see
+# tests/cases.py); no deadline, since first calls compile.
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("thorough", deadline=None, max_examples=500, suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 HAS_CUDA = torch.cuda.is_available()

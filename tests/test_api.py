@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection, reference
 
-from .cases import TOLERANCES, assert_close, batches, configs
+from .cases import TOLERANCES, assert_close, batches, configs, scaled
 
 ALL_CORRECTIONS = [None, RolloutCorrection.token_tis(), RolloutCorrection.seq_mis(), RolloutCorrection.geo_rs_token_tis(),
                    RolloutCorrection.icepop(), RolloutCorrection.k3_rs(), RolloutCorrection.seq_tis(is_batch_normalize=True)]
@@ -73,7 +73,7 @@ def test_icepop_zeroing_every_weight_gives_finite_ess():
     assert out.metrics["rollout_corr/rollout_is_eff_sample_size"].item() == 0.0
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(batch=batches(dtype=torch.float32), mode=st.sampled_from(["decoupled", "bypass", "on-policy"]), data=st.data())
 def test_inputs_are_never_modified(batch, mode, data):
     config = data.draw(configs(mode))
@@ -119,7 +119,7 @@ def test_metrics_to_floats():
     assert rlkernels.metrics_to_floats({}) == {}
 
 
-@settings(max_examples=60)
+@settings(max_examples=scaled(60))
 @given(batch=batches(), mode=st.sampled_from(["decoupled", "bypass", "on-policy"]), data=st.data())
 def test_policy_loss_matches_reference(batch, mode, data):
     config = data.draw(configs(mode))
@@ -161,7 +161,7 @@ def test_policy_loss_equals_decoupled_ppo_loss_on_the_same_logprobs():
     assert torch.allclose(g1, g2, rtol=1e-10, atol=1e-14)
 
 
-@settings(max_examples=60)
+@settings(max_examples=scaled(60))
 @given(batch=batches(), temperature=st.sampled_from([1.0, 0.6, 1.7]), data=st.data())
 def test_token_logprobs_matches_reference(batch, temperature, data):
     logits = batch.logits.clone().requires_grad_(True)
@@ -181,7 +181,7 @@ def test_token_logprobs_matches_reference(batch, temperature, data):
     assert_close(g, rg, rtol=1e-9, atol=1e-9 * max(1e-3, float(rg.abs().max()) if rg.numel() else 1.0), name="dlogits")
 
 
-@settings(max_examples=60)
+@settings(max_examples=scaled(60))
 @given(batch=batches(), rc=st.sampled_from(ALL_CORRECTIONS[1:]))
 def test_rollout_correction_matches_reference(batch, rc):
     out = rlkernels.rollout_correction(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask,

@@ -19,7 +19,7 @@ import rlkernels
 from rlkernels.backends import select
 from rlkernels.reference import token_stats
 
-from ..cases import assert_close, batches, configs, make_logits
+from ..cases import assert_close, batches, configs, make_logits, scaled
 from .parity import check_against_reference
 
 pytestmark = pytest.mark.gpu
@@ -241,7 +241,7 @@ def test_select_returns_cuda_backend(cuda):
 MODES = ("decoupled", "bypass", "on-policy")
 
 
-@settings(max_examples=60)
+@settings(max_examples=scaled(60))
 @given(data=st.data())
 def test_public_api_matches_reference_float32(cuda, data):
     mode = data.draw(st.sampled_from(MODES))
@@ -252,7 +252,7 @@ def test_public_api_matches_reference_float32(cuda, data):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("inplace", [False, True])
-@settings(max_examples=30)
+@settings(max_examples=scaled(30))
 @given(data=st.data())
 def test_public_api_matches_torch_backend(cuda, dtype, inplace, data):
     mode = data.draw(st.sampled_from(MODES))

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ..cases import batches, configs
+from ..cases import batches, configs, scaled
 from .parity import check_against_reference
 
 MODES = ("decoupled", "bypass", "on-policy")
@@ -20,14 +20,14 @@ def problems(draw, dtype):
     return batch, mode, config
 
 
-@settings(max_examples=300)
+@settings(max_examples=scaled(300))
 @given(problems(torch.float64))
 def test_torch_backend_matches_reference_float64(problem):
     batch, mode, config = problem
     check_against_reference(batch, mode, config, backend="torch")
 
 
-@settings(max_examples=150)
+@settings(max_examples=scaled(150))
 @given(problems(torch.float32))
 def test_torch_backend_matches_reference_float32(problem):
     batch, mode, config = problem
@@ -35,7 +35,7 @@ def test_torch_backend_matches_reference_float32(problem):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(data=st.data())
 def test_torch_backend_half_inputs(dtype, data):
     batch, mode, config = data.draw(problems(dtype))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from rlkernels import backends
 
-from ..cases import batches, configs
+from ..cases import batches, configs, scaled
 from .parity import check_against_reference
 
 pytestmark = [
@@ -27,7 +27,7 @@ def problems(draw, dtype):
     return batch, mode, draw(configs(mode))
 
 
-@settings(max_examples=150)
+@settings(max_examples=scaled(150))
 @given(problems(torch.float32))
 def test_triton_backend_matches_reference_float32(problem):
     batch, mode, config = problem
@@ -35,7 +35,7 @@ def test_triton_backend_matches_reference_float32(problem):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@settings(max_examples=30)
+@settings(max_examples=scaled(30))
 @given(data=st.data())
 def test_triton_backend_half_inputs(dtype, data):
     batch, mode, config = data.draw(problems(dtype))

@@ -25,6 +25,8 @@ from rlkernels.kernels.triton.seq_stage import aot_specs, sequence_stage_triton
 from rlkernels.loss import sequence_stage
 from rlkernels.segments import Segments
 
+from ..cases import scaled
+
 pytestmark = [
     pytest.mark.interpret,
     # the interpreter runs numpy on the NaN/inf junk off the mask before `where` drops it
@@ -158,20 +160,20 @@ def cases(draw, rs_only=None, modes=("decoupled", "bypass", "onpolicy", "old_onl
 # ---------------------------------------------------------------------------------------------
 # tests
 # ---------------------------------------------------------------------------------------------
-@settings(max_examples=150)
+@settings(max_examples=scaled(150))
 @given(cases())
 def test_matches_torch_stage_over_the_option_product(args):
     assert_same(args)
 
 
 @pytest.mark.parametrize("option", RS_OPTIONS)  # each of the 11 options alone, in the two modes that reject
-@settings(max_examples=4)
+@settings(max_examples=scaled(4))
 @given(data=st.data())
 def test_each_rejection_option_alone(option, data):
     assert_same(data.draw(cases(rs_only=option, modes=("decoupled", "bypass"))))
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(cases(modes=("decoupled", "bypass"), extreme=True))
 def test_extreme_ratios_and_infinite_rollout(args):
     # |Δ| up to 50 (past the ±20 clamp) and ±inf rollout log-probs on valid tokens

@@ -24,6 +24,7 @@ from rlkernels import reference
 from rlkernels.kernels.triton.token_grad import token_grad_bwd
 from rlkernels.kernels.triton.token_stats import token_stats_fwd
 
+from ..cases import scaled
 from .test_triton_token_stats import DTYPES, ROW_KINDS, assert_close, dtype_id, make_rows
 
 pytestmark = [
@@ -172,7 +173,7 @@ def test_non_contiguous_rows_and_inplace_copy_back():
                  atol=ATOL, rtol=1e-5, name="dlogits")
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=scaled(20), deadline=None)
 @given(
     N=st.integers(1, 12), V=st.integers(1, 260), dtype=st.sampled_from(DTYPES),
     temperature=st.sampled_from([1.0, 0.7, 2.5]), block=st.sampled_from([(None, None), (16, 1), (32, 4)]),

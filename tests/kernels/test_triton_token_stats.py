@@ -21,7 +21,7 @@ from rlkernels.backends.torch_backend import TorchBackend
 from rlkernels.kernels.triton.tl_math import vocab_config
 from rlkernels.kernels.triton.token_stats import token_stats_fwd
 
-from ..cases import assert_close
+from ..cases import assert_close, scaled
 
 pytestmark = [
     pytest.mark.interpret,
@@ -191,7 +191,7 @@ def test_launch_heuristic():
         vocab_config(100, block_v=48)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=scaled(20), deadline=None)
 @given(
     N=st.integers(1, 12), V=st.integers(1, 260), dtype=st.sampled_from(DTYPES),
     temperature=st.sampled_from([1.0, 0.7, 2.5]), block=st.sampled_from([(None, None), (16, 1), (32, 4)]),

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection
 
-from ..cases import assert_close, batches, configs
+from ..cases import assert_close, batches, configs, scaled
 
 MODES = st.sampled_from(["decoupled", "bypass", "on-policy"])
 
@@ -23,7 +23,7 @@ def _close(a, b, name, rtol=1e-9, atol=1e-9):
     assert_close(a, b, rtol=rtol, atol=atol * max(1.0, float(b.detach().abs().max()) if b.numel() else 1.0), name=name)
 
 
-@settings(max_examples=60)
+@settings(max_examples=scaled(60))
 @given(batch=batches(), mode=MODES, shift=st.sampled_from([-37.5, 3.0, 1000.0]), data=st.data())
 def test_row_shift_changes_nothing(batch, mode, shift, data):
     config = data.draw(configs(mode))
@@ -35,7 +35,7 @@ def test_row_shift_changes_nothing(batch, mode, shift, data):
     assert torch.equal(a.mask, b.mask)
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(batch=batches(), mode=MODES, temperature=st.sampled_from([0.5, 1.3]), data=st.data())
 def test_temperature_equals_scaled_logits(batch, mode, temperature, data):
     config = data.draw(configs(mode, temperature=temperature))
@@ -45,7 +45,7 @@ def test_temperature_equals_scaled_logits(batch, mode, temperature, data):
     _close(a.logprobs, b.logprobs, "logprobs")
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(batch=batches(), level=st.sampled_from(["token", "sequence"]), C=st.sampled_from([1.0, 2.0]))
 def test_weights_are_one_when_rollout_equals_old(batch, level, C):
     rc = RolloutCorrection(is_level=level, is_threshold=C)
@@ -57,7 +57,7 @@ def test_weights_are_one_when_rollout_equals_old(batch, level, C):
     assert torch.count_nonzero(out.is_weights[~m]) == 0
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(batch=batches(layout="padded"), mode=MODES, data=st.data())
 def test_permuting_sequences_permutes_outputs(batch, mode, data):
     config = data.draw(configs(mode))
@@ -74,7 +74,7 @@ def test_permuting_sequences_permutes_outputs(batch, mode, data):
         _close(b.metrics[name], a.metrics[name], name)
 
 
-@settings(max_examples=60)
+@settings(max_examples=scaled(60))
 @given(batch=batches(layout="padded"), mode=MODES, data=st.data())
 def test_padded_equals_packed(batch, mode, data):
     config = data.draw(configs(mode))
@@ -99,7 +99,7 @@ def test_padded_equals_packed(batch, mode, data):
     _close(gb, flat(ga), "dlogits")
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(batch=batches(layout="packed", allow_empty=False), extra=st.integers(1, 3), data=st.data())
 def test_fully_masked_sequences_do_not_change_token_mean(batch, extra, data):
     config = data.draw(configs("decoupled", loss_agg_mode="token-mean"))
@@ -115,7 +115,7 @@ def test_fully_masked_sequences_do_not_change_token_mean(batch, extra, data):
     _close(b.loss, a.loss, "loss")
 
 
-@settings(max_examples=40)
+@settings(max_examples=scaled(40))
 @given(batch=batches(), mode=st.sampled_from(["decoupled", "bypass"]), data=st.data())
 def test_masked_tokens_get_zero_gradient_and_weights_stay_below_C(batch, mode, data):
     config = data.draw(configs(mode))
