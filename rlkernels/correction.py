@@ -9,7 +9,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .config import RolloutCorrection
-from .segments import Segments, masked_extreme, masked_mean
+from .segments import Segments, masked_extreme, masked_mean, masked_mean_exp
 
 CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp
 
@@ -121,15 +121,15 @@ def offpolicy_metrics(
         "chi2_token": masked_mean(rho * rho - 1, mask),
         "chi2_seq": masked_mean(rho_seq_sq - 1, nonempty),
         "tv_token": masked_mean(0.5 * (rho - 1).abs(), mask),
-        "training_ppl": masked_mean(torch.exp(-mean_tr), nonempty),
-        "rollout_ppl": masked_mean(torch.exp(-mean_ro), nonempty),
+        "training_ppl": masked_mean_exp(-mean_tr, nonempty),
+        "rollout_ppl": masked_mean_exp(-mean_ro, nonempty),
         "training_log_ppl": masked_mean(-mean_tr, nonempty),
         "rollout_log_ppl": masked_mean(-mean_ro, nonempty),
         "log_ppl_diff": masked_mean(diff, nonempty),
         "log_ppl_abs_diff": masked_mean(diff.abs(), nonempty),
         "log_ppl_diff_max": masked_extreme(diff, nonempty, largest=True),
         "log_ppl_diff_min": masked_extreme(diff, nonempty, largest=False),
-        "ppl_ratio": masked_mean(torch.exp(diff), nonempty),
+        "ppl_ratio": masked_mean_exp(diff, nonempty),
     }
     # sqrt(2 (1 + chi2_seq)) taken as sqrt(2 E[rho_seq^2]): 1 + (E[rho^2] - 1) rounds to 0 in
     # float32 when every rho_seq is tiny, E[rho^2] itself does not

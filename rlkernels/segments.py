@@ -58,9 +58,20 @@ class Segments:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x where mask is set; 0 over an empty set (SPEC §8). Values off the mask may be NaN."""
-    total = torch.where(mask, x, torch.zeros_like(x)).sum()
-    return total / mask.sum().clamp_min(1).to(x.dtype)
+    """Mean of x where mask is set; 0 over an empty set (SPEC §8). Values off the mask may be NaN.
+
+    Each term is divided before the sum, so that a mean of values near the dtype's maximum (exp of
+    a large log-ratio in float32) does not overflow in the running sum."""
+    n = mask.sum().clamp_min(1).to(x.dtype)
+    return torch.where(mask, x / n, torch.zeros_like(x)).sum()
+
+
+def masked_mean_exp(a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """mean(exp(a)) where mask is set, as exp(logsumexp(a) - log n): finite whenever the mean is,
+    even when single terms overflow the dtype (perplexities of float32 log-probs); 0 when empty."""
+    n = mask.sum().clamp_min(1).to(a.dtype)
+    lse = torch.logsumexp(torch.where(mask, a, torch.full_like(a, float("-inf"))), dim=0)
+    return torch.exp(lse - torch.log(n))
 
 
 def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
