@@ -8,8 +8,7 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from . import backends, correction
-from . import custom_ops
+from . import backends, correction, custom_ops
 from .autograd import CoefficientLossFunction
 from .config import PolicyLossConfig, RolloutCorrection, resolve_config
 from .segments import Segments

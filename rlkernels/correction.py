@@ -4,7 +4,7 @@ backend, since none of it touches the vocabulary.
 """
 
 import math
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional
 
 import torch
 

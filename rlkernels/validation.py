@@ -42,7 +42,7 @@ def check_logits(logits, *, allow_any_rank: bool = False) -> None:
         raise TypeError(f"logits: expected float16, bfloat16, float32 or float64, got {logits.dtype}")
     if allow_any_rank:
         if logits.dim() < 1:
-            raise ValueError(f"logits: expected shape [..., V], got a 0-d tensor")
+            raise ValueError("logits: expected shape [..., V], got a 0-d tensor")
     elif logits.dim() not in (2, 3):
         raise ValueError(f"logits: expected [B, T, V] (padded) or [N, V] (packed), got shape {tuple(logits.shape)}")
     if logits.shape[-1] < 1:
@@ -96,7 +96,7 @@ def value_checks(
     checks = ValueChecks()
     if cu_seqlens is not None:
         cu = cu_seqlens.long()
-        checks.add(cu[0] != 0, f"cu_seqlens: expected cu_seqlens[0] == 0")
+        checks.add(cu[0] != 0, "cu_seqlens: expected cu_seqlens[0] == 0")
         if cu.numel() > 1:
             checks.add((cu[1:] < cu[:-1]).any(), "cu_seqlens: expected non-decreasing offsets")
         checks.add(cu[-1] != num_tokens, f"cu_seqlens: expected cu_seqlens[-1] == N = {num_tokens} (the number of rows)")

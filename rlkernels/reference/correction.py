@@ -5,7 +5,7 @@ against the spec. Inputs are flat [N] tensors; `seqs` lists each sequence's toke
 """
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlkernels
-from rlkernels import PolicyLossConfig, RolloutCorrection
+from rlkernels import RolloutCorrection
 
 from ..cases import assert_close, batches, configs, scaled
 

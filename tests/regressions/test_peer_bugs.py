@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rlkernels
-from rlkernels import PolicyLossConfig, RolloutCorrection, reference
+from rlkernels import RolloutCorrection, reference
 
 
 def test_max_identity_is_minus_inf_for_all_negative_rows():
