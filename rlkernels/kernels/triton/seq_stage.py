@@ -9,7 +9,7 @@ batch (N', G, K, the IS batch mean, every metric's denominator) is a scalar fini
 sequence partials [S, NUM_P] / [S, NUM_X] by fixed-order torch reductions and a one-program
 kernel; c_t and e_t are then scaled by that global factor. No float atomics, no host sync.
 
-Launches: [IS batch-mean pre-pass + 6 torch ops] + stage kernel + column sum/amax + finish kernel
+Launches: [IS batch-mean pre-pass + 6 torch ops] + stage kernel + column sum/amax/logsumexp + finish kernel
 + 1-2 elementwise scalings (c_t, e_t).
 """
 
@@ -64,6 +64,8 @@ P_RS: tl.constexpr = tl.constexpr(29)  # option j: 29 + 2j (sum of its values), 
 P_RHO2S: tl.constexpr = tl.constexpr(51)  # rho_seq^2 = exp(2 clamp(S_i)) on non-empty sequences
 P_ISM2: tl.constexpr = tl.constexpr(52)  # sum_t (x_t - mean_i x)^2 around the sequence's own mean (token IS)
 NUM_P: tl.constexpr = tl.constexpr(64)
+# partial-sum columns that hold exponents and are reduced by logsumexp (the perplexity means)
+_LSE_COLUMNS = [int(P_TPPL), int(P_RPPL), int(P_PPLR)]
 
 # Columns of the per-sequence max partials [S, NUM_X] (-inf = no contribution); minima are stored negated.
 X_WIDTH: tl.constexpr = tl.constexpr(0)
@@ -463,13 +465,15 @@ def _seq_stage_fwd_kernel(
         tl.store(psum_row + P_CHI2S, tl.where(nonempty, rho2_seq - 1.0, 0.0))
         tl.store(psum_row + P_RHO2S, tl.where(nonempty, rho2_seq, 0.0))
         tl.store(psum_row + P_TV, tl.sum(acc_tv, axis=0))
-        tl.store(psum_row + P_TPPL, tl.where(nonempty, tl.exp(-mean_tr), 0.0))
-        tl.store(psum_row + P_RPPL, tl.where(nonempty, tl.exp(-mean_ro), 0.0))
+        # perplexity means are exp(logsumexp - log G) (finite whenever the mean is): these columns
+        # hold the exponents, -inf for empty sequences, and are reduced by logsumexp, not sum
+        tl.store(psum_row + P_TPPL, tl.where(nonempty, -mean_tr, float("-inf")))
+        tl.store(psum_row + P_RPPL, tl.where(nonempty, -mean_ro, float("-inf")))
         tl.store(psum_row + P_TLOG, tl.where(nonempty, -mean_tr, 0.0))
         tl.store(psum_row + P_RLOG, tl.where(nonempty, -mean_ro, 0.0))
         tl.store(psum_row + P_DIFF, tl.where(nonempty, diff, 0.0))
         tl.store(psum_row + P_ABSDIFF, tl.where(nonempty, tl.abs(diff), 0.0))
-        tl.store(psum_row + P_PPLR, tl.where(nonempty, tl.exp(diff), 0.0))
+        tl.store(psum_row + P_PPLR, tl.where(nonempty, diff, float("-inf")))
         tl.store(pmax_row + X_DIFFMAX, tl.where(nonempty, diff, float("-inf")))
         tl.store(pmax_row + X_DIFFMIN, tl.where(nonempty, -diff, float("-inf")))
         if IS_LEVEL == 1:
@@ -641,15 +645,16 @@ def _seq_stage_finish_kernel(
         chi2_seq = tl.load(psum_ptr + P_CHI2S) / n_seq_d
         tl.store(out_ptr + O_CHI2S, chi2_seq)
         tl.store(out_ptr + O_TV, tl.load(psum_ptr + P_TV) / n_tok_d)
-        tl.store(out_ptr + O_TPPL, tl.load(psum_ptr + P_TPPL) / n_seq_d)
-        tl.store(out_ptr + O_RPPL, tl.load(psum_ptr + P_RPPL) / n_seq_d)
+        log_n_seq = tl.log(n_seq_d)
+        tl.store(out_ptr + O_TPPL, tl.exp(tl.load(psum_ptr + P_TPPL) - log_n_seq))
+        tl.store(out_ptr + O_RPPL, tl.exp(tl.load(psum_ptr + P_RPPL) - log_n_seq))
         tl.store(out_ptr + O_TLOG, tl.load(psum_ptr + P_TLOG) / n_seq_d)
         tl.store(out_ptr + O_RLOG, tl.load(psum_ptr + P_RLOG) / n_seq_d)
         tl.store(out_ptr + O_DIFF, tl.load(psum_ptr + P_DIFF) / n_seq_d)
         tl.store(out_ptr + O_ABSDIFF, tl.load(psum_ptr + P_ABSDIFF) / n_seq_d)
         tl.store(out_ptr + O_DIFFMAX, tl.where(n_seq > 0, tl.load(pmax_ptr + X_DIFFMAX), 0.0))
         tl.store(out_ptr + O_DIFFMIN, tl.where(n_seq > 0, -tl.load(pmax_ptr + X_DIFFMIN), 0.0))
-        tl.store(out_ptr + O_PPLR, tl.load(psum_ptr + P_PPLR) / n_seq_d)
+        tl.store(out_ptr + O_PPLR, tl.exp(tl.load(psum_ptr + P_PPLR) - log_n_seq))
         # sqrt(2 (1 + chi2_seq)) as sqrt(2 E[rho_seq^2]): 1 + chi2_seq rounds to 0 when every rho_seq is tiny
         tl.store(out_ptr + O_CSTAR, tl.sqrt(2.0 * (tl.load(psum_ptr + P_RHO2S) / n_seq_d)))
         if IS_LEVEL > 0:
@@ -906,8 +911,10 @@ def sequence_stage_triton(
         )
         psum_tot = psum.sum(0)  # fixed-order reductions over sequences: deterministic
         pmax_tot = pmax.amax(0)
+        psum_tot[_LSE_COLUMNS] = torch.logsumexp(psum[:, _LSE_COLUMNS], dim=0)
     else:
         psum_tot = torch.zeros(int(NUM_P), dtype=torch.float32, device=device)
+        psum_tot[_LSE_COLUMNS] = float("-inf")
         pmax_tot = torch.full((int(NUM_X),), float("-inf"), dtype=torch.float32, device=device)
     out = torch.zeros(int(NUM_OUT), dtype=torch.float32, device=device)
     _seq_stage_finish_kernel[(1,)](
