@@ -16,7 +16,11 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 # CI runs on 2 cores: example budgets are explicit per test (scale them with HYPOTHESIS_SCALE, see
 # tests/cases.py); no deadline, since first calls compile.
-settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# The default profile is derandomized, so a CI run replays the same examples every time (a clean
+# clone either passes or fails, never flakes); HYPOTHESIS_PROFILE=explore draws fresh ones.
+_health = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", deadline=None, derandomize=True, suppress_health_check=_health)
+settings.register_profile("explore", deadline=None, suppress_health_check=_health)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 HAS_CUDA = torch.cuda.is_available()
