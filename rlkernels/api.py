@@ -36,10 +36,6 @@ class CorrectionOutput(NamedTuple):
     metrics: Dict[str, torch.Tensor]
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _segments(token_shape, cu_seqlens, device) -> Segments:
     if len(token_shape) == 2:
         return Segments.padded(token_shape[0], token_shape[1], device)
@@ -181,7 +177,7 @@ def policy_loss(
             not_nan=[("logprobs", flat(logprobs)), ("old_logprobs", flat(old_logprobs)),
                      ("rollout_logprobs", flat(rollout_logprobs)), ("ref_logprobs", flat(ref_logprobs))],
         )
-    dt = _stat_dtype(logprobs.dtype)
+    dt = backends.statistics_dtype(logprobs.dtype)
     lp = flat(logprobs)
     ent = flat(entropy)
     seg = _segments(token_shape, cu_seqlens, device)
@@ -260,7 +256,7 @@ def rollout_correction(
     if validate:
         value_checks(valid=mask, cu_seqlens=cu_seqlens, num_tokens=mask.numel(),
                      not_nan=[("train_logprobs", tr), ("rollout_logprobs", ro)])
-    dt = _stat_dtype(train_logprobs.dtype)
+    dt = backends.statistics_dtype(train_logprobs.dtype)
     zero = torch.zeros((), dtype=dt, device=device)
     tr = torch.where(mask, tr.detach().to(dt), zero)
     ro = torch.where(mask, ro.detach().to(dt), zero)

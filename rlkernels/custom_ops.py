@@ -36,14 +36,10 @@ def token_stats(
     return stats.row_max, stats.log_norm, stats.logprobs, absent(stats.entropy), absent(stats.sum_pi_squared)
 
 
-def _stat_dtype(logits: Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
 @token_stats.register_fake
 def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward, backend, chunk_rows):
     N = logits.shape[0]
-    new = lambda n: logits.new_empty(n, dtype=_stat_dtype(logits))  # noqa: E731
+    new = lambda n: logits.new_empty(n, dtype=backends.statistics_dtype(logits.dtype))  # noqa: E731
     return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
 
 

@@ -13,10 +13,10 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 from . import correction
+from .correction import CLAMP
 from .config import PolicyLossConfig
 from .segments import Segments, masked_mean
 
-CLAMP = 20.0
 
 
 class StageOutput(NamedTuple):

@@ -4,10 +4,10 @@ from functools import lru_cache
 
 import torch
 
-from .base import Backend, RowStats
+from .base import Backend, RowStats, statistics_dtype
 from .torch_backend import TorchBackend
 
-__all__ = ["Backend", "RowStats", "available", "select", "select_stage"]
+__all__ = ["Backend", "RowStats", "available", "select", "select_stage", "statistics_dtype"]
 
 
 @lru_cache(maxsize=None)

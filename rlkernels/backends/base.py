@@ -13,6 +13,12 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 
 
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of every per-token statistic for inputs of `dtype`: float32, or float64 for float64
+    inputs (only the torch backend and the oracle see those)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class RowStats(NamedTuple):
     # The log-normaliser is kept as two parts, lse = row_max / T + log_norm, and never summed into
     # one float32: at logits ~1e4 a float32 lse carries an absolute error of 2^-24 * 1e4 ~ 6e-4,
