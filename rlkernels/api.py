@@ -10,7 +10,7 @@ import torch
 
 from . import backends, correction, custom_ops
 from .autograd import CoefficientLossFunction
-from .config import PolicyLossConfig, RolloutCorrection, resolve_config
+from .config import BACKENDS, PolicyLossConfig, RolloutCorrection, _check_finite_positive, resolve_config
 from .segments import Segments
 from .validation import check_cu_seqlens, check_logits, check_tensor, value_checks
 
@@ -59,6 +59,32 @@ def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_lo
     rc = config.rollout_correction
     if rc is not None and rc.enabled and rollout_logprobs is None:
         raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
+
+
+def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.reshape(-1)
+
+
+def _row_labels(flat_labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Labels for the vocabulary passes: -1 on every row that takes no part (such rows are never read)."""
+    return torch.where(keep, flat_labels.long(), torch.full_like(flat_labels, -1, dtype=torch.long))
+
+
+def _policy_output(lp, entropy, advantages, mask, old, rollout, ref, cu_seqlens, token_shape, config) -> PolicyLossOutput:
+    """Flat statistics carrying autograd -> the per-sequence stage -> PolicyLossOutput (both entry points)."""
+    dt = backends.statistics_dtype(lp.dtype)
+    stat_lp = lp.detach().to(dt)
+    stat_ent = None if entropy is None else entropy.detach().to(dt)
+    stage = backends.select_stage(config.backend, lp)(
+        stat_lp, stat_ent, _flat(advantages), mask, _flat(old), _flat(rollout), _flat(ref),
+        _segments(token_shape, cu_seqlens, lp.device), config,
+    )
+    loss = CoefficientLossFunction.apply(stage.loss, lp, entropy, stage.coef_logprob, stage.coef_entropy)
+    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
+    return PolicyLossOutput(
+        loss, shape(torch.where(mask, stat_lp, torch.zeros_like(stat_lp))), shape(stat_ent), shape(stage.is_weights),
+        shape(stage.mask), stage.metrics,
+    )
 
 
 def _token_stats(logits2d, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows):
@@ -121,23 +147,12 @@ def decoupled_ppo_loss(
     # m: the response mask minus ignored tokens and (with validate=False) out-of-range labels, which
     # are treated as masked so that nothing is ever read out of bounds.
     mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
-    row_labels = torch.where(mask, flat_labels.long(), torch.full_like(flat_labels, -1, dtype=torch.long))
-
     lp, entropy, _ = _token_stats(
-        logits.reshape(N, V), row_labels, config.temperature, config.needs_entropy, False, config.inplace_backward,
-        config.backend, config.chunk_rows,
+        logits.reshape(N, V), _row_labels(flat_labels, mask), config.temperature, config.needs_entropy, False,
+        config.inplace_backward, config.backend, config.chunk_rows,
     )
-
-    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    stage = backends.select_stage(config.backend, logits)(
-        lp.detach(), None if entropy is None else entropy.detach(), flat(advantages), mask, flat(old_logprobs),
-        flat(rollout_logprobs), flat(ref_logprobs), _segments(token_shape, cu_seqlens, device), config,
-    )
-    loss = CoefficientLossFunction.apply(stage.loss, lp, entropy, stage.coef_logprob, stage.coef_entropy)
-    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
-    return PolicyLossOutput(
-        loss, shape(lp.detach()), shape(None if entropy is None else entropy.detach()), shape(stage.is_weights),
-        shape(stage.mask), stage.metrics,
+    return _policy_output(
+        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, token_shape, config
     )
 
 
@@ -170,27 +185,15 @@ def policy_loss(
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
     mask = response_mask.reshape(-1).bool()
-    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
     if config.validate:
         value_checks(
-            valid=mask, cu_seqlens=cu_seqlens, num_tokens=mask.numel(), finite=[("advantages", flat(advantages))],
-            not_nan=[("logprobs", flat(logprobs)), ("old_logprobs", flat(old_logprobs)),
-                     ("rollout_logprobs", flat(rollout_logprobs)), ("ref_logprobs", flat(ref_logprobs))],
+            valid=mask, cu_seqlens=cu_seqlens, num_tokens=mask.numel(), finite=[("advantages", _flat(advantages))],
+            not_nan=[("logprobs", _flat(logprobs)), ("old_logprobs", _flat(old_logprobs)),
+                     ("rollout_logprobs", _flat(rollout_logprobs)), ("ref_logprobs", _flat(ref_logprobs))],
         )
-    dt = backends.statistics_dtype(logprobs.dtype)
-    lp = flat(logprobs)
-    ent = flat(entropy)
-    seg = _segments(token_shape, cu_seqlens, device)
-    stage_lp = lp.detach().to(dt)
-    stage = backends.select_stage(config.backend, logprobs)(
-        stage_lp, None if ent is None else ent.detach().to(dt), flat(advantages), mask,
-        flat(old_logprobs), flat(rollout_logprobs), flat(ref_logprobs), seg, config,
-    )
-    loss = CoefficientLossFunction.apply(stage.loss, lp, ent, stage.coef_logprob, stage.coef_entropy)
-    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
-    return PolicyLossOutput(
-        loss, shape(torch.where(mask, stage_lp, torch.zeros_like(stage_lp))),
-        shape(None if ent is None else ent.detach().to(dt)), shape(stage.is_weights), shape(stage.mask), stage.metrics,
+    return _policy_output(
+        _flat(logprobs), _flat(entropy), advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens,
+        token_shape, config,
     )
 
 
@@ -211,18 +214,16 @@ def token_logprobs(
     token_shape = tuple(logits.shape[:-1])
     V = logits.shape[-1]
     check_tensor("labels", labels, kind="int", shape=token_shape, device=logits.device)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"temperature: expected a number > 0, got {temperature!r}")
-    if backend not in ("auto", "torch", "triton", "cuda"):
-        raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cuda', got {backend!r}")
+    temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     flat_labels = labels.reshape(-1)
     N = flat_labels.numel()
     if validate:
         value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index)
     keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
-    row_labels = torch.where(keep, flat_labels.long(), torch.full_like(flat_labels, -1, dtype=torch.long))
     lp, entropy, sum_pi_squared = _token_stats(
-        logits.reshape(N, V), row_labels, float(temperature), compute_entropy, compute_sum_pi_squared,
+        logits.reshape(N, V), _row_labels(flat_labels, keep), temperature, compute_entropy, compute_sum_pi_squared,
         inplace_backward, backend, None,
     )
     shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
