@@ -125,6 +125,18 @@ RS_BITS = {name: 1 << j for j, name in enumerate(RS_OPTIONS)}  # token_k1 = 1, .
 # device helpers
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _sequence_bounds(cu_ptr, pid_s, T, PACKED: tl.constexpr):
+    """[start, end) of sequence pid_s as int64 token offsets: cu_seqlens (packed) or row pid_s of [S, T]."""
+    if PACKED:
+        start = tl.load(cu_ptr + pid_s).to(tl.int64)
+        end = tl.load(cu_ptr + pid_s + 1).to(tl.int64)
+    else:
+        start = pid_s * T
+        end = start + T
+    return start, end
+
+
+@triton.jit
 def _clamp(x, lo, hi):
     # torch.clamp semantics: NaN stays NaN (tl.minimum/maximum may drop it on some backends)
     return tl.where(x < lo, lo, tl.where(x > hi, hi, x))
@@ -290,12 +302,7 @@ def _is_weight_sums_kernel(
     # One program per sequence: [|y_i|, sum_t w_t] of the truncated IS weights, for the batch mean of
     # SPEC §4 (is_batch_normalize). Grid (S,); reads 2 floats + 1 byte per token, writes 8 B per sequence.
     pid_s = tl.program_id(0).to(tl.int64)
-    if PACKED:
-        start = tl.load(cu_ptr + pid_s).to(tl.int64)
-        end = tl.load(cu_ptr + pid_s + 1).to(tl.int64)
-    else:
-        start = pid_s * T
-        end = start + T
+    start, end = _sequence_bounds(cu_ptr, pid_s, T, PACKED)
     acc_len = tl.zeros([BLOCK_T], tl.float32)
     acc_d = tl.zeros([BLOCK_T], tl.float32)
     acc_w = tl.zeros([BLOCK_T], tl.float32)
@@ -349,12 +356,7 @@ def _seq_stage_fwd_kernel(
     # writes <= 3 floats + 1 byte per token. Hazards: ratios clamped before exp, NaN kept out of
     # masked sums by where (never by multiplying a 0/1 mask into inf), max identity -inf.
     pid_s = tl.program_id(0).to(tl.int64)
-    if PACKED:
-        start = tl.load(cu_ptr + pid_s).to(tl.int64)
-        end = tl.load(cu_ptr + pid_s + 1).to(tl.int64)
-    else:
-        start = pid_s * T
-        end = start + T
+    start, end = _sequence_bounds(cu_ptr, pid_s, T, PACKED)
     psum_row = psum_ptr + pid_s * NUM_P
     pmax_row = pmax_ptr + pid_s * NUM_X
     tl.store(pmax_row + X_WIDTH, (end - start).to(tl.float32))
