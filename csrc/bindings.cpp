@@ -148,6 +148,25 @@ void token_grad_bwd_inplace(at::Tensor& logits, const at::Tensor& labels, const 
   TORCH_CHECK(err == nullptr, op, ": kernel launch failed: ", err);
 }
 
+void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
+                        const at::Tensor& log_norm,
+                        const std::optional<at::Tensor>& entropy, const at::Tensor& coef_logprob,
+                        const std::optional<at::Tensor>& coef_entropy, double temperature, at::Tensor& dlogits) {
+  // writes into a caller's [N, V] buffer (a row-strided slice of a larger gradient)
+  constexpr const char* op = "rlkernels_cuda::token_grad_bwd_out";
+  check_grad_inputs(op, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature);
+  TORCH_CHECK(dlogits.device() == logits.device() && dlogits.scalar_type() == logits.scalar_type(), op,
+              ": dlogits must match the logits' device and dtype, got ", dlogits.device(), " ", dlogits.scalar_type());
+  TORCH_CHECK(dlogits.dim() == 2 && dlogits.sizes() == logits.sizes() && dlogits.stride(1) == 1, op,
+              ": dlogits must be [N, V] = ", logits.sizes(), " with unit stride along V, got ", dlogits.sizes(),
+              " strides ", dlogits.strides());
+  TORCH_CHECK(dlogits.size(0) <= 1 || dlogits.stride(0) >= dlogits.size(1), op,
+              ": dlogits rows must not overlap, got strides ", dlogits.strides());
+  const c10::DeviceGuard guard(logits.device());
+  const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits);
+  TORCH_CHECK(err == nullptr, op, ": kernel launch failed: ", err);
+}
+
 }  // namespace
 }  // namespace rlkernels
 
@@ -161,12 +180,16 @@ TORCH_LIBRARY(rlkernels_cuda, m) {
   m.def(
       "token_grad_bwd_inplace(Tensor(a!) logits, Tensor labels, Tensor row_max, Tensor log_norm, "
       "Tensor? entropy, Tensor coef_logprob, Tensor? coef_entropy, float temperature) -> ()");
+  m.def(
+      "token_grad_bwd_out(Tensor logits, Tensor labels, Tensor row_max, Tensor log_norm, Tensor? entropy, "
+      "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor(a!) dlogits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_cuda, CUDA, m) {
   m.impl("token_stats_fwd", &rlkernels::token_stats_fwd);
   m.impl("token_grad_bwd", &rlkernels::token_grad_bwd);
   m.impl("token_grad_bwd_inplace", &rlkernels::token_grad_bwd_inplace);
+  m.impl("token_grad_bwd_out", &rlkernels::token_grad_bwd_out);
 }
 
 // `import rlkernels._C` loads the library, which runs the registrations above; the Python module

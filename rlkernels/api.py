@@ -67,7 +67,35 @@ def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _row_labels(flat_labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Labels for the vocabulary passes: -1 on every row that takes no part (such rows are never read)."""
-    return torch.where(keep, flat_labels.long(), torch.full_like(flat_labels, -1, dtype=torch.long))
+    return torch.where(keep, flat_labels, torch.full_like(flat_labels, -1))
+
+
+def _logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
+    """The logits as the vocabulary passes take them: [N, V], or [B, T, V] when the rows do not form
+    one strided sequence (the causal shift `model_out[:, :-1]`): read where they lie, never copied.
+
+    Only a non-unit stride along V is copied (the kernels stream rows), and only rank > 3 is
+    flattened with a possible copy."""
+    if inplace_backward and logits.numel() > 1 and torch._debug_has_internal_overlap(logits) == 1:
+        raise ValueError(
+            f"logits: inplace_backward=True needs logits whose elements do not share memory, got strides "
+            f"{logits.stride()} for shape {tuple(logits.shape)} (an expand()ed view); pass inplace_backward=False"
+        )
+    if logits.stride(-1) != 1:
+        if inplace_backward:
+            raise ValueError(f"logits: inplace_backward=True needs unit stride along V, got strides {logits.stride()}")
+        logits = logits.contiguous()
+    V = logits.shape[-1]
+    if logits.dim() == 2:
+        return logits
+    try:
+        return logits.view(-1, V)
+    except RuntimeError:  # not one strided sequence of rows
+        if logits.dim() == 3:
+            return logits
+        if inplace_backward:
+            raise ValueError(f"logits: inplace_backward=True needs [N, V] or [B, T, V] rows, got shape {tuple(logits.shape)}")
+        return logits.reshape(-1, V)
 
 
 def _policy_output(lp, entropy, advantages, mask, old, rollout, ref, cu_seqlens, token_shape, config) -> PolicyLossOutput:
@@ -75,7 +103,7 @@ def _policy_output(lp, entropy, advantages, mask, old, rollout, ref, cu_seqlens,
     dt = backends.statistics_dtype(lp.dtype)
     stat_lp = lp.detach().to(dt)
     stat_ent = None if entropy is None else entropy.detach().to(dt)
-    stage = backends.select_stage(config.backend, lp)(
+    stage = backends.select_stage(lp, config.compile_stage)(
         stat_lp, stat_ent, _flat(advantages), mask, _flat(old), _flat(rollout), _flat(ref),
         _segments(token_shape, cu_seqlens, lp.device), config,
     )
@@ -87,11 +115,14 @@ def _policy_output(lp, entropy, advantages, mask, old, rollout, ref, cu_seqlens,
     )
 
 
-def _token_stats(logits2d, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows):
-    """The fused forward as a custom op; "auto" is resolved here, the one place that reads backend=."""
-    name = backends.select(backend, logits2d, chunk_rows).name
+def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows):
+    """The fused forward as a custom op. The backend is chosen here, once per call (the one place
+    that reads backend=), and the op and its backward run that choice by name."""
+    rows = _logit_rows(logits, inplace)
+    name = backends.select(backend, rows, chunk_rows).name
     _, _, lp, ent, s2 = custom_ops.token_stats(
-        logits2d, row_labels, temperature, entropy, sum_pi_squared, inplace, name, chunk_rows or 0
+        rows, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared, inplace, name,
+        chunk_rows or 0,
     )
     return lp, ent if entropy else None, s2 if sum_pi_squared else None
 
@@ -134,7 +165,7 @@ def decoupled_ppo_loss(
     check_cu_seqlens(cu_seqlens, token_shape, device)
     _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
 
-    flat_labels = labels.reshape(-1)
+    flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     in_mask = response_mask.reshape(-1).bool()
     N = flat_labels.numel()
     if config.validate:
@@ -148,7 +179,7 @@ def decoupled_ppo_loss(
     # are treated as masked so that nothing is ever read out of bounds.
     mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     lp, entropy, _ = _token_stats(
-        logits.reshape(N, V), _row_labels(flat_labels, mask), config.temperature, config.needs_entropy, False,
+        logits, _row_labels(flat_labels, mask), config.temperature, config.needs_entropy, False,
         config.inplace_backward, config.backend, config.chunk_rows,
     )
     return _policy_output(
@@ -217,13 +248,12 @@ def token_logprobs(
     temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    flat_labels = labels.reshape(-1)
-    N = flat_labels.numel()
+    flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     if validate:
         value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index)
     keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     lp, entropy, sum_pi_squared = _token_stats(
-        logits.reshape(N, V), _row_labels(flat_labels, keep), temperature, compute_entropy, compute_sum_pi_squared,
+        logits, _row_labels(flat_labels, keep), temperature, compute_entropy, compute_sum_pi_squared,
         inplace_backward, backend, None,
     )
     shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731

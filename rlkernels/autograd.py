@@ -9,6 +9,8 @@ hands g * (c_t, e_t) back to whatever produced the statistics.
 
 import torch
 
+from .custom_ops import refuse_double_backward
+
 
 class CoefficientLossFunction(torch.autograd.Function):
     @staticmethod
@@ -20,6 +22,7 @@ class CoefficientLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_double_backward()
         coef_logprob, coef_entropy = ctx.saved_tensors
         lp_dtype, ent_dtype = ctx.dtypes
         d_lp = (grad_loss * coef_logprob).to(lp_dtype)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Tuple, Union
 
+import torch
+
 # Option names of SPEC §5. k1 options take ratio bounds (lo, hi); k2/k3 options an upper bound.
 TOKEN_RS_OPTIONS = ("token_k1", "token_k2", "token_k3")
 SEQ_RS_OPTIONS = (
@@ -34,9 +36,18 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _checking_values() -> bool:
+    """False while torch.compile traces: a per-step hyperparameter is then a symbolic float, and
+    math.isfinite or a Python comparison on it would fail or specialise the graph on its value.
+    Types are still checked; values were checked where the config was first built."""
+    return not torch.compiler.is_compiling()
+
+
 def _check_finite_positive(name: str, value, *, allow_zero: bool = False) -> float:
     if not _is_number(value):
         raise TypeError(f"{name}: expected a number, got {value!r} ({type(value).__name__})")
+    if not _checking_values():
+        return value
     value = float(value)
     ok = value >= 0 if allow_zero else value > 0
     if not (ok and math.isfinite(value)):
@@ -49,13 +60,15 @@ def _ratio_bounds(name: str, value) -> Tuple[float, float]:
     """A k1 / IcePop bound: (lo, hi) with 0 < lo <= hi, or a single hi meaning (1/hi, hi)."""
     if _is_number(value):
         hi = _check_finite_positive(name, value)
+        if not _checking_values():
+            return (1.0 / hi, hi)
         if hi < 1.0:
             raise ValueError(f"{name}: expected hi >= 1 (a single ratio bound hi means (1/hi, hi)), got {hi!r}")
         return (1.0 / hi, hi)
     if isinstance(value, (tuple, list)) and len(value) == 2:
         lo = _check_finite_positive(f"{name}[0] (lo)", value[0])
         hi = _check_finite_positive(f"{name}[1] (hi)", value[1])
-        if lo > hi:
+        if _checking_values() and lo > hi:
             raise ValueError(f"{name}: expected lo <= hi, got lo={lo!r} > hi={hi!r}")
         return (lo, hi)
     raise TypeError(f"{name}: expected a number or a (lo, hi) pair, got {value!r}")
@@ -243,6 +256,7 @@ class PolicyLossConfig:
         validate: run the value checks of SPEC §11 (one device sync). False for sync-free steps.
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
+        compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
     """
 
     loss_type: str = "ppo_clip"
@@ -263,17 +277,18 @@ class PolicyLossConfig:
     validate: bool = True
     chunk_rows: Optional[int] = None
     inplace_backward: bool = False
+    compile_stage: Optional[bool] = None
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
         object.__setattr__(self, "clip_ratio_low", _check_finite_positive("clip_ratio_low", self.clip_ratio_low, allow_zero=True))
         object.__setattr__(self, "clip_ratio_high", _check_finite_positive("clip_ratio_high", self.clip_ratio_high, allow_zero=True))
-        if self.clip_ratio_low >= 1.0:
+        if _checking_values() and self.clip_ratio_low >= 1.0:
             raise ValueError(f"clip_ratio_low: expected eps_lo < 1 so that 1 - eps_lo > 0, got {self.clip_ratio_low!r}")
         if self.clip_ratio_c is not None:
             c = _check_finite_positive("clip_ratio_c", self.clip_ratio_c)
-            if c <= 1.0:
+            if _checking_values() and c <= 1.0:
                 raise ValueError(f"clip_ratio_c: expected c > 1 (or None to disable dual clip), got {c!r}")
             object.__setattr__(self, "clip_ratio_c", c)
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -283,9 +298,12 @@ class PolicyLossConfig:
             if value is not None:
                 object.__setattr__(self, name, _check_finite_positive(name, value))
         object.__setattr__(self, "temperature", _check_finite_positive("temperature", self.temperature))
-        if not _is_number(self.entropy_coeff) or not math.isfinite(self.entropy_coeff):
-            raise ValueError(f"entropy_coeff: expected a finite number, got {self.entropy_coeff!r}")
-        object.__setattr__(self, "entropy_coeff", float(self.entropy_coeff))
+        if not _is_number(self.entropy_coeff):
+            raise TypeError(f"entropy_coeff: expected a number, got {self.entropy_coeff!r}")
+        if _checking_values():
+            if not math.isfinite(self.entropy_coeff):
+                raise ValueError(f"entropy_coeff: expected a finite number, got {self.entropy_coeff!r}")
+            object.__setattr__(self, "entropy_coeff", float(self.entropy_coeff))
         object.__setattr__(self, "kl_coef", _check_finite_positive("kl_coef", self.kl_coef, allow_zero=True))
         if self.kl_type not in KL_TYPES:
             raise ValueError(f"kl_type: expected one of {KL_TYPES}, got {self.kl_type!r}")
@@ -300,6 +318,8 @@ class PolicyLossConfig:
         for name in ("compute_entropy", "validate", "inplace_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.compile_stage is not None and not isinstance(self.compile_stage, bool):
+            raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
 

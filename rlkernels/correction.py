@@ -3,13 +3,12 @@ rollout_corr/* diagnostics (§8). Vectorised torch on [N] tensors; the same code
 backend, since none of it touches the vocabulary.
 """
 
-import math
 from typing import Dict, NamedTuple, Optional
 
 import torch
 
 from .config import RolloutCorrection
-from .segments import Segments, masked_extreme, masked_mean, masked_mean_exp
+from .segments import Segments, hyper, log_hyper, masked_extreme, masked_mean, masked_mean_exp
 
 CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp
 
@@ -30,7 +29,7 @@ def is_weights(delta: torch.Tensor, mask: torch.Tensor, seg: Segments, rc: Rollo
         lo, hi = rc.is_threshold
         w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
     else:
-        w = raw.clamp_max(rc.is_threshold)
+        w = torch.minimum(raw, hyper(raw, rc.is_threshold))
     w = torch.where(mask, w, torch.zeros_like(w))
     factor = torch.ones((), dtype=w.dtype, device=w.device)
     if rc.is_batch_normalize:
@@ -55,7 +54,7 @@ def _k_stat(kind: str, delta_hat: torch.Tensor) -> torch.Tensor:
 def _keeps(kind: str, stat: torch.Tensor, bound) -> torch.Tensor:
     if kind == "k1":  # keep lo <= rho <= hi, rho = exp(-k1), compared in log space (SPEC §5)
         lo, hi = bound
-        return (-stat >= math.log(lo)) & (-stat <= math.log(hi))
+        return (-stat >= log_hyper(stat, lo)) & (-stat <= log_hyper(stat, hi))
     return stat <= bound
 
 
@@ -137,7 +136,7 @@ def offpolicy_metrics(
     if rc is not None and rc.is_level is not None:
         lo, hi = rc.is_bounds
         w = weights.truncated
-        x = w.clamp(0, hi)
+        x = torch.minimum(w.clamp_min(0), hyper(w, hi))
         mean_x = masked_mean(x, mask)
         out["rollout_is_mean"] = masked_mean(w, mask)
         # two-pass variance: E[x^2] - E[x]^2 cancels catastrophically in float32 when w ~ 1
@@ -148,8 +147,8 @@ def offpolicy_metrics(
             log_ratio, valid = delta_hat, mask
         else:
             log_ratio, valid = seg.sum(delta).clamp(-CLAMP, CLAMP), nonempty
-        out["rollout_is_ratio_fraction_high"] = masked_mean((log_ratio > math.log(hi)).to(dt), valid)
-        out["rollout_is_ratio_fraction_low"] = masked_mean((log_ratio < math.log(lo)).to(dt), valid)
+        out["rollout_is_ratio_fraction_high"] = masked_mean((log_ratio > log_hyper(log_ratio, hi)).to(dt), valid)
+        out["rollout_is_ratio_fraction_low"] = masked_mean((log_ratio < log_hyper(log_ratio, lo)).to(dt), valid)
         # ESS = 1 / mean((x / mean x)^2); 0 when every weight is 0 or nothing is valid
         ess = 1.0 / masked_mean((x / mean_x.clamp_min(torch.finfo(dt).tiny)) ** 2, mask).clamp_min(torch.finfo(dt).tiny)
         out["rollout_is_eff_sample_size"] = torch.where(mean_x > 0, ess, torch.zeros_like(ess))

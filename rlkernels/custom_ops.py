@@ -7,7 +7,9 @@ writes into the logits' storage; the op's schema declares the mutation, so autog
 logits' version counter and any other user of the old values fails loudly).
 
 Absent optional outputs (entropy, sum p^2) are returned as empty [0] tensors: custom ops return
-tensors only.
+tensors only. The temperature arrives as a 0-d float64 *CPU* tensor: a `float` argument of a custom
+op specialises a compiled graph on its value (a recompilation per temperature), while a CPU scalar
+tensor stays a graph input and is read here without touching the device.
 """
 
 from typing import Tuple
@@ -18,19 +20,41 @@ from torch import Tensor
 from . import backends
 
 
+def host_float(t: Tensor) -> float:
+    """The value of a 0-d CPU tensor (the temperature): a host read, never a device synchronisation."""
+    return float(t)
+
+
+def refuse_double_backward() -> None:
+    """Autograd runs a backward with grad mode on only under create_graph=True. The backward passes
+    here are kernels, not differentiable torch code, so a second derivative would silently come out
+    as zero: refuse instead."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            "rlkernels: second derivatives are not supported (backward(create_graph=True) through the fused "
+            "loss or token_logprobs); differentiate once, or use rlkernels.reference for higher orders"
+        )
+
+
 def _backend(name: str, logits: Tensor, chunk_rows: int):
     return backends.select(name, logits, chunk_rows or None)
 
 
+def temperature_tensor(temperature) -> Tensor:
+    """The temperature as the ops take it: built by arithmetic, so that torch.compile keeps a
+    per-step float a run-time input (see segments.hyper)."""
+    return torch.zeros((), dtype=torch.float64) + temperature
+
+
 @torch.library.custom_op("rlkernels::token_stats", mutates_args=())
 def token_stats(
-    logits: Tensor, labels: Tensor, temperature: float, compute_entropy: bool, compute_sum_pi_squared: bool,
+    logits: Tensor, labels: Tensor, temperature: Tensor, compute_entropy: bool, compute_sum_pi_squared: bool,
     inplace_backward: bool, backend: str, chunk_rows: int,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # logits: (N, V); labels: (N,) int64, -1 on rows that take no part. `inplace_backward` only
+    # logits: (N, V) or (B, T, V) row-strided; labels: (N,) int64, -1 on rows that take no part. `inplace_backward` only
     # matters to the backward (see the module docstring).
     stats = _backend(backend, logits, chunk_rows).token_stats_fwd(
-        logits, labels, temperature, compute_entropy, compute_sum_pi_squared
+        logits, labels, host_float(temperature), compute_entropy, compute_sum_pi_squared
     )
     absent = lambda t: stats.logprobs.new_empty(0) if t is None else t  # noqa: E731 (outputs may not alias)
     return stats.row_max, stats.log_norm, stats.logprobs, absent(stats.entropy), absent(stats.sum_pi_squared)
@@ -38,7 +62,7 @@ def token_stats(
 
 @token_stats.register_fake
 def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward, backend, chunk_rows):
-    N = logits.shape[0]
+    N = labels.shape[0]  # logits are [N, V] or [B, T, V] (see backends.base)
     new = lambda n: logits.new_empty(n, dtype=backends.statistics_dtype(logits.dtype))  # noqa: E731
     return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
 
@@ -46,12 +70,12 @@ def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared, inpl
 @torch.library.custom_op("rlkernels::token_grad", mutates_args=())
 def token_grad(
     logits: Tensor, labels: Tensor, row_max: Tensor, log_norm: Tensor, entropy: Tensor, coef_logprob: Tensor,
-    coef_entropy: Tensor, temperature: float, backend: str, chunk_rows: int,
+    coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
 ) -> Tensor:
     has_entropy = coef_entropy.numel() > 0
     return _backend(backend, logits, chunk_rows).token_grad_bwd(
         logits, labels, row_max, log_norm, entropy if has_entropy else None, coef_logprob,
-        coef_entropy if has_entropy else None, temperature, False,
+        coef_entropy if has_entropy else None, host_float(temperature), False,
     )
 
 
@@ -63,12 +87,12 @@ def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, te
 @torch.library.custom_op("rlkernels::token_grad_", mutates_args=("logits",))
 def token_grad_(
     logits: Tensor, labels: Tensor, row_max: Tensor, log_norm: Tensor, entropy: Tensor, coef_logprob: Tensor,
-    coef_entropy: Tensor, temperature: float, backend: str, chunk_rows: int,
+    coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
 ) -> None:
     has_entropy = coef_entropy.numel() > 0
     out = _backend(backend, logits, chunk_rows).token_grad_bwd(
         logits, labels, row_max, log_norm, entropy if has_entropy else None, coef_logprob,
-        coef_entropy if has_entropy else None, temperature, True,
+        coef_entropy if has_entropy else None, host_float(temperature), True,
     )
     if out.data_ptr() != logits.data_ptr():  # a backend that could not work in place
         logits.copy_(out)
@@ -82,14 +106,15 @@ def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, te
 def _setup_context(ctx, inputs, output):
     logits, labels, temperature, _, _, inplace_backward, backend, chunk_rows = inputs
     row_max, log_norm, _, entropy, _ = output
-    ctx.save_for_backward(logits, labels, row_max, log_norm, entropy)
-    ctx.options = (temperature, inplace_backward, backend, chunk_rows)
+    ctx.save_for_backward(logits, labels, row_max, log_norm, entropy, temperature)
+    ctx.options = (inplace_backward, backend, chunk_rows)
     ctx.mark_non_differentiable(row_max, log_norm, output[4])
 
 
 def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared):
-    logits, labels, row_max, log_norm, entropy = ctx.saved_tensors
-    temperature, inplace_backward, backend, chunk_rows = ctx.options
+    refuse_double_backward()
+    logits, labels, row_max, log_norm, entropy, temperature = ctx.saved_tensors
+    inplace_backward, backend, chunk_rows = ctx.options
     if grad_logprobs is None:
         grad_logprobs = torch.zeros_like(row_max)
     use_entropy = grad_entropy is not None and entropy.numel() > 0

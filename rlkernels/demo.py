@@ -8,7 +8,11 @@ naive PyTorch composition a trainer would otherwise write.
 """
 
 import argparse
+import ctypes
+import statistics
+import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -34,26 +38,35 @@ PRESETS = {
 
 
 def synthetic_batch(num_seqs: int, vocab: int, device, seed: int = 0, dtype=torch.float32):
-    """A packed batch: logits of the trainer, and what the inference engine reported for them."""
-    torch.manual_seed(seed)  # the label sampler below draws from the global generator
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    lengths = torch.randint(8, 65, (num_seqs,), generator=g)
+    """A packed batch: the trainer's logits, the tokens the inference engine sampled, and the
+    log-probabilities the engine reported for them."""
+    device = torch.device(device)
+    g_cpu = torch.Generator().manual_seed(seed)  # sequence lengths and the choice of toxic responses
+    g = torch.Generator(device=device).manual_seed(seed)  # the [N, V] draws, made where they are used
+    lengths = torch.randint(8, 65, (num_seqs,), generator=g_cpu)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     N = int(cu[-1])
-    logits = (torch.randn(N, vocab, generator=g) * 2.5).to(device=device, dtype=dtype)
-    labels = torch.distributions.Categorical(logits=logits.float()).sample().to(device)
+    logits = torch.randn(N, vocab, generator=g, device=device).mul_(2.5).to(dtype)
     with torch.no_grad():
-        lp = torch.log_softmax(logits.float(), -1).gather(1, labels[:, None]).squeeze(1)
-        # the engine's numerics: the same model with slightly different logits (bf16 kernels, ...)
-        noisy = logits.float() + 0.08 * torch.randn(N, vocab, generator=g).to(device)
-        rollout = torch.log_softmax(noisy, -1).gather(1, labels[:, None]).squeeze(1)
+        trainer = logits.float()
+        # the engine's numerics: the same model with slightly different logits (bf16 kernels, ...);
+        # the responses are sampled from the engine's distribution (by inverse CDF: one uniform per token)
+        engine = torch.randn(N, vocab, generator=g, device=device).mul_(0.08).add_(trainer)
+        cdf = torch.softmax(engine, -1).cumsum_(-1)
+        u = torch.rand(N, 1, generator=g, device=device) * cdf[:, -1:]
+        labels = torch.searchsorted(cdf, u).squeeze(1).clamp_(max=vocab - 1)
+        del cdf
+        rollout = engine.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(engine, -1)
+        del engine
+        lp = trainer.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(trainer, -1)
+        del trainer
     # a few toxic responses whose engine probabilities drifted far (the failure the fixes target)
     toxic = torch.zeros(N, dtype=torch.bool, device=device)
-    for i in torch.randperm(num_seqs, generator=g)[: max(1, num_seqs // 50)].tolist():
+    for i in torch.randperm(num_seqs, generator=g_cpu)[: max(1, num_seqs // 50)].tolist():
         toxic[cu[i]: cu[i + 1]] = True
     rollout = torch.where(toxic, rollout - 1.5, rollout)
-    old = lp - 0.02 * torch.randn(N, generator=g).to(device)  # the proximal policy: one step behind
-    seq_reward = torch.randn(num_seqs, generator=g).to(device)
+    old = lp - 0.02 * torch.randn(N, generator=g, device=device)  # the proximal policy: one step behind
+    seq_reward = torch.randn(num_seqs, generator=g, device=device)
     advantages = seq_reward.repeat_interleave(lengths.to(device))
     mask = torch.ones(N, dtype=torch.bool, device=device)
     mask[cu[:-1].to(device)] = False  # the first token of each row is prompt, not response
@@ -61,58 +74,148 @@ def synthetic_batch(num_seqs: int, vocab: int, device, seed: int = 0, dtype=torc
                 rollout_logprobs=rollout, cu_seqlens=cu.to(device))
 
 
-def naive_decoupled_ppo(logits, labels, advantages, response_mask, old_logprobs, rollout_logprobs, clip=0.2, C=2.0):
-    """What a trainer writes today: fp32 log-softmax over [N, V], gather, token TIS, PPO clip, masked mean."""
+def naive_decoupled_ppo(logits, labels, advantages, response_mask, old_logprobs, rollout_logprobs,
+                        clip_low=0.2, clip_high=0.2, clip_c=3.0, C=2.0):
+    """What a trainer writes today: fp32 log-softmax over [N, V], gather, token TIS, dual-clip PPO, token mean."""
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     w = torch.exp((old_logprobs - rollout_logprobs).clamp(-20, 20)).clamp(max=C).detach()
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
     loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1 - clip, 1 + clip)
+    loss2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     per_token = torch.maximum(loss1, loss2)
-    per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * 3.0), per_token) * w
+    if clip_c is not None:
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * clip_c), per_token)
+    per_token = per_token * w
     m = response_mask.float()
     return (per_token * m).sum() / m.sum().clamp_min(1)
 
 
-def _time(fn, repeats: int, device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(step, device) -> float:
+    """Wall time of one call of `step`, the device work it queued included."""
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def _peak_memory(step, device) -> Optional[int]:
+    """Bytes a call of `step` needs above the memory already live before it; None where that is not
+    cheap to measure honestly.
+
+    CUDA: the caching allocator's peak counter. CPU on Linux with glibc: the peak resident set size,
+    reset through /proc/self/clear_refs right after returning the heap's free memory to the system
+    (malloc_trim), so that memory an earlier call freed but the allocator kept cannot hide this
+    call's needs."""
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return None
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim  # glibc only (musl has none)
+        malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        base = _proc_status_kib("VmRSS")
+        if _proc_status_kib("VmHWM") > base + 1024:  # the reset did not take: no honest number
+            return None
+        step()
+        return (_proc_status_kib("VmHWM") - base) * 1024
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _speed_in_words(t_naive: float, t_fused: float) -> str:
+    if round(t_naive / t_fused, 1) == 1.0 and round(t_fused / t_naive, 1) == 1.0:
+        return "rlkernels is about as fast as naive PyTorch (within 5%)"
+    if t_fused < t_naive:
+        return f"rlkernels is {t_naive / t_fused:.1f}\u00d7 faster than naive PyTorch"
+    return f"rlkernels is {t_fused / t_naive:.1f}\u00d7 slower than naive PyTorch"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sequences", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--sequences", type=int, default=128, help="responses in the batch (default 128)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the logits (default float32)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed fwd+bwd runs of each side, interleaved (default 5)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     device = torch.device(args.device)
-    batch = synthetic_batch(args.sequences, args.vocab, device)
+    batch = synthetic_batch(args.sequences, args.vocab, device, dtype=getattr(torch, args.dtype))
     N = batch["labels"].numel()
+    logits_gib = N * args.vocab * batch["logits"].element_size() / 2**30
     print(f"rlkernels {rlkernels.__version__} demo: {args.sequences} responses, {N} tokens, vocab {args.vocab}, "
-          f"{batch['logits'].dtype} logits on {device} ({N * args.vocab * batch['logits'].element_size() / 2**30:.2f} GiB)\n")
+          f"{batch['logits'].dtype} logits on {device} ({logits_gib:.2f} GiB)\n")
+
+    # The timed comparison: the fused token-TIS loss vs the naive composition of the same loss, both
+    # forward + backward into the gradient of the same logits, which is reset to None before every call.
+    rc = RolloutCorrection.token_tis()
+    cfg = PolicyLossConfig(rollout_correction=rc)
+    rest = {k: v for k, v in batch.items() if k not in ("logits", "cu_seqlens")}
+    logits = batch["logits"].detach().requires_grad_(True)  # shares the batch's storage: no copy
+    backend = rlkernels.backends.select("auto", logits).name
+    fused_name, naive_name = f"rlkernels ({backend} backend)", "naive PyTorch"
+    sides = {
+        naive_name: lambda: naive_decoupled_ppo(
+            logits, **rest, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
+            clip_c=cfg.clip_ratio_c, C=rc.is_threshold),
+        fused_name: lambda: rlkernels.decoupled_ppo_loss(
+            logits, cu_seqlens=batch["cu_seqlens"], config=cfg, **rest).loss,
+    }
+
+    # First calls, before anything else runs the loss (so they include every one-time start-up
+    # cost: kernel compilation, allocator growth); also the check that both sides agree.
+    first, results = {}, {}
+    for name, loss_fn in sides.items():
+        logits.grad = None
+        loss = [None]
+
+        def step():
+            loss[0] = loss_fn()
+            loss[0].backward()
+        first[name] = _seconds(step, device)
+        results[name] = (loss[0].item(), logits.grad)
+    logits.grad = None
+    (loss_naive, grad_naive), (loss_fused, grad_fused) = results[naive_name], results[fused_name]
+    grad_diff = (grad_fused.float() - grad_naive.float()).abs().max().item()
+    grad_scale = grad_naive.float().abs().max().item()
+    del results, grad_naive, grad_fused
 
     rows = []
-    for name, rc in PRESETS.items():
-        logits = batch["logits"].clone().requires_grad_(True)
-        out = rlkernels.decoupled_ppo_loss(logits, **{k: v for k, v in batch.items() if k != "logits"},
-                                           config=PolicyLossConfig(rollout_correction=rc))
-        out.loss.backward()
-        m = rlkernels.metrics_to_floats(out.metrics)  # one host sync for every metric
-        kept = out.mask.sum().item() / max(1, batch["response_mask"].sum().item())
-        failed = [label for key, (label, ok, _) in HEALTH.items() if key in m and not ok(m[key])]
-        rows.append((name, out.loss.item(), kept, m.get("rollout_corr/rollout_is_mean"),
-                     m.get("rollout_corr/rollout_is_eff_sample_size"), m["rollout_corr/kl"], m["rollout_corr/chi2_token"],
-                     m["actor/pg_clipfrac"], "healthy" if not failed else "check " + ", ".join(failed)))
+    with torch.no_grad():  # the table needs the forward only (the loss, its mask and its metrics)
+        for name, preset in PRESETS.items():
+            out = rlkernels.decoupled_ppo_loss(**batch, config=PolicyLossConfig(rollout_correction=preset))
+            m = rlkernels.metrics_to_floats(out.metrics)  # one host sync for every metric
+            kept = out.mask.sum().item() / max(1, batch["response_mask"].sum().item())
+            failed = [label for key, (label, ok, _) in HEALTH.items() if key in m and not ok(m[key])]
+            rows.append((name, out.loss.item(), kept, m.get("rollout_corr/rollout_is_mean"),
+                         m.get("rollout_corr/rollout_is_eff_sample_size"), m["rollout_corr/kl"],
+                         m["rollout_corr/chi2_token"], m["actor/pg_clipfrac"],
+                         "healthy" if not failed else "check " + ", ".join(failed)))
+            del out
 
     header = f"{'preset':<20} {'loss':>9} {'kept':>6} {'IS mean':>8} {'ESS':>6} {'kl':>8} {'chi2_tok':>9} {'clipfrac':>8}  verdict"
     print(header)
@@ -123,26 +226,44 @@ def main(argv=None):
               f"{chi2:>9.4f} {clipfrac:>8.3f}  {verdict}")
     print("\nhealth thresholds: " + "; ".join(f"{label} {rule}" for label, _, rule in HEALTH.values()))
 
-    # timing: fused token-TIS loss vs the naive composition of the same loss (fwd + bwd)
-    cfg = PolicyLossConfig(rollout_correction=RolloutCorrection.token_tis())
-    rest = {k: v for k, v in batch.items() if k not in ("logits", "cu_seqlens")}
-    logits = batch["logits"].clone().requires_grad_(True)
-
-    def fused():
+    # Second warm-up call of each side (after the presets), which also measures peak memory; then
+    # the timed calls, interleaved (naive, fused, naive, fused, ...) so that drift in the machine's
+    # speed (clocks, other processes) hits both sides alike.
+    peak = {}
+    for name, loss_fn in sides.items():
         logits.grad = None
-        rlkernels.decoupled_ppo_loss(logits, cu_seqlens=batch["cu_seqlens"], config=cfg, **rest).loss.backward()
+        peak[name] = _peak_memory(lambda: loss_fn().backward(), device)
+    times = {name: [] for name in sides}
+    for _ in range(args.repeats):
+        for name, loss_fn in sides.items():
+            logits.grad = None
+            times[name].append(_seconds(lambda: loss_fn().backward(), device))
+    logits.grad = None
+    median = {name: statistics.median(ts) for name, ts in times.items()}
 
-    def naive():
-        logits.grad = None
-        naive_decoupled_ppo(logits, **rest).backward()
-
-    with torch.no_grad():
-        a = rlkernels.decoupled_ppo_loss(batch["logits"], cu_seqlens=batch["cu_seqlens"], config=cfg, **rest).loss
-        b = naive_decoupled_ppo(batch["logits"], **rest)
-    t_fused, t_naive = _time(fused, args.repeats, device), _time(naive, args.repeats, device)
-    backend = rlkernels.backends.select("auto", batch["logits"]).name
-    print(f"\nfwd+bwd, token-TIS: rlkernels ({backend} backend) {t_fused * 1e3:.1f} ms vs naive PyTorch "
-          f"{t_naive * 1e3:.1f} ms ({t_naive / t_fused:.2f}x); losses {a.item():.6f} vs {b.item():.6f}")
+    notable_first = any(first[name] > 1.5 * median[name] for name in sides)
+    show_peak = all(v is not None for v in peak.values())
+    print(f"\ntiming: forward + backward of the token-TIS loss on this batch, the gradient reset before "
+          f"every call;\n{args.repeats} runs of each side, interleaved, after 2 warm-up runs each")
+    width = max(map(len, sides))
+    print(f"  {'':<{width}}  {'median':>9}  {'range':>17}" + (f"  {'first call':>10}" if notable_first else "")
+          + (f"  {'peak memory':>11}" if show_peak else ""))
+    for name, ts in times.items():
+        print(f"  {name:<{width}}  {median[name] * 1e3:6.1f} ms  {min(ts) * 1e3:7.1f}-{max(ts) * 1e3:.1f} ms".ljust(width + 33)
+              + (f"  {first[name] * 1e3:7.1f} ms" if notable_first else "")
+              + (f"  {peak[name] / 2**30:7.2f} GiB" if show_peak else ""))
+    print(f"  => {_speed_in_words(median[naive_name], median[fused_name])}")
+    notes = []
+    if notable_first:
+        notes.append("first call: one-time start-up included, kept out of the medians")
+    if show_peak:
+        notes.append(f"peak memory: above the inputs, including the {logits_gib:.2f} GiB gradient each side writes")
+    if any(max(ts) > 1.5 * min(ts) for ts in times.values()):
+        notes.append("the run times varied by over 50%: the machine is busy or throttling; rerun, or raise --repeats")
+    for note in notes:
+        print(f"  ({note})")
+    print(f"  same loss ({loss_fused:.6f} vs {loss_naive:.6f}) and gradient (largest difference "
+          f"{grad_diff:.1e}, {grad_diff / max(grad_scale, 1e-30):.1e} of the largest entry)")
 
 
 if __name__ == "__main__":

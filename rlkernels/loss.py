@@ -15,8 +15,7 @@ import torch
 from . import correction
 from .correction import CLAMP
 from .config import PolicyLossConfig
-from .segments import Segments, masked_mean
-
+from .segments import Segments, hyper, masked_mean
 
 
 class StageOutput(NamedTuple):
@@ -108,7 +107,8 @@ def sequence_stage(
     else:
         r = torch.exp(delta_pg)
         L1 = -A * r
-        L2 = -A * r.clamp(1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+        # clip bounds as tensors: a clip-ratio schedule must not recompile a compiled step
+        L2 = -A * torch.clamp(r, hyper(r, 1 - config.clip_ratio_low), hyper(r, 1 + config.clip_ratio_high))
         clipped = L2 > L1
         Lc = torch.where(clipped, L2, L1)
         if config.clip_ratio_c is not None:

@@ -1,8 +1,11 @@
 """The sequence structure of a flat [N] token axis (SPEC §3), with segmented reductions.
 
 Both layouts become one: padded [B, T] is B segments of T tokens, packed [N] is the segments of
-`cu_seqlens`. Every reduction is a fixed-order torch op (no host sync, nothing data-dependent in
-shapes), so the per-sequence stage never synchronises the device.
+`cu_seqlens`. Every reduction runs in a fixed order, so two runs on the same input are bitwise
+identical on a GPU too: the padded layout reduces rows of a [B, T] view, the packed layout uses
+`torch.segment_reduce` over the offsets (one ordered reduction per segment). Neither uses
+`index_add_` / `scatter_reduce_`, whose CUDA kernels accumulate with floating-point atomics. Nothing
+depends on data in shapes, so the per-sequence stage never synchronises the device.
 """
 
 from typing import Optional, Union
@@ -37,24 +40,44 @@ class Segments:
         width = (cu[1:] - cu[:-1]).max() if S > 0 else torch.zeros((), dtype=torch.long, device=device)
         return cls(seq_id, S, width, None, cu)
 
+    def _reduce(self, x: torch.Tensor, how: str, empty: float) -> torch.Tensor:
+        if self.padded_T is not None:  # padded: a row reduction of the [B, T] view
+            if self.padded_T == 0:
+                return x.new_full((self.num_seqs,), empty)
+            rows = x.view(self.num_seqs, self.padded_T)
+            return rows.sum(1) if how == "sum" else rows.amax(1)
+        # `unsafe`: the offsets were checked by validation (or are trusted with validate=False); the
+        # safe path would read them on the host
+        return torch.segment_reduce(x, how, offsets=self.cu_seqlens, unsafe=True, initial=empty)
+
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """[N] -> [S] sums (callers zero the masked tokens first)."""
-        if self.padded_T is not None:  # padded: a fixed-order row sum
-            return x.view(self.num_seqs, self.padded_T).sum(1)
-        return x.new_zeros(self.num_seqs).index_add_(0, self.seq_id, x)
+        """[N] -> [S] sums (callers zero the masked tokens first); 0 for an empty sequence."""
+        return self._reduce(x, "sum", 0.0)
 
     def max(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[N] -> [S] max over masked-in tokens; an empty sequence has max 0 (SPEC §5)."""
-        filled = torch.where(mask, x, torch.full_like(x, float("-inf")))
-        if self.padded_T is not None:
-            out = filled.view(self.num_seqs, self.padded_T).amax(1) if self.padded_T > 0 else x.new_full((self.num_seqs,), float("-inf"))
-        else:
-            out = x.new_full((self.num_seqs,), float("-inf")).scatter_reduce_(0, self.seq_id, filled, "amax")
+        out = self._reduce(torch.where(mask, x, torch.full_like(x, float("-inf"))), "max", float("-inf"))
         return torch.where(self.sum(mask.to(x.dtype)) > 0, out, torch.zeros_like(out))
 
     def expand(self, per_seq: torch.Tensor) -> torch.Tensor:
-        """[S] -> [N]: each token gets its sequence's value."""
+        """[S] -> [N]: each token gets its sequence's value (a gather: no accumulation)."""
         return per_seq.index_select(0, self.seq_id)
+
+
+def hyper(like: torch.Tensor, value) -> torch.Tensor:
+    """A hyperparameter (Python float, or a symbolic float under torch.compile) as a 0-d tensor of
+    `like`'s dtype and device.
+
+    It is built by arithmetic on purpose: torch.compile keeps a float that only enters tensor
+    arithmetic a run-time input of the graph, whereas passing it to clamp / where / full / a custom
+    op specialises the graph on its value -- a recompilation for every new clip ratio or threshold."""
+    return like.new_zeros(()) + value
+
+
+def log_hyper(like: torch.Tensor, value) -> torch.Tensor:
+    """log(value) as a 0-d tensor of `like`'s dtype: taken in float64 and rounded once, as math.log
+    followed by the comparison's cast would (see `hyper` for why it is a tensor)."""
+    return torch.log(torch.zeros((), dtype=torch.float64, device=like.device) + value).to(like.dtype)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Label dtypes: compared with ignore_index and [0, V) after a cast to int64, so that -100 never wraps
+# in a narrow or unsigned dtype. uint16/32/64 lack the CPU kernels that cast needs in every torch.
+LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _describe(x) -> str:
@@ -20,13 +23,13 @@ def _describe(x) -> str:
 
 
 def check_tensor(name: str, x, *, kind: str, shape: Optional[Tuple[int, ...]] = None, device=None) -> None:
-    """kind: 'float' (fp16/bf16/fp32/fp64), 'int' (any integer dtype), 'mask' (bool, int or float)."""
+    """kind: 'float' (fp16/bf16/fp32/fp64), 'int' (LABEL_DTYPES), 'mask' (bool, int or float)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {_describe(x)}")
     if kind == "float" and x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
-    if kind == "int" and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
-        raise TypeError(f"{name}: expected an integer dtype (int64 or int32), got {x.dtype}")
+    if kind == "int" and x.dtype not in LABEL_DTYPES:
+        raise TypeError(f"{name}: expected an integer dtype (int64, int32, int16, int8 or uint8), got {x.dtype}")
     if kind == "mask" and x.dtype.is_complex:
         raise TypeError(f"{name}: expected a bool, integer or float 0/1 mask, got {x.dtype}")
     if shape is not None and tuple(x.shape) != tuple(shape):
@@ -67,6 +70,19 @@ def check_cu_seqlens(cu_seqlens, token_shape: Tuple[int, ...], device) -> None:
         raise ValueError(f"cu_seqlens: expected a tensor on {device} (the device of logits), got {cu_seqlens.device}")
 
 
+def _read_flags_eagerly(flags: torch.Tensor) -> List[bool]:
+    return flags.tolist()  # the one host synchronisation
+
+
+# Kept out of torch.compile: a graph break where the caller allows one, and under fullgraph=True an
+# error whose text says what to do instead of a bare "unsupported .tolist()".
+_read_flags = torch.compiler.disable(
+    _read_flags_eagerly,
+    reason="rlkernels: validate=True reads the value checks back to the host (one synchronisation); "
+    "pass validate=False inside torch.compile(fullgraph=True) or a sync-free step",
+)
+
+
 class ValueChecks:
     """Collects device-side boolean failure flags and raises for the first one, with one sync."""
 
@@ -81,7 +97,7 @@ class ValueChecks:
     def run(self) -> None:
         if not self._flags:
             return
-        failed = torch.stack(self._flags).tolist()  # the one host synchronisation
+        failed = _read_flags(torch.stack(self._flags))
         for bad, message in zip(failed, self._messages):
             if bad:
                 raise ValueError(message)

@@ -1,4 +1,4 @@
-"""The one dispatch point: which backend and which per-sequence stage each name and device get."""
+"""The one dispatch point: which backend each name and device get, and how the one per-sequence stage runs."""
 
 import os
 
@@ -34,20 +34,23 @@ def test_cuda_backend_without_a_build_raises_clearly():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton needs the interpreter")
-def test_triton_rejects_float64_and_serves_float32_on_cpu_interpreter():
-    with pytest.raises(ValueError, match="backend='triton'"):
-        backends.select("triton", torch.zeros(2, 3, dtype=torch.float64))
+def test_triton_serves_float32_on_cpu_interpreter():
     assert backends.select("triton", torch.zeros(2, 3)).name == "triton"
 
 
-def test_stage_follows_the_backend():
-    assert backends.select_stage("torch", torch.zeros(3)) is sequence_stage
-    assert backends.select_stage("auto", torch.zeros(3)) is sequence_stage
-    assert backends.select_stage("triton", torch.zeros(3, dtype=torch.float64)) is sequence_stage
-    if backends.available()["triton"] and os.environ.get("TRITON_INTERPRET") == "1":
-        from rlkernels.kernels.triton.seq_stage import sequence_stage_triton
+def test_one_stage_eager_on_cpu_compiled_on_cuda_or_on_request():
+    eager = sequence_stage
+    assert backends.select_stage(torch.zeros(3), None) is eager
+    assert backends.select_stage(torch.zeros(3), False) is eager
+    assert backends.select_stage(CudaLike(), False) is eager
+    compiled = backends.select_stage(CudaLike(), None)
+    assert compiled is not eager and compiled is backends.select_stage(torch.zeros(3), True)
 
-        assert backends.select_stage("triton", torch.zeros(3)) is sequence_stage_triton
+
+@pytest.mark.parametrize("name", ["triton", "cuda"])
+def test_kernel_backends_name_the_dtype_for_float64(name):
+    with pytest.raises(ValueError, match="float64"):
+        backends.select(name, torch.zeros(2, 3, dtype=torch.float64))
 
 
 def test_unknown_backend_name():

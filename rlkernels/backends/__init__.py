@@ -1,11 +1,15 @@
-"""The one dispatch point: `select(name, logits)` returns the backend that runs the vocabulary passes."""
+"""The one dispatch point: `select(name, logits)` returns the backend that runs the vocabulary passes,
+`select_stage(...)` how the single per-sequence stage runs (eager or compiled)."""
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
 from .base import Backend, RowStats, statistics_dtype
 from .torch_backend import TorchBackend
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels read
 
 __all__ = ["Backend", "RowStats", "available", "select", "select_stage", "statistics_dtype"]
 
@@ -38,6 +42,11 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None) -> Backend:
     """Pick the backend for these logits. "auto": Triton on CUDA tensors when importable, else torch."""
     if name == "torch":
         return TorchBackend(chunk_rows)
+    if name in ("triton", "cuda") and logits.dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"backend={name!r}: supports float16, bfloat16 and float32 logits, got {logits.dtype}; "
+            "use backend='torch' (or 'auto') for float64"
+        )
     if name == "triton":
         backend = _triton_backend()
         if backend is None:
@@ -65,20 +74,26 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None) -> Backend:
     raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cuda', got {name!r}")
 
 
-def select_stage(name: str, tensor: torch.Tensor):
-    """The per-sequence stage (SPEC §4-§8 on [N] scalars) that goes with a backend name.
-
-    The fused Triton stage replaces ~60 small torch launches on the GPU; on the CPU, and while
-    torch.compile traces (Inductor fuses the torch stage itself), the torch stage runs."""
+@lru_cache(maxsize=None)
+def _compiled_stage():
+    """The torch stage under torch.compile(dynamic=True). Dynamo keeps one compiled graph per static
+    option set (loss type, aggregation, IS level, rejection options, which inputs are present), guarded
+    on those options; every float hyperparameter stays a run-time input (see segments.hyper), so a
+    new clip ratio, threshold, coefficient or global count reuses the graph."""
     from ..loss import sequence_stage
 
-    if name == "auto":
-        name = "triton" if tensor.is_cuda else "torch"
-    # the fused stage computes in float32: float64 statistics (torch backend only) stay on torch
-    if name in ("triton", "cuda") and tensor.dtype != torch.float64 and not torch.compiler.is_compiling():
-        backend = _triton_backend()
-        if backend is not None and backend.supports(tensor):
-            from ..kernels.triton.seq_stage import sequence_stage_triton
+    return torch.compile(sequence_stage, dynamic=True)
 
-            return sequence_stage_triton
-    return sequence_stage
+
+def select_stage(tensor: torch.Tensor, compile_stage: Optional[bool]):
+    """The per-sequence stage (SPEC §4-§8 on [N] scalars): one torch implementation, run eagerly or
+    compiled. `compile_stage=None` compiles on CUDA, where its ~100 small ops would otherwise be as
+    many kernel launches; on the CPU they cost less than compilation saves. Inside a caller's
+    torch.compile region the eager function is returned, to be traced into the caller's graph."""
+    from ..loss import sequence_stage
+
+    if torch.compiler.is_compiling():
+        return sequence_stage
+    if compile_stage is None:
+        compile_stage = tensor.is_cuda
+    return _compiled_stage() if compile_stage else sequence_stage

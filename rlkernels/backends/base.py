@@ -1,14 +1,15 @@
 """What a backend implements: the only two passes that touch the [N, V] logits (SPEC §2).
 
 Conventions shared by every backend (and checked by tests/backends against the reference):
-- `logits` is [N, V] with unit stride along V and any row stride; any float dtype.
+- `logits` is [N, V], or [B, T, V] standing for N = B*T rows, with unit stride along V and any other
+  strides: the causal-shift view `model_out[:, :-1, :]` is read where it lies, never copied.
 - `labels` is [N] int64 with -1 on rows that take no part in the loss. Such rows (and rows whose
   label is outside [0, V)) are skipped: their statistics are 0 and their gradient row is 0, and
   their logits are never read.
 - Statistics are float32 (float64 for float64 logits, which only the torch backend accepts).
 """
 
-from typing import NamedTuple, Optional, Protocol
+from typing import List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 
@@ -17,6 +18,21 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of every per-token statistic for inputs of `dtype`: float32, or float64 for float64
     inputs (only the torch backend and the oracle see those)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_groups(logits: torch.Tensor) -> List[Tuple[int, torch.Tensor]]:
+    """(first flat row, 2-D row-strided view) pieces that cover [N, V] or [B, T, V] logits without a
+    copy: one piece when the rows form a single strided sequence, else one per batch row."""
+    if logits.dim() == 2:
+        return [(0, logits)]
+    B, T, V = logits.shape
+    if B <= 1 or logits.stride(0) == T * logits.stride(1):
+        return [(0, logits.view(B * T, V) if B else logits.reshape(0, V))]
+    return [(b * T, logits[b]) for b in range(B)]
+
+
+def num_rows(logits: torch.Tensor) -> int:
+    return logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
 
 
 class RowStats(NamedTuple):

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .base import RowStats
+from .base import RowStats, row_groups
 
 OPS_NAMESPACE = "rlkernels_cuda"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
@@ -46,6 +46,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(f"{OPS_NAMESPACE}::token_grad_bwd_inplace")
     def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature):
+        return None
+
+    @torch.library.register_fake(f"{OPS_NAMESPACE}::token_grad_bwd_out")
+    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits):
         return None
 
 
@@ -100,9 +104,19 @@ class CudaBackend:
         return getattr(torch.ops, OPS_NAMESPACE)
 
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
-        # logits: (N, V) unit stride along V; labels: (N,) int64, -1 on skipped rows
-        row_max, log_norm, logprobs, entropy, sum_pi_squared = self._ops().token_stats_fwd(
-            logits, _labels(labels), float(temperature), bool(compute_entropy), bool(compute_sum_pi_squared)
+        # logits: (N, V) or (B, T, V) with unit stride along V; labels: (N,) int64, -1 on skipped rows.
+        # The kernels take one row stride: (B, T, V) views whose rows are not one strided sequence
+        # (the causal shift) run one launch per batch row instead of being copied.
+        labels = _labels(labels)
+        pieces = [
+            self._ops().token_stats_fwd(
+                rows, labels[start:start + rows.shape[0]], float(temperature), bool(compute_entropy),
+                bool(compute_sum_pi_squared),
+            )
+            for start, rows in row_groups(logits)
+        ]
+        row_max, log_norm, logprobs, entropy, sum_pi_squared = (
+            p[0] if len(pieces) == 1 else torch.cat(p) for p in zip(*pieces)
         )
         return RowStats(
             row_max, log_norm, logprobs, entropy if compute_entropy else None,
@@ -115,14 +129,21 @@ class CudaBackend:
     ) -> torch.Tensor:
         # coefficients arrive in the statistics' dtype from autograd; the kernel reads float32 [N]
         has_entropy = coef_entropy is not None
-        args = (
-            logits, _labels(labels), _f32(row_max), _f32(log_norm), _f32(entropy) if has_entropy else None,
-            _f32(coef_logprob), _f32(coef_entropy) if has_entropy else None, float(temperature),
+        vectors = (
+            _labels(labels), _f32(row_max), _f32(log_norm), _f32(entropy) if has_entropy else None,
+            _f32(coef_logprob), _f32(coef_entropy) if has_entropy else None,
         )
-        if inplace:
-            self._ops().token_grad_bwd_inplace(*args)  # the caller bumps logits' version counter
-            return logits
-        return self._ops().token_grad_bwd(*args)
+        out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        out_groups = row_groups(out)
+        for i, (start, rows) in enumerate(row_groups(logits)):
+            stop = start + rows.shape[0]
+            args = (rows, *(None if v is None else v[start:stop] for v in vectors), float(temperature))
+            if inplace:
+                self._ops().token_grad_bwd_inplace(*args)  # the caller bumps logits' version counter
+            else:
+                out_start, out_rows = out_groups[0] if len(out_groups) == 1 else out_groups[i]
+                self._ops().token_grad_bwd_out(*args, out_rows[start - out_start:stop - out_start])
+        return out
 
 
 def _labels(labels: torch.Tensor) -> torch.Tensor:

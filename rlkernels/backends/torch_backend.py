@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .base import RowStats, statistics_dtype
+from .base import RowStats, num_rows, row_groups, statistics_dtype
 
 # Rows per chunk: ~1 Mi elements (4 MiB in float32) keeps a chunk cache-resident, so the handful of
 # elementwise passes below cost about one read of the logits and one write of the gradient from
@@ -34,10 +34,19 @@ class TorchBackend:
     def supports(self, logits: torch.Tensor) -> bool:
         return True
 
-    def _chunks(self, N: int, V: int) -> Iterator[Tuple[int, int]]:
-        rows = self.chunk_rows or max(1, CHUNK_ELEMENTS // max(V, 1))
-        for start in range(0, N, rows):
-            yield start, min(N, start + rows)
+    def _chunks(self, logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> Iterator[Tuple[int, int, torch.Tensor, Optional[torch.Tensor]]]:
+        """(first row, end row, logits chunk, out chunk): 2-D views of at most `chunk_rows` rows,
+        taken from the strided logits (and the gradient buffer) where they lie."""
+        rows = self.chunk_rows or max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+        out_groups = row_groups(out) if out is not None else None
+        for i, (start, block) in enumerate(row_groups(logits)):
+            out_block = None
+            if out_groups is not None:
+                out_start, out_block = out_groups[0] if len(out_groups) == 1 else out_groups[i]
+                out_block = out_block[start - out_start:]
+            for s in range(0, block.shape[0], rows):
+                e = min(block.shape[0], s + rows)
+                yield start + s, start + e, block[s:e], None if out_block is None else out_block[s:e]
 
     @staticmethod
     def _scaled(chunk, row_max, acc, temperature) -> torch.Tensor:
@@ -49,7 +58,7 @@ class TorchBackend:
         return (chunk.to(acc) - row_max[:, None]).mul_(1.0 / temperature)
 
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
-        N, V = logits.shape
+        N, V = num_rows(logits), logits.shape[-1]
         acc = statistics_dtype(logits.dtype)
         valid = (labels >= 0) & (labels < V)
         safe_labels = labels.clamp(0, max(V - 1, 0)).unsqueeze(1)
@@ -57,8 +66,9 @@ class TorchBackend:
         logprobs = torch.zeros_like(row_max)
         entropy = torch.zeros_like(row_max) if compute_entropy else None
         sum_pi_squared = torch.zeros_like(row_max) if compute_sum_pi_squared else None
-        for s, e in self._chunks(N, V):
-            chunk = logits[s:e]
+        target = torch.zeros_like(row_max)
+        for s, e, chunk, _ in self._chunks(logits):
+            target[s:e] = chunk.gather(1, safe_labels[s:e]).squeeze(1).to(acc)
             m = chunk.amax(1).to(acc)
             # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats)
             row_max[s:e] = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -76,7 +86,6 @@ class TorchBackend:
         # lse = row_max/T + log_norm holds in the two parts the other backends keep
         no_mass = torch.isnan(logprobs)
         logprobs = logprobs.masked_fill(no_mass, float("-inf"))
-        target = logits.gather(1, safe_labels).squeeze(1).to(acc)
         log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), (target - row_max) / temperature - logprobs)
         zero = torch.zeros((), dtype=acc, device=logits.device)
         keep = lambda t: None if t is None else torch.where(valid & ~no_mass, t, zero)  # noqa: E731
@@ -86,10 +95,10 @@ class TorchBackend:
         )
 
     def token_grad_bwd(self, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inplace):
-        N, V = logits.shape
+        N, V = num_rows(logits), logits.shape[-1]
         acc = statistics_dtype(logits.dtype)
         device = logits.device
-        out = logits if inplace else torch.empty((N, V), dtype=logits.dtype, device=device)
+        out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=device)
         valid = (labels >= 0) & (labels < V)
         active = valid & ((coef_logprob != 0) | (coef_entropy != 0 if coef_entropy is not None else False))
         zero = torch.zeros((), dtype=acc, device=device)
@@ -99,15 +108,15 @@ class TorchBackend:
         safe_labels = labels.clamp(0, max(V - 1, 0)).unsqueeze(1)
         usable = active & (log_norm > float("-inf"))
         row_max = row_max.to(acc)
-        for s, e in self._chunks(N, V):
-            chunk, c_rows, y = logits[s:e], c[s:e, None], safe_labels[s:e]
+        for s, e, chunk, out_chunk in self._chunks(logits, out):
+            c_rows, y = c[s:e, None], safe_labels[s:e]
             p = torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc)
             # a row without a finite logit has no distribution and a NaN softmax: its gradient is c
             # at the target if it is active (p := 0), else 0 -- fixed per row, not with a full pass
             no_distribution = torch.isnan(p[:, 0]) & ~usable[s:e]
             p_y = torch.where(usable[s:e, None], p.gather(1, y), zero)
             if coef_entropy is None:
-                g = torch.mul(p, -c_rows, out=out[s:e])  # -c p / T, rounded once to the logits dtype
+                g = torch.mul(p, -c_rows, out=out_chunk)  # -c p / T, rounded once to the logits dtype
                 _zero_rows(g, no_distribution)
                 # the target column: c (1 - p_y) / T formed in float32 and written once, never as the
                 # rounded -c p_y plus c, which cancels to garbage in bf16 as p_y -> 1
@@ -119,7 +128,7 @@ class TorchBackend:
                 g.sub_(torch.xlogy(p, p).mul_(e_rows))
                 _zero_rows(g, no_distribution)
                 g.scatter_add_(1, y, c_rows)  # + c at the target, in float32 before the rounding
-                out[s:e].copy_(g)
+                out_chunk.copy_(g)
         return out
 
 

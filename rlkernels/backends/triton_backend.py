@@ -23,7 +23,7 @@ class TritonBackend:
         return logits.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
-        return token_stats_fwd(logits, labels, temperature, compute_entropy, compute_sum_pi_squared)
+        return RowStats(*token_stats_fwd(logits, labels, temperature, compute_entropy, compute_sum_pi_squared))
 
     def token_grad_bwd(
         self, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inplace,

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .aot_spec import AotSpec
 from .tl_math import TRITON_DTYPES, all_vocab_configs, vocab_config
-from .token_stats import device_guard
+from .token_stats import device_guard, grouped_strides
 
 
 @triton.jit
@@ -17,9 +17,9 @@ def _token_grad_bwd_kernel(
     logits_ptr, labels_ptr, row_max_ptr, log_norm_ptr, entropy_ptr, coef_logprob_ptr, coef_entropy_ptr,
     dlogits_ptr,
     # shapes
-    N, V,
+    N, V, rows_per_group,
     # strides
-    stride_logits_n, stride_dlogits_n,
+    stride_logits_g, stride_logits_n, stride_dlogits_g, stride_dlogits_n,
     # scalars
     temperature,
     # constexpr
@@ -49,8 +49,10 @@ def _token_grad_bwd_kernel(
     # the row's gradient is c / T at the target (-inf - -inf would be NaN)
     log_norm = tl.where(log_norm == float("-inf"), float("inf"), log_norm)
     inv_t = 1.0 / tl.cast(temperature, tl.float32)  # tl.cast: a float64 scalar must not widen the math (Liger #1366)
-    in_ptrs = logits_ptr + offs_n * stride_logits_n  # int64 offsets: N * V > 2^31 happens
-    out_ptrs = dlogits_ptr + offs_n * stride_dlogits_n
+    # int64 offsets (N * V > 2^31 happens); rows of (B, T, V) views as in the forward
+    group, row = offs_n // rows_per_group, offs_n % rows_per_group
+    in_ptrs = logits_ptr + group * stride_logits_g + row * stride_logits_n
+    out_ptrs = dlogits_ptr + group * stride_dlogits_g + row * stride_dlogits_n
 
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
@@ -80,7 +82,8 @@ def token_grad_bwd(
     """dlogits = (c*(onehot - p) + e*(-p*(log p + H))) / T in the logits dtype (SPEC §2), one pass.
 
     Args:
-        logits: (N, V) float16/bfloat16/float32, any row stride; labels: (N,) integer.
+        logits: (N, V) or (B, T, V) float16/bfloat16/float32, any strides with unit stride along V
+            (else copied); labels: (N,) integer.
         row_max, log_norm: (N,) float32 from `token_stats_fwd` (log p = (z - row_max)/T - log_norm).
         entropy: (N,) float32 H, needed when `coef_entropy` is given.
         coef_logprob, coef_entropy: (N,) c = dLoss/dlogprob and e = dLoss/dH (any float dtype and
@@ -88,17 +91,22 @@ def token_grad_bwd(
         inplace: write dlogits into the logits' storage (the caller bumps the version counter).
         block_v, block_n: test hooks overriding the launch heuristic (powers of two).
     Returns:
-        (N, V) dlogits in the logits dtype; the logits tensor itself when `inplace`.
+        dlogits shaped like logits (contiguous) in the logits dtype; the logits tensor itself when `inplace`.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits: expected shape (N, V), got {tuple(logits.shape)}")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits: expected shape (N, V) or (B, T, V), got {tuple(logits.shape)}")
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"logits: expected float16, bfloat16 or float32 for the Triton backend, got {logits.dtype}")
     if coef_entropy is not None and entropy is None:
         raise ValueError("entropy: expected the forward's (N,) entropy since coef_entropy is given, got None")
-    N, V = logits.shape
-    src = logits if logits.stride(1) == 1 else logits.contiguous()
-    out = src if inplace else torch.empty((N, V), dtype=logits.dtype, device=logits.device)
+    V = logits.shape[-1]
+    N = logits.numel() // V
+    if inplace and logits.numel() > 1 and torch._debug_has_internal_overlap(logits) == 1:
+        # rows that share memory (expand, stride 0) would be written by several programs at once
+        raise ValueError("logits: an in-place backward needs logits whose elements do not share memory "
+                         f"(got strides {logits.stride()} for shape {tuple(logits.shape)})")
+    src = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = src if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     if N == 0:
         return logits if inplace else out
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731  (coefficients may arrive expanded, stride 0)
@@ -107,13 +115,15 @@ def token_grad_bwd(
     has_entropy = coef_entropy is not None
     e = f32(coef_entropy) if has_entropy else c
     h = f32(entropy) if has_entropy else c  # never read when the flag is off
+    rows_per_group, stride_g, stride_n = grouped_strides(src)
+    _, out_stride_g, out_stride_n = grouped_strides(out)
     cfg = vocab_config(V, block_v, block_n)
     grid = (triton.cdiv(N, cfg.BLOCK_N),)
     with device_guard(logits):
         _token_grad_bwd_kernel[grid](
             src, labels, row_max, log_norm, h, c, e, out,
-            N, V,
-            src.stride(0), out.stride(0),
+            N, V, rows_per_group,
+            stride_g, stride_n, out_stride_g, out_stride_n,
             float(temperature),
             HAS_ENTROPY=has_entropy, BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -135,7 +145,8 @@ def aot_specs():
                 signature = {
                     "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32", "log_norm_ptr": "*fp32",
                     "entropy_ptr": "*fp32", "coef_logprob_ptr": "*fp32", "coef_entropy_ptr": "*fp32",
-                    "dlogits_ptr": f"*{dtype}", "N": "i32", "V": "i32", "stride_logits_n": "i32",
+                    "dlogits_ptr": f"*{dtype}", "N": "i32", "V": "i32", "rows_per_group": "i32",
+                    "stride_logits_g": "i64", "stride_logits_n": "i32", "stride_dlogits_g": "i64",
                     "stride_dlogits_n": "i32", "temperature": "fp32",
                     **{k: "constexpr" for k in constexprs},
                 }
@@ -146,7 +157,7 @@ def aot_specs():
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                     # what the JIT sees on a real launch: 16-byte aligned allocations, V % 16 == 0
                     aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "entropy_ptr",
-                             "coef_logprob_ptr", "coef_entropy_ptr", "dlogits_ptr", "V", "stride_logits_n",
-                             "stride_dlogits_n"),
+                             "coef_logprob_ptr", "coef_entropy_ptr", "dlogits_ptr", "V", "stride_logits_g",
+                             "stride_logits_n", "stride_dlogits_g", "stride_dlogits_n"),
                 ))
     return specs

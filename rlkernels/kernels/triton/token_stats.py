@@ -2,12 +2,12 @@
 from one read of the [N, V] logits."""
 
 import contextlib
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ...backends.base import RowStats
 from .aot_spec import AotSpec
 from .tl_math import TRITON_DTYPES, all_vocab_configs, safe_shift, vocab_config
 
@@ -17,9 +17,9 @@ def _token_stats_fwd_kernel(
     # data ptrs
     logits_ptr, labels_ptr, row_max_ptr, log_norm_ptr, logprobs_ptr, entropy_ptr, sum_pi_squared_ptr,
     # shapes
-    N, V,
+    N, V, rows_per_group,
     # strides
-    stride_logits_n,
+    stride_logits_g, stride_logits_n,
     # scalars
     temperature,
     # constexpr
@@ -34,7 +34,9 @@ def _token_stats_fwd_kernel(
     mask_n = offs_n < N
     labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
     active = mask_n & (labels >= 0) & (labels < V)
-    row_ptrs = logits_ptr + offs_n * stride_logits_n  # int64 offsets: N * V > 2^31 happens
+    # int64 offsets (N * V > 2^31 happens); row n lies at (n // rows) * stride_g + (n % rows) * stride_n,
+    # so [B, T, V] views such as the causal shift model_out[:, :-1] are read without a copy
+    row_ptrs = logits_ptr + (offs_n // rows_per_group) * stride_logits_g + (offs_n % rows_per_group) * stride_logits_n
     # tl.cast: a float64 scalar (Inductor, Liger #1366) must not widen the math
     inv_t = 1.0 / tl.cast(temperature, tl.float32)
 
@@ -85,6 +87,24 @@ def _token_stats_fwd_kernel(
         tl.store(sum_pi_squared_ptr + offs_n, tl.where(active & has_mass, s_i / (l_i * l_i), 0.0), mask=mask_n)
 
 
+class TokenStatsResult(NamedTuple):
+    """What the launcher returns, field for field backends.base.RowStats (kernels import nothing above them)."""
+
+    row_max: torch.Tensor
+    log_norm: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    sum_pi_squared: Optional[torch.Tensor]
+
+
+def grouped_strides(logits: torch.Tensor):
+    """(rows per group, group stride, row stride) of (N, V) or (B, T, V) logits: flat row n starts at
+    (n // rows) * group_stride + (n % rows) * row_stride."""
+    if logits.dim() == 2:
+        return max(logits.shape[0], 1), 0, logits.stride(0)
+    return max(logits.shape[1], 1), logits.stride(0), logits.stride(1)
+
+
 def device_guard(t: torch.Tensor):
     # Triton launches on the current CUDA device; logits on cuda:1 need it switched
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -93,26 +113,28 @@ def device_guard(t: torch.Tensor):
 def token_stats_fwd(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool,
     compute_sum_pi_squared: bool, *, block_v: int = None, block_n: int = None,
-) -> RowStats:
+) -> TokenStatsResult:
     """Log-normaliser, logprob (and entropy, sum p^2) of every row of softmax(logits / T) in one pass (SPEC §2).
 
     Args:
-        logits: (N, V) float16/bfloat16/float32, any row stride (copied only if the V stride is not 1).
+        logits: (N, V) or (B, T, V) float16/bfloat16/float32, any strides (copied only if the V stride is not 1).
         labels: (N,) integer; rows with a label outside [0, V) give 0 everywhere and are not read.
         temperature: T > 0, passed to the kernel as an fp32 run-time scalar.
         block_v, block_n: test hooks overriding the launch heuristic (powers of two).
     Returns:
-        RowStats(row_max, log_norm, logprobs, entropy, sum_pi_squared), (N,) float32 each, with
+        TokenStatsResult(row_max, log_norm, logprobs, entropy, sum_pi_squared), (N,) float32 each, with
         lse = row_max / T + log_norm kept in two parts (see backends.base.RowStats); entropy /
         sum_pi_squared are None unless requested.
     """
-    if logits.dim() != 2:
-        raise ValueError(f"logits: expected shape (N, V), got {tuple(logits.shape)}")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits: expected shape (N, V) or (B, T, V), got {tuple(logits.shape)}")
     if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"logits: expected float16, bfloat16 or float32 for the Triton backend, got {logits.dtype}")
-    N, V = logits.shape
-    if logits.stride(1) != 1:
+    V = logits.shape[-1]
+    N = logits.numel() // V
+    if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    rows_per_group, stride_g, stride_n = grouped_strides(logits)
     labels = labels.to(torch.int64).contiguous()
     dev = logits.device
     new = lambda: torch.empty(N, dtype=torch.float32, device=dev)  # noqa: E731
@@ -120,7 +142,7 @@ def token_stats_fwd(
     entropy = new() if compute_entropy else None
     sum_pi_squared = new() if compute_sum_pi_squared else None
     if N == 0:
-        return RowStats(row_max, log_norm, logprobs, entropy, sum_pi_squared)
+        return TokenStatsResult(row_max, log_norm, logprobs, entropy, sum_pi_squared)
     cfg = vocab_config(V, block_v, block_n)
     grid = (triton.cdiv(N, cfg.BLOCK_N),)
     with device_guard(logits):
@@ -128,13 +150,13 @@ def token_stats_fwd(
             logits, labels, row_max, log_norm, logprobs,
             logprobs if entropy is None else entropy,  # never written when the flag is off
             logprobs if sum_pi_squared is None else sum_pi_squared,
-            N, V,
-            logits.stride(0),
+            N, V, rows_per_group,
+            stride_g, stride_n,
             float(temperature),
             HAS_ENTROPY=compute_entropy, HAS_SUM_PI_SQUARED=compute_sum_pi_squared,
             BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return RowStats(row_max, log_norm, logprobs, entropy, sum_pi_squared)
+    return TokenStatsResult(row_max, log_norm, logprobs, entropy, sum_pi_squared)
 
 
 def aot_specs():
@@ -152,7 +174,8 @@ def aot_specs():
                         "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32",
                         "log_norm_ptr": "*fp32", "logprobs_ptr": "*fp32",
                         "entropy_ptr": "*fp32", "sum_pi_squared_ptr": "*fp32", "N": "i32", "V": "i32",
-                        "stride_logits_n": "i32", "temperature": "fp32",
+                        "rows_per_group": "i32", "stride_logits_g": "i64", "stride_logits_n": "i32",
+                        "temperature": "fp32",
                         **{k: "constexpr" for k in constexprs},
                     }
                     specs.append(AotSpec(
@@ -163,6 +186,6 @@ def aot_specs():
                         # what the JIT sees on a real launch: torch allocations are 16-byte aligned and
                         # LLM vocabularies (and so the row stride) are multiples of 16
                         aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "logprobs_ptr",
-                                 "entropy_ptr", "sum_pi_squared_ptr", "V", "stride_logits_n"),
+                                 "entropy_ptr", "sum_pi_squared_ptr", "V", "stride_logits_g", "stride_logits_n"),
                     ))
     return specs
