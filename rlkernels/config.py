@@ -186,20 +186,34 @@ class RolloutCorrection:
         ("seq_mean_k1,token_k3") and ``rollout_rs_threshold`` one spec shared by all options or one per
         option ("0.999_1.001,0.01"). k1 bounds keep lo <= rho <= hi as verl's docs state (verl's code
         keeps 1/hi <= rho <= 1/lo; the two agree for symmetric bounds such as (1/h, h)).
+        ``rollout_is_threshold=None`` means no weights, as in verl, whatever ``rollout_is`` says. Every
+        error names the argument of this function that caused it.
         """
-        if rollout_is in ("", "none", "None"):
+        if isinstance(rollout_is, str) and rollout_is.strip() in ("", "none", "None"):
             rollout_is = None
+        if rollout_is not in IS_LEVELS:
+            raise ValueError(f"rollout_is: expected None, 'token' or 'sequence', got {rollout_is!r}")
+        if not isinstance(rollout_is_batch_normalize, bool):
+            raise TypeError(f"rollout_is_batch_normalize: expected a bool, got {rollout_is_batch_normalize!r}")
+        # verl computes no weights when the threshold is None, whatever rollout_is says
+        is_level = rollout_is if rollout_is_threshold is not None else None
         is_threshold: Threshold = 2.0
-        if rollout_is is not None and rollout_is_threshold is not None:
+        if is_level is not None:
             is_threshold = _parse_verl_bound("rollout_is_threshold", rollout_is_threshold)
+            _renamed(lambda: cls(is_threshold=is_threshold), "is_threshold", "rollout_is_threshold")
         rs: Tuple[Tuple[str, Threshold], ...] = ()
         if rollout_rs not in (None, "", "none", "None"):
-            options = [o.strip() for o in str(rollout_rs).split(",") if o.strip()]
+            if not isinstance(rollout_rs, str):
+                raise TypeError(f"rollout_rs: expected a comma-separated string of options, got {rollout_rs!r}")
+            options = [o.strip() for o in rollout_rs.split(",") if o.strip()]
+            unknown = [o for o in options if o not in RS_OPTIONS]
+            if unknown:
+                raise ValueError(f"rollout_rs: unknown option(s) {unknown}; expected some of {RS_OPTIONS}")
             if rollout_rs_threshold is None:
                 raise ValueError("rollout_rs_threshold: required when rollout_rs is set")
             specs = (
                 [rollout_rs_threshold]
-                if _is_number(rollout_rs_threshold)
+                if _is_number(rollout_rs_threshold) or isinstance(rollout_rs_threshold, bool)
                 else [s.strip() for s in str(rollout_rs_threshold).split(",") if s.strip()]
             )
             if len(specs) == 1:
@@ -212,12 +226,28 @@ class RolloutCorrection:
             rs = tuple(
                 (opt, _parse_verl_bound(f"rollout_rs_threshold ({opt})", spec)) for opt, spec in zip(options, specs)
             )
+            for opt, bound in rs:
+                _renamed(lambda: cls(rs=((opt, bound),)), f"rs[{opt!r}]", f"rollout_rs_threshold ({opt})")
+            _renamed(lambda: cls(rs=rs), "rs", "rollout_rs")
         return cls(
-            is_level=rollout_is, is_threshold=is_threshold, is_batch_normalize=rollout_is_batch_normalize, rs=rs
+            is_level=is_level, is_threshold=is_threshold, is_batch_normalize=rollout_is_batch_normalize, rs=rs
         )
 
 
+def _renamed(build, field_name: str, argument: str) -> None:
+    """Run a constructor check and re-raise its error under the name the caller of from_verl used."""
+    try:
+        build()
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        if message.startswith(field_name):
+            message = argument + message[len(field_name):]
+        raise type(exc)(message) from None
+
+
 def _parse_verl_bound(name: str, spec) -> Threshold:
+    if isinstance(spec, bool):
+        raise TypeError(f"{name}: expected a number or a 'lo_hi' string, got {spec!r}")
     if _is_number(spec):
         return float(spec)
     if isinstance(spec, str):
