@@ -1,4 +1,5 @@
-"""rlkernels: fused GPU kernels for off-policy policy-gradient losses in LLM RL.
+"""The optional CUDA extension build. Package metadata (name, version, dependencies) lives in
+pyproject.toml; this file only decides whether csrc/ is compiled.
 
 A pure-Python install by default. The CUDA extension in csrc/ is built only when asked for
 (RLKERNELS_BUILD_CUDA=1) on a machine with a CUDA build of PyTorch and nvcc; see README.
@@ -6,7 +7,7 @@ A pure-Python install by default. The CUDA extension in csrc/ is built only when
 
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ext_modules, cmdclass = [], {}
 if os.environ.get("RLKERNELS_BUILD_CUDA") == "1":
@@ -31,18 +32,4 @@ if os.environ.get("RLKERNELS_BUILD_CUDA") == "1":
     ]
     cmdclass = {"build_ext": BuildExtension}
 
-setup(
-    name="rlkernels",
-    version="0.1.0",
-    description="Fused kernels for decoupled PPO / rollout-correction losses in LLM RL",
-    packages=find_packages(include=["rlkernels", "rlkernels.*"]),
-    python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy"],
-    extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-xdist"],
-        "triton": ["triton>=3.2"],
-        "bench": ["matplotlib", "pytest-benchmark", "tqdm"],
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

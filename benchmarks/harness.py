@@ -65,7 +65,8 @@ def environment(device: str) -> dict:
         "cpu_model": _cpu_model(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "memory_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None,
+        "memory_total_bytes": (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                               if hasattr(os, "sysconf") else None),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _version("triton"),
@@ -227,7 +228,8 @@ def measure(provider, op: str, case, N: int, V: int, dtype: str, device: str, *,
             samples = time_runs(step, device, reps, max_seconds)
             leaf.grad = None
         except Exception as exc:  # noqa: BLE001 - e.g. torch.compile failing on this machine
-            rec.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500])
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            rec.update(status="error", reason=f"{type(exc).__name__}: {first_line}"[:500])
             out_records.append(rec)
             leaf.grad = None
             continue
@@ -262,5 +264,6 @@ def _peak_memory(step, device: str, mode: str, N: int, V: int, elem: int) -> dic
     exact = reset_peak_rss()
     step()
     peak = peak_rss_bytes()
-    method = "VmHWM (reset) - VmRSS(inputs + grad buffer)" if exact else "ru_maxrss - VmRSS(inputs + grad buffer) (HWM not resettable)"
+    method = ("VmHWM (reset) - VmRSS(inputs + grad buffer)" if exact
+              else "ru_maxrss - VmRSS(inputs + grad buffer) (HWM not resettable)")
     return {"peak_mem_bytes": peak - base, "mem_method": method}

@@ -38,7 +38,8 @@ def plot_file(path: str) -> List[str]:
         fig, axes = plt.subplots(len(modes), 4, figsize=(20, 4.2 * len(modes)), squeeze=False)
         for i, mode in enumerate(modes):
             sel = [r for r in rows if r["mode"] == mode]
-            panels = [("N", "V", v_star, "time"), ("N", "V", v_star, "mem"), ("V", "N", n_star, "time"), ("V", "N", n_star, "mem")]
+            panels = [("N", "V", v_star, "time"), ("N", "V", v_star, "mem"),
+                      ("V", "N", n_star, "time"), ("V", "N", n_star, "mem")]
             for j, (xkey, fixkey, fixval, what) in enumerate(panels):
                 ax = axes[i][j]
                 for provider in sorted({r["provider"] for r in sel}):
@@ -58,11 +59,13 @@ def plot_file(path: str) -> List[str]:
                 ax.set_yscale("log")
                 ax.set_xlabel(f"{xkey} ({fixkey} = {fixval})")
                 ax.set_ylabel("median time [ms]" if what == "time" else "peak working memory [MiB]")
-                ax.set_title(f"{op}{'/' + case if case else ''} {dtype} {mode}: {'time' if what == 'time' else 'memory'} vs {xkey}")
+                quantity = "time" if what == "time" else "memory"
+                ax.set_title(f"{op}{'/' + case if case else ''} {dtype} {mode}: {quantity} vs {xkey}")
                 ax.grid(True, which="both", alpha=0.3)
                 if ax.lines:
                     ax.legend(fontsize=8)
-        fig.suptitle(f"{os.path.basename(path)} - {where} - torch {env.get('torch')} - commit {str(env.get('git_commit'))[:10]}")
+        commit = str(env.get("git_commit"))[:10]
+        fig.suptitle(f"{os.path.basename(path)} - {where} - torch {env.get('torch')} - commit {commit}")
         fig.tight_layout()
         out = f"{stem}-{op}{'-' + case if case else ''}-{dtype}.png"
         fig.savefig(out, dpi=90)

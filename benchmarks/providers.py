@@ -248,7 +248,8 @@ class Liger(Provider):
             return f"liger_kernel does not import: {type(exc).__name__}: {exc}"
         if device != "cuda" and V > LIGER_CPU_MAX_VOCAB:
             gib = V * V * 4 / 2**30
-            return f"CPU path needs a V x V identity lm_head ({gib:.1f} GiB, {2 * V * V / 1e9:.0f} GFLOP/token-row); only V <= {LIGER_CPU_MAX_VOCAB}"
+            return (f"CPU path needs a V x V identity lm_head ({gib:.1f} GiB, {2 * V * V / 1e9:.0f} GFLOP/token-row); "
+                    f"only V <= {LIGER_CPU_MAX_VOCAB}")
         return None
 
     def build(self, op, case, x):

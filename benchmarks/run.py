@@ -68,7 +68,8 @@ def _run_subprocess(spec: dict, timeout: float) -> List[dict]:
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER):])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return [dict(spec, mode=m, status="error", reason=f"worker exit {proc.returncode}: {tail[0][:300]}") for m in spec["modes"]]
+    reason = f"worker exit {proc.returncode}: {tail[0][:300]}"
+    return [dict(spec, mode=m, status="error", reason=reason) for m in spec["modes"]]
 
 
 def check_agreement(records: List[dict]) -> List[dict]:
@@ -122,7 +123,8 @@ def format_table(records: List[dict]) -> str:
                          f"{r['peak_mem_bytes'] / 2**20:>9.1f} {r['gbps']:>7.2f}{pct}")
         else:
             lines.append(f"{r['op']:9} {str(r['case']):16} {r['N']:>6} {r['V']:>7} {r['dtype']:4} {r['mode']:6} "
-                         f"{r['provider']:17} {'-':>10} {'':>9} {'':>9} {'':>9} {'':>7}  {r['status']}: {r.get('reason', '')[:110]}")
+                         f"{r['provider']:17} {'-':>10} {'':>9} {'':>9} {'':>9} {'':>7}  "
+                         f"{r['status']}: {r.get('reason', '')[:110]}")
     return "\n".join(lines)
 
 
@@ -131,7 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--suite", choices=("quick", "full", "tiny"), default="quick")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    parser.add_argument("--peak-gbps", type=float, default=4800.0, help="peak memory bandwidth for %% of peak (H200: 4800)")
+    parser.add_argument("--peak-gbps", type=float, default=4800.0,
+                        help="peak memory bandwidth for %% of peak (H200: 4800)")
     parser.add_argument("--providers", default=None, help="comma list (default: all); e.g. naive,rlkernels[torch]")
     parser.add_argument("--shape", action="append", default=None,
                         help="OP:CASE:N:V:DTYPE instead of a suite (CASE '-' for logprobs), repeatable")
@@ -225,7 +228,8 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         for r in recs:
             if r.get("status") != "ok":
-                tqdm.write(f"  {r['provider']} {r['op']} N={r['N']} V={r['V']} {r['mode']}: {r['status']}: {r.get('reason')}",
+                tqdm.write(f"  {r['provider']} {r['op']} N={r['N']} V={r['V']} {r['mode']}: "
+                           f"{r['status']}: {r.get('reason')}",
                            file=sys.stderr)
         records.extend(recs)
         save(partial=True)  # a run killed by a time limit still leaves what it measured

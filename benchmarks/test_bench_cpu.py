@@ -60,5 +60,6 @@ def test_cpu(benchmark, op, case, N, V, provider, mode):
         step()  # warm-up outside the timed rounds (torch.compile compiles here)
     except Exception as exc:  # noqa: BLE001 - e.g. torch.compile failing on this machine
         pytest.skip(f"{provider} failed on this machine: {type(exc).__name__}: {exc}")
-    benchmark.extra_info.update(op=op, case=case, N=N, V=V, dtype="fp32", bytes_model=(1 if mode == "fwd" else 3) * N * V * 4)
+    bytes_model = (1 if mode == "fwd" else 3) * N * V * 4
+    benchmark.extra_info.update(op=op, case=case, N=N, V=V, dtype="fp32", bytes_model=bytes_model)
     benchmark.pedantic(step, rounds=3, iterations=1, warmup_rounds=0)

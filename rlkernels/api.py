@@ -91,14 +91,19 @@ def _logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
     try:
         return logits.view(-1, V)
     except RuntimeError:  # not one strided sequence of rows
-        if logits.dim() == 3:
-            return logits
-        if inplace_backward:
-            raise ValueError(f"logits: inplace_backward=True needs [N, V] or [B, T, V] rows, got shape {tuple(logits.shape)}")
-        return logits.reshape(-1, V)
+        pass
+    if logits.dim() == 3:
+        return logits
+    if inplace_backward:
+        raise ValueError(
+            f"logits: inplace_backward=True needs [N, V] or [B, T, V] rows, got shape {tuple(logits.shape)}"
+        )
+    return logits.reshape(-1, V)
 
 
-def _policy_output(lp, entropy, advantages, mask, old, rollout, ref, cu_seqlens, token_shape, config) -> PolicyLossOutput:
+def _policy_output(
+    lp, entropy, advantages, mask, old, rollout, ref, cu_seqlens, token_shape, config
+) -> PolicyLossOutput:
     """Flat statistics carrying autograd -> the per-sequence stage -> PolicyLossOutput (both entry points)."""
     dt = backends.statistics_dtype(lp.dtype)
     stat_lp = lp.detach().to(dt)
@@ -172,8 +177,8 @@ def decoupled_ppo_loss(
         value_checks(
             valid=in_mask, labels=flat_labels, vocab=V, ignore_index=ignore_index, cu_seqlens=cu_seqlens,
             num_tokens=N, finite=[("advantages", advantages.reshape(-1))],
-            not_nan=[(n, None if x is None else x.reshape(-1)) for n, x in
-                     (("old_logprobs", old_logprobs), ("rollout_logprobs", rollout_logprobs), ("ref_logprobs", ref_logprobs))],
+            not_nan=[("old_logprobs", _flat(old_logprobs)), ("rollout_logprobs", _flat(rollout_logprobs)),
+                     ("ref_logprobs", _flat(ref_logprobs))],
         )
     # m: the response mask minus ignored tokens and (with validate=False) out-of-range labels, which
     # are treated as masked so that nothing is ever read out of bounds.

@@ -226,8 +226,8 @@ class RolloutCorrection:
             rs = tuple(
                 (opt, _parse_verl_bound(f"rollout_rs_threshold ({opt})", spec)) for opt, spec in zip(options, specs)
             )
-            for opt, bound in rs:
-                _renamed(lambda: cls(rs=((opt, bound),)), f"rs[{opt!r}]", f"rollout_rs_threshold ({opt})")
+            for pair in rs:
+                _renamed(lambda pair=pair: cls(rs=(pair,)), f"rs[{pair[0]!r}]", f"rollout_rs_threshold ({pair[0]})")
             _renamed(lambda: cls(rs=rs), "rs", "rollout_rs")
         return cls(
             is_level=is_level, is_threshold=is_threshold, is_batch_normalize=rollout_is_batch_normalize, rs=rs
@@ -312,8 +312,8 @@ class PolicyLossConfig:
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
-        object.__setattr__(self, "clip_ratio_low", _check_finite_positive("clip_ratio_low", self.clip_ratio_low, allow_zero=True))
-        object.__setattr__(self, "clip_ratio_high", _check_finite_positive("clip_ratio_high", self.clip_ratio_high, allow_zero=True))
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name), allow_zero=True))
         if _checking_values() and self.clip_ratio_low >= 1.0:
             raise ValueError(f"clip_ratio_low: expected eps_lo < 1 so that 1 - eps_lo > 0, got {self.clip_ratio_low!r}")
         if self.clip_ratio_c is not None:
@@ -341,7 +341,8 @@ class PolicyLossConfig:
             object.__setattr__(self, "kl_type", "k3")
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
             raise TypeError(
-                f"rollout_correction: expected a RolloutCorrection or None, got {type(self.rollout_correction).__name__}"
+                "rollout_correction: expected a RolloutCorrection or None, "
+                f"got {type(self.rollout_correction).__name__}"
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")

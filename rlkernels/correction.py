@@ -94,7 +94,8 @@ def rejection(delta: torch.Tensor, mask: torch.Tensor, seg: Segments, rc: Rollou
         keep_all = keep_all & keep
     rejected = (mask & ~keep_all).to(delta.dtype)
     metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected, mask)
-    metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = masked_mean((seg.sum(rejected) > 0).to(delta.dtype), nonempty)
+    seq_rejected = (seg.sum(rejected) > 0).to(delta.dtype)
+    metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = masked_mean(seq_rejected, nonempty)
     return Rejection(keep_all, metrics)
 
 

@@ -13,8 +13,8 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 from . import correction
-from .correction import CLAMP
 from .config import PolicyLossConfig
+from .correction import CLAMP
 from .segments import Segments, hyper, masked_mean
 
 

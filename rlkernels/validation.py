@@ -106,7 +106,8 @@ class ValueChecks:
 def value_checks(
     *, valid: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab: int = 0, ignore_index: int = -100,
     cu_seqlens: Optional[torch.Tensor] = None, num_tokens: int = 0,
-    finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (), not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
+    finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
+    not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
 ) -> None:
     """Value checks of SPEC §11 on valid tokens only (padding may hold anything)."""
     checks = ValueChecks()
@@ -115,7 +116,8 @@ def value_checks(
         checks.add(cu[0] != 0, "cu_seqlens: expected cu_seqlens[0] == 0")
         if cu.numel() > 1:
             checks.add((cu[1:] < cu[:-1]).any(), "cu_seqlens: expected non-decreasing offsets")
-        checks.add(cu[-1] != num_tokens, f"cu_seqlens: expected cu_seqlens[-1] == N = {num_tokens} (the number of rows)")
+        checks.add(cu[-1] != num_tokens,
+                   f"cu_seqlens: expected cu_seqlens[-1] == N = {num_tokens} (the number of rows)")
     if labels is not None:
         out_of_range = valid & (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
         checks.add(
@@ -127,5 +129,6 @@ def value_checks(
             checks.add((valid & torch.isnan(x)).any(), f"{name}: expected no NaN on tokens of the response mask")
     for name, x in finite:
         if x is not None:
-            checks.add((valid & ~torch.isfinite(x)).any(), f"{name}: expected finite values (no NaN/inf) on tokens of the response mask")
+            checks.add((valid & ~torch.isfinite(x)).any(),
+                       f"{name}: expected finite values (no NaN/inf) on tokens of the response mask")
     checks.run()

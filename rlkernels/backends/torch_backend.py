@@ -34,7 +34,9 @@ class TorchBackend:
     def supports(self, logits: torch.Tensor) -> bool:
         return True
 
-    def _chunks(self, logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> Iterator[Tuple[int, int, torch.Tensor, Optional[torch.Tensor]]]:
+    def _chunks(
+        self, logits: torch.Tensor, out: Optional[torch.Tensor] = None
+    ) -> Iterator[Tuple[int, int, torch.Tensor, Optional[torch.Tensor]]]:
         """(first row, end row, logits chunk, out chunk): 2-D views of at most `chunk_rows` rows,
         taken from the strided logits (and the gradient buffer) where they lie."""
         rows = self.chunk_rows or max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
@@ -86,7 +88,8 @@ class TorchBackend:
         # lse = row_max/T + log_norm holds in the two parts the other backends keep
         no_mass = torch.isnan(logprobs)
         logprobs = logprobs.masked_fill(no_mass, float("-inf"))
-        log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), (target - row_max) / temperature - logprobs)
+        log_norm = (target - row_max) / temperature - logprobs
+        log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), log_norm)
         zero = torch.zeros((), dtype=acc, device=logits.device)
         keep = lambda t: None if t is None else torch.where(valid & ~no_mass, t, zero)  # noqa: E731
         return RowStats(
@@ -94,8 +97,10 @@ class TorchBackend:
             keep(entropy), keep(sum_pi_squared),
         )
 
-    def token_grad_bwd(self, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inplace):
-        N, V = num_rows(logits), logits.shape[-1]
+    def token_grad_bwd(
+        self, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inplace
+    ):
+        V = logits.shape[-1]
         acc = statistics_dtype(logits.dtype)
         device = logits.device
         out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=device)

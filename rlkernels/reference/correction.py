@@ -103,7 +103,9 @@ def rejection(delta, mask, seqs, rc):
     return keep_all, info
 
 
-def diagnostics(train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, new_mask=None, rs_info=None) -> Dict[str, torch.Tensor]:
+def diagnostics(
+    train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, new_mask=None, rs_info=None
+) -> Dict[str, torch.Tensor]:
     """The rollout_corr/* metrics of SPEC §8, on the original mask.
 
     `w` are the IS weights before batch normalisation (what verl reports as well)."""

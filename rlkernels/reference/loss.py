@@ -74,7 +74,8 @@ def policy_loss(
     def valid(x):
         # Off the mask a value may be anything (NaN advantages, -inf log-probs): it must not reach
         # the loss or, through a 0 * NaN product, the gradient.
-        return None if x is None else torch.where(m, x.double().reshape(-1), torch.zeros((), dtype=torch.float64, device=device))
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return None if x is None else torch.where(m, x.double().reshape(-1), zero)
 
     lp, A, H = valid(logprobs), valid(advantages), valid(entropy)
     old, roll, ref = valid(old_logprobs), valid(rollout_logprobs), valid(ref_logprobs)

@@ -136,7 +136,8 @@ def run_spec(spec, cc: int) -> AotResult:
 
 def discover_specs(only: Optional[str] = None):
     """(module name, specs or the import error) for every kernel module defining aot_specs()."""
-    from . import __name__ as pkg_name, __path__ as pkg_path
+    from . import __name__ as pkg_name
+    from . import __path__ as pkg_path
 
     out = []
     for info in sorted(pkgutil.iter_modules(pkg_path), key=lambda m: m.name):

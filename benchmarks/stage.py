@@ -1,0 +1,110 @@
+"""The per-sequence stage (IS weights, rejection, loss, metrics on [N] tensors): eager vs compiled.
+
+    python -m benchmarks.stage --device cpu                # kernel count + CPU time, eager vs compiled
+    python -m benchmarks.stage --device cuda --tokens 8192
+
+The stage is ~100 small torch ops. On CUDA each is a kernel launch, so rlkernels compiles it with
+torch.compile(dynamic=True) (`compile_stage=None` does so on CUDA). This measures what that buys:
+the number of kernels Inductor generates for the stage (torch._inductor.metrics, on any device) and
+the stage's time eager vs compiled, runs interleaved (eager, compiled, eager, ...) and reported as
+medians with their ratio. Hyperparameters change on every timed call, as a schedule would, and the
+script checks that they cause no recompilation and that both versions agree.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch._dynamo
+import torch._inductor.metrics as inductor_metrics
+
+from rlkernels import PolicyLossConfig, RolloutCorrection
+from rlkernels.loss import sequence_stage
+from rlkernels.segments import Segments
+
+CASES = {
+    "seq_mis+kl+entropy": lambda: PolicyLossConfig(
+        rollout_correction=RolloutCorrection.seq_mis(), kl_coef=0.05, entropy_coeff=0.01,
+        loss_agg_mode="seq-mean-token-mean", validate=False),
+    "geo_rs_token_tis": lambda: PolicyLossConfig(
+        rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.9, 1.1)), validate=False),
+}
+
+
+def stage_inputs(num_tokens: int, num_seqs: int, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randperm(num_tokens - 1, generator=g)[: num_seqs - 1] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([num_tokens])]).to(device)
+    lp = (-torch.rand(num_tokens, generator=g) * 3).to(device)
+    old = lp + 0.05 * torch.randn(num_tokens, generator=g).to(device)
+    rollout = old + 0.02 * torch.randn(num_tokens, generator=g).to(device)
+    ent = torch.rand(num_tokens, generator=g).to(device)
+    adv = torch.randn(num_tokens, generator=g).to(device)
+    mask = (torch.rand(num_tokens, generator=g) > 0.05).to(device)
+    seg = Segments.packed(cu, num_tokens, torch.device(device))
+    return lp, ent, adv, mask, old, rollout, old - 0.01, seg
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(case: str, num_tokens: int, num_seqs: int, device: str, reps: int) -> dict:
+    base = CASES[case]().with_overrides(global_num_tokens=float(num_tokens))  # the static set being timed
+    inputs = stage_inputs(num_tokens, num_seqs, device)
+    torch._dynamo.reset()
+    inductor_metrics.reset()
+    compiled = torch.compile(sequence_stage, dynamic=True)
+    t0 = time.perf_counter()
+    compiled(*inputs, base)
+    _sync(device)
+    compile_s = time.perf_counter() - t0
+    kernels = inductor_metrics.generated_kernel_count
+    eager_s, compiled_s = [], []
+    max_rel = 0.0
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a new hyperparameter must not recompile
+        for i in range(reps):
+            config = base.with_overrides(clip_ratio_high=0.2 + 0.01 * (i % 7), global_num_tokens=float(num_tokens + i))
+            for fn, times in ((sequence_stage, eager_s), (compiled, compiled_s)):
+                _sync(device)
+                t = time.perf_counter()
+                out = fn(*inputs, config)
+                _sync(device)
+                times.append(time.perf_counter() - t)
+                if fn is sequence_stage:
+                    want = out.loss
+                else:
+                    max_rel = max(max_rel, float((out.loss - want).abs() / want.abs().clamp_min(1e-30)))
+    eager_ms, compiled_ms = statistics.median(eager_s) * 1e3, statistics.median(compiled_s) * 1e3
+    return dict(case=case, device=device, tokens=num_tokens, seqs=num_seqs, inductor_kernels=kernels,
+                first_call_s=round(compile_s, 2), eager_ms=round(eager_ms, 3), compiled_ms=round(compiled_ms, 3),
+                compiled_vs_eager=round(compiled_ms / eager_ms, 3), loss_max_rel_diff=max_rel)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--case", action="append", choices=sorted(CASES), help="default: every case")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    rows = [measure(c, args.tokens, args.seqs, args.device, args.reps) for c in (args.case or sorted(CASES))]
+    print(f"{'case':22} {'device':6} {'N':>6} {'S':>4} {'kernels':>7} {'first call s':>12} "
+          f"{'eager ms':>9} {'compiled ms':>11} {'compiled/eager':>14}")
+    for r in rows:
+        print(f"{r['case']:22} {r['device']:6} {r['tokens']:>6} {r['seqs']:>4} {r['inductor_kernels']:>7} "
+              f"{r['first_call_s']:>12} {r['eager_ms']:>9.3f} {r['compiled_ms']:>11.3f} "
+              f"{r['compiled_vs_eager']:>14.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
