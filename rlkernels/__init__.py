@@ -1,4 +1,4 @@
-"""rlkernels: fused off-policy policy-gradient losses for LLM RL (see SPEC conventions in README)."""
+"""rlkernels: fused off-policy policy-gradient losses for LLM RL (the contract: docs/spec.md)."""
 
 from .api import (
     CorrectionOutput,

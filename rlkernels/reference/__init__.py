@@ -1,4 +1,4 @@
-"""The oracle: SPEC.md written out in plain float64 PyTorch, unfused, one module per topic.
+"""The oracle: docs/spec.md written out in plain float64 PyTorch, unfused, one module per topic.
 
 Slow on purpose: sequences are Python loops and every gradient comes from autograd. Nothing here
 imports the fast paths, so a bug there cannot hide in here.
