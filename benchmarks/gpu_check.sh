@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
-# Runs in under 8 minutes (step limits 150 + 60 + 45 + 90 + 90 s = 7.25 min): versions, optional CUDA extension build, GPU tests, Triton kernel tests,
-# the 8192 x 151936 bf16 head-to-head (triton vs cuda vs torch backend vs naive, GB/s vs the bytes
-# model), and the quick CUDA suite. Logs and JSON go to $OUT (default benchmarks/results/gpu).
+# Runs in under 9 minutes (step limits 150 + 60 + 45 + 45 + 90 + 90 s = 8 min): versions, optional CUDA
+# extension build, GPU tests, Triton kernel tests, the per-sequence stage eager vs compiled (Inductor
+# kernel count, no recompilation over a hyperparameter schedule), the 8192 x 151936 bf16 head-to-head
+# (triton vs cuda vs torch backend vs naive, GB/s vs the bytes model), and the quick CUDA suite.
+# Logs and JSON go to $OUT (default benchmarks/results/gpu).
 #   BUILD_CUDA=0 benchmarks/gpu_check.sh     # skip the extension build
 set -u
 cd "$(dirname "$0")/.."
@@ -33,6 +35,9 @@ step gpu_tests 60 $PY -m pytest -m gpu -q -x -p no:cacheprovider
 if ls tests/kernels/test_*.py > /dev/null 2>&1; then
   step triton_kernel_tests 45 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
 fi
+
+# the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True)
+step stage 45 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --json "$OUT/stage.json"
 
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
 step headline 90 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \

@@ -94,6 +94,6 @@ def select_stage(tensor: torch.Tensor, compile_stage: Optional[bool]):
 
     if torch.compiler.is_compiling():
         return sequence_stage
-    if compile_stage is None:
-        compile_stage = tensor.is_cuda
+    if compile_stage is None:  # Inductor generates Triton code for CUDA: without Triton, stay eager
+        compile_stage = tensor.is_cuda and _triton_backend() is not None
     return _compiled_stage() if compile_stage else sequence_stage

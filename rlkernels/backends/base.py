@@ -4,8 +4,9 @@ Conventions shared by every backend (and checked by tests/backends against the r
 - `logits` is [N, V], or [B, T, V] standing for N = B*T rows, with unit stride along V and any other
   strides: the causal-shift view `model_out[:, :-1, :]` is read where it lies, never copied.
 - `labels` is [N] int64 with -1 on rows that take no part in the loss. Such rows (and rows whose
-  label is outside [0, V)) are skipped: their statistics are 0 and their gradient row is 0, and
-  their logits are never read.
+  label is outside [0, V)) are skipped: their statistics are 0 and their gradient row is 0. The
+  Triton and CUDA kernels never read their logits; the torch backend computes whole chunks and
+  selects those rows away.
 - Statistics are float32 (float64 for float64 logits, which only the torch backend accepts).
 """
 
