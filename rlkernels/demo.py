@@ -1,14 +1,20 @@
 """`python -m rlkernels.demo`: a synthetic RL batch with a train-inference mismatch, corrected five ways.
 
-Builds a packed batch of a few hundred responses over a realistic vocabulary, simulates what an
-inference engine reports (the same model with perturbed logits, plus a few "toxic" responses whose
-probabilities drifted far), runs `decoupled_ppo_loss` with several rollout-correction presets,
-prints the loss and the diagnostics with a health verdict, and times the fused loss against the
-naive PyTorch composition a trainer would otherwise write.
+Builds a packed batch of responses (128 by default) over a realistic vocabulary, simulates the
+inference engine (the same model with perturbed logits, which samples the responses and reports
+their log-probabilities, plus a few "toxic" responses whose reported probabilities drifted far),
+runs `decoupled_ppo_loss` with plain PPO and five rollout-correction presets, and prints the loss
+and the diagnostics with a health verdict. Then it times forward + backward of the fused loss
+against the naive PyTorch composition a trainer would otherwise write: both sides on the same
+inputs, warmed up first, then run interleaved; it reports the medians, the speed-up or slow-down in
+words, the first-call times when they stand out, peak memory where it can be measured honestly
+(CUDA; CPU on Linux, for batches of 64 MiB of logits or more), a note when other processes competed
+for the CPUs during the timing, and checks that both sides give the same loss and gradient.
 """
 
 import argparse
 import ctypes
+import functools
 import statistics
 import sys
 import time
@@ -95,13 +101,20 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds(step, device) -> float:
-    """Wall time of one call of `step`, the device work it queued included."""
+def _timed(step, device):
+    """(seconds, result) of one call of `step`, the device work it queued included."""
     _sync(device)
     t0 = time.perf_counter()
-    step()
+    result = step()
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, result
+
+
+def _fwd_bwd(loss_fn):
+    """One training step's worth of the loss: forward, then backward into the logits' gradient."""
+    loss = loss_fn()
+    loss.backward()
+    return loss
 
 
 def _proc_status_kib(field: str) -> int:
@@ -143,6 +156,23 @@ def _peak_memory(step, device) -> Optional[int]:
         return None
 
 
+def _cpu_pressure_us() -> Optional[int]:
+    """Linux pressure stall information: total microseconds during which some runnable task (of any
+    process) waited for a CPU; None where the kernel does not report it."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some"):
+                    return int(line.split("total=")[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def _speed_in_words(t_naive: float, t_fused: float) -> str:
     if round(t_naive / t_fused, 1) == 1.0 and round(t_fused / t_naive, 1) == 1.0:
         return "rlkernels is about as fast as naive PyTorch (within 5%)"
@@ -155,7 +185,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=128, help="responses in the batch (default 128)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda[:N] (default: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="dtype of the logits (default float32)")
     parser.add_argument("--repeats", type=int, default=5,
@@ -166,9 +197,10 @@ def main(argv=None):
     device = torch.device(args.device)
     batch = synthetic_batch(args.sequences, args.vocab, device, dtype=getattr(torch, args.dtype))
     N = batch["labels"].numel()
-    logits_gib = N * args.vocab * batch["logits"].element_size() / 2**30
+    logits_bytes = batch["logits"].numel() * batch["logits"].element_size()
+    logits_size = _size(logits_bytes)
     print(f"rlkernels {rlkernels.__version__} demo: {args.sequences} responses, {N} tokens, vocab {args.vocab}, "
-          f"{batch['logits'].dtype} logits on {device} ({logits_gib:.2f} GiB)\n")
+          f"{batch['logits'].dtype} logits on {device} ({logits_size})\n")
 
     # The timed comparison: the fused token-TIS loss vs the naive composition of the same loss, both
     # forward + backward into the gradient of the same logits, which is reset to None before every call.
@@ -191,13 +223,8 @@ def main(argv=None):
     first, results = {}, {}
     for name, loss_fn in sides.items():
         logits.grad = None
-        loss = [None]
-
-        def step():
-            loss[0] = loss_fn()
-            loss[0].backward()
-        first[name] = _seconds(step, device)
-        results[name] = (loss[0].item(), logits.grad)
+        first[name], loss = _timed(functools.partial(_fwd_bwd, loss_fn), device)
+        results[name] = (loss.item(), logits.grad)
     logits.grad = None
     (loss_naive, grad_naive), (loss_fused, grad_fused) = results[naive_name], results[fused_name]
     grad_diff = (grad_fused.float() - grad_naive.float()).abs().max().item()
@@ -217,7 +244,8 @@ def main(argv=None):
                          "healthy" if not failed else "check " + ", ".join(failed)))
             del out
 
-    header = f"{'preset':<20} {'loss':>9} {'kept':>6} {'IS mean':>8} {'ESS':>6} {'kl':>8} {'chi2_tok':>9} {'clipfrac':>8}  verdict"
+    header = (f"{'preset':<20} {'loss':>9} {'kept':>6} {'IS mean':>8} {'ESS':>6} {'kl':>8} {'chi2_tok':>9} "
+              f"{'clipfrac':>8}  verdict")
     print(header)
     print("-" * len(header))
     fmt = lambda v, width: f"{'-':>{width}}" if v is None else f"{v:>{width}.3f}"  # noqa: E731
@@ -229,36 +257,59 @@ def main(argv=None):
     # Second warm-up call of each side (after the presets), which also measures peak memory; then
     # the timed calls, interleaved (naive, fused, naive, fused, ...) so that drift in the machine's
     # speed (clocks, other processes) hits both sides alike.
+    # (on the CPU the measure is the resident set, coarse by a few MiB: left out for small batches)
+    measure_peak = device.type != "cpu" or logits_bytes >= 64 * 2**20
     peak = {}
     for name, loss_fn in sides.items():
         logits.grad = None
-        peak[name] = _peak_memory(lambda: loss_fn().backward(), device)
+        step = functools.partial(_fwd_bwd, loss_fn)
+        if measure_peak:
+            peak[name] = _peak_memory(step, device)
+        else:
+            step()
+            peak[name] = None
     times = {name: [] for name in sides}
+    stall_start, wall_start = _cpu_pressure_us(), time.perf_counter()
     for _ in range(args.repeats):
         for name, loss_fn in sides.items():
             logits.grad = None
-            times[name].append(_seconds(lambda: loss_fn().backward(), device))
+            times[name].append(_timed(functools.partial(_fwd_bwd, loss_fn), device)[0])
+    stall_end, wall = _cpu_pressure_us(), time.perf_counter() - wall_start
+    contended = None if stall_start is None or stall_end is None else (stall_end - stall_start) / 1e6 / wall
     logits.grad = None
     median = {name: statistics.median(ts) for name, ts in times.items()}
 
     notable_first = any(first[name] > 1.5 * median[name] for name in sides)
     show_peak = all(v is not None for v in peak.values())
     print(f"\ntiming: forward + backward of the token-TIS loss on this batch, the gradient reset before "
-          f"every call;\n{args.repeats} runs of each side, interleaved, after 2 warm-up runs each")
+          f"every call;\n{args.repeats} run{'s' if args.repeats > 1 else ''} of each side, interleaved, "
+          "after 2 warm-up runs of each")
+    columns = {name: [f"{median[name] * 1e3:.1f} ms", f"{min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f} ms"]
+               for name, ts in times.items()}
+    titles = ["median", "range"]
+    if notable_first:
+        titles.append("first call")
+        for name in sides:
+            columns[name].append(f"{first[name] * 1e3:.1f} ms")
+    if show_peak:
+        titles.append("peak memory")
+        for name in sides:
+            columns[name].append(_size(peak[name]))
     width = max(map(len, sides))
-    print(f"  {'':<{width}}  {'median':>9}  {'range':>17}" + (f"  {'first call':>10}" if notable_first else "")
-          + (f"  {'peak memory':>11}" if show_peak else ""))
-    for name, ts in times.items():
-        print(f"  {name:<{width}}  {median[name] * 1e3:6.1f} ms  {min(ts) * 1e3:7.1f}-{max(ts) * 1e3:.1f} ms".ljust(width + 33)
-              + (f"  {first[name] * 1e3:7.1f} ms" if notable_first else "")
-              + (f"  {peak[name] / 2**30:7.2f} GiB" if show_peak else ""))
+    widths = [max(len(title), *(len(columns[name][i]) for name in sides)) for i, title in enumerate(titles)]
+    print(f"  {'':<{width}}" + "".join(f"  {title:>{w}}" for title, w in zip(titles, widths)))
+    for name in sides:
+        print(f"  {name:<{width}}" + "".join(f"  {cell:>{w}}" for cell, w in zip(columns[name], widths)))
     print(f"  => {_speed_in_words(median[naive_name], median[fused_name])}")
     notes = []
     if notable_first:
         notes.append("first call: one-time start-up included, kept out of the medians")
     if show_peak:
-        notes.append(f"peak memory: above the inputs, including the {logits_gib:.2f} GiB gradient each side writes")
-    if any(max(ts) > 1.5 * min(ts) for ts in times.values()):
+        notes.append(f"peak memory: above the inputs, including the {logits_size} gradient each side writes")
+    if contended is not None and contended > 0.2:
+        notes.append(f"tasks waited for a CPU during {min(contended, 1):.0%} of the timed runs: other processes "
+                     "competed for the CPUs, so these timings do not represent an idle machine")
+    elif any(max(ts) > 1.5 * min(ts) for ts in times.values()):
         notes.append("the run times varied by over 50%: the machine is busy or throttling; rerun, or raise --repeats")
     for note in notes:
         print(f"  ({note})")
