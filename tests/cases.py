@@ -1,26 +1,25 @@
-"""Shared test inputs: hypothesis strategies for batches and configurations, and the comparison helper.
+"""Shared test inputs and comparisons: the tolerance table, the one batch builder, the hypothesis
+strategies for batches and configurations, and the comparison helper.
 
-Values come from a torch generator seeded by hypothesis (drawing thousands of floats one by one
-through hypothesis is slow); shapes, masks, layouts and options are drawn by hypothesis itself so
-that shrinking finds the smallest failing structure.
+Values come from a torch generator (seeded by hypothesis in the strategies: drawing thousands of
+floats one by one through hypothesis is slow); shapes, masks, layouts and options are drawn by
+hypothesis itself so that shrinking finds the smallest failing structure. `make_batch` is the one
+place that turns those choices into tensors, for the strategies and for plain tests alike.
 
-Tolerances (one row per compared dtype, with the reason):
-- float64 inputs: rtol 1e-9. Same math in the same precision, different summation order; the
-  largest terms are exp(20) ~ 5e8, so absolute errors scale with the value (hence relative).
-- float32 inputs: rtol 2e-5, atol 1e-5 * scale. A blocked fp32 exp-sum errs by about
-  (V/BLOCK + log2 BLOCK) * 2^-24 ~ 1e-6 relative; exp() of a log-ratio that carries that error
-  amplifies it by |delta| <= 20 (the clamp), so 2e-5 bounds it.
+Option names (agg modes, loss types, KL types, IS levels, RS options) come from rlkernels.config,
+never re-typed here.
 """
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence, Tuple
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
-from rlkernels.config import RS_OPTIONS
+from rlkernels.config import IS_LEVELS, KL_TYPES, LOSS_AGG_MODES, LOSS_TYPES, RS_OPTIONS
 
 # Every property test states its CI example budget; HYPOTHESIS_SCALE=10 runs ten times as many.
 EXAMPLE_SCALE = int(os.environ.get("HYPOTHESIS_SCALE", "1"))
@@ -30,9 +29,224 @@ def scaled(n: int) -> int:
     return n * EXAMPLE_SCALE
 
 
-TOLERANCES = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=1e-5)}
+# ---- tolerances -------------------------------------------------------------------------------------
+# One table for the whole suite: TOL[what is compared, dtype] -> Tol(rtol, atol, why). Tests read it
+# through tol() (keyword arguments for assert_close, atol times a scale the test states) or approx()
+# (pytest.approx against a hand-computed value). A test that needs another number adds an entry here
+# with its reason; exact comparisons (torch.equal, rtol = atol = 0) stay exact and are not listed.
+
+
+@dataclass(frozen=True)
+class Tol:
+    rtol: float
+    atol: float
+    why: str
+
+
+F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+
+# One rounding of an fp32 result to the output dtype, round to nearest: half an ulp, relative.
+HALF_ULP = {BF16: 2.0**-8, F16: 2.0**-11}  # bf16 keeps 8 significant bits, fp16 11
+ULP = {BF16: 2.0**-7, F16: 2.0**-10}  # two roundings (or a value and the truth each rounded) may land one ulp apart
+# Triton's CPU interpreter converts fp32 -> bf16 by truncation (triton/runtime/interpreter.py
+# `cast_impl` calls `_convert_float` without a rounding mode): a whole ulp, where a GPU's cvt.rn rounds
+# to nearest. fp32 -> fp16 goes through numpy's astype, which rounds to nearest: no extra error.
+INTERPRETER_BF16 = 2.0**-7
+
+_F64_ORDER = ("float64 on both sides: the same math in a different summation order; the largest terms are "
+              "exp(20) ~ 5e8, so errors scale with the value (relative)")
+_F32_CLAMPED = ("fp32 arithmetic against float64: a blocked fp32 exp-sum errs by about (V/BLOCK + log2 BLOCK) "
+                "* 2^-24 ~ 1e-6 relative, and exp() of a log-ratio that carries that error amplifies it by "
+                "|delta| <= 20 (the clamp), so 2e-5 bounds it. bf16/fp16 logits upcast exactly, so their "
+                "statistics, loss and metrics use this row too")
+_F32_KERNEL_GRAD = ("fp32 math: log p = (z - row_max)/T - log_norm carries a few ulps of log_norm, i.e. ~1e-7 "
+                    "relative error in p; 1e-5 leaves room for the entropy term's products")
+_FP16_SUBNORMAL = "fp16 subnormals (< 6.1e-5) round absolutely by <= 2^-25, inside atol"
+
+TOL: Dict[Tuple[str, torch.dtype], Tol] = {
+    # -- the public API on any backend against the float64 oracle (backends/parity.py, test_api.py) ----
+    # "value": logprobs, entropy, is_weights, loss and metrics, keyed by the dtype of the statistics
+    # (fp32 for half logits). Losses and metrics scale atol by max(1, |expected|).
+    ("value", F64): Tol(1e-9, 1e-10, _F64_ORDER),
+    ("value", F32): Tol(2e-5, 1e-5, _F32_CLAMPED),
+    # "dlogits": d loss / d logits in the logits dtype; atol scales by max(1e-3, max |expected|).
+    ("dlogits", F64): Tol(1e-9, 1e-10, _F64_ORDER),
+    ("dlogits", F32): Tol(2e-5, 1e-5, _F32_CLAMPED),
+    ("dlogits", BF16): Tol(max(2e-5, HALF_ULP[BF16]), 1e-5,
+                           "the fp32 row, then one more rounding to bf16 (half an ulp, 2^-8), which dominates"),
+    ("dlogits", F16): Tol(max(2e-5, HALF_ULP[F16]), 1e-5,
+                          "the fp32 row, then one more rounding to fp16 (half an ulp, 2^-11), which dominates; "
+                          + _FP16_SUBNORMAL),
+    ("dlogits@interpreter", BF16): Tol(INTERPRETER_BF16, 1e-5,
+                                       "as ('dlogits', bf16), but the interpreter truncates to bf16: one whole ulp"),
+
+    # -- one Triton kernel call (or the torch backend's token statistics) against the float64 oracle ----
+    ("kernel.stats", F32): Tol(1e-5, 1e-5,
+                               "token statistics (row_max, log_norm, logprobs, entropy, sum p^2) on small "
+                               "vocabularies (V <= 300): a blocked fp32 exp-sum errs by (V/BLOCK + log2 BLOCK) * "
+                               "2^-24 < 1e-6 relative and log / division add a few ulps; no clamp amplifies it. "
+                               "Half logits upcast exactly: the row for every input dtype"),
+    # atol scales by max(1, max |expected|)
+    ("kernel.dlogits", F32): Tol(1e-5, 1e-5, _F32_KERNEL_GRAD),
+    ("kernel.dlogits", BF16): Tol(HALF_ULP[BF16] + 1e-5, 1e-5,
+                                  "the fp32 row plus one rounding to bf16 (round to nearest): half an ulp, 2^-8"),
+    ("kernel.dlogits", F16): Tol(HALF_ULP[F16] + 1e-5, 1e-5,
+                                 "the fp32 row plus one rounding to fp16: half an ulp, 2^-11; " + _FP16_SUBNORMAL),
+    ("kernel.dlogits@interpreter", BF16): Tol(INTERPRETER_BF16 + 1e-5, 1e-5,
+                                              "the fp32 row plus the interpreter's truncation to bf16: one ulp"),
+    # the target column c (1 - p_y), p_y in (0.9, 0.9999), is compared without an absolute floor
+    ("kernel.target_column", BF16): Tol(HALF_ULP[BF16] + 2e-5, 0.0,
+                                        "one rounding to bf16, plus twice the fp32 row since there is no atol: "
+                                        "1 - p_y is formed in fp32 from log p_y, not from p_y rounded to bf16"),
+    ("kernel.target_column", F16): Tol(HALF_ULP[F16] + 2e-5, 0.0,
+                                       "one rounding to fp16, plus twice the fp32 row since there is no atol"),
+    ("kernel.target_column@interpreter", BF16): Tol(INTERPRETER_BF16 + 2e-5, 0.0,
+                                                    "as ('kernel.target_column', bf16) with the interpreter's "
+                                                    "truncation: one ulp"),
+
+    # -- the Triton backend against the torch backend through the public API -------------------------
+    ("backends", F32): Tol(1e-5, 1e-5,
+                           "two fp32 backends on the same small inputs: the same formulas in a different "
+                           "summation order (statistics and the loss, atol unscaled)"),
+    # dlogits: atol scales by max(1, max |expected|)
+    ("backends.dlogits", F32): Tol(1e-5, 1e-5, _F32_KERNEL_GRAD),
+    ("backends.dlogits", BF16): Tol(HALF_ULP[BF16] + HALF_ULP[BF16], 1e-5,
+                                    "each backend rounds its fp32 gradient to bf16 once: half an ulp on each side"),
+    ("backends.dlogits@interpreter", BF16): Tol(HALF_ULP[BF16] + INTERPRETER_BF16, 1e-5,
+                                                "the torch side rounds to nearest (2^-8), the interpreted Triton "
+                                                "side truncates (2^-7)"),
+
+    # -- the CUDA backend (tests/backends/test_cuda_backend.py, GPU only) -------------------------------
+    ("cuda.stats", F32): Tol(2e-5, 2e-5,
+                             "statistics carry only fp32 summation error (half logits upcast exactly): rtol as "
+                             "('value', fp32); the absolute floor is 2e-5 because vocabularies reach 151936, "
+                             "where log_norm ~ log V ~ 12 and 1e-6 of it is ~1e-5 in logprobs and entropy"),
+    # dlogits divided by the row's largest |g| (atol is relative to it)
+    ("cuda.dlogits", F32): Tol(2e-5, 1e-5, "the fp32 row of ('value', fp32)"),
+    ("cuda.dlogits", BF16): Tol(ULP[BF16], 1e-5,
+                                "one ulp: the fp32 result and the float64 truth (cast to bf16 by assert_close) may "
+                                "round to neighbouring bf16 numbers"),
+    ("cuda.dlogits", F16): Tol(ULP[F16], 1e-5,
+                               "one ulp: the fp32 result and the float64 truth (cast to fp16 by assert_close) may "
+                               "round to neighbouring fp16 numbers"),
+    ("cuda.layout", F32): Tol(1e-6, 1e-6,
+                              "statistics of one kernel on a strided, misaligned view and on its contiguous copy: only "
+                              "the head/tail peeling of the vector loads, i.e. the fp32 summation order, changes"),
+    ("cuda.layout.dlogits", F32): Tol(2e-5, 1e-6, "as ('cuda.layout', fp32), for the gradient: the fp32 row"),
+    ("cuda.layout.dlogits", BF16): Tol(ULP[BF16], 1e-6, "as ('cuda.layout', fp32), then each side rounds to bf16: "
+                                                         "one ulp apart at most"),
+    ("cuda.layout.dlogits", F16): Tol(ULP[F16], 1e-6, "as ('cuda.layout', fp32), then each side rounds to fp16: "
+                                                       "one ulp apart at most"),
+    ("cuda.near_one_hot", F32): Tol(2e-5, 2e-7,
+                                    "c (1 - p_y) at p_y -> 1: log_norm = log(1 + rest) carries ~6e-8 absolute error "
+                                    "when rest < 1e-6, hence the absolute floor"),
+    ("cuda.near_one_hot", BF16): Tol(ULP[BF16], 2e-7,
+                                     "as ('cuda.near_one_hot', fp32), rounded to bf16: one ulp"),
+    ("cuda.wide_offsets", BF16): Tol(ULP[BF16], 1e-7,
+                                     "dlogits of the last rows of a bf16 batch beyond 2^31 elements (V = 131072): one "
+                                     "ulp of bf16; the entries are p ~ 1/V ~ 8e-6, so the floor is 1e-7"),
+    ("cuda.api.dlogits", BF16): Tol(2 * ULP[BF16], 1e-5,
+                                    "the CUDA and the torch backends each round to bf16: one ulp on each side"),
+    ("cuda.api.dlogits", F16): Tol(2 * ULP[F16], 1e-5,
+                                   "the CUDA and the torch backends each round to fp16: one ulp on each side"),
+    ("gpu.wide_offsets.logprobs", F32): Tol(1e-5, 1e-4,
+                                            "logprobs of bf16 logits with V = 151936 against torch's fp32 "
+                                            "log_softmax (not float64): both sides carry the fp32 error of a "
+                                            "151936-term sum on values ~ log V ~ 12"),
+
+    # -- the same fp32 arithmetic, reordered (compiled vs eager, view vs copy, in-place vs not) --------
+    ("reordered", F32): Tol(1e-5, 1e-6,
+                            "the same fp32 formulas fused or reordered (torch.compile against eager, the compiled "
+                            "per-sequence stage against the eager one): a few fp32 ulps (2^-24 ~ 6e-8) per "
+                            "operation over short reductions"),
+    ("reordered.dlogits", F32): Tol(1e-5, 1e-7,
+                                    "as ('reordered', fp32) for d loss / d logits (also a strided view or an "
+                                    "in-place backward against the contiguous, out-of-place one); its entries, "
+                                    "(1/N) (onehot - p) for a mean, are mostly far below 1: a smaller absolute floor"),
+    ("layout", F32): Tol(1e-6, 1e-7,
+                         "the loss of a strided view of the model output against a contiguous copy on the same "
+                         "backend: the same arithmetic on the same values, only the addressing differs"),
+
+    # -- two float64 computations that agree in exact arithmetic ------------------------------------
+    ("identity", F64): Tol(1e-9, 1e-9,
+                           "a permutation, padded vs packed, temperature folded into the logits, fully masked "
+                           "sequences appended, the public API against the oracle's sub-steps: float64 summation "
+                           "order only (~1e-15 relative per operation; terms up to exp(20)). atol scales by "
+                           "max(1, max |expected|) where values can be large"),
+    ("identity.shift", F64): Tol(1e-8, 1e-8,
+                                 "a per-row logit shift of up to ~1e4 moves float64 rounding by 1e4 * 2^-53 ~ 1e-12 "
+                                 "per logit"),
+    ("identity.small", F64): Tol(1e-9, 1e-12,
+                                 "float64 quantities of order 1 or smaller (IS weights, sum p^2, d loss / d "
+                                 "statistic): summation order only; 1e-12 absorbs cancellation near 0"),
+    ("same_path", F64): Tol(1e-12, 1e-14,
+                            "the fused loss against token_logprobs + policy_loss on the same float64 logits: the "
+                            "same stage on the same statistics, formed by a different call: a few ulps at most"),
+    ("gradcheck", F64): Tol(1e-3, 1e-7,
+                            "torch.autograd.gradcheck's central differences with eps = 1e-6 in float64: rounding "
+                            "error ~ 2^-53 / eps ~ 1e-10 and truncation ~ eps^2 ~ 1e-12 per entry; rtol is "
+                            "gradcheck's default"),
+
+    # -- hand-computed values (pytest.approx through approx()) ------------------------------------------
+    ("by_hand", F64): Tol(0.0, 1e-12,
+                          "float64 results of a handful of operations on O(1) values, against the value computed "
+                          "by hand: exact to a few ulps (~1e-16)"),
+    ("closed_form", F64): Tol(1e-9, 0.0,
+                              "float64 closed forms (1.001^T, a loss scaled by e^0.5, mean(-A lp)) against float64 "
+                              "reductions over at most 1000 terms: ~1e-13 relative"),
+    ("closed_form", F32): Tol(1e-6, 0.0, "a closed form evaluated in fp32 (e^20): a few ulps of 2^-24 ~ 6e-8"),
+    ("fp32_difference", F32): Tol(1e-5, 0.0,
+                                  "the mean of fp32 differences old - (old - 0.1) with |old| <= 1: each carries up "
+                                  "to ~6e-8 absolute error, ~1e-6 relative to 0.1"),
+    ("spec_decimals", F64): Tol(0.0, 5e-4,
+                                "a value quoted to three decimals (SPEC §8's k1/k3 table, 1.001^1000 ~ 2.717): "
+                                "half a unit in the last place"),
+    ("benchmark", F32): Tol(1e-4, 0.0,
+                            "benchmarks/run.py's naive PyTorch loss and sum |dlogits| against rlkernels[torch] on "
+                            "one small fp32 case: the same math in different fp32 summation orders; 1e-4 is the "
+                            "harness's own tolerance for the loss (benchmarks/run.py TOLERANCE), held for both"),
+    ("one_ulp", BF16): Tol(ULP[BF16], 0.0,
+                           "a gradient rounded once to bf16 or fp16 after fp32 math, against the unrounded float64 "
+                           "value: within one ulp of bf16 (the coarser of the two dtypes)"),
+}
+assert all(t.why for t in TOL.values()), "every tolerance states its reason"
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run through the CPU interpreter (tests/conftest.py sets it without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _entry(quantity: str, dtype: torch.dtype, interpreter: bool) -> Tol:
+    if interpreter and (f"{quantity}@interpreter", dtype) in TOL:
+        return TOL[f"{quantity}@interpreter", dtype]
+    return TOL[quantity, dtype]
+
+
+def tol(quantity: str, dtype: torch.dtype = F32, *, scale: float = 1.0, interpreter: bool = False) -> Dict[str, float]:
+    """assert_close keywords for TOL[quantity, dtype]: atol multiplied by `scale` (the magnitude the test
+    measures errors against). interpreter=True picks the "@interpreter" row where Triton's CPU interpreter
+    rounds differently from a GPU."""
+    t = _entry(quantity, dtype, interpreter)
+    return dict(rtol=t.rtol, atol=t.atol * scale)
+
+
+def approx(expected, quantity: str, dtype: torch.dtype = F64):
+    """pytest.approx with TOL[quantity, dtype]. An entry with atol 0 is a relative bound (pytest keeps its
+    1e-12 absolute floor), one with rtol 0 an absolute bound."""
+    t = TOL[quantity, dtype]
+    if not (t.rtol or t.atol):
+        return pytest.approx(expected, rel=0, abs=0)
+    return pytest.approx(expected, rel=t.rtol or None, abs=t.atol or None)
+
+
+# ---- inputs -----------------------------------------------------------------------------------------
+# Modes of Batch.kwargs: decoupled (old + rollout log-probs), bypass (rollout only), on-policy (none).
+MODES = ("decoupled", "bypass", "on-policy")
+LAYOUTS = ("padded", "packed")
 LOGIT_KINDS = ("normal", "offset_pos", "offset_neg", "neg_inf", "one_hot")
 MISMATCH_SCALES = (0.0, 0.01, 0.3, 3.0, 50.0)
+MASK_PROBABILITIES = (0.0, 0.5, 0.85, 1.0)
 
 
 @dataclass
@@ -78,9 +292,67 @@ def make_logits(gen: torch.Generator, shape, kind: str, dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def make_batch(
+    layout: str,
+    lengths: Sequence[int],
+    V: int,
+    *,
+    dtype: torch.dtype = F64,
+    seed: int = 0,
+    logit_kind: str = "normal",
+    mismatch: float = 0.3,
+    mask_p: float = 1.0,
+) -> Batch:
+    """A random batch: the one code path that makes test tensors (the `batches` strategy uses it too).
+
+    layout "padded": logits [B, T, V] with lengths = [T] * B; "packed": logits [sum(lengths), V] and
+    cu_seqlens over `lengths` (zeros allowed). Each token is in the response mask with probability
+    mask_p; outside it labels may be -100 and advantages are NaN (padding may hold anything). old
+    log-probs lie in (-4, 0]; rollout = old + N(0, mismatch^2); ref = old + N(0, 0.04). Half-precision
+    logits come with fp32 per-token tensors.
+    """
+    if layout == "padded":
+        assert len(set(lengths)) <= 1, f"padded rows have one length, got {lengths}"
+        token_shape = (len(lengths), lengths[0] if lengths else 0)
+    else:
+        assert layout == "packed", layout
+        token_shape = (sum(lengths),)
+    gen = torch.Generator().manual_seed(seed)
+    logits = make_logits(gen, token_shape + (V,), logit_kind, dtype)
+    labels = torch.randint(0, V, token_shape, generator=gen)
+    if logit_kind == "neg_inf":
+        labels = torch.zeros(token_shape, dtype=torch.long)  # column 0 is finite in every row
+    mask = torch.rand(token_shape, generator=gen) < mask_p
+    labels = torch.where(mask | (torch.rand(token_shape, generator=gen) < 0.5), labels, torch.full_like(labels, -100))
+    adv = torch.randn(token_shape, generator=gen, dtype=torch.float64)
+    adv = torch.where(mask, adv, torch.full_like(adv, float("nan")))  # padding may hold anything
+    old = -torch.rand(token_shape, generator=gen, dtype=torch.float64) * 4
+    roll = old + torch.randn(token_shape, generator=gen, dtype=torch.float64) * mismatch
+    ref = old + torch.randn(token_shape, generator=gen, dtype=torch.float64) * 0.2
+    cu = None
+    if layout == "packed":
+        cu = torch.tensor([0] + torch.tensor(list(lengths), dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
+    token_dtype = F32 if dtype in (BF16, F16) else dtype
+    to = lambda t: t.to(token_dtype)  # noqa: E731
+    return Batch(logits, labels, to(adv), mask, to(old), to(roll), to(ref), cu)
+
+
+def make_coefficients(N: int, seed: int, zero_rows=(), entropy: bool = True, dtype: torch.dtype = F32):
+    """Per-row coefficients of a token-gradient kernel: c = d loss / d logprob, e = d loss / d entropy
+    (None without entropy), both exactly 0 on `zero_rows`."""
+    gen = torch.Generator().manual_seed(seed)
+    c = torch.randn(N, generator=gen, dtype=dtype)
+    e = torch.randn(N, generator=gen, dtype=dtype) if entropy else None
+    for i in zero_rows:
+        c[i] = 0.0
+        if e is not None:
+            e[i] = 0.0
+    return c, e
+
+
 @st.composite
-def batches(draw, layout=None, max_seqs=5, max_len=8, max_vocab=19, dtype=torch.float64, allow_empty=True):
-    layout = layout or draw(st.sampled_from(["padded", "packed"]))
+def batches(draw, layout=None, max_seqs=5, max_len=8, max_vocab=19, dtype=F64, allow_empty=True):
+    layout = layout or draw(st.sampled_from(LAYOUTS))
     if layout == "padded":
         S = draw(st.integers(1, max_seqs))
         T = draw(st.integers(1, max_len))
@@ -91,26 +363,9 @@ def batches(draw, layout=None, max_seqs=5, max_len=8, max_vocab=19, dtype=torch.
     V = draw(st.integers(1, max_vocab))
     kind = draw(st.sampled_from(LOGIT_KINDS))
     scale = draw(st.sampled_from(MISMATCH_SCALES))
-    mask_p = draw(st.sampled_from([0.0, 0.5, 0.85, 1.0]))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-
-    token_shape = (S, lengths[0] if S else 0) if layout == "padded" else (sum(lengths),)
-    logits = make_logits(gen, token_shape + (V,), kind, dtype)
-    labels = torch.randint(0, V, token_shape, generator=gen)
-    if kind == "neg_inf":
-        labels = torch.zeros(token_shape, dtype=torch.long)  # column 0 is finite in every row
-    mask = torch.rand(token_shape, generator=gen) < mask_p
-    labels = torch.where(mask | (torch.rand(token_shape, generator=gen) < 0.5), labels, torch.full_like(labels, -100))
-    adv = torch.randn(token_shape, generator=gen, dtype=torch.float64)
-    adv = torch.where(mask, adv, torch.full_like(adv, float("nan")))  # padding may hold anything
-    old = -torch.rand(token_shape, generator=gen, dtype=torch.float64) * 4
-    roll = old + torch.randn(token_shape, generator=gen, dtype=torch.float64) * scale
-    ref = old + torch.randn(token_shape, generator=gen, dtype=torch.float64) * 0.2
-    cu = None
-    if layout == "packed":
-        cu = torch.tensor([0] + list(torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()), dtype=torch.int32)
-    to = lambda t: t.to(dtype if dtype != torch.bfloat16 and dtype != torch.float16 else torch.float32)  # noqa: E731
-    return Batch(logits, labels, to(adv), mask, to(old), to(roll), to(ref), cu)
+    mask_p = draw(st.sampled_from(MASK_PROBABILITIES))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return make_batch(layout, lengths, V, dtype=dtype, seed=seed, logit_kind=kind, mismatch=scale, mask_p=mask_p)
 
 
 def _ratio_bound(draw):
@@ -123,7 +378,7 @@ def _ratio_bound(draw):
 def rollout_corrections(draw):
     if draw(st.integers(0, 5)) == 0:
         return None
-    is_level = draw(st.sampled_from([None, "token", "sequence"]))
+    is_level = draw(st.sampled_from(IS_LEVELS))
     threshold = draw(st.sampled_from([2.0, 1.2, 10.0, (0.5, 5.0), (0.8, 1.25)]))
     options = draw(st.lists(st.sampled_from(RS_OPTIONS), max_size=3, unique=True))
     rs = {}
@@ -135,16 +390,16 @@ def rollout_corrections(draw):
 @st.composite
 def configs(draw, mode: str, **fixed):
     """A PolicyLossConfig over the whole option product, consistent with the mode."""
-    loss_type = draw(st.sampled_from(["ppo_clip", "reinforce"])) if mode == "bypass" else "ppo_clip"
+    # REINFORCE is a bypass-mode loss (no old log-probs to form a PPO ratio against)
+    loss_type = draw(st.sampled_from(LOSS_TYPES)) if mode == "bypass" else "ppo_clip"
     rc = draw(rollout_corrections()) if mode != "on-policy" else None
-    kl = draw(st.sampled_from([None, "k1", "k2", "k3"]))
+    kl = draw(st.sampled_from((None,) + KL_TYPES))  # None: no KL penalty
     kw = dict(
         loss_type=loss_type,
         clip_ratio_low=draw(st.sampled_from([0.2, 0.1])),
         clip_ratio_high=draw(st.sampled_from([0.2, 0.28])),
         clip_ratio_c=draw(st.sampled_from([3.0, None, 1.5])),
-        loss_agg_mode=draw(st.sampled_from(
-            ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])),
+        loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
         temperature=draw(st.sampled_from([1.0, 0.7])),
         entropy_coeff=draw(st.sampled_from([0.0, 0.01])),
         compute_entropy=draw(st.booleans()),
@@ -161,6 +416,16 @@ def configs(draw, mode: str, **fixed):
     return PolicyLossConfig(**kw)
 
 
+@st.composite
+def problems(draw, dtype=F64, chunk_rows=None, **batch_kw):
+    """(batch, mode, config): a mode, a batch (`batches` keywords) and a configuration consistent with
+    the mode; chunk_rows, if given, is a list of PolicyLossConfig.chunk_rows values to draw from."""
+    mode = draw(st.sampled_from(MODES))
+    batch = draw(batches(dtype=dtype, **batch_kw))
+    fixed = {} if chunk_rows is None else dict(chunk_rows=draw(st.sampled_from(chunk_rows)))
+    return batch, mode, draw(configs(mode, **fixed))
+
+
 def assert_close(actual, expected, *, rtol, atol, name="value"):
     """allclose with NaN/inf agreement and a message naming the worst element."""
     if expected is None or actual is None:
@@ -173,7 +438,8 @@ def assert_close(actual, expected, *, rtol, atol, name="value"):
     nan_a, nan_e = torch.isnan(a), torch.isnan(e)
     assert torch.equal(nan_a, nan_e), f"{name}: NaN pattern differs"
     inf_a, inf_e = torch.isinf(a), torch.isinf(e)
-    assert torch.equal(inf_a & (a > 0), inf_e & (e > 0)) and torch.equal(inf_a & (a < 0), inf_e & (e < 0)), f"{name}: inf pattern differs"
+    same_inf = torch.equal(inf_a & (a > 0), inf_e & (e > 0)) and torch.equal(inf_a & (a < 0), inf_e & (e < 0))
+    assert same_inf, f"{name}: inf pattern differs"
     fin = ~(nan_e | inf_e)
     if fin.any():
         err = (a[fin] - e[fin]).abs()

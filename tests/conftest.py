@@ -24,10 +24,11 @@ settings.register_profile("explore", deadline=None, suppress_health_check=_healt
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 HAS_CUDA = torch.cuda.is_available()
-requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; none on this machine")
+NO_GPU = "needs a CUDA GPU; none on this machine"
+requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none on this machine (run benchmarks/gpu_check.sh on one)"))
+            item.add_marker(pytest.mark.skip(reason=f"{NO_GPU} (run benchmarks/gpu_check.sh on one)"))

@@ -7,6 +7,9 @@ import os
 import sys
 
 import pytest
+import torch
+
+from .cases import TOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -58,6 +61,6 @@ def test_naive_and_rlkernels_agree(result):
         ("logprobs", "fwd", "value"),
     }
     for c in checks:
-        assert c["rel_err"] <= 1e-4, c
+        assert c["rel_err"] <= TOL["benchmark", torch.float32].rtol, c
     loss = [r["value"] for r in data["results"] if r["op"] == "ppo" and r["mode"] == "fwd"]
     assert len(loss) == 2 and loss[0] != 0.0  # the case does real work: a nonzero loss

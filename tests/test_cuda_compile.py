@@ -152,7 +152,8 @@ def test_cu_compiles_for_sm90_without_spills(builds, name):
     rc, log, cmd = builds["results"][name]
     assert rc == 0, f"nvcc failed on {name}:\n{' '.join(cmd)}\n{log}"
     warnings = _unexplained_warnings(log)
-    assert not warnings, f"{name}: unexplained warnings (fix them or justify them in ALLOWED_WARNINGS):\n" + "\n".join(warnings)
+    assert not warnings, (f"{name}: unexplained warnings (fix them or justify them in ALLOWED_WARNINGS):\n"
+                          + "\n".join(warnings))
     table = ptxas_resources(log)
     assert table, f"{name}: no kernel in the ptxas report:\n{log}"
     print(f"\n{name} (sm_90): kernel | registers | stack | spill st/ld | smem")
@@ -184,7 +185,8 @@ def test_bindings_compile_and_link_against_the_launchers(builds):
     def symbols(obj, flag):
         proc = subprocess.run(["nm", "-C", flag, str(obj)], capture_output=True, text=True, check=True)
         # "<address> T name" for defined symbols, "<spaces> U name" for undefined ones
-        return {re.sub(r"^\s*[0-9a-fA-F]*\s+[A-Za-z]\s+", "", ln) for ln in proc.stdout.splitlines() if "_launch(" in ln}
+        return {re.sub(r"^\s*[0-9a-fA-F]*\s+[A-Za-z]\s+", "", ln) for ln in proc.stdout.splitlines()
+                if "_launch(" in ln}
 
     needed = symbols(builds["dir"] / "bindings.cpp.o", "--undefined-only")
     defined = set()

@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
-from rlkernels.config import LOSS_AGG_MODES, RS_OPTIONS
+from rlkernels.config import IS_LEVELS, LOSS_AGG_MODES, RS_OPTIONS
 from rlkernels.loss import sequence_stage
 from rlkernels.segments import Segments
 
@@ -31,7 +31,7 @@ def _bounds(option):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "one_sequence"])
-@pytest.mark.parametrize("is_level, agg", list(itertools.product(["token", "sequence"], LOSS_AGG_MODES)))
+@pytest.mark.parametrize("is_level, agg", list(itertools.product([lv for lv in IS_LEVELS if lv], LOSS_AGG_MODES)))
 def test_stage_uses_no_atomic_reduction(layout, is_level, agg):
     N = 12
     g = torch.Generator().manual_seed(0)

@@ -8,8 +8,6 @@ import sys
 import tarfile
 from pathlib import Path
 
-import pytest
-
 import rlkernels
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,19 +9,16 @@ import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection
 from rlkernels.backends.torch_backend import TorchBackend
 
+from .cases import make_batch
+
 B, T, V = 2, 3, 5
 
 
 def good():
-    g = torch.Generator().manual_seed(0)
-    return dict(
-        logits=torch.randn(B, T, V, generator=g),
-        labels=torch.randint(0, V, (B, T), generator=g),
-        advantages=torch.randn(B, T, generator=g),
-        response_mask=torch.ones(B, T, dtype=torch.bool),
-        old_logprobs=-torch.rand(B, T, generator=g),
-        rollout_logprobs=-torch.rand(B, T, generator=g),
-    )
+    """The arguments of a valid decoupled call (every token in the response), as keywords."""
+    b = make_batch("padded", [T] * B, V, dtype=torch.float32)
+    return dict(logits=b.logits, labels=b.labels, advantages=b.advantages, response_mask=b.response_mask,
+                old_logprobs=b.old_logprobs, rollout_logprobs=b.rollout_logprobs)
 
 
 def call(**changes):
@@ -32,8 +29,9 @@ def call(**changes):
 
 
 def packed(**changes):
-    kw = dict(logits=torch.randn(6, V), labels=torch.randint(0, V, (6,)), advantages=torch.randn(6),
-              response_mask=torch.ones(6, dtype=torch.bool), cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32))
+    b = make_batch("packed", [2, 4], V, dtype=torch.float32)
+    kw = dict(logits=b.logits, labels=b.labels, advantages=b.advantages, response_mask=b.response_mask,
+              cu_seqlens=b.cu_seqlens)
     kw.update(changes)
     pos = [kw.pop(k) for k in ("logits", "labels", "advantages", "response_mask")]
     return rlkernels.decoupled_ppo_loss(*pos, **kw)
@@ -79,8 +77,9 @@ BAD_INPUTS = [
     ("cu_seqlens_wrong_total", lambda: packed(cu_seqlens=torch.tensor([0, 2, 5])), ValueError, "cu_seqlens"),
     ("reinforce_with_old", lambda: call(loss_type="reinforce"), ValueError, "old_logprobs"),
     ("kl_without_ref", lambda: call(kl_coef=0.1), ValueError, "ref_logprobs"),
-    ("correction_without_rollout", lambda: call(rollout_logprobs=None, rollout_correction=RolloutCorrection.token_tis()),
-     ValueError, "rollout_logprobs"),
+    ("correction_without_rollout",
+     lambda: call(rollout_logprobs=None, rollout_correction=RolloutCorrection.token_tis()), ValueError,
+     "rollout_logprobs"),
     ("unknown_override", lambda: call(clip_ratio=0.2), TypeError, "clip_ratio"),
     ("config_wrong_type", lambda: call(config={"clip_ratio_low": 0.2}), TypeError, "config"),
     ("temperature_zero", lambda: PolicyLossConfig(temperature=0.0), ValueError, "temperature"),
@@ -96,10 +95,13 @@ BAD_INPUTS = [
     ("negative_kl_coef", lambda: PolicyLossConfig(kl_coef=-0.1), ValueError, "kl_coef"),
     ("unknown_backend", lambda: PolicyLossConfig(backend="tpu"), ValueError, "backend"),
     ("zero_global_tokens", lambda: PolicyLossConfig(global_num_tokens=0), ValueError, "global_num_tokens"),
-    ("correction_wrong_type", lambda: PolicyLossConfig(rollout_correction="token_tis"), TypeError, "rollout_correction"),
+    ("correction_wrong_type", lambda: PolicyLossConfig(rollout_correction="token_tis"), TypeError,
+     "rollout_correction"),
     ("unknown_is_level", lambda: RolloutCorrection(is_level="geometric"), ValueError, "is_level"),
-    ("is_threshold_negative", lambda: RolloutCorrection(is_level="token", is_threshold=-2.0), ValueError, "is_threshold"),
-    ("icepop_lo_gt_hi", lambda: RolloutCorrection(is_level="token", is_threshold=(2.0, 0.5)), ValueError, "is_threshold"),
+    ("is_threshold_negative", lambda: RolloutCorrection(is_level="token", is_threshold=-2.0), ValueError,
+     "is_threshold"),
+    ("icepop_lo_gt_hi", lambda: RolloutCorrection(is_level="token", is_threshold=(2.0, 0.5)), ValueError,
+     "is_threshold"),
     ("unknown_rs_option", lambda: RolloutCorrection(rs={"seq_max_k1": 2.0}), ValueError, "seq_max_k1"),
     ("rs_k1_lo_gt_hi", lambda: RolloutCorrection(rs={"seq_mean_k1": (1.1, 0.9)}), ValueError, "seq_mean_k1"),
     ("rs_k1_zero_lo", lambda: RolloutCorrection(rs={"token_k1": (0.0, 2.0)}), ValueError, "token_k1"),
@@ -109,14 +111,16 @@ BAD_INPUTS = [
     ("verl_bad_threshold", lambda: RolloutCorrection.from_verl(rollout_rs="token_k1", rollout_rs_threshold="a_b"),
      ValueError, "rollout_rs_threshold"),
     ("verl_threshold_count", lambda: RolloutCorrection.from_verl(rollout_rs="token_k1,token_k2,token_k3",
-                                                                rollout_rs_threshold="2.0,0.1"), ValueError, "rollout_rs_threshold"),
+                                                                rollout_rs_threshold="2.0,0.1"),
+     ValueError, "rollout_rs_threshold"),
     ("token_logprobs_temperature", lambda: rlkernels.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long),
                                                                      temperature=0), ValueError, "temperature"),
     ("token_logprobs_label_range", lambda: rlkernels.token_logprobs(torch.zeros(2, 3), torch.tensor([0, 3])),
      ValueError, "labels"),
     ("policy_loss_entropy_missing", lambda: rlkernels.policy_loss(torch.zeros(4), torch.zeros(4), torch.ones(4),
                                                                   entropy_coeff=0.01), ValueError, "entropy"),
-    ("policy_loss_logprobs_nan", lambda: rlkernels.policy_loss(torch.tensor([0.0, math.nan]), torch.zeros(2), torch.ones(2)),
+    ("policy_loss_logprobs_nan",
+     lambda: rlkernels.policy_loss(torch.tensor([0.0, math.nan]), torch.zeros(2), torch.ones(2)),
      ValueError, "logprobs"),
     ("rollout_correction_config", lambda: rlkernels.rollout_correction(torch.zeros(3), torch.zeros(3), torch.ones(3),
                                                                        config=PolicyLossConfig()), TypeError, "config"),
@@ -128,7 +132,8 @@ def test_bad_input_raises_naming_the_argument(thunk, exc, argument):
     with pytest.raises(exc) as info:
         thunk()
     assert argument in str(info.value), f"message does not name {argument!r}: {info.value}"
-    assert "expected" in str(info.value) or "unknown" in str(info.value) or "must" in str(info.value) or "only valid" in str(info.value)
+    message = str(info.value)
+    assert "expected" in message or "unknown" in message or "must" in message or "only valid" in message
 
 
 def test_bad_input_raises_before_any_kernel(monkeypatch):
@@ -143,8 +148,8 @@ def test_bad_input_raises_before_any_kernel(monkeypatch):
 def test_out_of_range_labels_without_validation_are_masked_not_read():
     kw = good()
     kw["labels"] = labels_with(10**9)
-    out = rlkernels.decoupled_ppo_loss(kw.pop("logits"), kw.pop("labels"), kw.pop("advantages"), kw.pop("response_mask"),
-                                       validate=False, **kw)
+    pos = [kw.pop(k) for k in ("logits", "labels", "advantages", "response_mask")]
+    out = rlkernels.decoupled_ppo_loss(*pos, validate=False, **kw)
     assert torch.isfinite(out.loss)
     assert not bool(out.mask[1, 2]) and out.logprobs[1, 2].item() == 0.0
 
@@ -157,7 +162,8 @@ def test_padding_may_hold_garbage():
     labels[0, 0], adv[0, 0] = 10**6, math.nan
     old = kw["old_logprobs"].clone()
     old[0, 0] = math.nan
-    out = rlkernels.decoupled_ppo_loss(kw["logits"], labels, adv, mask, old_logprobs=old, rollout_logprobs=kw["rollout_logprobs"])
+    out = rlkernels.decoupled_ppo_loss(kw["logits"], labels, adv, mask, old_logprobs=old,
+                                       rollout_logprobs=kw["rollout_logprobs"])
     assert torch.isfinite(out.loss)
     assert all(torch.isfinite(v) for v in out.metrics.values())
 

@@ -1,52 +1,46 @@
 """One parity check shared by every backend's test file: backend vs the float64 oracle."""
 
-import os
-
 import torch
 
 import rlkernels
 from rlkernels import reference
 
-from ..cases import TOLERANCES, assert_close
-
-
-# dlogits of half-precision logits are rounded once more, to the logits dtype: half an ulp with
-# round-to-nearest. Triton's CPU interpreter truncates float32 -> bf16/fp16 instead (a whole ulp),
-# so kernels it runs get twice the bound; on a GPU the store rounds to nearest.
-OUTPUT_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-INTERPRETER_TRUNCATES = 2.0
+from ..cases import assert_close, interpreted, tol
 
 
 def check_against_reference(batch, mode, config, *, backend, device="cpu"):
     """Run `decoupled_ppo_loss` on `backend` and the oracle on the same inputs; compare everything.
 
     The oracle sees the very same values upcast to float64, so the only differences are the
-    backend's arithmetic precision and summation order (see cases.TOLERANCES). bf16/fp16 logits
-    upcast exactly, so the float32 row applies to every statistic; only dlogits adds one rounding."""
-    tol = TOLERANCES[torch.float64 if batch.logits.dtype == torch.float64 else torch.float32]
+    backend's arithmetic precision and summation order (see cases.TOL). bf16/fp16 logits upcast
+    exactly, so the float32 row applies to every statistic; only dlogits adds one rounding, and Triton's
+    CPU interpreter rounds bf16 differently from a GPU."""
+    stat_dtype = torch.float64 if batch.logits.dtype == torch.float64 else torch.float32
+    value_tol = tol("value", stat_dtype)
     kw = {k: (None if v is None else v.to(device)) for k, v in batch.kwargs(mode).items()}
     logits = batch.logits.to(device).clone().requires_grad_(True)
     args = (batch.labels.to(device), batch.advantages.to(device), batch.response_mask.to(device))
     out = rlkernels.decoupled_ppo_loss(logits, *args, config=config, backend=backend, **kw)
 
     ref_logits = batch.logits.double().clone().requires_grad_(True)
-    ref_kw = {k: (None if v is None else (v.double() if v.is_floating_point() else v)) for k, v in batch.kwargs(mode).items()}
+    ref_kw = {k: (None if v is None else (v.double() if v.is_floating_point() else v))
+              for k, v in batch.kwargs(mode).items()}
     expected = reference.decoupled_ppo_loss(
         ref_logits, batch.labels, batch.advantages.double(), batch.response_mask, config=config, **ref_kw
     )
     scale = max(1.0, float(expected.loss.detach().abs()))
-    assert_close(out.loss, expected.loss, rtol=tol["rtol"], atol=tol["atol"] * scale, name="loss")
-    assert_close(out.logprobs, expected.logprobs, **tol, name="logprobs")
+    assert_close(out.loss, expected.loss, **tol("value", stat_dtype, scale=scale), name="loss")
+    assert_close(out.logprobs, expected.logprobs, **value_tol, name="logprobs")
     if config.needs_entropy:
-        assert_close(out.entropy, expected.entropy, **tol, name="entropy")
+        assert_close(out.entropy, expected.entropy, **value_tol, name="entropy")
     else:
         assert out.entropy is None
-    assert_close(out.is_weights, expected.is_weights, **tol, name="is_weights")
+    assert_close(out.is_weights, expected.is_weights, **value_tol, name="is_weights")
     assert torch.equal(out.mask.cpu(), expected.mask), "final mask differs"
     assert set(out.metrics) == set(expected.metrics), f"metric names differ: {set(out.metrics) ^ set(expected.metrics)}"
     for name, value in expected.metrics.items():
         m_scale = max(1.0, float(value.abs())) if torch.isfinite(value) else 1.0
-        assert_close(out.metrics[name], value, rtol=tol["rtol"], atol=tol["atol"] * m_scale, name=name)
+        assert_close(out.metrics[name], value, **tol("value", stat_dtype, scale=m_scale), name=name)
 
     (grad,) = torch.autograd.grad(out.loss, logits)
     (ref_grad,) = torch.autograd.grad(expected.loss, ref_logits)
@@ -55,9 +49,6 @@ def check_against_reference(batch, mode, config, *, backend, device="cpu"):
     # one-hot rows give true values of 1e-19 that it reports as 0).
     g_scale = max(1e-3, float(ref_grad.abs().max())) if ref_grad.numel() else 1.0
     assert grad.dtype == logits.dtype
-    rounding = OUTPUT_ROUNDING.get(logits.dtype, 0.0)
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
-        rounding *= INTERPRETER_TRUNCATES
-    grad_rtol = max(tol["rtol"], rounding)
-    assert_close(grad, ref_grad, rtol=grad_rtol, atol=tol["atol"] * g_scale, name="dlogits")
+    grad_tol = tol("dlogits", logits.dtype, scale=g_scale, interpreter=backend == "triton" and interpreted())
+    assert_close(grad, ref_grad, **grad_tol, name="dlogits")
     return out, expected

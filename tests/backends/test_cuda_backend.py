@@ -3,9 +3,10 @@
 Skipped here (conftest skips `gpu` tests without CUDA); on a GPU machine build first
 (`RLKERNELS_BUILD_CUDA=1 pip install -e . --no-build-isolation`, or set RLKERNELS_CUDA_JIT=1).
 
-Tolerances: bf16/fp16 logits upcast exactly to fp32, so every statistic carries only fp32
-summation error (rtol 2e-5, as cases.TOLERANCES); dlogits is rounded once to the logits dtype
-(one ulp: 2^-7 bf16, 2^-10 fp16), plus an absolute floor of 1e-5 of the row's largest gradient.
+Tolerances: the "cuda.*" rows of cases.TOL. bf16/fp16 logits upcast exactly to fp32, so every
+statistic carries only fp32 summation error; dlogits is rounded once to the logits dtype (within one
+ulp of the float64 truth: 2^-7 bf16, 2^-10 fp16), plus an absolute floor of 1e-5 of the row's largest
+gradient.
 """
 
 import math
@@ -19,19 +20,14 @@ import rlkernels
 from rlkernels.backends import select
 from rlkernels.reference import token_stats
 
-from ..cases import assert_close, batches, configs, make_logits, scaled
+from ..cases import LOGIT_KINDS, assert_close, make_coefficients, make_logits, problems, scaled, tol
 from .parity import check_against_reference
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# one unit in the last place of the logits dtype: a value computed in fp32 and the float64 truth may
-# round to neighbouring bf16/fp16 numbers
-GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 # V = 1 (one entry: p = 1), 7 and 129 (warp rows, odd: scalar head/tail), 32000 and 151936 (block rows)
 VOCABS = [1, 7, 129, 32000, 151936]
-KINDS = ["normal", "offset_pos", "offset_neg", "neg_inf", "one_hot"]
-STAT_TOL = dict(rtol=2e-5, atol=2e-5)
 
 
 @pytest.fixture(scope="module")
@@ -63,39 +59,38 @@ def _problem(V, dtype, kind, seed=0, row_stride_pad=0, col_offset=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V", VOCABS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LOGIT_KINDS)
 @pytest.mark.parametrize("T", [1.0, 0.7])
 def test_forward_matches_reference(cuda, dtype, V, kind, T):
     logits, labels = _problem(V, dtype, kind)
     stats = cuda.token_stats_fwd(logits, labels, T, True, True)
     lp, H, sq = token_stats(logits.double(), labels, temperature=T, ignore_index=-1)
     valid = (labels >= 0) & (labels < V)
-    assert_close(stats.logprobs, lp, **STAT_TOL, name="logprobs")
-    assert_close(stats.entropy, H, **STAT_TOL, name="entropy")
-    assert_close(stats.sum_pi_squared, sq, **STAT_TOL, name="sum_pi_squared")
+    assert_close(stats.logprobs, lp, **tol("cuda.stats"), name="logprobs")
+    assert_close(stats.entropy, H, **tol("cuda.stats"), name="entropy")
+    assert_close(stats.sum_pi_squared, sq, **tol("cuda.stats"), name="sum_pi_squared")
     # row_max is the exact max of the (upcast) logits; log_norm = log sum exp((z - row_max) / T)
     z = logits.double()
     row_max = z.amax(1)
     assert torch.equal(stats.row_max[valid].double(), row_max[valid])
     log_norm = torch.logsumexp((z - row_max[:, None]) / T, 1)
-    assert_close(stats.log_norm[valid], log_norm[valid], **STAT_TOL, name="log_norm")
+    assert_close(stats.log_norm[valid], log_norm[valid], **tol("cuda.stats"), name="log_norm")
     for t in stats:
         assert torch.all(t[~valid] == 0), "skipped rows must be exactly 0"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("V", VOCABS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", LOGIT_KINDS)
 @pytest.mark.parametrize("T", [1.0, 0.7])
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_backward_matches_reference(cuda, dtype, V, kind, T, with_entropy):
     logits, labels = _problem(V, dtype, kind, seed=1)
     N = logits.shape[0]
-    gen = torch.Generator().manual_seed(2)
-    c = torch.randn(N, generator=gen, dtype=torch.float64)
-    e = torch.randn(N, generator=gen, dtype=torch.float64) if with_entropy else torch.zeros(N, dtype=torch.float64)
-    c[2] = 0.0
-    e[2] = 0.0  # both coefficients zero: an all-zero row, never read (rows 1 and 4 are skipped)
+    # row 2: both coefficients zero, an all-zero row, never read (rows 1 and 4 are skipped)
+    c, e = make_coefficients(N, seed=2, zero_rows=(2,), entropy=with_entropy, dtype=torch.float64)
+    if e is None:
+        e = torch.zeros(N, dtype=torch.float64)
     stats = cuda.token_stats_fwd(logits, labels, T, with_entropy, False)
     grad = cuda.token_grad_bwd(
         logits, labels, stats.row_max, stats.log_norm, stats.entropy, c.float().cuda(),
@@ -107,7 +102,7 @@ def test_backward_matches_reference(cuda, dtype, V, kind, T, with_entropy):
     lp, H, _ = token_stats(z, labels, temperature=T, ignore_index=-1)
     (ref,) = torch.autograd.grad((lp * c.cuda()).sum() + (H * e.cuda()).sum(), z)
     scale = ref.abs().amax(1, keepdim=True).clamp_min(1e-3)
-    assert_close(grad / scale, ref / scale, rtol=GRAD_RTOL[dtype], atol=1e-5, name="dlogits")
+    assert_close(grad / scale, ref / scale, **tol("cuda.dlogits", dtype), name="dlogits")
     dead = (labels < 0) | (labels >= V)
     dead[2] = True
     assert torch.all(grad[dead] == 0), "skipped and zero-coefficient rows must be exactly 0"
@@ -124,12 +119,12 @@ def test_strided_and_misaligned_rows(cuda, dtype, V):
     a = cuda.token_stats_fwd(logits, labels, 0.7, True, True)
     b = cuda.token_stats_fwd(dense, labels, 0.7, True, True)
     for x, y in zip(a, b):
-        assert_close(x, y, rtol=1e-6, atol=1e-6)
+        assert_close(x, y, **tol("cuda.layout"))
     c = torch.randn(logits.shape[0], device="cuda")
     e = torch.randn(logits.shape[0], device="cuda")
     g_view = cuda.token_grad_bwd(logits, labels, a.row_max, a.log_norm, a.entropy, c, e, 0.7, False)
     g_dense = cuda.token_grad_bwd(dense, labels, b.row_max, b.log_norm, b.entropy, c, e, 0.7, False)
-    assert_close(g_view.float(), g_dense.float(), rtol=GRAD_RTOL[dtype], atol=1e-6)
+    assert_close(g_view.float(), g_dense.float(), **tol("cuda.layout.dlogits", dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -163,7 +158,8 @@ def test_all_neg_inf_row_has_no_nan(cuda):
 def test_target_gradient_near_one_hot(cuda, dtype):
     # p_y -> 1: c * (1 - p_y) must come from fp32 (expm1 of log p_y), not from p_y rounded to the
     # logits dtype first (Liger), which gives 0 for all four rows in bf16. The remaining error is
-    # fp32's: log_norm = log(1 + rest) carries ~6e-8 absolute error when rest < 1e-6 (atol).
+    # fp32's: log_norm = log(1 + rest) carries ~6e-8 absolute error when rest < 1e-6 (the atol of
+    # the "cuda.near_one_hot" rows).
     V = 4096
     logits = torch.zeros(4, V, device="cuda", dtype=dtype)
     labels = torch.tensor([3, 100, 2000, 4095], device="cuda")
@@ -175,7 +171,7 @@ def test_target_gradient_near_one_hot(cuda, dtype):
     expected = -torch.expm1(torch.log_softmax(z, 1).gather(1, labels[:, None]).squeeze(1))  # 1 - p_y, exact
     got = g.double().gather(1, labels[:, None]).squeeze(1)
     assert bool((expected > 1e-5).all())
-    assert_close(got, expected, rtol=GRAD_RTOL[dtype], atol=2e-7, name="c*(1-p_y)")
+    assert_close(got, expected, **tol("cuda.near_one_hot", dtype), name="c*(1-p_y)")
 
 
 def test_many_rows_on_grid_x(cuda):
@@ -185,7 +181,7 @@ def test_many_rows_on_grid_x(cuda):
         labels = torch.randint(0, V, (70_001,), device="cuda")
         s = cuda.token_stats_fwd(logits, labels, 1.0, False, False)
         lp, _, _ = token_stats(logits[-50:].double(), labels[-50:])
-        assert_close(s.logprobs[-50:], lp, **STAT_TOL)
+        assert_close(s.logprobs[-50:], lp, **tol("cuda.stats"))
 
 
 def test_more_than_2_31_elements(cuda):
@@ -197,10 +193,10 @@ def test_more_than_2_31_elements(cuda):
     lp, H, _ = token_stats(tail, labels[-3:])
     (ref,) = torch.autograd.grad(lp.sum(), tail)
     s = cuda.token_stats_fwd(logits, labels, 1.0, True, False)
-    assert_close(s.logprobs[-3:], lp, **STAT_TOL, name="logprobs")
-    assert_close(s.entropy[-3:], H, **STAT_TOL, name="entropy")
+    assert_close(s.logprobs[-3:], lp, **tol("cuda.stats"), name="logprobs")
+    assert_close(s.entropy[-3:], H, **tol("cuda.stats"), name="entropy")
     g = cuda.token_grad_bwd(logits, labels, s.row_max, s.log_norm, None, torch.ones(N, device="cuda"), None, 1.0, True)
-    assert_close(g[-3:], ref, rtol=GRAD_RTOL[torch.bfloat16], atol=1e-7, name="dlogits")
+    assert_close(g[-3:], ref, **tol("cuda.wide_offsets", torch.bfloat16), name="dlogits")
 
 
 def test_ops_check_inputs(cuda):
@@ -238,15 +234,10 @@ def test_select_returns_cuda_backend(cuda):
     assert rlkernels.backends.available()["cuda"]
 
 
-MODES = ("decoupled", "bypass", "on-policy")
-
-
 @settings(max_examples=scaled(60))
 @given(data=st.data())
 def test_public_api_matches_reference_float32(cuda, data):
-    mode = data.draw(st.sampled_from(MODES))
-    batch = data.draw(batches(dtype=torch.float32))
-    config = data.draw(configs(mode))
+    batch, mode, config = data.draw(problems(torch.float32))
     check_against_reference(batch, mode, config, backend="cuda", device="cuda")
 
 
@@ -255,9 +246,7 @@ def test_public_api_matches_reference_float32(cuda, data):
 @settings(max_examples=scaled(30))
 @given(data=st.data())
 def test_public_api_matches_torch_backend(cuda, dtype, inplace, data):
-    mode = data.draw(st.sampled_from(MODES))
-    batch = data.draw(batches(dtype=dtype, max_vocab=300))
-    config = data.draw(configs(mode))
+    batch, mode, config = data.draw(problems(dtype, max_vocab=300))
     kw = {k: (None if v is None else v.cuda()) for k, v in batch.kwargs(mode).items()}
     args = (batch.labels.cuda(), batch.advantages.cuda(), batch.response_mask.cuda())
     outs, grads = [], []
@@ -272,7 +261,7 @@ def test_public_api_matches_torch_backend(cuda, dtype, inplace, data):
         grads.append(g)
     ref, got = outs
     scale = max(1.0, float(ref.loss.detach().abs()))
-    assert_close(got.loss, ref.loss, rtol=2e-5, atol=1e-5 * scale, name="loss")
-    assert_close(got.logprobs, ref.logprobs, rtol=2e-5, atol=1e-5, name="logprobs")
+    assert_close(got.loss, ref.loss, **tol("value", torch.float32, scale=scale), name="loss")
+    assert_close(got.logprobs, ref.logprobs, **tol("value", torch.float32), name="logprobs")
     g_scale = max(1e-3, float(grads[0].abs().max())) if grads[0].numel() else 1.0
-    assert_close(grads[1], grads[0], rtol=2 * GRAD_RTOL[dtype], atol=1e-5 * g_scale, name="dlogits")
+    assert_close(grads[1], grads[0], **tol("cuda.api.dlogits", dtype, scale=g_scale), name="dlogits")

@@ -5,30 +5,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ..cases import batches, configs, scaled
+from ..cases import problems, scaled
 from .parity import check_against_reference
 
-MODES = ("decoupled", "bypass", "on-policy")
-
-
-@st.composite
-def problems(draw, dtype):
-    mode = draw(st.sampled_from(MODES))
-    batch = draw(batches(dtype=dtype))
-    # chunk_rows=3 forces several chunks even on tiny batches, so chunk seams are always exercised
-    config = draw(configs(mode, chunk_rows=draw(st.sampled_from([None, 3]))))
-    return batch, mode, config
+# chunk_rows=3 forces several chunks even on tiny batches, so chunk seams are always exercised
+CHUNK_ROWS = [None, 3]
 
 
 @settings(max_examples=scaled(300))
-@given(problems(torch.float64))
+@given(problems(torch.float64, chunk_rows=CHUNK_ROWS))
 def test_torch_backend_matches_reference_float64(problem):
     batch, mode, config = problem
     check_against_reference(batch, mode, config, backend="torch")
 
 
 @settings(max_examples=scaled(150))
-@given(problems(torch.float32))
+@given(problems(torch.float32, chunk_rows=CHUNK_ROWS))
 def test_torch_backend_matches_reference_float32(problem):
     batch, mode, config = problem
     check_against_reference(batch, mode, config, backend="torch")
@@ -38,5 +30,5 @@ def test_torch_backend_matches_reference_float32(problem):
 @settings(max_examples=scaled(40))
 @given(data=st.data())
 def test_torch_backend_half_inputs(dtype, data):
-    batch, mode, config = data.draw(problems(dtype))
+    batch, mode, config = data.draw(problems(dtype, chunk_rows=CHUNK_ROWS))
     check_against_reference(batch, mode, config, backend="torch")

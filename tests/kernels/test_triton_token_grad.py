@@ -2,17 +2,12 @@
 the oracle, and the Triton backend against the torch backend through the public API.
 
 Runs under TRITON_INTERPRET=1 on CPU tensors, on small odd shapes (see test_triton_token_stats.py).
-Tolerances for dlogits, relative to the largest expected |g| of the case (scale):
-- fp32 output: atol = rtol = 1e-5 (fp32 math: log p = (z - row_max)/T - log_norm carries a few ulps
-  of log_norm, i.e. ~1e-7 relative error in p; 1e-5 leaves room for the entropy term's products).
-- bf16 / fp16 output: the same plus one rounding to the output dtype, half an ulp = 2^-8 (bf16, 8
-  significant bits) or 2^-11 (fp16, 11 bits) relative; fp16 subnormals (< 6.1e-5) round absolutely
-  by <= 2^-25, inside atol. Under TRITON_INTERPRET=1 the bf16 row is one full ulp, 2^-7: the
-  interpreter's fp32 -> bf16 cast truncates (triton/runtime/interpreter.py `cast_impl` passes no
-  rounding mode) where the GPU's cvt.rn rounds to nearest.
+Tolerances: the "kernel.dlogits" rows of cases.TOL, atol relative to the largest expected |g| of the
+case (scale): fp32 math (atol = rtol = 1e-5), plus for bf16 / fp16 output one rounding to the output
+dtype, half an ulp = 2^-8 (bf16) or 2^-11 (fp16) relative. Under TRITON_INTERPRET=1 the bf16 row is
+one full ulp, 2^-7: the interpreter's fp32 -> bf16 cast truncates where the GPU's cvt.rn rounds to
+nearest. The public API against the torch backend uses the "backends" rows.
 """
-
-import os
 
 import pytest
 import torch
@@ -24,8 +19,8 @@ from rlkernels import reference
 from rlkernels.kernels.triton.token_grad import token_grad_bwd
 from rlkernels.kernels.triton.token_stats import token_stats_fwd
 
-from ..cases import scaled
-from .test_triton_token_stats import DTYPES, ROW_KINDS, assert_close, dtype_id, make_rows
+from ..cases import assert_close, interpreted, make_batch, make_coefficients, scaled, tol
+from .test_triton_token_stats import DTYPES, ROW_KINDS, dtype_id, make_rows
 
 pytestmark = [
     pytest.mark.interpret,
@@ -34,10 +29,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning"),
 ]
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BF16_ROUNDING = 2.0**-7 if INTERPRETED else 2.0**-8  # truncation in the interpreter, see the docstring
-OUT_RTOL = {torch.float32: 1e-5, torch.bfloat16: BF16_ROUNDING + 1e-5, torch.float16: 2.0**-11 + 1e-5}
-ATOL = 1e-5
+INTERPRETED = interpreted()  # bf16 is truncated there, see the docstring
 
 
 def oracle_grad(logits, labels, temperature, c, e):
@@ -49,17 +41,6 @@ def oracle_grad(logits, labels, temperature, c, e):
         loss = loss + (e.double() * ent).sum()
     (g,) = torch.autograd.grad(loss, x)
     return g
-
-
-def coefficients(N, seed, zero_rows=(), entropy=True):
-    gen = torch.Generator().manual_seed(seed)
-    c = torch.randn(N, generator=gen)
-    e = torch.randn(N, generator=gen) if entropy else None
-    for i in zero_rows:
-        c[i] = 0.0
-        if e is not None:
-            e[i] = 0.0
-    return c, e
 
 
 def run_grad(logits, labels, temperature, c, e, *, inplace=False, block_v=None, block_n=None):
@@ -75,7 +56,8 @@ def check_grad(logits, labels, temperature, c, e, **kw):
     g = run_grad(logits.clone(), labels, temperature, c, e, **kw)
     assert g.dtype == logits.dtype and g.shape == logits.shape
     scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
-    assert_close(g, expected, atol=ATOL * scale, rtol=OUT_RTOL[logits.dtype], name="dlogits")
+    g_tol = tol("kernel.dlogits", logits.dtype, scale=scale, interpreter=INTERPRETED)
+    assert_close(g, expected, **g_tol, name="dlogits")
     # rows with c = e = 0 and skipped rows: exactly zero
     valid = (labels >= 0) & (labels < logits.shape[1])
     dead = ~valid | ((c == 0) & ((e == 0) if e is not None else True))
@@ -88,7 +70,7 @@ def check_grad(logits, labels, temperature, c, e, **kw):
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_adversarial_rows(V, dtype, with_entropy):
     logits, labels = make_rows(18, V, dtype, seed=V)
-    c, e = coefficients(18, seed=V, zero_rows=(0, 10), entropy=with_entropy)
+    c, e = make_coefficients(18, seed=V, zero_rows=(0, 10), entropy=with_entropy)
     check_grad(logits, labels, 1.0, c, e)
 
 
@@ -96,7 +78,7 @@ def test_adversarial_rows(V, dtype, with_entropy):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_multi_block_with_temperature(block_v, block_n, dtype):
     logits, labels = make_rows(11, 203, dtype, seed=block_v)
-    c, e = coefficients(11, seed=1, zero_rows=(4,))
+    c, e = make_coefficients(11, seed=1, zero_rows=(4,))
     check_grad(logits, labels, 0.7, c, e, block_v=block_v, block_n=block_n)
 
 
@@ -114,8 +96,8 @@ def test_target_column_formed_in_fp32(dtype):
     g = run_grad(logits, labels, 1.0, c, None)
     expected = oracle_grad(logits, labels, 1.0, c, None)
     col = torch.arange(8)
-    assert_close(g[col, labels].double(), expected[col, labels], atol=0.0, rtol=OUT_RTOL[dtype] + 1e-5,
-                 name="target column")
+    assert_close(g[col, labels].double(), expected[col, labels],
+                 **tol("kernel.target_column", dtype, interpreter=INTERPRETED), name="target column")
 
 
 def test_row_without_distribution():
@@ -131,12 +113,12 @@ def test_row_without_distribution():
     expected_row[3] = 2.0 / 0.5
     assert torch.equal(g[1], expected_row)
     ref = oracle_grad(logits[[0, 2]], labels[[0, 2]], 0.5, c[[0, 2]], e[[0, 2]])
-    assert_close(g[[0, 2]], ref, atol=ATOL, rtol=1e-5, name="dlogits")
+    assert_close(g[[0, 2]], ref, **tol("kernel.dlogits"), name="dlogits")
 
 
 def test_inactive_rows_are_not_read():
     logits, labels = make_rows(8, 40, torch.float32, seed=2, kinds=("normal",))
-    c, e = coefficients(8, seed=2, zero_rows=(1, 3, 5))
+    c, e = make_coefficients(8, seed=2, zero_rows=(1, 3, 5))
     stats = token_stats_fwd(logits, labels, 1.0, True, False)
     poisoned = logits.clone()
     poisoned[[1, 3, 5]] = float("nan")  # a read of a c = e = 0 row would leak NaN into dlogits
@@ -148,7 +130,7 @@ def test_inactive_rows_are_not_read():
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_inplace(dtype):
     logits, labels = make_rows(9, 70, dtype, seed=4)
-    c, e = coefficients(9, seed=4, zero_rows=(2,))
+    c, e = make_coefficients(9, seed=4, zero_rows=(2,))
     expected = run_grad(logits, labels, 0.8, c, e)
     buf = logits.clone()
     g = run_grad(buf, labels, 0.8, c, e, inplace=True)
@@ -157,7 +139,7 @@ def test_inplace(dtype):
 
 def test_non_contiguous_rows_and_inplace_copy_back():
     logits, labels = make_rows(10, 77, torch.float32, seed=6)
-    c, e = coefficients(10, seed=6, zero_rows=(3,))
+    c, e = make_coefficients(10, seed=6, zero_rows=(3,))
     expected = run_grad(logits, labels, 1.0, c, e)
     wide = torch.full((10, 100), float("nan"))
     strided = wide[:, 9:86]  # row stride 100, unit V stride: no copy
@@ -170,7 +152,7 @@ def test_non_contiguous_rows_and_inplace_copy_back():
     assert g is transposed and torch.equal(transposed, expected)
     expanded_c = torch.tensor(0.5).expand(10)  # stride-0 coefficients (the grad of a .sum())
     assert_close(run_grad(logits, labels, 1.0, expanded_c, None), oracle_grad(logits, labels, 1.0, expanded_c, None),
-                 atol=ATOL, rtol=1e-5, name="dlogits")
+                 **tol("kernel.dlogits"), name="dlogits")
 
 
 @settings(max_examples=scaled(20), deadline=None)
@@ -183,15 +165,15 @@ def test_matches_oracle_property(N, V, dtype, temperature, block, with_entropy, 
     gen = torch.Generator().manual_seed(seed)
     kinds = tuple(ROW_KINDS[i] for i in torch.randperm(len(ROW_KINDS), generator=gen).tolist())
     logits, labels = make_rows(N, V, dtype, seed, kinds=kinds)
-    c, e = coefficients(N, seed, zero_rows=range(0, N, 4), entropy=with_entropy)
+    c, e = make_coefficients(N, seed, zero_rows=range(0, N, 4), entropy=with_entropy)
     check_grad(logits, labels, temperature, c, e, block_v=block[0], block_n=block[1])
 
 
 # ---- the public API: backend="triton" against backend="torch" ---------------------------------------
 
 # the two backends differ by fp32 summation order only, so fp32 tolerances apply to the statistics;
-# bf16 dlogits may differ by one rounding on each side (2 * 2^-8 relative; 2^-8 + 2^-7 interpreted)
-API_GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8 + BF16_ROUNDING}
+# bf16 dlogits may differ by one rounding on each side (2 * 2^-8 relative; 2^-8 + 2^-7 interpreted):
+# the "backends" rows of cases.TOL
 
 
 def _grads(fn, logits, backend, **kw):
@@ -202,13 +184,12 @@ def _grads(fn, logits, backend, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_token_logprobs_api(dtype):
-    gen = torch.Generator().manual_seed(0)
     B, T, V = 2, 5, 37
-    logits = (torch.randn(B, T, V, generator=gen) * 3).to(dtype)
-    labels = torch.randint(0, V, (B, T), generator=gen)
+    batch = make_batch("padded", [T] * B, V, dtype=dtype, seed=0)
+    logits, labels = batch.logits, batch.labels.clone()
     labels[0, 1] = -100
     labels[1, 4] = -100
-    c, e = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    c, e = (t.reshape(B, T) for t in make_coefficients(B * T, seed=0))
     results = {}
     for backend in ("triton", "torch"):
         x = logits.clone().requires_grad_(True)
@@ -218,26 +199,21 @@ def test_token_logprobs_api(dtype):
         results[backend] = (out, g)
     (out, g), (ref, ref_g) = results["triton"], results["torch"]
     for name in ("logprobs", "entropy", "sum_pi_squared"):
-        assert_close(getattr(out, name), getattr(ref, name), atol=1e-5, rtol=1e-5, name=name)
+        assert_close(getattr(out, name), getattr(ref, name), **tol("backends"), name=name)
     assert g.dtype == dtype
-    assert_close(g, ref_g, atol=1e-5 * max(1.0, float(ref_g.abs().max())), rtol=API_GRAD_RTOL[dtype], name="dlogits")
+    g_tol = tol("backends.dlogits", dtype, scale=max(1.0, float(ref_g.abs().max())), interpreter=INTERPRETED)
+    assert_close(g, ref_g, **g_tol, name="dlogits")
     assert torch.equal(g[0, 1], torch.zeros_like(g[0, 1]))  # ignore_index row: no gradient
 
 
 def _ppo_inputs(dtype, packed):
-    gen = torch.Generator().manual_seed(1 + packed)
-    shape = (10,) if packed else (2, 5)
-    V = 29
-    logits = (torch.randn(*shape, V, generator=gen) * 2).to(dtype)
-    labels = torch.randint(0, V, shape, generator=gen)
-    mask = torch.rand(shape, generator=gen) < 0.8
-    adv = torch.randn(shape, generator=gen)
-    old = -torch.rand(shape, generator=gen) * 3
-    roll = old + torch.randn(shape, generator=gen) * 0.3
-    kw = dict(old_logprobs=old, rollout_logprobs=roll)
+    # packed: three sequences, the middle one empty
+    layout, lengths = ("packed", [3, 0, 7]) if packed else ("padded", [5, 5])
+    b = make_batch(layout, lengths, 29, dtype=dtype, seed=1 + packed, mask_p=0.8)
+    kw = dict(old_logprobs=b.old_logprobs, rollout_logprobs=b.rollout_logprobs)
     if packed:
-        kw["cu_seqlens"] = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
-    return logits, labels, adv, mask, kw
+        kw["cu_seqlens"] = b.cu_seqlens
+    return b.logits, b.labels, b.advantages, b.response_mask, kw
 
 
 @pytest.mark.parametrize(
@@ -263,8 +239,9 @@ def test_decoupled_ppo_loss_api(dtype, packed, overrides):
             assert x._version > version  # the autograd wrapper told autograd about the in-place write
         results[backend] = (out, leaf.grad)
     (out, g), (ref, ref_g) = results["triton"], results["torch"]
-    assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5, name="loss")
-    assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5, name="logprobs")
+    assert_close(out.loss, ref.loss, **tol("backends"), name="loss")
+    assert_close(out.logprobs, ref.logprobs, **tol("backends"), name="logprobs")
     if ref.entropy is not None:
-        assert_close(out.entropy, ref.entropy, atol=1e-5, rtol=1e-5, name="entropy")
-    assert_close(g, ref_g, atol=1e-5 * max(1.0, float(ref_g.abs().max())), rtol=API_GRAD_RTOL[dtype], name="dlogits")
+        assert_close(out.entropy, ref.entropy, **tol("backends"), name="entropy")
+    g_tol = tol("backends.dlogits", dtype, scale=max(1.0, float(ref_g.abs().max())), interpreter=INTERPRETED)
+    assert_close(g, ref_g, **g_tol, name="dlogits")

@@ -4,9 +4,9 @@ Runs under TRITON_INTERPRET=1 on CPU tensors (set by tests/conftest.py), so shap
 interpreter is 200-600x slower than torch. Odd vocabularies, forced multi-block loops (block_v < V)
 and multi-row tiles (block_n > 1) cover the masking paths that large shapes would on a GPU.
 
-Tolerances: fp32 statistics atol = rtol = 1e-5. bf16/fp16 logits are upcast exactly, so the same
-row applies to every input dtype; a blocked fp32 exp-sum errs by about (V/BLOCK + log2 BLOCK) * 2^-24
-relative (< 1e-6 here), and log / division add a few ulps more.
+Tolerances: the ("kernel.stats", fp32) row of cases.TOL, atol = rtol = 1e-5. bf16/fp16 logits are
+upcast exactly, so the same row applies to every input dtype; a blocked fp32 exp-sum errs by about
+(V/BLOCK + log2 BLOCK) * 2^-24 relative (< 1e-6 here), and log / division add a few ulps more.
 """
 
 import math
@@ -21,7 +21,7 @@ from rlkernels.backends.torch_backend import TorchBackend
 from rlkernels.kernels.triton.tl_math import vocab_config
 from rlkernels.kernels.triton.token_stats import token_stats_fwd
 
-from ..cases import assert_close, scaled
+from ..cases import assert_close, scaled, tol
 
 pytestmark = [
     pytest.mark.interpret,
@@ -30,7 +30,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:(divide by zero|invalid value) encountered:RuntimeWarning"),
 ]
 
-STAT_TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 statistics, see the module docstring
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -89,14 +88,14 @@ def check_stats(logits, labels, temperature, *, block_v=None, block_n=None, entr
     # row_max is the exact max of the raw logits (0 on skipped rows): no arithmetic touches it
     expected_max = torch.where(valid, logits.float().amax(1), torch.zeros(()))
     assert torch.equal(out.row_max, expected_max)
-    assert_close(out.row_max / temperature + out.log_norm, lse, **STAT_TOL, name="lse")
-    assert_close(out.logprobs, lp, **STAT_TOL, name="logprobs")
+    assert_close(out.row_max / temperature + out.log_norm, lse, **tol("kernel.stats"), name="lse")
+    assert_close(out.logprobs, lp, **tol("kernel.stats"), name="logprobs")
     if entropy:
-        assert_close(out.entropy, ent, **STAT_TOL, name="entropy")
+        assert_close(out.entropy, ent, **tol("kernel.stats"), name="entropy")
     else:
         assert out.entropy is None
     if s2:
-        assert_close(out.sum_pi_squared, sps, **STAT_TOL, name="sum_pi_squared")
+        assert_close(out.sum_pi_squared, sps, **tol("kernel.stats"), name="sum_pi_squared")
     else:
         assert out.sum_pi_squared is None
     for t in out:  # skipped rows: exactly 0 in every output
@@ -167,7 +166,7 @@ def test_all_neg_inf_row(block_v):
     assert [float(t[1]) for t in out] == [0.0, float("-inf"), float("-inf"), 0.0, 0.0]
     ref = TorchBackend().token_stats_fwd(logits, labels, 0.7, True, True)
     for a, e, name in zip(out, ref, ref._fields):  # the other rows: as the torch backend
-        assert_close(a[[0, 2]], e[[0, 2]], **STAT_TOL, name=name)
+        assert_close(a[[0, 2]], e[[0, 2]], **tol("kernel.stats"), name=name)
 
 
 def test_temperature_is_a_runtime_scalar():
@@ -177,7 +176,7 @@ def test_temperature_is_a_runtime_scalar():
         a = token_stats_fwd(logits, labels, T, True, True)
         b = token_stats_fwd(logits / T, labels, 1.0, True, True)
         for x, y, name in zip(a[2:], b[2:], a._fields[2:]):
-            assert_close(x, y, **STAT_TOL, name=f"{name} T={T}")
+            assert_close(x, y, **tol("kernel.stats"), name=f"{name} T={T}")
 
 
 def test_launch_heuristic():

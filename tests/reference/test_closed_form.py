@@ -7,8 +7,11 @@ import torch
 
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection, reference
+from rlkernels.config import LOSS_AGG_MODES
 from rlkernels.loss import aggregation_weights
 from rlkernels.segments import Segments
+
+from ..cases import approx, assert_close, tol
 
 # SPEC §8: (rho, k1, k3) with k1 = -log rho, k3 = rho - 1 - log rho
 K_VECTORS = [(0.5, 0.693, 0.193), (2.0, -0.693, 0.307), (10.0, -2.303, 6.697), (100.0, -4.605, 94.395)]
@@ -26,8 +29,8 @@ def test_k_statistics_closed_form(rho, k1, k3, impl):
     else:
         _, info = reference.rejection(train - rollout, mask, [torch.arange(1)], rc)
         metrics = {f"rollout_corr/rollout_rs_{k}_mean": v["values"].mean() for k, v in info.items()}
-    assert metrics["rollout_corr/rollout_rs_token_k1_mean"].item() == pytest.approx(k1, abs=5e-4)
-    assert metrics["rollout_corr/rollout_rs_token_k3_mean"].item() == pytest.approx(k3, abs=5e-4)
+    assert metrics["rollout_corr/rollout_rs_token_k1_mean"].item() == approx(k1, "spec_decimals")
+    assert metrics["rollout_corr/rollout_rs_token_k3_mean"].item() == approx(k3, "spec_decimals")
 
 
 @pytest.mark.parametrize("T", [1, 10, 1000])
@@ -37,11 +40,11 @@ def test_geometric_mean_vs_sequence_ratio(T):
     rollout = torch.zeros(1, T, dtype=torch.float64)
     mask = torch.ones(1, T, dtype=torch.bool)
     seq = rlkernels.rollout_correction(train, rollout, mask, config=RolloutCorrection.seq_tis(threshold=10.0))
-    assert seq.weights[0, 0].item() == pytest.approx(1.001**T, rel=1e-9)
+    assert seq.weights[0, 0].item() == approx(1.001**T, "closed_form")
     if T == 1000:
-        assert seq.weights[0, 0].item() == pytest.approx(2.717, abs=1e-3)
+        assert seq.weights[0, 0].item() == approx(2.717, "spec_decimals")
     geo = rlkernels.rollout_correction(train, rollout, mask, config=RolloutCorrection.geo_rs(bounds=(0.9995, 1.0015)))
-    assert math.exp(-geo.metrics["rollout_corr/rollout_rs_seq_mean_k1_mean"].item()) == pytest.approx(1.001, rel=1e-9)
+    assert math.exp(-geo.metrics["rollout_corr/rollout_rs_seq_mean_k1_mean"].item()) == approx(1.001, "closed_form")
     assert bool(geo.mask.all())  # 1.001 lies inside (0.9995, 1.0015) whatever T is
     ref_mask, _ = reference.rejection(train.reshape(-1) - rollout.reshape(-1), mask.reshape(-1), [torch.arange(T)],
                                       RolloutCorrection.geo_rs(bounds=(0.9995, 1.0015)))
@@ -55,8 +58,9 @@ def test_k1_bounds_follow_the_docs_not_verls_code():
     out = rlkernels.rollout_correction(train, torch.zeros(1, dtype=torch.float64), torch.tensor([True]),
                                        config=RolloutCorrection(rs={"token_k1": (0.8, 2.0)}))
     assert bool(out.mask[0])
-    out = rlkernels.rollout_correction(torch.tensor([math.log(0.7)], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
-                                       torch.tensor([True]), config=RolloutCorrection(rs={"token_k1": (0.8, 2.0)}))
+    out = rlkernels.rollout_correction(torch.tensor([math.log(0.7)], dtype=torch.float64),
+                                       torch.zeros(1, dtype=torch.float64), torch.tensor([True]),
+                                       config=RolloutCorrection(rs={"token_k1": (0.8, 2.0)}))
     assert not bool(out.mask[0])
 
 
@@ -88,7 +92,7 @@ def test_ppo_clip_by_hand(impl):
     logits, labels, adv, mask, old, _ = _two_token_batch([1.5, 0.5], [1.0, -1.0])
     fn = reference.decoupled_ppo_loss if impl == "reference" else rlkernels.decoupled_ppo_loss
     out = fn(logits, labels, adv, mask, old_logprobs=old, config=PolicyLossConfig())
-    assert out.loss.item() == pytest.approx((-1.2 + 0.8) / 2, abs=1e-12)
+    assert out.loss.item() == approx((-1.2 + 0.8) / 2, "by_hand")
     assert out.metrics["actor/pg_clipfrac"].item() == pytest.approx(1.0)
     (g,) = torch.autograd.grad(out.loss, logits)
     assert torch.count_nonzero(g) == 0
@@ -101,7 +105,7 @@ def test_truncated_is_by_hand(impl):
     fn = reference.decoupled_ppo_loss if impl == "reference" else rlkernels.decoupled_ppo_loss
     out = fn(logits, labels, adv, mask, old_logprobs=old, rollout_logprobs=rollout,
              config=PolicyLossConfig(rollout_correction=RolloutCorrection.token_tis()))
-    assert out.loss.item() == pytest.approx(-1.0, abs=1e-12)
+    assert out.loss.item() == approx(-1.0, "by_hand")
     assert out.is_weights[0].tolist() == pytest.approx([2.0, 0.5])
 
 
@@ -112,12 +116,12 @@ def test_dual_clip_and_unclipped_gradient_by_hand(impl):
     logits, labels, adv, mask, old, _ = _two_token_batch([4.0, 1.1], [-1.0, 1.0])
     fn = reference.decoupled_ppo_loss if impl == "reference" else rlkernels.decoupled_ppo_loss
     out = fn(logits, labels, adv, mask, old_logprobs=old, config=PolicyLossConfig())
-    assert out.loss.item() == pytest.approx((3.0 - 1.1) / 2, abs=1e-12)
+    assert out.loss.item() == approx((3.0 - 1.1) / 2, "by_hand")
     assert out.metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(0.5)
     (g,) = torch.autograd.grad(out.loss, logits)
     c = -1.1 / 2  # dLoss/dlp for token 2; dlp/dz = onehot - p = [0.5, -0.5]
     expected = torch.tensor([[[0.0, 0.0], [c * 0.5, -c * 0.5]]], dtype=torch.float64)
-    assert torch.allclose(g, expected, atol=1e-12)
+    assert_close(g, expected, **tol("by_hand", torch.float64), name="dlogits")
 
 
 @pytest.mark.parametrize("impl", ["reference", "api"])
@@ -125,22 +129,24 @@ def test_on_policy_and_reinforce_by_hand(impl):
     fn = reference.decoupled_ppo_loss if impl == "reference" else rlkernels.decoupled_ppo_loss
     logits, labels, adv, mask, _, _ = _two_token_batch([1.0, 1.0], [2.0, -1.0])
     out = fn(logits, labels, adv, mask, config=PolicyLossConfig())
-    assert out.loss.item() == pytest.approx(-(2.0 - 1.0) / 2, abs=1e-12)  # ratio 1: L = -A
+    assert out.loss.item() == approx(-(2.0 - 1.0) / 2, "by_hand")  # ratio 1: L = -A
     # bypass REINFORCE with token TIS: L = -A * w * lp, w = min(exp(lp - mu), 2)
     rollout = torch.tensor([[math.log(0.5) - math.log(3.0), math.log(0.5) - math.log(0.5)]], dtype=torch.float64)
     out = fn(logits, labels, adv, mask, rollout_logprobs=rollout,
              config=PolicyLossConfig(loss_type="reinforce", rollout_correction=RolloutCorrection.token_tis()))
     lp = math.log(0.5)
-    assert out.loss.item() == pytest.approx((-2.0 * 2.0 * lp + 1.0 * 0.5 * lp) / 2, abs=1e-12)
+    assert out.loss.item() == approx((-2.0 * 2.0 * lp + 1.0 * 0.5 * lp) / 2, "by_hand")
 
 
 LENGTHS = [1, 3]  # two packed sequences, per-token values 1 | 2 3 4
-
-
-@pytest.mark.parametrize("mode,expected", [
+AGGREGATES = [
     ("token-mean", 10 / 4), ("token-sum", 10.0), ("seq-mean-token-sum", (1 + 9) / 2),
     ("seq-mean-token-mean", (1 + 3) / 2), ("seq-mean-token-sum-norm", (1 + 9) / 2 / 3),
-])
+]
+assert [mode for mode, _ in AGGREGATES] == list(LOSS_AGG_MODES), "a closed form for every agg mode of the package"
+
+
+@pytest.mark.parametrize("mode,expected", AGGREGATES)
 def test_aggregation_closed_form(mode, expected):
     values = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
     mask = torch.ones(4, dtype=torch.bool)
@@ -151,7 +157,7 @@ def test_aggregation_closed_form(mode, expected):
     assert (a * values).sum().item() == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_aggregation_of_nothing_is_zero(mode):
     values = torch.tensor([5.0, float("nan")], dtype=torch.float64)
     mask = torch.zeros(2, dtype=torch.bool)
