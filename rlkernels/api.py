@@ -132,6 +132,36 @@ def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inpla
     return lp, ent if entropy else None, s2 if sum_pi_squared else None
 
 
+def _loss_tokens(
+    source: str, token_shape, V: int, device, labels, advantages, response_mask, old_logprobs, rollout_logprobs,
+    ref_logprobs, cu_seqlens, config: PolicyLossConfig, ignore_index: int,
+):
+    """The checks every loss entry point makes on its per-token inputs, then the flat int64 labels and
+    the mask m: the response mask minus ignored tokens and (with validate=False) out-of-range labels,
+    which are treated as masked so that nothing is ever read out of bounds."""
+    check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
+    _check_per_token(
+        token_shape, device, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+    )
+    if cu_seqlens is not None and len(token_shape) == 2:
+        raise ValueError(f"cu_seqlens: must be None with padded [B, T, ...] {source}; pass [N, ...] {source} to pack "
+                         "sequences")
+    check_cu_seqlens(cu_seqlens, token_shape, device)
+    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
+    flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
+    in_mask = response_mask.reshape(-1).bool()
+    if config.validate:
+        value_checks(
+            valid=in_mask, labels=flat_labels, vocab=V, ignore_index=ignore_index, cu_seqlens=cu_seqlens,
+            num_tokens=flat_labels.numel(), finite=[("advantages", advantages.reshape(-1))],
+            not_nan=[("old_logprobs", _flat(old_logprobs)), ("rollout_logprobs", _flat(rollout_logprobs)),
+                     ("ref_logprobs", _flat(ref_logprobs))],
+        )
+    mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
+    return flat_labels, mask
+
+
 def decoupled_ppo_loss(
     logits: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
     old_logprobs: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
@@ -157,32 +187,11 @@ def decoupled_ppo_loss(
     """
     config = resolve_config(config, overrides)
     check_logits(logits)
-    device = logits.device
     token_shape = tuple(logits.shape[:-1])
-    V = logits.shape[-1]
-    check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
-    _check_per_token(
-        token_shape, device, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+    flat_labels, mask = _loss_tokens(
+        "logits", token_shape, logits.shape[-1], logits.device, labels, advantages, response_mask, old_logprobs,
+        rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
     )
-    if cu_seqlens is not None and logits.dim() == 3:
-        raise ValueError("cu_seqlens: must be None with padded [B, T, V] logits; pass [N, V] logits to pack sequences")
-    check_cu_seqlens(cu_seqlens, token_shape, device)
-    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
-
-    flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
-    in_mask = response_mask.reshape(-1).bool()
-    N = flat_labels.numel()
-    if config.validate:
-        value_checks(
-            valid=in_mask, labels=flat_labels, vocab=V, ignore_index=ignore_index, cu_seqlens=cu_seqlens,
-            num_tokens=N, finite=[("advantages", advantages.reshape(-1))],
-            not_nan=[("old_logprobs", _flat(old_logprobs)), ("rollout_logprobs", _flat(rollout_logprobs)),
-                     ("ref_logprobs", _flat(ref_logprobs))],
-        )
-    # m: the response mask minus ignored tokens and (with validate=False) out-of-range labels, which
-    # are treated as masked so that nothing is ever read out of bounds.
-    mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     lp, entropy, _ = _token_stats(
         logits, _row_labels(flat_labels, mask), config.temperature, config.needs_entropy, False,
         config.inplace_backward, config.backend, config.chunk_rows,
