@@ -5,6 +5,8 @@ from .api import (
     PolicyLossOutput,
     TokenStats,
     decoupled_ppo_loss,
+    linear_decoupled_ppo_loss,
+    linear_token_logprobs,
     metrics_to_floats,
     policy_loss,
     rollout_correction,
@@ -16,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CorrectionOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection", "TokenStats",
-    "decoupled_ppo_loss", "metrics_to_floats", "policy_loss", "rollout_correction", "token_logprobs",
+    "decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs", "metrics_to_floats", "policy_loss",
+    "rollout_correction", "token_logprobs",
     "__version__",
 ]

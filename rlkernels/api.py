@@ -8,11 +8,11 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from . import backends, correction, custom_ops
+from . import backends, correction, custom_ops, linear
 from .autograd import CoefficientLossFunction
 from .config import BACKENDS, PolicyLossConfig, RolloutCorrection, _check_finite_positive, resolve_config
 from .segments import Segments
-from .validation import check_cu_seqlens, check_logits, check_tensor, value_checks
+from .validation import check_cu_seqlens, check_head, check_logits, check_tensor, value_checks
 
 
 class PolicyLossOutput(NamedTuple):
@@ -269,6 +269,92 @@ def token_logprobs(
     lp, entropy, sum_pi_squared = _token_stats(
         logits, _row_labels(flat_labels, keep), temperature, compute_entropy, compute_sum_pi_squared,
         inplace_backward, backend, None,
+    )
+    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
+    return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))
+
+
+def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, backend, budget):
+    """The fused-linear forward as a custom op; the backend is chosen here, once per call."""
+    name = backends.select(backend, hidden2d).name
+    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden2d.dtype, budget)
+    _, _, lp, ent, s2 = linear.linear_token_stats(
+        hidden2d, weight, bias, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared,
+        name, chunk_rows,
+    )
+    return lp, ent if entropy else None, s2 if sum_pi_squared else None
+
+
+def linear_decoupled_ppo_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor,
+    response_mask: torch.Tensor, *, bias: Optional[torch.Tensor] = None, old_logprobs: Optional[torch.Tensor] = None,
+    rollout_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, ignore_index: int = -100,
+    **overrides,
+) -> PolicyLossOutput:
+    """`decoupled_ppo_loss` on logits = hidden @ weight.T + bias, without ever forming [N, V] logits.
+
+    Rows outside the loss never touch the head; the logits of the others are formed a chunk at a time
+    (`config.memory_budget_bytes`) in forward and backward. Same outputs, metrics and config as
+    `decoupled_ppo_loss`; row t of `hidden` predicts `labels[t]` (no shift inside).
+
+    Args:
+        hidden: [B, T, H] (padded) or [N, H] (packed) float16/bfloat16/float32 (float64 on torch).
+        weight: [V, H] LM-head weight (the nn.Linear layout; tied embeddings are that tensor), same dtype.
+        bias: [V] or None.
+        The other arguments are those of `decoupled_ppo_loss`.
+    Returns:
+        PolicyLossOutput; `loss` is differentiable w.r.t. hidden, weight and bias.
+    Raises:
+        TypeError / ValueError naming the argument, before any kernel runs (SPEC §11).
+    """
+    config = resolve_config(config, overrides)
+    check_head(hidden, weight, bias)
+    token_shape = tuple(hidden.shape[:-1])
+    flat_labels, mask = _loss_tokens(
+        "hidden", token_shape, weight.shape[0], hidden.device, labels, advantages, response_mask, old_logprobs,
+        rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
+    )
+    lp, entropy, _ = _linear_stats(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, mask), config.temperature,
+        config.needs_entropy, False, config.backend, config.memory_budget_bytes,
+    )
+    return _policy_output(
+        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, token_shape, config
+    )
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0, compute_entropy: bool = False, compute_sum_pi_squared: bool = False,
+    ignore_index: int = -100, backend: str = "auto", validate: bool = True,
+    memory_budget_bytes: int = PolicyLossConfig.memory_budget_bytes,
+) -> TokenStats:
+    """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
+
+    Args:
+        hidden: [..., H] float; weight: [V, H]; bias: [V] or None; labels: [...] integer
+            (`ignore_index` rows give 0, never touch the head, and get no gradient).
+    Returns:
+        TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
+        from logprobs and entropy to hidden, weight and bias. Under torch.no_grad() this is the lean
+        pass trainers run for old and reference log-probs.
+    """
+    check_head(hidden, weight, bias, allow_any_rank=True)
+    token_shape = tuple(hidden.shape[:-1])
+    V = weight.shape[0]
+    check_tensor("labels", labels, kind="int", shape=token_shape, device=hidden.device)
+    temperature = _check_finite_positive("temperature", temperature)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    PolicyLossConfig(memory_budget_bytes=memory_budget_bytes)  # the same check as the config's
+    flat_labels = labels.reshape(-1).long()
+    if validate:
+        value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index)
+    keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
+    lp, entropy, sum_pi_squared = _linear_stats(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, keep), temperature,
+        compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes,
     )
     shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
     return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))

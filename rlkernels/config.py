@@ -287,6 +287,8 @@ class PolicyLossConfig:
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
+        memory_budget_bytes: the fused-linear path (`linear_decoupled_ppo_loss`) forms logits in chunks
+            of rows whose logits and float32 work take at most about this many bytes (default 256 MiB).
     """
 
     loss_type: str = "ppo_clip"
@@ -308,6 +310,7 @@ class PolicyLossConfig:
     chunk_rows: Optional[int] = None
     inplace_backward: bool = False
     compile_stage: Optional[bool] = None
+    memory_budget_bytes: int = 256 << 20
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -351,6 +354,9 @@ class PolicyLossConfig:
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.compile_stage is not None and not isinstance(self.compile_stage, bool):
             raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
+        if isinstance(self.memory_budget_bytes, bool) or not isinstance(self.memory_budget_bytes, int) \
+                or self.memory_budget_bytes < 1:
+            raise ValueError(f"memory_budget_bytes: expected a positive int, got {self.memory_budget_bytes!r}")
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
 

@@ -35,7 +35,7 @@ def check_tensor(name: str, x, *, kind: str, shape: Optional[Tuple[int, ...]] = 
     if shape is not None and tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
     if device is not None and x.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (the device of logits), got {x.device}")
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of the inputs), got {x.device}")
 
 
 def check_logits(logits, *, allow_any_rank: bool = False) -> None:
@@ -50,6 +50,27 @@ def check_logits(logits, *, allow_any_rank: bool = False) -> None:
         raise ValueError(f"logits: expected [B, T, V] (padded) or [N, V] (packed), got shape {tuple(logits.shape)}")
     if logits.shape[-1] < 1:
         raise ValueError(f"logits: expected a vocabulary of at least 1 entry, got V = {logits.shape[-1]}")
+
+
+def check_head(hidden, weight, bias, *, allow_any_rank: bool = False) -> None:
+    """The fused-linear inputs: hidden [..., H] (or [B, T, H] / [N, H]), weight [V, H], bias [V] or None,
+    one float dtype and one device."""
+    check_tensor("hidden", hidden, kind="float")
+    if allow_any_rank:
+        if hidden.dim() < 1:
+            raise ValueError("hidden: expected shape [..., H], got a 0-d tensor")
+    elif hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden: expected [B, T, H] (padded) or [N, H] (packed), got shape {tuple(hidden.shape)}")
+    check_tensor("weight", weight, kind="float", device=hidden.device)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(f"weight: expected [V, H] with H = {hidden.shape[-1]} (the nn.Linear layout) and V >= 1, "
+                         f"got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, kind="float", shape=(weight.shape[0],), device=hidden.device)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias: expected the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
 
 
 def check_cu_seqlens(cu_seqlens, token_shape: Tuple[int, ...], device) -> None:

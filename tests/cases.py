@@ -205,6 +205,18 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                             "benchmarks/run.py's naive PyTorch loss and sum |dlogits| against rlkernels[torch] on "
                             "one small fp32 case: the same math in different fp32 summation orders; 1e-4 is the "
                             "harness's own tolerance for the loss (benchmarks/run.py TOLERANCE), held for both"),
+    # -- the fused-linear path: d hidden, d weight, d bias against float64 autograd through h @ W.T + b --
+    # atol scales by max(1e-3, max |expected|)
+    ("linear.grad", F64): Tol(1e-9, 1e-10, _F64_ORDER),
+    ("linear.grad", F32): Tol(2e-5, 1e-5,
+                              "the fp32 dlogits row, carried through one fp32 GEMM (G @ W, G.T @ h, a sum over "
+                              "rows) whose accumulation adds ~1e-7 relative"),
+    ("linear.grad", BF16): Tol(ULP[BF16], 4 * HALF_ULP[BF16],
+                               "dlogits rounded once to bf16 (2^-8 each), the GEMM result rounded once more "
+                               "(2^-8): one ulp relative; an entry that is a cancelling sum of V (or N) such "
+                               "terms errs by 2^-8 * sum |G||W|, which the test inputs keep within 4 x the "
+                               "largest entry, hence atol 4 * 2^-8 of it"),
+    ("linear.grad", F16): Tol(ULP[F16], 4 * HALF_ULP[F16], "as ('linear.grad', bf16) with fp16's 2^-11"),
     ("one_ulp", BF16): Tol(ULP[BF16], 0.0,
                            "a gradient rounded once to bf16 or fp16 after fp32 math, against the unrounded float64 "
                            "value: within one ulp of bf16 (the coarser of the two dtypes)"),

@@ -1,0 +1,181 @@
+"""Token statistics from hidden states and the LM-head weight, without ever holding [N, V] logits.
+
+`rlkernels::linear_token_stats` is the fused-linear form of `rlkernels::token_stats` (SPEC §2): the same
+outputs (log-prob, entropy, sum p^2 per row) and the same backward contract (per-row coefficients
+c_t = dLoss/dlogprob_t, e_t = dLoss/dH_t), with logits = hidden @ weight.T + bias formed a chunk of
+rows at a time and discarded:
+
+  forward   for each chunk of rows in the loss: logits = F.linear(h, W, b) -> backend.token_stats_fwd
+  backward  for each chunk of rows with (c, e) != 0: logits again -> backend.token_grad_bwd (in place)
+            -> d_hidden[rows] = G @ W,  d_weight += G.T @ h,  d_bias += G.sum(0)
+
+Rows outside the loss (mask 0, ignore_index) never enter a matrix multiply, and in the backward
+neither do rows whose coefficients are both zero (rejected sequences, the inactive side of the clip,
+zero advantages): they cost nothing and get exact zeros. Peak extra memory is one chunk of logits
+(sized from `memory_budget_bytes`) plus [N] statistics, plus, for fp16/bf16 weights split over
+several chunks, an fp32 [V, H] accumulator, so that the weight gradient is rounded once.
+
+Selecting the rows costs one host synchronisation per pass (the number of rows to compute sets the
+number of chunks); the logits path has none. Any user loss on the returned log-probs works on top
+(`rlkernels.policy_loss`, or plain torch), and `linear_decoupled_ppo_loss` is exactly that
+composition with the per-sequence stage of the logits path.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import backends
+from .custom_ops import host_float, refuse_double_backward
+
+# Default size of one chunk of logits with its float32 temporaries: large enough that the GEMMs run
+# at full rate (a few thousand rows at LLM vocabularies), small next to the [N, V] it replaces.
+DEFAULT_MEMORY_BUDGET_BYTES = 256 << 20
+
+
+def chunk_rows_for(V: int, dtype: torch.dtype, memory_budget_bytes: int) -> int:
+    """Rows per chunk so that the chunk's logits and the float32 work on them fit the budget
+    (logits in their dtype + about two float32 copies in the torch backend's softmax)."""
+    per_row = V * (torch.finfo(dtype).bits // 8 + 8)
+    return max(1, int(memory_budget_bytes // max(per_row, 1)))
+
+
+def _rows(selected: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(selected).squeeze(1)  # the pass's one host synchronisation (its row count)
+
+
+def _head(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # the GEMM in the input dtype with float32 accumulation, as torch.matmul does
+    return F.linear(hidden_rows, weight, bias)
+
+
+def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_rows: torch.Tensor) -> None:
+    """acc[V, H] (float32) += G.T @ h. On CUDA the product of fp16/bf16 operands goes straight into
+    float32 (`out_dtype`); elsewhere each chunk's product is rounded once to the input dtype first."""
+    if grad_logits.dtype != acc.dtype and grad_logits.is_cuda:
+        try:
+            acc.add_(torch.mm(grad_logits.t(), hidden_rows, out_dtype=acc.dtype))
+            return
+        except (TypeError, RuntimeError):  # a torch without mm(..., out_dtype=)
+            pass
+    acc.add_(grad_logits.t() @ hidden_rows)
+
+
+@torch.library.custom_op("rlkernels::linear_token_stats", mutates_args=())
+def linear_token_stats(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, temperature: Tensor,
+    compute_entropy: bool, compute_sum_pi_squared: bool, backend: str, chunk_rows: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(row_max, log_norm, logprobs, entropy, sum_pi_squared), [N] each (absent ones empty [0]).
+
+    hidden: (N, H); weight: (V, H); bias: (V,) or None; row_labels: (N,) int64, -1 off the loss.
+    A custom op, so that torch.compile sees one opaque op with [N] outputs (the row selection inside
+    has a data-dependent size)."""
+    impl = backends.select(backend, hidden)
+    T = host_float(temperature)
+    N = hidden.shape[0]
+    acc = backends.statistics_dtype(hidden.dtype)
+    new = lambda n=N: torch.zeros(n, dtype=acc, device=hidden.device)  # noqa: E731
+    row_max, log_norm, logprobs = new(), new(), new()
+    entropy = new(N if compute_entropy else 0)
+    sum_pi_squared = new(N if compute_sum_pi_squared else 0)
+    rows = _rows(row_labels >= 0)
+    for start in range(0, rows.numel(), chunk_rows):
+        idx = rows[start:start + chunk_rows]
+        logits = _head(hidden.index_select(0, idx), weight, bias)
+        stats = impl.token_stats_fwd(
+            logits, row_labels.index_select(0, idx), T, compute_entropy, compute_sum_pi_squared
+        )
+        for out, value in ((row_max, stats.row_max), (log_norm, stats.log_norm), (logprobs, stats.logprobs),
+                           (entropy, stats.entropy), (sum_pi_squared, stats.sum_pi_squared)):
+            if value is not None:
+                out.index_copy_(0, idx, value.to(acc))
+    return row_max, log_norm, logprobs, entropy, sum_pi_squared
+
+
+@linear_token_stats.register_fake
+def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend, chunk_rows):
+    N = hidden.shape[0]
+    new = lambda n: hidden.new_empty(n, dtype=backends.statistics_dtype(hidden.dtype))  # noqa: E731
+    return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
+
+
+@torch.library.custom_op("rlkernels::linear_token_grad", mutates_args=())
+def linear_token_grad(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, row_max: Tensor, log_norm: Tensor,
+    entropy: Tensor, coef_logprob: Tensor, coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
+    need_hidden: bool, need_weight: bool, need_bias: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
+    Gradients that are not needed come back empty [0]."""
+    impl = backends.select(backend, hidden)
+    T = host_float(temperature)
+    c = coef_logprob
+    e = coef_entropy if coef_entropy.numel() > 0 else None
+    live = (row_labels >= 0) & ((c != 0) | (e != 0 if e is not None else False))
+    rows = _rows(live)
+    d_hidden = torch.zeros_like(hidden) if need_hidden else hidden.new_empty(0)
+    # one float32 accumulation of the weight (and bias) gradient, rounded once at the end
+    wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    d_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if need_weight else None
+    need_bias = need_bias and bias is not None
+    d_bias = torch.zeros(weight.shape[0], dtype=wide, device=weight.device) if need_bias else None
+    for start in range(0, rows.numel(), chunk_rows):
+        idx = rows[start:start + chunk_rows]
+        h = hidden.index_select(0, idx)
+        grad_logits = impl.token_grad_bwd(
+            _head(h, weight, bias), row_labels.index_select(0, idx), row_max.index_select(0, idx),
+            log_norm.index_select(0, idx), None if e is None else entropy.index_select(0, idx),
+            c.index_select(0, idx), None if e is None else e.index_select(0, idx), T,
+            True,  # the chunk's logits are ours: the gradient overwrites them
+        )
+        if need_hidden:
+            d_hidden.index_copy_(0, idx, grad_logits @ weight)
+        if d_weight is not None:
+            _accumulate_weight_grad(d_weight, grad_logits, h)
+        if d_bias is not None:
+            d_bias.add_(grad_logits.sum(0, dtype=wide))
+    return (
+        d_hidden,
+        weight.new_empty(0) if d_weight is None else d_weight.to(weight.dtype),
+        weight.new_empty(0) if d_bias is None else d_bias.to(bias.dtype),
+    )
+
+
+@linear_token_grad.register_fake
+def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend,
+      chunk_rows, need_hidden, need_weight, need_bias):
+    return (
+        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if need_weight else weight.new_empty(0),
+        weight.new_empty(weight.shape[0]) if (need_bias and bias is not None) else weight.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, row_labels, temperature, _, _, backend, chunk_rows = inputs
+    row_max, log_norm, _, entropy, sum_pi_squared = output
+    ctx.save_for_backward(hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature)
+    ctx.options = (backend, chunk_rows)
+    ctx.mark_non_differentiable(row_max, log_norm, sum_pi_squared)
+
+
+def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared):
+    refuse_double_backward()
+    hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature = ctx.saved_tensors
+    backend, chunk_rows = ctx.options
+    c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
+    use_entropy = grad_entropy is not None and entropy.numel() > 0
+    e = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    d_hidden, d_weight, d_bias = linear_token_grad(
+        hidden, weight, bias, row_labels, row_max, log_norm, entropy, c, e, temperature, backend, chunk_rows,
+        need_h, need_w, need_b,
+    )
+    return (d_hidden if need_h else None, d_weight if need_w else None,
+            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None)
+
+
+linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
