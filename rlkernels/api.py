@@ -277,7 +277,7 @@ def token_logprobs(
 def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, backend, budget):
     """The fused-linear forward as a custom op; the backend is chosen here, once per call."""
     name = backends.select(backend, hidden2d).name
-    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden2d.dtype, budget)
+    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden2d.dtype, hidden2d.device, budget)
     _, _, lp, ent, s2 = linear.linear_token_stats(
         hidden2d, weight, bias, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared,
         name, chunk_rows,
@@ -328,7 +328,7 @@ def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0, compute_entropy: bool = False, compute_sum_pi_squared: bool = False,
     ignore_index: int = -100, backend: str = "auto", validate: bool = True,
-    memory_budget_bytes: int = PolicyLossConfig.memory_budget_bytes,
+    memory_budget_bytes: Optional[int] = None,
 ) -> TokenStats:
     """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
 

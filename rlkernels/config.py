@@ -288,7 +288,7 @@ class PolicyLossConfig:
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
         memory_budget_bytes: the fused-linear path (`linear_decoupled_ppo_loss`) forms logits in chunks
-            of rows whose logits and float32 work take at most about this many bytes (default 256 MiB).
+            of rows whose logits take at most this many bytes (None: 512 MiB on CUDA, 32 MiB on CPU).
     """
 
     loss_type: str = "ppo_clip"
@@ -310,7 +310,7 @@ class PolicyLossConfig:
     chunk_rows: Optional[int] = None
     inplace_backward: bool = False
     compile_stage: Optional[bool] = None
-    memory_budget_bytes: int = 256 << 20
+    memory_budget_bytes: Optional[int] = None
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -354,9 +354,9 @@ class PolicyLossConfig:
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.compile_stage is not None and not isinstance(self.compile_stage, bool):
             raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
-        if isinstance(self.memory_budget_bytes, bool) or not isinstance(self.memory_budget_bytes, int) \
-                or self.memory_budget_bytes < 1:
-            raise ValueError(f"memory_budget_bytes: expected a positive int, got {self.memory_budget_bytes!r}")
+        budget = self.memory_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"memory_budget_bytes: expected a positive int or None, got {budget!r}")
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
 

@@ -12,8 +12,8 @@ rows at a time and discarded:
 Rows outside the loss (mask 0, ignore_index) never enter a matrix multiply, and in the backward
 neither do rows whose coefficients are both zero (rejected sequences, the inactive side of the clip,
 zero advantages): they cost nothing and get exact zeros. Peak extra memory is one chunk of logits
-(sized from `memory_budget_bytes`) plus [N] statistics, plus, for fp16/bf16 weights split over
-several chunks, an fp32 [V, H] accumulator, so that the weight gradient is rounded once.
+(sized from `memory_budget_bytes`) plus [N] statistics, plus, for fp16/bf16 weights, an fp32 [V, H]
+accumulator, so that the weight gradient is rounded once.
 
 Selecting the rows costs one host synchronisation per pass (the number of rows to compute sets the
 number of chunks); the logits path has none. Any user loss on the returned log-probs works on top
@@ -30,15 +30,22 @@ from torch import Tensor
 from . import backends
 from .custom_ops import host_float, refuse_double_backward
 
-# Default size of one chunk of logits with its float32 temporaries: large enough that the GEMMs run
-# at full rate (a few thousand rows at LLM vocabularies), small next to the [N, V] it replaces.
-DEFAULT_MEMORY_BUDGET_BYTES = 256 << 20
+# Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
+# thousand rows to run at full rate (512 MiB is ~1,700 rows at V = 151,936 in bf16, a fifth of the
+# 2.5 GB of logits of an 8k-token micro-batch). On a CPU 128+ rows already saturate the cores, and a
+# small chunk stays in cache: 32 MiB is 256 rows at V = 32,768 in fp32 (measured on 2 cores,
+# N = 4096, H = 512, half the rows in the loss: 256 MiB chunks gave 126 MiB peak working memory,
+# 32 MiB ones 45 MiB at the same speed; benchmarks/linear.py).
+DEFAULT_MEMORY_BUDGET_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 
 
-def chunk_rows_for(V: int, dtype: torch.dtype, memory_budget_bytes: int) -> int:
-    """Rows per chunk so that the chunk's logits and the float32 work on them fit the budget
-    (logits in their dtype + about two float32 copies in the torch backend's softmax)."""
-    per_row = V * (torch.finfo(dtype).bits // 8 + 8)
+def chunk_rows_for(V: int, dtype: torch.dtype, device: torch.device, memory_budget_bytes: Optional[int]) -> int:
+    """Rows per chunk so that the chunk's logits fit the budget. (The backward overwrites them with
+    their gradient; the torch backend's float32 temporaries are bounded by its own ~1 Mi-element
+    sub-chunks, the kernels have none.)"""
+    if memory_budget_bytes is None:
+        memory_budget_bytes = DEFAULT_MEMORY_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    per_row = V * (torch.finfo(dtype).bits // 8)
     return max(1, int(memory_budget_bytes // max(per_row, 1)))
 
 
