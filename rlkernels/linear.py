@@ -61,7 +61,10 @@ def _head(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_rows: torch.Tensor) -> None:
     """acc[V, H] (float32) += G.T @ h. On CUDA the product of fp16/bf16 operands goes straight into
     float32 (`out_dtype`); elsewhere each chunk's product is rounded once to the input dtype first."""
-    if grad_logits.dtype != acc.dtype and grad_logits.is_cuda:
+    if grad_logits.dtype == acc.dtype:
+        acc.addmm_(grad_logits.t(), hidden_rows)  # in place: no [V, H] temporary
+        return
+    if grad_logits.is_cuda:
         try:
             acc.add_(torch.mm(grad_logits.t(), hidden_rows, out_dtype=acc.dtype))
             return
