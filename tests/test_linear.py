@@ -32,15 +32,17 @@ def make_head(gen: torch.Generator, token_shape, V: int, H: int, dtype, *, bias:
     return cast(hidden), cast(weight), cast(b)
 
 
-def _oracle(hidden, weight, bias, batch, mode, config, head_dtype=None):
+def _oracle(hidden, weight, bias, batch, mode, config, head_dtype=None, head_device="cpu"):
     """The float64 oracle on logits = h @ W.T + b, with autograd to h, W, b. head_dtype: form the
-    logits in that dtype first (what a half-precision GEMM hands the statistics), then upcast."""
+    logits in that dtype (on head_device) first -- what a half-precision GEMM hands the statistics --
+    then upcast."""
     h, w = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
     b = None if bias is None else bias.double().requires_grad_(True)
     if head_dtype is None:
         logits = h @ w.T + (0 if b is None else b)
     else:  # the rounded logits are a constant of the comparison; gradients still flow in float64
-        rounded = torch.nn.functional.linear(hidden, weight, bias).double()
+        on = lambda t: None if t is None else t.to(head_device)  # noqa: E731
+        rounded = torch.nn.functional.linear(on(hidden), on(weight), on(bias)).double().cpu()
         exact = h @ w.T + (0 if b is None else b)
         logits = exact + (rounded - exact).detach()
     kw = {k: (None if v is None else (v.double() if v.is_floating_point() else v))
@@ -51,14 +53,20 @@ def _oracle(hidden, weight, bias, batch, mode, config, head_dtype=None):
     return out, grads
 
 
-def _ours(hidden, weight, bias, batch, mode, config, **kw):
-    leaves = [t.clone().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
+def _ours(hidden, weight, bias, batch, mode, config, device="cpu", **kw):
+    """The fused-linear loss on `device`; outputs and gradients come back to the CPU."""
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    leaves = [None if t is None else t.to(device, copy=True).requires_grad_(True) for t in (hidden, weight, bias)]
     out = rlkernels.linear_decoupled_ppo_loss(
-        leaves[0], leaves[1], batch.labels, batch.advantages, batch.response_mask, bias=leaves[2], config=config,
-        **batch.kwargs(mode), **kw,
+        leaves[0], leaves[1], to(batch.labels), to(batch.advantages), to(batch.response_mask), bias=leaves[2],
+        config=config, **{k: to(v) for k, v in batch.kwargs(mode).items()}, **kw,
     )
-    grads = torch.autograd.grad(out.loss, [t for t in leaves if t is not None], allow_unused=True)
-    return out, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, [t for t in leaves if t is not None])]
+    present = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(out.loss, present, allow_unused=True)
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    out = out._replace(loss=cpu(out.loss), logprobs=cpu(out.logprobs), mask=cpu(out.mask), entropy=cpu(out.entropy),
+                       metrics={k: cpu(v) for k, v in out.metrics.items()})
+    return out, [(torch.zeros_like(t) if g is None else g).cpu() for g, t in zip(grads, present)]
 
 
 def _compare(out, expected, grads, ref_grads, stat_dtype, grad_dtype):
@@ -117,6 +125,23 @@ def test_half_precision_matches_the_oracle_on_the_rounded_logits(dtype, budget, 
     hidden, weight, b = make_head(torch.Generator().manual_seed(seed), (15,), 37, 16, dtype, bias=seed % 2 == 0)
     expected, ref_grads = _oracle(hidden, weight, b, batch, mode, config, head_dtype=dtype)
     out, grads = _ours(hidden, weight, b, batch, mode, config, memory_budget_bytes=budget)
+    _compare(out, expected, grads, ref_grads, F32, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_gpu_backends_match_the_oracle(backend, dtype):
+    """On a GPU: the chunk's passes on the Triton / CUDA kernels and the GEMMs on cuBLAS."""
+    if not backends.available()[backend]:
+        pytest.skip(f"backend {backend!r} is not available here")
+    batch = make_batch("packed", [40, 0, 33, 27], 1031, dtype=F32, seed=5, mask_p=0.7)
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=0.01, kl_coef=0.05)
+    hidden, weight, b = make_head(torch.Generator().manual_seed(5), (100,), 1031, 64, dtype, bias=True)
+    # the GEMM on the GPU and on the CPU may round differently: give the oracle the GPU's logits
+    expected, ref_grads = _oracle(hidden, weight, b, batch, "decoupled", config, head_dtype=dtype, head_device="cuda")
+    out, grads = _ours(hidden, weight, b, batch, "decoupled", config, device="cuda", backend=backend,
+                       memory_budget_bytes=16 * 1031 * 4)
     _compare(out, expected, grads, ref_grads, F32, dtype)
 
 
