@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
-# Runs in under 10 minutes (step limits 150 + 60 + 45 + 45 + 90 + 75 + 90 s = 9.25 min): versions, optional CUDA
+# Runs in under 10 minutes (step limits 150 + 90 + 45 + 45 + 75 + 60 + 60 s = 8.75 min): versions, optional CUDA
 # extension build, GPU tests, Triton kernel tests, the per-sequence stage eager vs compiled (Inductor
 # kernel count, no recompilation over a hyperparameter schedule), the 8192 x 151936 bf16 head-to-head
 # (triton vs cuda vs torch backend vs naive, GB/s vs the bytes model), the fused-linear loss against the
@@ -32,7 +32,7 @@ if [ "${BUILD_CUDA:-1}" = "1" ]; then
 fi
 $PY -c "from rlkernels import backends; print('backends available:', backends.available())" 2>&1 | tee "$OUT/backends.log"
 
-step gpu_tests 60 $PY -m pytest -m gpu -q -x -p no:cacheprovider
+step gpu_tests 90 $PY -m pytest -m gpu -q -x -p no:cacheprovider
 if ls tests/kernels/test_*.py > /dev/null 2>&1; then
   step triton_kernel_tests 45 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
 fi
@@ -41,16 +41,16 @@ fi
 step stage 45 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --json "$OUT/stage.json"
 
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
-step headline 90 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
+step headline 75 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
   --providers "naive,rlkernels[torch],rlkernels[triton],rlkernels[cuda]" --warmup 3 --reps 20 --max-seconds 4 --no-plot \
   --shape ppo:seq_mis:8192:151936:bf16 --shape logprobs:-:8192:151936:bf16
 
 # the fused-linear loss at 8192 x 4096 x 151936 bf16, half the rows in the loss, against the GEMM alone:
 # rlkernels[linear] should approach (1 + 3f) t_GEMM (forward GEMM on f of the rows, backward 3 GEMMs on them)
-step linear 75 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
+step linear 60 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
   --providers "naive,rlkernels[logits],rlkernels[linear],liger" --reps 10 --out "$OUT" --tag h200-linear-8192x4096x151936
 
-step quick_suite 90 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
+step quick_suite 60 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
 
 # ---- summary, last
 echo

@@ -70,16 +70,29 @@ def _row_labels(flat_labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, flat_labels, torch.full_like(flat_labels, -1))
 
 
+def _elements_may_share_memory(t: torch.Tensor) -> bool:
+    """False when no two elements of `t` can share memory: with its dimensions sorted by stride, each
+    stride reaches past everything the smaller ones span. (torch's own internal-overlap check answers
+    "too hard" for the causal-shift view and for partly overlapping views alike.)"""
+    extent = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
 def _logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
     """The logits as the vocabulary passes take them: [N, V], or [B, T, V] when the rows do not form
     one strided sequence (the causal shift `model_out[:, :-1]`): read where they lie, never copied.
 
     Only a non-unit stride along V is copied (the kernels stream rows), and only rank > 3 is
     flattened with a possible copy."""
-    if inplace_backward and logits.numel() > 1 and torch._debug_has_internal_overlap(logits) == 1:
+    if inplace_backward and _elements_may_share_memory(logits):
         raise ValueError(
             f"logits: inplace_backward=True needs logits whose elements do not share memory, got strides "
-            f"{logits.stride()} for shape {tuple(logits.shape)} (an expand()ed view); pass inplace_backward=False"
+            f"{logits.stride()} for shape {tuple(logits.shape)} (an expand()ed or overlapping view); pass "
+            "inplace_backward=False"
         )
     if logits.stride(-1) != 1:
         if inplace_backward:
@@ -88,11 +101,12 @@ def _logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
     V = logits.shape[-1]
     if logits.dim() == 2:
         return logits
-    try:
-        return logits.view(-1, V)
-    except RuntimeError:  # not one strided sequence of rows
-        pass
     if logits.dim() == 3:
+        B, T, _ = logits.shape
+        # decided from the strides, not by trying view(): a failing view inside try/except does not
+        # trace under torch.compile
+        if B <= 1 or T <= 1 or logits.stride(0) == T * logits.stride(1):
+            return logits.view(-1, V)
         return logits
     if inplace_backward:
         raise ValueError(
@@ -264,7 +278,8 @@ def token_logprobs(
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     if validate:
-        value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index)
+        value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index,
+                     where="tokens whose label is not ignore_index")
     keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     lp, entropy, sum_pi_squared = _token_stats(
         logits, _row_labels(flat_labels, keep), temperature, compute_entropy, compute_sum_pi_squared,
@@ -350,7 +365,8 @@ def linear_token_logprobs(
     PolicyLossConfig(memory_budget_bytes=memory_budget_bytes)  # the same check as the config's
     flat_labels = labels.reshape(-1).long()
     if validate:
-        value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index)
+        value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index,
+                     where="tokens whose label is not ignore_index")
     keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     lp, entropy, sum_pi_squared = _linear_stats(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, keep), temperature,

@@ -7,6 +7,7 @@ arguments and never force a recompilation.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Tuple, Union
@@ -39,7 +40,8 @@ def _is_number(x) -> bool:
 def _checking_values() -> bool:
     """False while torch.compile traces: a per-step hyperparameter is then a symbolic float, and
     math.isfinite or a Python comparison on it would fail or specialise the graph on its value.
-    Types are still checked; values were checked where the config was first built."""
+    Types are still checked; the values of overrides given inside a compiled region are not
+    (docs/spec.md, "Determinism and compilation")."""
     return not torch.compiler.is_compiling()
 
 
@@ -367,7 +369,13 @@ class PolicyLossConfig:
     def with_overrides(self, **overrides) -> "PolicyLossConfig":
         unknown = set(overrides) - set(self.__dataclass_fields__)
         if unknown:
-            raise TypeError(f"unknown PolicyLossConfig field(s): {sorted(unknown)}")
+            hints = []
+            for name in sorted(unknown):
+                close = difflib.get_close_matches(name, self.__dataclass_fields__, n=2)
+                if close:
+                    hints.append(f"{name!r}: did you mean {' or '.join(map(repr, close))}?")
+            hint = f" ({'; '.join(hints)})" if hints else ""
+            raise TypeError(f"config: unknown PolicyLossConfig field(s) {sorted(unknown)}{hint}")
         return replace(self, **overrides) if overrides else self
 
 

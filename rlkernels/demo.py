@@ -1,4 +1,4 @@
-"""`python -m rlkernels.demo`: a synthetic RL batch with a train-inference mismatch, corrected five ways.
+"""`python -m rlkernels.demo`: a synthetic RL batch with a train-inference mismatch, corrected six ways.
 
 Builds a packed batch of responses (128 by default) over a realistic vocabulary, simulates the
 inference engine (the same model with perturbed logits, which samples the responses and reports
@@ -300,7 +300,10 @@ def main(argv=None):
     print(f"  {'':<{width}}" + "".join(f"  {title:>{w}}" for title, w in zip(titles, widths)))
     for name in sides:
         print(f"  {name:<{width}}" + "".join(f"  {cell:>{w}}" for cell, w in zip(columns[name], widths)))
-    print(f"  => {_speed_in_words(median[naive_name], median[fused_name])}")
+    verdict = _speed_in_words(median[naive_name], median[fused_name])
+    if contended is not None and contended > 0.2:
+        verdict += " on a busy machine (unreliable: see the note below)"
+    print(f"  => {verdict}")
     notes = []
     if notable_first:
         notes.append("first call: one-time start-up included, kept out of the medians")

@@ -13,7 +13,8 @@ Rows outside the loss (mask 0, ignore_index) never enter a matrix multiply, and 
 neither do rows whose coefficients are both zero (rejected sequences, the inactive side of the clip,
 zero advantages): they cost nothing and get exact zeros. Peak extra memory is one chunk of logits
 (sized from `memory_budget_bytes`) plus [N] statistics, plus, for fp16/bf16 weights, an fp32 [V, H]
-accumulator, so that the weight gradient is rounded once.
+accumulator, so that the weight gradient is rounded once. Autocast does not apply inside: the head
+runs in the dtype of hidden and weight.
 
 Selecting the rows costs one host synchronisation per pass (the number of rows to compute sets the
 number of chunks); the logits path has none. Any user loss on the returned log-probs works on top
@@ -21,6 +22,7 @@ number of chunks); the logits path has none. Any user loss on the returned log-p
 composition with the per-sequence stage of the logits path.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -54,23 +56,40 @@ def _rows(selected: torch.Tensor) -> torch.Tensor:
 
 
 def _head(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    # the GEMM in the input dtype with float32 accumulation, as torch.matmul does
-    return F.linear(hidden_rows, weight, bias)
+    # the GEMM in the input dtype with float32 accumulation, as torch.matmul does. Autocast is off: the
+    # backward recomputes these logits outside the caller's autocast region, and forward and backward
+    # must see the same function (cast hidden / weight yourself for a half-precision head)
+    with torch.autocast(hidden_rows.device.type, enabled=False):
+        return F.linear(hidden_rows, weight, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_into_float32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch.mm(a, b, out_dtype=float32) runs for `dtype` operands on this device type (a
+    newer torch on CUDA); probed once on two 1 x 1 matrices."""
+    try:
+        one = torch.ones(1, 1, dtype=dtype, device=device_type)
+        return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, NotImplementedError, RuntimeError):
+        return False
 
 
 def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_rows: torch.Tensor) -> None:
-    """acc[V, H] (float32) += G.T @ h. On CUDA the product of fp16/bf16 operands goes straight into
-    float32 (`out_dtype`); elsewhere each chunk's product is rounded once to the input dtype first."""
+    """acc[V, H] += G.T @ h with acc in float32 (float64 for float64 inputs).
+
+    Same dtype: in place (addmm_), no temporary. fp16/bf16 operands: the product goes straight into
+    float32 where torch can (mm(..., out_dtype=float32), CUDA), else it is rounded once to the input
+    dtype first; either way in blocks of vocabulary rows, so that the temporary is never larger than
+    the chunk of logits (never a second [V, H])."""
     if grad_logits.dtype == acc.dtype:
-        acc.addmm_(grad_logits.t(), hidden_rows)  # in place: no [V, H] temporary
+        acc.addmm_(grad_logits.t(), hidden_rows)
         return
-    if grad_logits.is_cuda:
-        try:
-            acc.add_(torch.mm(grad_logits.t(), hidden_rows, out_dtype=acc.dtype))
-            return
-        except (TypeError, RuntimeError):  # a torch without mm(..., out_dtype=)
-            pass
-    acc.add_(grad_logits.t() @ hidden_rows)
+    into_float32 = _mm_into_float32(grad_logits.device.type, grad_logits.dtype)
+    block = max(1, grad_logits.numel() // max(hidden_rows.shape[1], 1))
+    for v0 in range(0, acc.shape[0], block):
+        g = grad_logits[:, v0:v0 + block].t()
+        product = torch.mm(g, hidden_rows, out_dtype=acc.dtype) if into_float32 else g @ hidden_rows
+        acc[v0:v0 + block].add_(product)
 
 
 @torch.library.custom_op("rlkernels::linear_token_stats", mutates_args=())
@@ -126,7 +145,7 @@ def linear_token_grad(
     e = coef_entropy if coef_entropy.numel() > 0 else None
     live = (row_labels >= 0) & ((c != 0) | (e != 0 if e is not None else False))
     rows = _rows(live)
-    d_hidden = torch.zeros_like(hidden) if need_hidden else hidden.new_empty(0)
+    d_hidden = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
     # one float32 accumulation of the weight (and bias) gradient, rounded once at the end
     wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
     d_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if need_weight else None
@@ -157,9 +176,10 @@ def linear_token_grad(
 @linear_token_grad.register_fake
 def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend,
       chunk_rows, need_hidden, need_weight, need_bias):
+    dense = dict(memory_format=torch.contiguous_format)  # what the real op returns, whatever the input layout
     return (
-        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-        torch.empty_like(weight) if need_weight else weight.new_empty(0),
+        torch.empty_like(hidden, **dense) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight, **dense) if need_weight else weight.new_empty(0),
         weight.new_empty(weight.shape[0]) if (need_bias and bias is not None) else weight.new_empty(0),
     )
 

@@ -129,6 +129,7 @@ def value_checks(
     cu_seqlens: Optional[torch.Tensor] = None, num_tokens: int = 0,
     finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
     not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
+    where: str = "tokens of the response mask",
 ) -> None:
     """Value checks of SPEC §11 on valid tokens only (padding may hold anything)."""
     checks = ValueChecks()
@@ -143,13 +144,14 @@ def value_checks(
         out_of_range = valid & (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
         checks.add(
             out_of_range.any(),
-            f"labels: expected values in [0, {vocab}) or ignore_index={ignore_index} on tokens of the response mask",
+            f"labels: expected values in [0, {vocab}) or ignore_index={ignore_index} on {where}, got a label "
+            "outside that range",
         )
     for name, x in not_nan:
         if x is not None:
-            checks.add((valid & torch.isnan(x)).any(), f"{name}: expected no NaN on tokens of the response mask")
+            checks.add((valid & torch.isnan(x)).any(), f"{name}: expected no NaN on {where}, got NaN")
     for name, x in finite:
         if x is not None:
             checks.add((valid & ~torch.isfinite(x)).any(),
-                       f"{name}: expected finite values (no NaN/inf) on tokens of the response mask")
+                       f"{name}: expected finite values (no NaN/inf) on {where}, got NaN or inf")
     checks.run()

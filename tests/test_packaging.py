@@ -31,12 +31,16 @@ def _imported_modules() -> set:
     return names
 
 
+# declared although rlkernels does not import them, each with the reason
+INDIRECT = {"numpy": "torch warns 'Failed to initialize NumPy' on every import without it"}
+
+
 def test_every_runtime_dependency_is_imported():
     requires = [r for r in importlib.metadata.requires("rlkernels") or [] if "extra ==" not in r]
     imported = _imported_modules()
     for requirement in requires:
         name = requirement.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip()
-        assert name in imported, f"dependency {name!r} is declared but never imported by rlkernels"
+        assert name in imported or name in INDIRECT, f"dependency {name!r} is declared but never imported by rlkernels"
 
 
 def test_sdist_ships_csrc_and_the_contract(tmp_path):

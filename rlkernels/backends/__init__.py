@@ -74,15 +74,29 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None) -> Backend:
     raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cuda', got {name!r}")
 
 
+# Graphs the compiled stage may hold: Dynamo specialises sizes 0 and 1 even with dynamic=True, so one
+# option set can take ~5 graphs (padded B > 1, B = 1, T = 1, packed, one sequence); the default limit
+# of 8 would send a second option set back to eager without a word.
+STAGE_RECOMPILE_LIMIT = 64
+
+
 @lru_cache(maxsize=None)
 def _compiled_stage():
     """The torch stage under torch.compile(dynamic=True). Dynamo keeps one compiled graph per static
-    option set (loss type, aggregation, IS level, rejection options, which inputs are present), guarded
-    on those options; every float hyperparameter stays a run-time input (see segments.hyper), so a
-    new clip ratio, threshold, coefficient or global count reuses the graph."""
+    option set (loss type, aggregation, IS level, rejection options, which inputs are present) and per
+    size specialisation, guarded on those; every float hyperparameter stays a run-time input (see
+    segments.hyper), so a new clip ratio, threshold, coefficient or global count reuses the graph."""
     from ..loss import sequence_stage
 
-    return torch.compile(sequence_stage, dynamic=True)
+    compiled = torch.compile(sequence_stage, dynamic=True)
+
+    def run(*args):
+        # no_grad: the stage's inputs are detached anyway, and Dynamo guards on grad mode (one graph
+        # for training steps and one for evaluation otherwise)
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=STAGE_RECOMPILE_LIMIT):
+            return compiled(*args)
+
+    return run
 
 
 def select_stage(tensor: torch.Tensor, compile_stage: Optional[bool]):

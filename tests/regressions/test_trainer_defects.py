@@ -20,6 +20,15 @@ from ..cases import assert_close, make_batch, tol
 HAS_TRITON_CPU = backends.available()["triton"] and os.environ.get("TRITON_INTERPRET") == "1"
 # the backends that run here: torch everywhere, Triton through its interpreter
 LOCAL_BACKENDS = ["torch"] + (["triton"] if HAS_TRITON_CPU else [])
+# (device, backend) for the layout tests: these, plus the GPU kernels where a GPU is present
+LAYOUT_CASES = [("cpu", b) for b in LOCAL_BACKENDS] + [
+    pytest.param("cuda", b, marks=pytest.mark.gpu, id=f"cuda-{b}") for b in ("torch", "triton", "cuda")
+]
+
+
+def _need(device, backend):
+    if device == "cuda" and not backends.available()[backend]:
+        pytest.skip(f"backend {backend!r} is not available on this GPU machine")
 
 
 def _packed_batch(lengths=(5, 4, 5), V=23, seed=0, cu_seqlens=True):
@@ -55,8 +64,11 @@ SCHEDULE = [
 ]
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["default", "dynamic"])
 @pytest.mark.parametrize("how", ["overrides", "config"])
-def test_compiled_step_changes_hyperparameters_without_recompiling(how):
+def test_compiled_step_changes_hyperparameters_without_recompiling(how, dynamic):
+    """Every value changes at every step. torch.compile(dynamic=True): one graph, ever. By default
+    Dynamo specialises a float on the first call and recompiles once when it first changes."""
     batch, logits0 = _packed_batch()
     rc_base = dict(is_level="sequence", rs={"seq_mean_k1": (0.5, 2.0), "token_k3": 4.0})
 
@@ -75,10 +87,11 @@ def test_compiled_step_changes_hyperparameters_without_recompiling(how):
         return PolicyLossConfig(**hp, rollout_correction=rc, validate=False)
 
     counter = _CountingBackend()
-    step = torch.compile(loss_of, fullgraph=True, backend=counter)
+    step = torch.compile(loss_of, fullgraph=True, backend=counter, dynamic=dynamic or None)
+    warmup_steps = 1 if dynamic else 2
     for i, hp in enumerate(SCHEDULE):
         logits = logits0.clone().requires_grad_(True)
-        if i == 2:  # warm-up is over: any further compilation is a failure
+        if i == warmup_steps:  # warm-up is over: any further compilation is a failure
             graphs_after_warmup = counter.graphs
         loss = step(logits, as_arg(hp, i))
         loss.backward()
@@ -88,6 +101,21 @@ def test_compiled_step_changes_hyperparameters_without_recompiling(how):
         assert_close(loss.detach(), expected.detach(), **tol("reordered"), name=f"loss at step {i}")
         assert_close(logits.grad, eager_logits.grad, **tol("reordered.dlogits"), name=f"dlogits at step {i}")
     assert counter.graphs == graphs_after_warmup, f"recompiled after warm-up ({counter.graphs} graphs)"
+    torch._dynamo.reset()
+
+
+def test_compiled_step_reads_the_shifted_view():
+    """The causal shift under torch.compile: the [B, T-1, V] view is consumed as it is (deciding that by
+    a failing view() inside try/except broke tracing)."""
+    model_out, kw = _shifted()
+
+    def step(x):
+        return rlkernels.decoupled_ppo_loss(x[:, :-1, :], **kw, validate=False).loss
+
+    compiled = model_out.detach().clone().requires_grad_(True)
+    torch.compile(step, fullgraph=True, backend="aot_eager")(compiled).backward()
+    step(model_out).backward()
+    assert_close(compiled.grad, model_out.grad, **tol("reordered.dlogits"), name="dlogits")
     torch._dynamo.reset()
 
 
@@ -137,18 +165,19 @@ def test_compiled_stage_matches_the_eager_stage_and_does_not_recompile():
 
 
 # -- the causal shift ----------------------------------------------------------------------------
-def _shifted(B=3, T=9, V=37, dtype=torch.float32, seed=1):
+def _shifted(B=3, T=9, V=37, dtype=torch.float32, seed=1, device="cpu"):
     """A model output [B, T, V] (a leaf) and the inputs of its first T - 1 positions (the causal shift)."""
     b = make_batch("padded", [T] * B, V, dtype=dtype, seed=seed, mask_p=0.8)
-    model_out = b.logits.requires_grad_(True)
-    first = lambda t: t[:, :-1]  # noqa: E731
+    model_out = b.logits.to(device).requires_grad_(True)
+    first = lambda t: t[:, :-1].to(device)  # noqa: E731
     return model_out, dict(labels=first(b.labels), advantages=first(b.advantages), response_mask=first(b.response_mask),
                            old_logprobs=first(b.old_logprobs))
 
 
-@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
-def test_shifted_view_is_read_in_place_not_copied(backend, monkeypatch):
-    model_out, kw = _shifted()
+@pytest.mark.parametrize("device, backend", LAYOUT_CASES)
+def test_shifted_view_is_read_in_place_not_copied(device, backend, monkeypatch):
+    _need(device, backend)
+    model_out, kw = _shifted(device=device)
     logits = model_out[:, :-1, :]  # rows are not one strided sequence: reshape(N, V) would copy
     copies = []
     for name in ("contiguous", "reshape", "clone"):
@@ -173,9 +202,10 @@ def test_shifted_view_is_read_in_place_not_copied(backend, monkeypatch):
     assert_close(model_out.grad, dense.grad, **tol("reordered.dlogits"), name="dlogits")
 
 
-@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
-def test_inplace_backward_writes_into_the_model_output(backend):
-    model_out, kw = _shifted()
+@pytest.mark.parametrize("device, backend", LAYOUT_CASES)
+def test_inplace_backward_writes_into_the_model_output(device, backend):
+    _need(device, backend)
+    model_out, kw = _shifted(device=device)
     dense = model_out.detach().clone().requires_grad_(True)
     ref = rlkernels.decoupled_ppo_loss(dense[:, :-1, :], **kw, backend="torch")
     ref.loss.backward()
@@ -199,6 +229,11 @@ def test_inplace_backward_refuses_expanded_logits(backend):
     logits = row.expand(N, V)
     with pytest.raises(ValueError, match="logits: inplace_backward=True"):
         rlkernels.decoupled_ppo_loss(logits, torch.randint(0, V, (N,)), torch.randn(N), torch.ones(N),
+                                     backend=backend, inplace_backward=True)
+    # rows that partly overlap (batch rows sharing memory): refused too
+    overlapping = torch.randn(64).as_strided((3, 4, 7), (7, 7, 1))  # batch b's row t is batch b+1's row t-1
+    with pytest.raises(ValueError, match="logits: inplace_backward=True"):
+        rlkernels.decoupled_ppo_loss(overlapping, torch.randint(0, 7, (3, 4)), torch.randn(3, 4), torch.ones(3, 4),
                                      backend=backend, inplace_backward=True)
     # without the in-place request the same expanded logits are fine
     out = rlkernels.decoupled_ppo_loss(logits, torch.randint(0, V, (N,)), torch.randn(N), torch.ones(N),

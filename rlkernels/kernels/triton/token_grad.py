@@ -101,6 +101,8 @@ def token_grad_bwd(
         raise ValueError("entropy: expected the forward's (N,) entropy since coef_entropy is given, got None")
     V = logits.shape[-1]
     N = logits.numel() // V
+    # expanded (stride-0) rows would be written by several programs at once; the public API refuses
+    # every overlapping layout before it gets here
     if inplace and logits.numel() > 1 and torch._debug_has_internal_overlap(logits) == 1:
         # rows that share memory (expand, stride 0) would be written by several programs at once
         raise ValueError("logits: an in-place backward needs logits whose elements do not share memory "
