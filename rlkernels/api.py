@@ -8,7 +8,7 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
-from . import backends, correction, custom_ops, linear
+from . import backends, correction, custom_ops, distributed, linear
 from .autograd import CoefficientLossFunction
 from .config import BACKENDS, PolicyLossConfig, RolloutCorrection, _check_finite_positive, resolve_config
 from .segments import Segments
@@ -134,11 +134,29 @@ def _policy_output(
     )
 
 
-def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows):
-    """The fused forward as a custom op. The backend is chosen here, once per call (the one place
-    that reads backend=), and the op and its backward run that choice by name."""
+def _vocab_size(logits: torch.Tensor, tp_group, inplace: bool) -> int:
+    """The vocabulary the labels index: this rank's V, or the whole of a vocabulary-parallel group's."""
+    if tp_group is None:
+        return logits.shape[-1]
+    if inplace:
+        raise ValueError("inplace_backward: not supported with tp_group (pass inplace_backward=False)")
+    return distributed.vocab_shard(tp_group, logits.shape[-1], logits.device)[1]
+
+
+def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows,
+                 tp_group=None):
+    """The fused forward as a custom op (or, with tp_group, the vocabulary-parallel function). The
+    backend is chosen here, once per call (the one place that reads backend=), and the forward and
+    its backward run that choice by name."""
     rows = _logit_rows(logits, inplace)
     name = backends.select(backend, rows, chunk_rows).name
+    if tp_group is not None:
+        if name == "cuda":
+            raise ValueError("backend='cuda': tp_group needs the torch or Triton backend (the CUDA kernels do not "
+                             "take rows whose target lies in another vocabulary shard)")
+        return distributed.vocab_parallel_token_stats(
+            rows, row_labels, float(temperature), entropy, sum_pi_squared, name, chunk_rows, tp_group
+        )
     _, _, lp, ent, s2 = custom_ops.token_stats(
         rows, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared, inplace, name,
         chunk_rows or 0,
@@ -180,7 +198,7 @@ def decoupled_ppo_loss(
     logits: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
     old_logprobs: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
-    config: Optional[PolicyLossConfig] = None, ignore_index: int = -100, **overrides,
+    config: Optional[PolicyLossConfig] = None, ignore_index: int = -100, tp_group=None, **overrides,
 ) -> PolicyLossOutput:
     """Decoupled PPO / REINFORCE loss with rollout correction, from logits (SPEC §1-§8).
 
@@ -194,6 +212,9 @@ def decoupled_ppo_loss(
         ref_logprobs: reference policy log-probs for the KL penalty.
         cu_seqlens: [S + 1] int32/int64 sequence offsets of the packed layout (None: one sequence).
         config: a PolicyLossConfig; keyword `overrides` replace its fields.
+        tp_group: a process group over which the logits are split along the vocabulary (each rank
+            passes its contiguous shard, in rank order; labels are global ids): one all_gather per
+            call, identical loss and metrics on every rank, each rank's gradient its own slice.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics).
     Raises:
@@ -202,13 +223,14 @@ def decoupled_ppo_loss(
     config = resolve_config(config, overrides)
     check_logits(logits)
     token_shape = tuple(logits.shape[:-1])
+    V = _vocab_size(logits, tp_group, config.inplace_backward)
     flat_labels, mask = _loss_tokens(
-        "logits", token_shape, logits.shape[-1], logits.device, labels, advantages, response_mask, old_logprobs,
+        "logits", token_shape, V, logits.device, labels, advantages, response_mask, old_logprobs,
         rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
     )
     lp, entropy, _ = _token_stats(
         logits, _row_labels(flat_labels, mask), config.temperature, config.needs_entropy, False,
-        config.inplace_backward, config.backend, config.chunk_rows,
+        config.inplace_backward, config.backend, config.chunk_rows, tp_group,
     )
     return _policy_output(
         lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, token_shape, config
@@ -259,23 +281,24 @@ def policy_loss(
 def token_logprobs(
     logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
     compute_sum_pi_squared: bool = False, ignore_index: int = -100, backend: str = "auto", validate: bool = True,
-    inplace_backward: bool = False,
+    inplace_backward: bool = False, tp_group=None,
 ) -> TokenStats:
     """Per-token log-prob of `labels` under softmax(logits / T), with entropy and sum p^2 (SPEC §2).
 
     Args:
         logits: [..., V] float; labels: [...] integer (`ignore_index` rows give 0 and no gradient).
+        tp_group: vocabulary parallelism, as in `decoupled_ppo_loss`.
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
         to logits from logprobs and entropy.
     """
     check_logits(logits, allow_any_rank=True)
     token_shape = tuple(logits.shape[:-1])
-    V = logits.shape[-1]
     check_tensor("labels", labels, kind="int", shape=token_shape, device=logits.device)
     temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    V = _vocab_size(logits, tp_group, inplace_backward)
     flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     if validate:
         value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index,
@@ -283,7 +306,7 @@ def token_logprobs(
     keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     lp, entropy, sum_pi_squared = _token_stats(
         logits, _row_labels(flat_labels, keep), temperature, compute_entropy, compute_sum_pi_squared,
-        inplace_backward, backend, None,
+        inplace_backward, backend, None, tp_group,
     )
     shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
     return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))

@@ -7,12 +7,18 @@ Conventions shared by every backend (and checked by tests/backends against the r
   label is outside [0, V)) are skipped: their statistics are 0 and their gradient row is 0. The
   Triton and CUDA kernels never read their logits; the torch backend computes whole chunks and
   selects those rows away.
+- `FOREIGN_TARGET` (-2) marks a row whose target lies in another vocabulary shard (tensor
+  parallelism, rlkernels.distributed): its row_max, log_norm, entropy and sum p^2 are computed, its
+  logprob is 0, and its gradient is that of a row without the target column. The torch and Triton
+  backends support it; the CUDA kernels do not (they skip such rows).
 - Statistics are float32 (float64 for float64 logits, which only the torch backend accepts).
 """
 
 from typing import List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
+
+FOREIGN_TARGET = -2
 
 
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .base import RowStats, num_rows, row_groups, statistics_dtype
+from .base import FOREIGN_TARGET, RowStats, num_rows, row_groups, statistics_dtype
 
 # Rows per chunk: ~1 Mi elements (4 MiB in float32) keeps a chunk cache-resident, so the handful of
 # elementwise passes below cost about one read of the logits and one write of the gradient from
@@ -28,8 +28,12 @@ CHUNK_ELEMENTS = 1 << 20
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, chunk_rows: Optional[int] = None):
+    def __init__(self, chunk_rows: Optional[int] = None, replay_log_norm: bool = False):
         self.chunk_rows = chunk_rows
+        # The backward normally recomputes p with a fused softmax of the rows (cheaper here than
+        # replaying the saved normaliser). A vocabulary shard cannot: its p is normalised over the
+        # whole vocabulary, so rlkernels.distributed asks for p = exp((z - row_max)/T - log_norm).
+        self.replay_log_norm = replay_log_norm
 
     def supports(self, logits: torch.Tensor) -> bool:
         return True
@@ -63,6 +67,8 @@ class TorchBackend:
         N, V = num_rows(logits), logits.shape[-1]
         acc = statistics_dtype(logits.dtype)
         valid = (labels >= 0) & (labels < V)
+        foreign = labels == FOREIGN_TARGET  # a vocabulary shard without the target: statistics, no logprob
+        active = valid | foreign
         safe_labels = labels.clamp(0, max(V - 1, 0)).unsqueeze(1)
         row_max = torch.zeros(N, dtype=acc, device=logits.device)
         logprobs = torch.zeros_like(row_max)
@@ -70,12 +76,16 @@ class TorchBackend:
         sum_pi_squared = torch.zeros_like(row_max) if compute_sum_pi_squared else None
         target = torch.zeros_like(row_max)
         for s, e, chunk, _ in self._chunks(logits):
-            target[s:e] = chunk.gather(1, safe_labels[s:e]).squeeze(1).to(acc)
-            m = chunk.amax(1).to(acc)
+            m, argmax = chunk.max(1)
+            m = m.to(acc)
+            # the column log_norm is recovered from: the target, or for a foreign target the row's max
+            # (finite whenever the row has one: log_norm = -log p_max exactly)
+            ref = torch.where(foreign[s:e, None], argmax[:, None], safe_labels[s:e])
+            target[s:e] = chunk.gather(1, ref).squeeze(1).to(acc)
             # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats)
             row_max[s:e] = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             log_p = torch.log_softmax(self._scaled(chunk, row_max[s:e], acc, temperature), dim=1, dtype=acc)
-            logprobs[s:e] = log_p.gather(1, safe_labels[s:e]).squeeze(1)
+            logprobs[s:e] = log_p.gather(1, ref).squeeze(1)
             if compute_entropy or compute_sum_pi_squared:
                 p = log_p.exp()
                 if compute_entropy:
@@ -91,9 +101,9 @@ class TorchBackend:
         log_norm = (target - row_max) / temperature - logprobs
         log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), log_norm)
         zero = torch.zeros((), dtype=acc, device=logits.device)
-        keep = lambda t: None if t is None else torch.where(valid & ~no_mass, t, zero)  # noqa: E731
+        keep = lambda t: None if t is None else torch.where(active & ~no_mass, t, zero)  # noqa: E731
         return RowStats(
-            torch.where(valid, row_max, zero), torch.where(valid, log_norm, zero), torch.where(valid, logprobs, zero),
+            torch.where(active, row_max, zero), torch.where(active, log_norm, zero), torch.where(valid, logprobs, zero),
             keep(entropy), keep(sum_pi_squared),
         )
 
@@ -105,17 +115,27 @@ class TorchBackend:
         device = logits.device
         out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=device)
         valid = (labels >= 0) & (labels < V)
-        active = valid & ((coef_logprob != 0) | (coef_entropy != 0 if coef_entropy is not None else False))
+        foreign = labels == FOREIGN_TARGET
+        has_coef = (coef_logprob != 0) | (coef_entropy != 0 if coef_entropy is not None else False)
+        active = (valid | foreign) & has_coef
         zero = torch.zeros((), dtype=acc, device=device)
         inv_t = 1.0 / temperature
         # inactive rows have c = e = 0 and so come out exactly 0 from the products below
         c = torch.where(active, coef_logprob.to(acc), zero) * inv_t
+        # 1 where this shard holds the target column (it gets + c), 0 for a foreign target
+        onehot_y = valid.to(acc)
+        c_target = c * onehot_y
         safe_labels = labels.clamp(0, max(V - 1, 0)).unsqueeze(1)
         usable = active & (log_norm > float("-inf"))
         row_max = row_max.to(acc)
+        # rows without a distribution replay as p = 0 (log_norm := +inf), as in the Triton kernel
+        replay_ln = torch.where(usable, log_norm.to(acc), torch.full_like(row_max, float("inf")))
         for s, e, chunk, out_chunk in self._chunks(logits, out):
-            c_rows, y = c[s:e, None], safe_labels[s:e]
-            p = torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc)
+            c_rows, y, ct_rows, own = c[s:e, None], safe_labels[s:e], c_target[s:e, None], onehot_y[s:e, None]
+            if self.replay_log_norm:
+                p = (chunk.to(acc) - row_max[s:e, None]).mul_(inv_t).sub_(replay_ln[s:e, None]).exp_()
+            else:
+                p = torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc)
             # a row without a finite logit has no distribution and a NaN softmax: its gradient is c
             # at the target if it is active (p := 0), else 0 -- fixed per row, not with a full pass
             no_distribution = torch.isnan(p[:, 0]) & ~usable[s:e]
@@ -125,14 +145,14 @@ class TorchBackend:
                 _zero_rows(g, no_distribution)
                 # the target column: c (1 - p_y) / T formed in float32 and written once, never as the
                 # rounded -c p_y plus c, which cancels to garbage in bf16 as p_y -> 1
-                g.scatter_(1, y, (c_rows * (1 - p_y)).to(out.dtype))
+                g.scatter_(1, y, (c_rows * (own - p_y)).to(out.dtype))
             else:
                 # g = -p (c + e (log p + H)) = -p (c + e H) - e p log p, with p log p = 0 at p = 0
                 e_rows = torch.where(active, coef_entropy.to(acc), zero)[s:e, None] * inv_t
                 g = p * (-c_rows - e_rows * entropy[s:e, None].to(acc))
                 g.sub_(torch.xlogy(p, p).mul_(e_rows))
                 _zero_rows(g, no_distribution)
-                g.scatter_add_(1, y, c_rows)  # + c at the target, in float32 before the rounding
+                g.scatter_add_(1, y, ct_rows)  # + c at the target, in float32 before the rounding
                 out_chunk.copy_(g)
         return out
 

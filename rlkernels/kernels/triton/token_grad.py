@@ -35,7 +35,8 @@ def _token_grad_bwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
-    valid = mask_n & (labels >= 0) & (labels < V)
+    # label -2: target in another vocabulary shard: the row's gradient without the + c column
+    valid = mask_n & (((labels >= 0) & (labels < V)) | (labels == -2))
     c = tl.load(coef_logprob_ptr + offs_n, mask=valid, other=0.0)
     if HAS_ENTROPY:
         e = tl.load(coef_entropy_ptr + offs_n, mask=valid, other=0.0)

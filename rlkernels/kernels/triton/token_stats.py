@@ -33,7 +33,10 @@ def _token_stats_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
-    active = mask_n & (labels >= 0) & (labels < V)
+    # label -2: the target lies in another vocabulary shard (rlkernels.distributed): the row's
+    # statistics are computed, its logprob is not
+    has_target = mask_n & (labels >= 0) & (labels < V)
+    active = has_target | (mask_n & (labels == -2))
     # int64 offsets (N * V > 2^31 happens); row n lies at (n // rows) * stride_g + (n % rows) * stride_n,
     # so [B, T, V] views such as the causal shift model_out[:, :-1] are read without a copy
     row_ptrs = logits_ptr + (offs_n // rows_per_group) * stride_logits_g + (offs_n % rows_per_group) * stride_logits_n
@@ -75,11 +78,11 @@ def _token_stats_fwd_kernel(
     has_mass = l_i > 0.0
     row_max = safe_shift(m_i)
     log_norm = tl.log(l_i)
-    z_y = tl.load(row_ptrs + labels, mask=active, other=0.0).to(tl.float32)
+    z_y = tl.load(row_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
     logprob = tl.where(has_mass, (z_y - row_max) * inv_t - log_norm, float("-inf"))
     tl.store(row_max_ptr + offs_n, tl.where(active, row_max, 0.0), mask=mask_n)
     tl.store(log_norm_ptr + offs_n, tl.where(active, log_norm, 0.0), mask=mask_n)
-    tl.store(logprobs_ptr + offs_n, tl.where(active, logprob, 0.0), mask=mask_n)
+    tl.store(logprobs_ptr + offs_n, tl.where(has_target, logprob, 0.0), mask=mask_n)
     if HAS_ENTROPY:
         # H = lse - sum p zs = log l - t / l
         tl.store(entropy_ptr + offs_n, tl.where(active & has_mass, log_norm - t_i / l_i, 0.0), mask=mask_n)

@@ -1,0 +1,151 @@
+"""Vocabulary parallelism (`tp_group=`) on real gloo process groups, against the single-process result.
+
+Ranks are spawned with torch.multiprocessing (world sizes 2 and 3, uneven vocabulary shards, an
+odd V) and rendezvous through a file; every wait has a timeout, so a failing rank fails the test
+instead of hanging the suite. Each rank builds the same batch, keeps its contiguous slice of the
+vocabulary, and checks against the unsplit computation: log-probs, entropy, sum p^2, loss and every
+metric identical on all ranks and equal to the single-process values (float64 to 1e-12, float32
+within the tolerance table), and its gradient equal to its slice of the single-process gradient.
+torch.distributed.all_gather is wrapped to count collectives: one per call in the forward (plus one,
+cached, to learn the shard offsets), none in the backward.
+"""
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 120
+
+
+def _shards(V: int, world: int):
+    """Uneven contiguous shards: the first V % world ranks get one id more."""
+    sizes = [V // world + (1 if r < V % world else 0) for r in range(world)]
+    offsets = [sum(sizes[:r]) for r in range(world)]
+    return sizes, offsets
+
+
+def _worker(rank, world, init_file, dtype_name, backend, errors):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        torch.set_num_threads(1)
+        _check_rank(rank, world, getattr(torch, dtype_name), backend)
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 -- reported to the parent, which fails the test
+        errors.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_rank(rank, world, dtype, backend):
+    if backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import rlkernels
+    from rlkernels import PolicyLossConfig, RolloutCorrection
+
+    from .cases import assert_close, make_batch, tol
+
+    V = 13  # odd: shards of 7/6 (world 2) and 5/4/4 (world 3)
+    sizes, offsets = _shards(V, world)
+    lo, hi = offsets[rank], offsets[rank] + sizes[rank]
+    batch = make_batch("packed", [5, 0, 4, 6], V, dtype=dtype, seed=7, mask_p=0.8, logit_kind="normal")
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.5, 2.0)),
+                              entropy_coeff=0.01, kl_coef=0.05, temperature=0.8, loss_agg_mode="seq-mean-token-mean")
+    # a row whose logits are all -inf in rank 0's shard (that shard has no mass there)
+    full = batch.logits.clone()
+    full[1, : sizes[0]] = float("-inf")
+    calls = {"all_gather": 0}
+    real_all_gather = dist.all_gather
+
+    def counting_all_gather(*args, **kwargs):
+        calls["all_gather"] += 1
+        return real_all_gather(*args, **kwargs)
+
+    dist.all_gather = counting_all_gather
+    kw = dict(batch.kwargs("decoupled"), config=config)
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    quantity = "same_path" if dtype == torch.float64 else "reordered"
+
+    reference_logits = full.clone().requires_grad_(True)
+    expected = rlkernels.decoupled_ppo_loss(reference_logits, batch.labels, batch.advantages, batch.response_mask,
+                                            backend="torch", **kw)
+    (expected_grad,) = torch.autograd.grad(expected.loss, reference_logits)
+
+    shard = full[:, lo:hi].clone().requires_grad_(True)
+    rlkernels.decoupled_ppo_loss(shard, batch.labels, batch.advantages, batch.response_mask, backend=backend,
+                                 tp_group=dist.group.WORLD, **kw)  # warm-up: learns the shard offsets
+    calls["all_gather"] = 0
+    out = rlkernels.decoupled_ppo_loss(shard, batch.labels, batch.advantages, batch.response_mask, backend=backend,
+                                       tp_group=dist.group.WORLD, **kw)
+    forward_calls = calls["all_gather"]
+    (grad,) = torch.autograd.grad(out.loss, shard)
+    assert forward_calls == 1, f"forward collectives: {forward_calls}"
+    assert calls["all_gather"] == 1, f"backward collectives: {calls['all_gather'] - forward_calls}"
+
+    scale = max(1.0, float(expected.loss.detach().abs()))
+    assert_close(out.loss, expected.loss, **tol(quantity, stat_dtype, scale=scale), name="loss")
+    assert_close(out.logprobs, expected.logprobs, **tol(quantity, stat_dtype), name="logprobs")
+    assert_close(out.entropy, expected.entropy, **tol(quantity, stat_dtype), name="entropy")
+    assert torch.equal(out.mask, expected.mask)
+    for name, value in expected.metrics.items():
+        m_scale = max(1.0, float(value.abs())) if torch.isfinite(value) else 1.0
+        assert_close(out.metrics[name], value, **tol(quantity, stat_dtype, scale=m_scale), name=name)
+    g_scale = max(1e-3, float(expected_grad.abs().max()))
+    grad_quantity = "same_path" if dtype == torch.float64 else "reordered.dlogits"
+    assert_close(grad, expected_grad[:, lo:hi], **tol(grad_quantity, stat_dtype, scale=g_scale), name="dlogits slice")
+
+    # token_logprobs with sum p^2, and results bitwise identical on every rank
+    stats = rlkernels.token_logprobs(shard.detach(), batch.labels, temperature=0.8, compute_entropy=True,
+                                     compute_sum_pi_squared=True, backend=backend, tp_group=dist.group.WORLD)
+    want = rlkernels.token_logprobs(full, batch.labels, temperature=0.8, compute_entropy=True,
+                                    compute_sum_pi_squared=True, backend="torch")
+    for name in ("logprobs", "entropy", "sum_pi_squared"):
+        assert_close(getattr(stats, name), getattr(want, name), **tol(quantity, stat_dtype), name=name)
+    mine = torch.cat([stats.logprobs, stats.entropy, stats.sum_pi_squared, out.loss.detach().reshape(1)])
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    real_all_gather(everyone, mine)
+    assert all(torch.equal(everyone[0], other) for other in everyone), "ranks disagree"
+    dist.all_gather = real_all_gather
+
+
+def _spawn(world, dtype_name, backend):
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        errors = ctx.SimpleQueue()
+        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rendezvous"), dtype_name, backend,
+                                                   errors)) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+        assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures)
+        assert not hung, f"{len(hung)} rank(s) did not finish within {TIMEOUT_S} s"
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_vocab_parallel_matches_the_single_process_loss(world, dtype_name):
+    _spawn(world, dtype_name, "torch")
+
+
+@pytest.mark.interpret
+def test_vocab_parallel_on_the_triton_backend():
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        pytest.skip("runs the Triton kernels through the CPU interpreter")
+    _spawn(2, "float32", "triton")
