@@ -134,13 +134,20 @@ def _policy_output(
     )
 
 
-def _vocab_size(logits: torch.Tensor, tp_group, inplace: bool) -> int:
+def _vocab_size(local_vocab: int, device, tp_group, inplace: bool = False) -> int:
     """The vocabulary the labels index: this rank's V, or the whole of a vocabulary-parallel group's."""
     if tp_group is None:
-        return logits.shape[-1]
+        return local_vocab
     if inplace:
         raise ValueError("inplace_backward: not supported with tp_group (pass inplace_backward=False)")
-    return distributed.vocab_shard(tp_group, logits.shape[-1], logits.device)[1]
+    return distributed.vocab_shard(tp_group, local_vocab, device)[1]
+
+
+def _tp_backend(name: str) -> str:
+    if name == "cuda":
+        raise ValueError("backend='cuda': tp_group needs the torch or Triton backend (the CUDA kernels do not "
+                         "take rows whose target lies in another vocabulary shard)")
+    return name
 
 
 def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows,
@@ -151,11 +158,8 @@ def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inpla
     rows = _logit_rows(logits, inplace)
     name = backends.select(backend, rows, chunk_rows).name
     if tp_group is not None:
-        if name == "cuda":
-            raise ValueError("backend='cuda': tp_group needs the torch or Triton backend (the CUDA kernels do not "
-                             "take rows whose target lies in another vocabulary shard)")
         return distributed.vocab_parallel_token_stats(
-            rows, row_labels, float(temperature), entropy, sum_pi_squared, name, chunk_rows, tp_group
+            rows, row_labels, float(temperature), entropy, sum_pi_squared, _tp_backend(name), chunk_rows, tp_group
         )
     _, _, lp, ent, s2 = custom_ops.token_stats(
         rows, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared, inplace, name,
@@ -223,7 +227,7 @@ def decoupled_ppo_loss(
     config = resolve_config(config, overrides)
     check_logits(logits)
     token_shape = tuple(logits.shape[:-1])
-    V = _vocab_size(logits, tp_group, config.inplace_backward)
+    V = _vocab_size(logits.shape[-1], logits.device, tp_group, config.inplace_backward)
     flat_labels, mask = _loss_tokens(
         "logits", token_shape, V, logits.device, labels, advantages, response_mask, old_logprobs,
         rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
@@ -298,7 +302,7 @@ def token_logprobs(
     temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    V = _vocab_size(logits, tp_group, inplace_backward)
+    V = _vocab_size(logits.shape[-1], logits.device, tp_group, inplace_backward)
     flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     if validate:
         value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index,
@@ -312,10 +316,17 @@ def token_logprobs(
     return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))
 
 
-def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, backend, budget):
-    """The fused-linear forward as a custom op; the backend is chosen here, once per call."""
+def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, backend, budget,
+                  tp_group=None):
+    """The fused-linear forward as a custom op (or, with tp_group, its vocabulary-parallel form); the
+    backend is chosen here, once per call."""
     name = backends.select(backend, hidden2d).name
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden2d.dtype, hidden2d.device, budget)
+    if tp_group is not None:
+        return distributed.vocab_parallel_linear_token_stats(
+            hidden2d, weight, bias, row_labels, float(temperature), entropy, sum_pi_squared, _tp_backend(name),
+            chunk_rows, tp_group,
+        )
     _, _, lp, ent, s2 = linear.linear_token_stats(
         hidden2d, weight, bias, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared,
         name, chunk_rows,
@@ -328,7 +339,7 @@ def linear_decoupled_ppo_loss(
     response_mask: torch.Tensor, *, bias: Optional[torch.Tensor] = None, old_logprobs: Optional[torch.Tensor] = None,
     rollout_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, ignore_index: int = -100,
-    **overrides,
+    tp_group=None, **overrides,
 ) -> PolicyLossOutput:
     """`decoupled_ppo_loss` on logits = hidden @ weight.T + bias, without ever forming [N, V] logits.
 
@@ -340,6 +351,9 @@ def linear_decoupled_ppo_loss(
         hidden: [B, T, H] (padded) or [N, H] (packed) float16/bfloat16/float32 (float64 on torch).
         weight: [V, H] LM-head weight (the nn.Linear layout; tied embeddings are that tensor), same dtype.
         bias: [V] or None.
+        tp_group: the head split over the vocabulary: this rank's weight rows (and bias) [V_r, H] of
+            the contiguous shard [o_r, o_r + V_r); one all_gather forward, one all_reduce (d_hidden)
+            backward.
         The other arguments are those of `decoupled_ppo_loss`.
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. hidden, weight and bias.
@@ -350,12 +364,12 @@ def linear_decoupled_ppo_loss(
     check_head(hidden, weight, bias)
     token_shape = tuple(hidden.shape[:-1])
     flat_labels, mask = _loss_tokens(
-        "hidden", token_shape, weight.shape[0], hidden.device, labels, advantages, response_mask, old_logprobs,
-        rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
+        "hidden", token_shape, _vocab_size(weight.shape[0], hidden.device, tp_group), hidden.device, labels,
+        advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
     )
     lp, entropy, _ = _linear_stats(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, mask), config.temperature,
-        config.needs_entropy, False, config.backend, config.memory_budget_bytes,
+        config.needs_entropy, False, config.backend, config.memory_budget_bytes, tp_group,
     )
     return _policy_output(
         lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, token_shape, config
@@ -366,7 +380,7 @@ def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0, compute_entropy: bool = False, compute_sum_pi_squared: bool = False,
     ignore_index: int = -100, backend: str = "auto", validate: bool = True,
-    memory_budget_bytes: Optional[int] = None,
+    memory_budget_bytes: Optional[int] = None, tp_group=None,
 ) -> TokenStats:
     """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
 
@@ -380,7 +394,7 @@ def linear_token_logprobs(
     """
     check_head(hidden, weight, bias, allow_any_rank=True)
     token_shape = tuple(hidden.shape[:-1])
-    V = weight.shape[0]
+    V = _vocab_size(weight.shape[0], hidden.device, tp_group)
     check_tensor("labels", labels, kind="int", shape=token_shape, device=hidden.device)
     temperature = _check_finite_positive("temperature", temperature)
     if backend not in BACKENDS:
@@ -393,7 +407,7 @@ def linear_token_logprobs(
     keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
     lp, entropy, sum_pi_squared = _linear_stats(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, keep), temperature,
-        compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes,
+        compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes, tp_group,
     )
     shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
     return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))

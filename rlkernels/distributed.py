@@ -27,10 +27,10 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import backends
-from .backends.base import FOREIGN_TARGET
+from . import backends, linear
+from .backends.base import FOREIGN_TARGET, RowStats
 from .backends.torch_backend import TorchBackend
-from .custom_ops import refuse_double_backward
+from .custom_ops import refuse_double_backward, temperature_tensor
 
 _SHARDS: Dict[Tuple[int, int, str], Tuple[int, int]] = {}
 
@@ -83,6 +83,22 @@ def _merge(parts: torch.Tensor, temperature: float):
     return logprob, entropy, sum_pi_squared, backward_log_norm
 
 
+def _gather_and_merge(stats, local: torch.Tensor, temperature: float, group):
+    """This shard's statistics -> the global ones (one all_gather) and this rank's backward normaliser."""
+    dt = stats.logprobs.dtype
+    zeros = torch.zeros_like(stats.logprobs)
+    active = local != -1
+    ln = torch.where(active, stats.log_norm, torch.full_like(zeros, float("-inf")))
+    part = torch.stack([stats.row_max, ln, stats.logprobs, (local >= 0).to(dt),
+                        zeros if stats.entropy is None else stats.entropy,
+                        zeros if stats.sum_pi_squared is None else stats.sum_pi_squared]).double()
+    gathered = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, part.contiguous(), group=group)  # the forward's one collective
+    logprob, entropy, sum_pi_squared, bw_log_norm = _merge(torch.stack(gathered), temperature)
+    skip = lambda t: torch.where(active, t, torch.zeros_like(t)).to(dt)  # noqa: E731
+    return skip(logprob), skip(entropy), skip(sum_pi_squared), skip(bw_log_norm[dist.get_rank(group)])
+
+
 class VocabParallelTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, row_labels, temperature: float, compute_entropy: bool, compute_sum_pi_squared: bool,
@@ -94,21 +110,8 @@ class VocabParallelTokenStats(torch.autograd.Function):
         local = shard_labels(row_labels, offset, V_r)
         # the entropy is needed to merge it, and the backward needs the merged one
         stats = backend.token_stats_fwd(logits, local, temperature, compute_entropy, compute_sum_pi_squared)
-        dt = stats.logprobs.dtype
-        zeros = torch.zeros_like(stats.logprobs)
-        active = local != -1
-        ln = torch.where(active, stats.log_norm, torch.full_like(zeros, float("-inf")))
-        mine = (local >= 0).to(dt)
-        part = torch.stack([stats.row_max, ln, stats.logprobs, mine,
-                            zeros if stats.entropy is None else stats.entropy,
-                            zeros if stats.sum_pi_squared is None else stats.sum_pi_squared]).double()
-        gathered = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, part.contiguous(), group=group)  # the forward's one collective
-        logprob, entropy, sum_pi_squared, bw_log_norm = _merge(torch.stack(gathered), temperature)
-        rank = dist.get_rank(group)
-        skip = lambda t: torch.where(active, t, torch.zeros_like(t)).to(dt)  # noqa: E731
-        logprob, entropy, sum_pi_squared = skip(logprob), skip(entropy), skip(sum_pi_squared)
-        ctx.save_for_backward(logits, local, stats.row_max, skip(bw_log_norm[rank]), entropy)
+        logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature, group)
+        ctx.save_for_backward(logits, local, stats.row_max, bw_log_norm, entropy)
         ctx.options = (temperature, backend_name, chunk_rows, compute_entropy)
         ctx.mark_non_differentiable(sum_pi_squared)
         return logprob, entropy if compute_entropy else None, sum_pi_squared if compute_sum_pi_squared else None
@@ -128,12 +131,58 @@ class VocabParallelTokenStats(torch.autograd.Function):
         return dlogits, None, None, None, None, None, None, None
 
 
+class VocabParallelLinearTokenStats(torch.autograd.Function):
+    """The fused-linear form: this rank holds weight rows [o_r, o_r + V_r) (and that slice of the bias).
+    Forward as above; the backward's partial d_hidden (each shard's G_r @ W_r) is summed over the group
+    with one all_reduce; d_weight and d_bias are this rank's slices."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, row_labels, temperature: float, compute_entropy: bool,
+                compute_sum_pi_squared: bool, backend_name: str, chunk_rows: int, group):
+        V_r = weight.shape[0]
+        offset, _ = vocab_shard(group, V_r, hidden.device)
+        local = shard_labels(row_labels, offset, V_r)
+        T = temperature_tensor(temperature)
+        stats = RowStats(*linear.linear_token_stats(hidden, weight, bias, local, T, compute_entropy,
+                                                    compute_sum_pi_squared, backend_name, chunk_rows))
+        stats = stats._replace(entropy=stats.entropy if compute_entropy else None,
+                               sum_pi_squared=stats.sum_pi_squared if compute_sum_pi_squared else None)
+        logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature, group)
+        ctx.save_for_backward(hidden, weight, bias, local, stats.row_max, bw_log_norm, entropy, T)
+        ctx.options = (backend_name, chunk_rows, compute_entropy, group)
+        ctx.mark_non_differentiable(sum_pi_squared)
+        return logprob, entropy if compute_entropy else None, sum_pi_squared if compute_sum_pi_squared else None
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, _grad_sum_pi_squared):
+        refuse_double_backward()
+        hidden, weight, bias, local, row_max, log_norm, entropy, T = ctx.saved_tensors
+        backend_name, chunk_rows, compute_entropy, group = ctx.options
+        c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
+        use_entropy = compute_entropy and grad_entropy is not None
+        e = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        d_hidden, d_weight, d_bias = linear.linear_token_grad(
+            hidden, weight, bias, local, row_max, log_norm, entropy if use_entropy else row_max.new_empty(0), c, e,
+            T, backend_name, chunk_rows, True, need_w, need_b and bias is not None, True,
+        )
+        dist.all_reduce(d_hidden, group=group)  # the backward's one collective: sum of the shards' G_r @ W_r
+        return (d_hidden if need_h else None, d_weight if need_w else None,
+                d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None)
+
+
 def _apply(logits, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend_name, chunk_rows, group):
     return VocabParallelTokenStats.apply(logits, row_labels, temperature, compute_entropy, compute_sum_pi_squared,
                                          backend_name, chunk_rows, group)
 
 
+def _apply_linear(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared,
+                  backend_name, chunk_rows, group):
+    return VocabParallelLinearTokenStats.apply(hidden, weight, bias, row_labels, temperature, compute_entropy,
+                                               compute_sum_pi_squared, backend_name, chunk_rows, group)
+
+
 # Collectives inside: a graph break under torch.compile, and under fullgraph=True an error that says so.
-vocab_parallel_token_stats = torch.compiler.disable(
-    _apply, reason="rlkernels: tp_group runs torch.distributed collectives outside the compiled graph"
-)
+_REASON = "rlkernels: tp_group runs torch.distributed collectives outside the compiled graph"
+vocab_parallel_token_stats = torch.compiler.disable(_apply, reason=_REASON)
+vocab_parallel_linear_token_stats = torch.compiler.disable(_apply_linear, reason=_REASON)

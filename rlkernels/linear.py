@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import backends
+from .backends.torch_backend import TorchBackend
 from .custom_ops import host_float, refuse_double_backward
 
 # Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
@@ -110,7 +111,7 @@ def linear_token_stats(
     row_max, log_norm, logprobs = new(), new(), new()
     entropy = new(N if compute_entropy else 0)
     sum_pi_squared = new(N if compute_sum_pi_squared else 0)
-    rows = _rows(row_labels >= 0)
+    rows = _rows(row_labels != -1)  # -1: outside the loss (-2: target in another vocabulary shard)
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         logits = _head(hidden.index_select(0, idx), weight, bias)
@@ -135,15 +136,17 @@ def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_su
 def linear_token_grad(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, row_max: Tensor, log_norm: Tensor,
     entropy: Tensor, coef_logprob: Tensor, coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
-    need_hidden: bool, need_weight: bool, need_bias: bool,
+    need_hidden: bool, need_weight: bool, need_bias: bool, replay_log_norm: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
     impl = backends.select(backend, hidden)
+    if replay_log_norm and impl.name == "torch":  # a vocabulary shard: p over the whole vocabulary
+        impl = TorchBackend(None, replay_log_norm=True)
     T = host_float(temperature)
     c = coef_logprob
     e = coef_entropy if coef_entropy.numel() > 0 else None
-    live = (row_labels >= 0) & ((c != 0) | (e != 0 if e is not None else False))
+    live = (row_labels != -1) & ((c != 0) | (e != 0 if e is not None else False))
     rows = _rows(live)
     d_hidden = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
     # one float32 accumulation of the weight (and bias) gradient, rounded once at the end
@@ -175,7 +178,7 @@ def linear_token_grad(
 
 @linear_token_grad.register_fake
 def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend,
-      chunk_rows, need_hidden, need_weight, need_bias):
+      chunk_rows, need_hidden, need_weight, need_bias, replay_log_norm=False):
     dense = dict(memory_format=torch.contiguous_format)  # what the real op returns, whatever the input layout
     return (
         torch.empty_like(hidden, **dense) if need_hidden else hidden.new_empty(0),

@@ -31,18 +31,35 @@ def _shards(V: int, world: int):
     return sizes, offsets
 
 
-def _worker(rank, world, init_file, dtype_name, backend, errors):
+def _worker(rank, world, init_file, dtype_name, backend, kind, errors):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         torch.set_num_threads(1)
-        _check_rank(rank, world, getattr(torch, dtype_name), backend)
+        check = _check_rank if kind == "logits" else _check_rank_linear
+        check(rank, world, getattr(torch, dtype_name), backend)
         dist.barrier()
     except BaseException:  # noqa: BLE001 -- reported to the parent, which fails the test
         errors.put((rank, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _count_collectives(*names):
+    """Wrap torch.distributed.<name> to count calls (the library calls them through the module)."""
+    calls = {name: 0 for name in names}
+    real = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    return calls, real
 
 
 def _check_rank(rank, world, dtype, backend):
@@ -62,14 +79,8 @@ def _check_rank(rank, world, dtype, backend):
     # a row whose logits are all -inf in rank 0's shard (that shard has no mass there)
     full = batch.logits.clone()
     full[1, : sizes[0]] = float("-inf")
-    calls = {"all_gather": 0}
-    real_all_gather = dist.all_gather
-
-    def counting_all_gather(*args, **kwargs):
-        calls["all_gather"] += 1
-        return real_all_gather(*args, **kwargs)
-
-    dist.all_gather = counting_all_gather
+    calls, real = _count_collectives("all_gather")
+    real_all_gather = real["all_gather"]
     kw = dict(batch.kwargs("decoupled"), config=config)
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     quantity = "same_path" if dtype == torch.float64 else "reordered"
@@ -116,12 +127,63 @@ def _check_rank(rank, world, dtype, backend):
     dist.all_gather = real_all_gather
 
 
-def _spawn(world, dtype_name, backend):
+def _check_rank_linear(rank, world, dtype, backend):
+    """The fused-linear path with the head's weight (and bias) split over the vocabulary."""
+    import rlkernels
+    from rlkernels import PolicyLossConfig, RolloutCorrection
+
+    from .cases import assert_close, make_batch, tol
+
+    V, H = 13, 5
+    sizes, offsets = _shards(V, world)
+    lo, hi = offsets[rank], offsets[rank] + sizes[rank]
+    batch = make_batch("packed", [5, 0, 4, 6], V, dtype=dtype, seed=9, mask_p=0.8)
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(15, H, generator=gen, dtype=torch.float64).to(dtype)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64).to(dtype)
+    bias = torch.randn(V, generator=gen, dtype=torch.float64).to(dtype)
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=0.01, temperature=0.9)
+    kw = dict(batch.kwargs("decoupled"), config=config, memory_budget_bytes=64)
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    quantity = "same_path" if dtype == torch.float64 else "reordered"
+    grad_quantity = "same_path" if dtype == torch.float64 else "linear.grad"
+
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    expected = rlkernels.linear_decoupled_ppo_loss(leaves[0], leaves[1], batch.labels, batch.advantages,
+                                                   batch.response_mask, bias=leaves[2], backend="torch", **kw)
+    want = torch.autograd.grad(expected.loss, leaves)
+
+    calls, real = _count_collectives("all_gather", "all_reduce")
+    mine = [hidden.clone().requires_grad_(True), weight[lo:hi].clone().requires_grad_(True),
+            bias[lo:hi].clone().requires_grad_(True)]
+    rlkernels.linear_token_logprobs(mine[0].detach(), mine[1].detach(), batch.labels, bias=mine[2].detach(),
+                                    backend=backend, tp_group=dist.group.WORLD)  # warm-up: the shard offsets
+    calls.update(all_gather=0, all_reduce=0)
+    out = rlkernels.linear_decoupled_ppo_loss(mine[0], mine[1], batch.labels, batch.advantages, batch.response_mask,
+                                              bias=mine[2], backend=backend, tp_group=dist.group.WORLD, **kw)
+    assert calls == {"all_gather": 1, "all_reduce": 0}, f"forward collectives: {calls}"
+    got = torch.autograd.grad(out.loss, mine)
+    assert calls == {"all_gather": 1, "all_reduce": 1}, f"forward + backward collectives: {calls}"
+    for name, value in real.items():
+        setattr(dist, name, value)
+
+    scale = max(1.0, float(expected.loss.detach().abs()))
+    assert_close(out.loss, expected.loss, **tol(quantity, stat_dtype, scale=scale), name="loss")
+    assert_close(out.logprobs, expected.logprobs, **tol(quantity, stat_dtype), name="logprobs")
+    for name, value in expected.metrics.items():
+        m_scale = max(1.0, float(value.abs())) if torch.isfinite(value) else 1.0
+        assert_close(out.metrics[name], value, **tol(quantity, stat_dtype, scale=m_scale), name=name)
+    expected_grads = (want[0], want[1][lo:hi], want[2][lo:hi])
+    for name, g, w in zip(("d_hidden", "d_weight slice", "d_bias slice"), got, expected_grads):
+        assert_close(g, w, **tol(grad_quantity, stat_dtype, scale=max(1e-3, float(w.abs().max()))), name=name)
+
+
+def _spawn(world, dtype_name, backend, kind="logits"):
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
         errors = ctx.SimpleQueue()
         procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rendezvous"), dtype_name, backend,
-                                                   errors)) for r in range(world)]
+                                                   kind, errors)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TIMEOUT_S
@@ -149,3 +211,9 @@ def test_vocab_parallel_on_the_triton_backend():
     if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
         pytest.skip("runs the Triton kernels through the CPU interpreter")
     _spawn(2, "float32", "triton")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_vocab_parallel_fused_linear_matches_the_single_process_loss(world, dtype_name):
+    _spawn(world, dtype_name, "torch", kind="linear")
