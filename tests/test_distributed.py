@@ -32,6 +32,7 @@ def _shards(V: int, world: int):
 
 
 def _worker(rank, world, init_file, dtype_name, backend, kind, errors):
+    code = 0
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -41,9 +42,10 @@ def _worker(rank, world, init_file, dtype_name, backend, kind, errors):
         dist.barrier()
     except BaseException:  # noqa: BLE001 -- reported to the parent, which fails the test
         errors.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        code = 1
+    # Leave without tearing the group down: after the barrier nothing is in flight, and gloo's
+    # destructor racing a peer that already left can abort a rank that passed (seen once in CI runs)
+    os._exit(code)
 
 
 def _count_collectives(*names):
