@@ -49,13 +49,18 @@ def _worker(rank, world, init_file, dtype_name, backend, kind, errors):
 
 
 def _count_collectives(*names):
-    """Wrap torch.distributed.<name> to count calls (the library calls them through the module)."""
+    """Wrap torch.distributed.<name> to count calls (the library calls them through the module) and the
+    bytes each rank contributes (the tensor it sends: all_gather's input, all_reduce's buffer) under
+    "<name>_bytes"."""
     calls = {name: 0 for name in names}
+    calls.update({f"{name}_bytes": 0 for name in names})
     real = {name: getattr(dist, name) for name in names}
 
     def counting(name):
         def call(*args, **kwargs):
             calls[name] += 1
+            sent = args[1] if name == "all_gather" else args[0]
+            calls[f"{name}_bytes"] += sent.numel() * sent.element_size()
             return real[name](*args, **kwargs)
         return call
 
@@ -95,13 +100,15 @@ def _check_rank(rank, world, dtype, backend):
     shard = full[:, lo:hi].clone().requires_grad_(True)
     rlkernels.decoupled_ppo_loss(shard, batch.labels, batch.advantages, batch.response_mask, backend=backend,
                                  tp_group=dist.group.WORLD, **kw)  # warm-up: learns the shard offsets
-    calls["all_gather"] = 0
+    calls.update(all_gather=0, all_gather_bytes=0)
     out = rlkernels.decoupled_ppo_loss(shard, batch.labels, batch.advantages, batch.response_mask, backend=backend,
                                        tp_group=dist.group.WORLD, **kw)
     forward_calls = calls["all_gather"]
     (grad,) = torch.autograd.grad(out.loss, shard)
     assert forward_calls == 1, f"forward collectives: {forward_calls}"
     assert calls["all_gather"] == 1, f"backward collectives: {calls['all_gather'] - forward_calls}"
+    N = batch.labels.numel()
+    assert calls["all_gather_bytes"] == 48 * N, f"bytes sent per rank: {calls['all_gather_bytes']}, 48 N = {48 * N}"
 
     scale = max(1.0, float(expected.loss.detach().abs()))
     assert_close(out.loss, expected.loss, **tol(quantity, stat_dtype, scale=scale), name="loss")
@@ -160,12 +167,14 @@ def _check_rank_linear(rank, world, dtype, backend):
             bias[lo:hi].clone().requires_grad_(True)]
     rlkernels.linear_token_logprobs(mine[0].detach(), mine[1].detach(), batch.labels, bias=mine[2].detach(),
                                     backend=backend, tp_group=dist.group.WORLD)  # warm-up: the shard offsets
-    calls.update(all_gather=0, all_reduce=0)
+    calls.update(all_gather=0, all_reduce=0, all_gather_bytes=0, all_reduce_bytes=0)
     out = rlkernels.linear_decoupled_ppo_loss(mine[0], mine[1], batch.labels, batch.advantages, batch.response_mask,
                                               bias=mine[2], backend=backend, tp_group=dist.group.WORLD, **kw)
-    assert calls == {"all_gather": 1, "all_reduce": 0}, f"forward collectives: {calls}"
+    assert (calls["all_gather"], calls["all_reduce"]) == (1, 0), f"forward collectives: {calls}"
     got = torch.autograd.grad(out.loss, mine)
-    assert calls == {"all_gather": 1, "all_reduce": 1}, f"forward + backward collectives: {calls}"
+    assert (calls["all_gather"], calls["all_reduce"]) == (1, 1), f"forward + backward collectives: {calls}"
+    N = hidden.shape[0]
+    assert calls["all_gather_bytes"] == 48 * N and calls["all_reduce_bytes"] == N * H * hidden.element_size(), calls
     for name, value in real.items():
         setattr(dist, name, value)
 
