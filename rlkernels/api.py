@@ -10,6 +10,7 @@ import torch
 
 from . import backends, correction, custom_ops, distributed, linear
 from .autograd import CoefficientLossFunction
+from .backends.base import rows_form_one_sequence
 from .config import BACKENDS, PolicyLossConfig, RolloutCorrection, _check_finite_positive, resolve_config
 from .segments import Segments
 from .validation import check_cu_seqlens, check_head, check_logits, check_tensor, value_checks
@@ -102,12 +103,7 @@ def _logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
     if logits.dim() == 2:
         return logits
     if logits.dim() == 3:
-        B, T, _ = logits.shape
-        # decided from the strides, not by trying view(): a failing view inside try/except does not
-        # trace under torch.compile
-        if B <= 1 or T <= 1 or logits.stride(0) == T * logits.stride(1):
-            return logits.view(-1, V)
-        return logits
+        return logits.view(-1, V) if rows_form_one_sequence(logits) else logits
     if inplace_backward:
         raise ValueError(
             f"logits: inplace_backward=True needs [N, V] or [B, T, V] rows, got shape {tuple(logits.shape)}"

@@ -27,15 +27,36 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def rows_form_one_sequence(logits: torch.Tensor) -> bool:
+    """Whether the rows of [N, V] or [B, T, V] logits are one strided sequence, i.e. view(-1, V)
+    works without a copy. Decided from the strides: a view() tried inside try/except does not trace
+    under torch.compile."""
+    if logits.dim() == 2:
+        return True
+    B, T, _ = logits.shape
+    return B <= 1 or T <= 1 or logits.stride(0) == T * logits.stride(1)
+
+
 def row_groups(logits: torch.Tensor) -> List[Tuple[int, torch.Tensor]]:
     """(first flat row, 2-D row-strided view) pieces that cover [N, V] or [B, T, V] logits without a
     copy: one piece when the rows form a single strided sequence, else one per batch row."""
-    if logits.dim() == 2:
-        return [(0, logits)]
-    B, T, V = logits.shape
-    if B <= 1 or logits.stride(0) == T * logits.stride(1):
-        return [(0, logits.view(B * T, V) if B else logits.reshape(0, V))]
-    return [(b * T, logits[b]) for b in range(B)]
+    if rows_form_one_sequence(logits):
+        return [(0, logits.view(-1, logits.shape[-1]))]
+    T = logits.shape[1]
+    return [(b * T, logits[b]) for b in range(logits.shape[0])]
+
+
+def paired_row_groups(
+    logits: torch.Tensor, out: torch.Tensor
+) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+    """row_groups(logits), each piece with the rows of `out` (shaped like logits: the gradient, or
+    the logits themselves for an in-place backward) that it writes."""
+    out_groups = row_groups(out)
+    pieces = []
+    for i, (start, rows) in enumerate(row_groups(logits)):
+        out_start, out_rows = out_groups[0] if len(out_groups) == 1 else out_groups[i]
+        pieces.append((start, rows, out_rows[start - out_start:start - out_start + rows.shape[0]]))
+    return pieces
 
 
 def num_rows(logits: torch.Tensor) -> int:

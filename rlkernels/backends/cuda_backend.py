@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .base import RowStats, row_groups
+from .base import RowStats, paired_row_groups, row_groups
 
 OPS_NAMESPACE = "rlkernels_cuda"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
@@ -134,15 +134,13 @@ class CudaBackend:
             _f32(coef_logprob), _f32(coef_entropy) if has_entropy else None,
         )
         out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        out_groups = row_groups(out)
-        for i, (start, rows) in enumerate(row_groups(logits)):
+        for start, rows, out_rows in paired_row_groups(logits, out):
             stop = start + rows.shape[0]
             args = (rows, *(None if v is None else v[start:stop] for v in vectors), float(temperature))
             if inplace:
                 self._ops().token_grad_bwd_inplace(*args)  # the caller bumps logits' version counter
             else:
-                out_start, out_rows = out_groups[0] if len(out_groups) == 1 else out_groups[i]
-                self._ops().token_grad_bwd_out(*args, out_rows[start - out_start:stop - out_start])
+                self._ops().token_grad_bwd_out(*args, out_rows)
         return out
 
 

@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .base import FOREIGN_TARGET, RowStats, num_rows, row_groups, statistics_dtype
+from .base import FOREIGN_TARGET, RowStats, num_rows, paired_row_groups, row_groups, statistics_dtype
 
 # Rows per chunk: ~1 Mi elements (4 MiB in float32) keeps a chunk cache-resident, so the handful of
 # elementwise passes below cost about one read of the logits and one write of the gradient from
@@ -44,12 +44,8 @@ class TorchBackend:
         """(first row, end row, logits chunk, out chunk): 2-D views of at most `chunk_rows` rows,
         taken from the strided logits (and the gradient buffer) where they lie."""
         rows = self.chunk_rows or max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
-        out_groups = row_groups(out) if out is not None else None
-        for i, (start, block) in enumerate(row_groups(logits)):
-            out_block = None
-            if out_groups is not None:
-                out_start, out_block = out_groups[0] if len(out_groups) == 1 else out_groups[i]
-                out_block = out_block[start - out_start:]
+        pieces = paired_row_groups(logits, out) if out is not None else [(s, b, None) for s, b in row_groups(logits)]
+        for start, block, out_block in pieces:
             for s in range(0, block.shape[0], rows):
                 e = min(block.shape[0], s + rows)
                 yield start + s, start + e, block[s:e], None if out_block is None else out_block[s:e]
