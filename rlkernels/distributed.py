@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from . import backends, linear
 from .backends.base import FOREIGN_TARGET, RowStats
-from .backends.torch_backend import TorchBackend
 from .custom_ops import refuse_double_backward, temperature_tensor
 
 _SHARDS: Dict[Tuple[int, int, str], Tuple[int, int]] = {}
@@ -121,9 +120,8 @@ class VocabParallelTokenStats(torch.autograd.Function):
         refuse_double_backward()
         logits, local, row_max, log_norm, entropy = ctx.saved_tensors
         temperature, backend_name, chunk_rows, compute_entropy = ctx.options
-        backend = backends.select(backend_name, logits, chunk_rows)
-        if backend_name == "torch":  # p over the whole vocabulary: replay the merged normaliser
-            backend = TorchBackend(chunk_rows, replay_log_norm=True)
+        # p over the whole vocabulary: the backward replays the merged normaliser
+        backend = backends.select(backend_name, logits, chunk_rows, replay_log_norm=True)
         c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
         e = grad_entropy.to(row_max.dtype) if (compute_entropy and grad_entropy is not None) else None
         dlogits = backend.token_grad_bwd(logits, local, row_max, log_norm, None if e is None else entropy, c, e,
@@ -171,18 +169,7 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
                 d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None)
 
 
-def _apply(logits, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend_name, chunk_rows, group):
-    return VocabParallelTokenStats.apply(logits, row_labels, temperature, compute_entropy, compute_sum_pi_squared,
-                                         backend_name, chunk_rows, group)
-
-
-def _apply_linear(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared,
-                  backend_name, chunk_rows, group):
-    return VocabParallelLinearTokenStats.apply(hidden, weight, bias, row_labels, temperature, compute_entropy,
-                                               compute_sum_pi_squared, backend_name, chunk_rows, group)
-
-
 # Collectives inside: a graph break under torch.compile, and under fullgraph=True an error that says so.
 _REASON = "rlkernels: tp_group runs torch.distributed collectives outside the compiled graph"
-vocab_parallel_token_stats = torch.compiler.disable(_apply, reason=_REASON)
-vocab_parallel_linear_token_stats = torch.compiler.disable(_apply_linear, reason=_REASON)
+vocab_parallel_token_stats = torch.compiler.disable(VocabParallelTokenStats.apply, reason=_REASON)
+vocab_parallel_linear_token_stats = torch.compiler.disable(VocabParallelLinearTokenStats.apply, reason=_REASON)

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import backends
-from .backends.torch_backend import TorchBackend
 from .custom_ops import host_float, refuse_double_backward
 
 # Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
@@ -140,9 +139,7 @@ def linear_token_grad(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
-    impl = backends.select(backend, hidden)
-    if replay_log_norm and impl.name == "torch":  # a vocabulary shard: p over the whole vocabulary
-        impl = TorchBackend(None, replay_log_norm=True)
+    impl = backends.select(backend, hidden, replay_log_norm=replay_log_norm)
     T = host_float(temperature)
     c = coef_logprob
     e = coef_entropy if coef_entropy.numel() > 0 else None
