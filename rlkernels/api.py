@@ -11,7 +11,14 @@ import torch
 from . import backends, correction, custom_ops, distributed, linear
 from .autograd import CoefficientLossFunction
 from .backends.base import rows_form_one_sequence
-from .config import BACKENDS, PolicyLossConfig, RolloutCorrection, _check_finite_positive, resolve_config
+from .config import (
+    BACKENDS,
+    PolicyLossConfig,
+    RolloutCorrection,
+    _check_finite_positive,
+    check_memory_budget,
+    resolve_config,
+)
 from .segments import Segments
 from .validation import check_cu_seqlens, check_head, check_logits, check_tensor, value_checks
 
@@ -294,22 +301,34 @@ def token_logprobs(
     """
     check_logits(logits, allow_any_rank=True)
     token_shape = tuple(logits.shape[:-1])
-    check_tensor("labels", labels, kind="int", shape=token_shape, device=logits.device)
+    temperature, row_labels = _stats_tokens(
+        token_shape, logits.shape[-1], logits.device, labels, temperature, backend, validate, ignore_index, tp_group,
+        inplace_backward,
+    )
+    stats = _token_stats(logits, row_labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward,
+                         backend, None, tp_group)
+    return _shaped_stats(stats, token_shape)
+
+
+def _stats_tokens(token_shape, local_vocab, device, labels, temperature, backend, validate, ignore_index, tp_group,
+                  inplace=False):
+    """The checks of the two token-statistics entry points, then the checked temperature and the row
+    labels (-1 on ignored rows and, with validate=False, out-of-range labels)."""
+    check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
     temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    V = _vocab_size(logits.shape[-1], logits.device, tp_group, inplace_backward)
+    V = _vocab_size(local_vocab, device, tp_group, inplace)
     flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     if validate:
         value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index,
                      where="tokens whose label is not ignore_index")
     keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
-    lp, entropy, sum_pi_squared = _token_stats(
-        logits, _row_labels(flat_labels, keep), temperature, compute_entropy, compute_sum_pi_squared,
-        inplace_backward, backend, None, tp_group,
-    )
-    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
-    return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))
+    return temperature, _row_labels(flat_labels, keep)
+
+
+def _shaped_stats(stats, token_shape) -> TokenStats:
+    return TokenStats(*(None if t is None else t.reshape(token_shape) for t in stats))
 
 
 def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, backend, budget,
@@ -389,24 +408,14 @@ def linear_token_logprobs(
         pass trainers run for old and reference log-probs.
     """
     check_head(hidden, weight, bias, allow_any_rank=True)
+    check_memory_budget(memory_budget_bytes)
     token_shape = tuple(hidden.shape[:-1])
-    V = _vocab_size(weight.shape[0], hidden.device, tp_group)
-    check_tensor("labels", labels, kind="int", shape=token_shape, device=hidden.device)
-    temperature = _check_finite_positive("temperature", temperature)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    PolicyLossConfig(memory_budget_bytes=memory_budget_bytes)  # the same check as the config's
-    flat_labels = labels.reshape(-1).long()
-    if validate:
-        value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index,
-                     where="tokens whose label is not ignore_index")
-    keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
-    lp, entropy, sum_pi_squared = _linear_stats(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, keep), temperature,
-        compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes, tp_group,
+    temperature, row_labels = _stats_tokens(
+        token_shape, weight.shape[0], hidden.device, labels, temperature, backend, validate, ignore_index, tp_group,
     )
-    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
-    return TokenStats(shape(lp), shape(entropy), shape(sum_pi_squared))
+    stats = _linear_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, row_labels, temperature,
+                          compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes, tp_group)
+    return _shaped_stats(stats, token_shape)
 
 
 def rollout_correction(

@@ -356,9 +356,7 @@ class PolicyLossConfig:
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.compile_stage is not None and not isinstance(self.compile_stage, bool):
             raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
-        budget = self.memory_budget_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"memory_budget_bytes: expected a positive int or None, got {budget!r}")
+        check_memory_budget(self.memory_budget_bytes)
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
 
@@ -377,6 +375,11 @@ class PolicyLossConfig:
             hint = f" ({'; '.join(hints)})" if hints else ""
             raise TypeError(f"config: unknown PolicyLossConfig field(s) {sorted(unknown)}{hint}")
         return replace(self, **overrides) if overrides else self
+
+
+def check_memory_budget(budget) -> None:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"memory_budget_bytes: expected a positive int or None, got {budget!r}")
 
 
 def resolve_config(config: Optional[PolicyLossConfig], overrides: dict) -> PolicyLossConfig:
