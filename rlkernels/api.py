@@ -143,7 +143,7 @@ def _vocab_size(local_vocab: int, device, tp_group, inplace: bool = False) -> in
         return local_vocab
     if inplace:
         raise ValueError("inplace_backward: not supported with tp_group (pass inplace_backward=False)")
-    return distributed.vocab_shard(tp_group, local_vocab, device)[1]
+    return distributed.shard_offset(tp_group, local_vocab, device)[1]
 
 
 def _tp_backend(name: str) -> str:

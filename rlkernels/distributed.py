@@ -34,7 +34,7 @@ from .custom_ops import refuse_double_backward, temperature_tensor
 _SHARDS: Dict[Tuple[int, int, str], Tuple[int, int]] = {}
 
 
-def vocab_shard(group, local_vocab: int, device: torch.device) -> Tuple[int, int]:
+def shard_offset(group, local_vocab: int, device: torch.device) -> Tuple[int, int]:
     """(offset of this rank's shard, total vocabulary) of `group`; one all_gather the first time."""
     key = (id(group), local_vocab, device.type)
     if key not in _SHARDS:
@@ -103,9 +103,9 @@ class VocabParallelTokenStats(torch.autograd.Function):
     def forward(ctx, logits, row_labels, temperature: float, compute_entropy: bool, compute_sum_pi_squared: bool,
                 backend_name: str, chunk_rows: Optional[int], group):
         # logits: (N, V_r) or (B, T, V_r) this rank's shard; row_labels: (N,) global ids, -1 skipped
-        backend = backends.select(backend_name, logits, chunk_rows)
+        backend = backends.select(backend_name, logits, chunk_rows, vocab_shard=True)
         V_r = logits.shape[-1]
-        offset, _ = vocab_shard(group, V_r, logits.device)
+        offset, _ = shard_offset(group, V_r, logits.device)
         local = shard_labels(row_labels, offset, V_r)
         # the entropy is needed to merge it, and the backward needs the merged one
         stats = backend.token_stats_fwd(logits, local, temperature, compute_entropy, compute_sum_pi_squared)
@@ -120,8 +120,7 @@ class VocabParallelTokenStats(torch.autograd.Function):
         refuse_double_backward()
         logits, local, row_max, log_norm, entropy = ctx.saved_tensors
         temperature, backend_name, chunk_rows, compute_entropy = ctx.options
-        # p over the whole vocabulary: the backward replays the merged normaliser
-        backend = backends.select(backend_name, logits, chunk_rows, replay_log_norm=True)
+        backend = backends.select(backend_name, logits, chunk_rows, vocab_shard=True)
         c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
         e = grad_entropy.to(row_max.dtype) if (compute_entropy and grad_entropy is not None) else None
         dlogits = backend.token_grad_bwd(logits, local, row_max, log_norm, None if e is None else entropy, c, e,
@@ -138,11 +137,11 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, row_labels, temperature: float, compute_entropy: bool,
                 compute_sum_pi_squared: bool, backend_name: str, chunk_rows: int, group):
         V_r = weight.shape[0]
-        offset, _ = vocab_shard(group, V_r, hidden.device)
+        offset, _ = shard_offset(group, V_r, hidden.device)
         local = shard_labels(row_labels, offset, V_r)
         T = temperature_tensor(temperature)
         stats = RowStats(*linear.linear_token_stats(hidden, weight, bias, local, T, compute_entropy,
-                                                    compute_sum_pi_squared, backend_name, chunk_rows))
+                                                    compute_sum_pi_squared, backend_name, chunk_rows, True))
         stats = stats._replace(entropy=stats.entropy if compute_entropy else None,
                                sum_pi_squared=stats.sum_pi_squared if compute_sum_pi_squared else None)
         logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature, group)

@@ -95,14 +95,15 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden
 @torch.library.custom_op("rlkernels::linear_token_stats", mutates_args=())
 def linear_token_stats(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, temperature: Tensor,
-    compute_entropy: bool, compute_sum_pi_squared: bool, backend: str, chunk_rows: int,
+    compute_entropy: bool, compute_sum_pi_squared: bool, backend: str, chunk_rows: int, vocab_shard: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row_max, log_norm, logprobs, entropy, sum_pi_squared), [N] each (absent ones empty [0]).
 
     hidden: (N, H); weight: (V, H); bias: (V,) or None; row_labels: (N,) int64, -1 off the loss.
     A custom op, so that torch.compile sees one opaque op with [N] outputs (the row selection inside
-    has a data-dependent size)."""
-    impl = backends.select(backend, hidden)
+    has a data-dependent size). vocab_shard: the weight is one shard of a vocabulary-parallel head
+    (see backends.select)."""
+    impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
     T = host_float(temperature)
     N = hidden.shape[0]
     acc = backends.statistics_dtype(hidden.dtype)
@@ -125,7 +126,8 @@ def linear_token_stats(
 
 
 @linear_token_stats.register_fake
-def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend, chunk_rows):
+def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend, chunk_rows,
+      vocab_shard=False):
     N = hidden.shape[0]
     new = lambda n: hidden.new_empty(n, dtype=backends.statistics_dtype(hidden.dtype))  # noqa: E731
     return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
@@ -135,11 +137,11 @@ def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_su
 def linear_token_grad(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, row_max: Tensor, log_norm: Tensor,
     entropy: Tensor, coef_logprob: Tensor, coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
-    need_hidden: bool, need_weight: bool, need_bias: bool, replay_log_norm: bool = False,
+    need_hidden: bool, need_weight: bool, need_bias: bool, vocab_shard: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
-    impl = backends.select(backend, hidden, replay_log_norm=replay_log_norm)
+    impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
     T = host_float(temperature)
     c = coef_logprob
     e = coef_entropy if coef_entropy.numel() > 0 else None
@@ -175,7 +177,7 @@ def linear_token_grad(
 
 @linear_token_grad.register_fake
 def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend,
-      chunk_rows, need_hidden, need_weight, need_bias, replay_log_norm=False):
+      chunk_rows, need_hidden, need_weight, need_bias, vocab_shard=False):
     dense = dict(memory_format=torch.contiguous_format)  # what the real op returns, whatever the input layout
     return (
         torch.empty_like(hidden, **dense) if need_hidden else hidden.new_empty(0),
@@ -185,27 +187,27 @@ def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, row_labels, temperature, _, _, backend, chunk_rows = inputs
+    hidden, weight, bias, row_labels, temperature, _, _, backend, chunk_rows, vocab_shard = inputs
     row_max, log_norm, _, entropy, sum_pi_squared = output
     ctx.save_for_backward(hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature)
-    ctx.options = (backend, chunk_rows)
+    ctx.options = (backend, chunk_rows, vocab_shard)
     ctx.mark_non_differentiable(row_max, log_norm, sum_pi_squared)
 
 
 def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared):
     refuse_double_backward()
     hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature = ctx.saved_tensors
-    backend, chunk_rows = ctx.options
+    backend, chunk_rows, vocab_shard = ctx.options
     c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
     use_entropy = grad_entropy is not None and entropy.numel() > 0
     e = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     d_hidden, d_weight, d_bias = linear_token_grad(
         hidden, weight, bias, row_labels, row_max, log_norm, entropy, c, e, temperature, backend, chunk_rows,
-        need_h, need_w, need_b,
+        need_h, need_w, need_b, vocab_shard,
     )
     return (d_hidden if need_h else None, d_weight if need_w else None,
-            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None)
+            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None)
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)

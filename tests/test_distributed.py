@@ -83,9 +83,13 @@ def _check_rank(rank, world, dtype, backend):
     batch = make_batch("packed", [5, 0, 4, 6], V, dtype=dtype, seed=7, mask_p=0.8, logit_kind="normal")
     config = PolicyLossConfig(rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.5, 2.0)),
                               entropy_coeff=0.01, kl_coef=0.05, temperature=0.8, loss_agg_mode="seq-mean-token-mean")
-    # a row whose logits are all -inf in rank 0's shard (that shard has no mass there)
+    # a row whose logits are all -inf in rank 0's shard (that shard has no mass there), and a row
+    # whose first id of every shard is -inf while its target is elsewhere (a foreign-target row's
+    # normaliser must not come from its first column)
     full = batch.logits.clone()
     full[1, : sizes[0]] = float("-inf")
+    full[2, offsets] = float("-inf")
+    batch.labels[2] = 1
     calls, real = _count_collectives("all_gather")
     real_all_gather = real["all_gather"]
     kw = dict(batch.kwargs("decoupled"), config=config)

@@ -38,14 +38,15 @@ def available() -> dict:
     return {"torch": True, "triton": _triton_backend() is not None, "cuda": _cuda_backend() is not None}
 
 
-def select(name: str, logits: torch.Tensor, chunk_rows=None, replay_log_norm: bool = False) -> Backend:
+def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool = False) -> Backend:
     """Pick the backend for these logits. "auto": Triton on CUDA tensors when importable, else torch.
 
-    replay_log_norm: the backward must form p from the given (row_max, log_norm) -- a vocabulary
-    shard, whose normaliser is the whole vocabulary's. The kernels always do; the torch backend is
-    told to (it otherwise recomputes the softmax of the rows it has)."""
+    vocab_shard: the logits are one shard of a vocabulary-parallel head (rlkernels.distributed):
+    rows may carry FOREIGN_TARGET, and the backward must form p from the given (row_max, log_norm),
+    the whole vocabulary's normaliser. The kernels do both always; the torch backend is told to (it
+    otherwise recomputes the softmax of the rows it has, and skips the foreign-target work)."""
     if name == "torch":
-        return TorchBackend(chunk_rows, replay_log_norm)
+        return TorchBackend(chunk_rows, vocab_shard)
     if name in ("triton", "cuda") and logits.dtype not in KERNEL_DTYPES:
         raise ValueError(
             f"backend={name!r}: supports float16, bfloat16 and float32 logits, got {logits.dtype}; "
@@ -74,7 +75,7 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None, replay_log_norm: bo
             backend = _triton_backend()
             if backend is not None and backend.supports(logits):
                 return backend
-        return TorchBackend(chunk_rows, replay_log_norm)
+        return TorchBackend(chunk_rows, vocab_shard)
     raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cuda', got {name!r}")
 
 

@@ -28,12 +28,14 @@ CHUNK_ELEMENTS = 1 << 20
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, chunk_rows: Optional[int] = None, replay_log_norm: bool = False):
+    def __init__(self, chunk_rows: Optional[int] = None, vocab_shard: bool = False):
         self.chunk_rows = chunk_rows
-        # The backward normally recomputes p with a fused softmax of the rows (cheaper here than
-        # replaying the saved normaliser). A vocabulary shard cannot: its p is normalised over the
-        # whole vocabulary, so rlkernels.distributed asks for p = exp((z - row_max)/T - log_norm).
-        self.replay_log_norm = replay_log_norm
+        # A shard of a vocabulary-parallel head (rlkernels.distributed). Its rows may have their
+        # target elsewhere (FOREIGN_TARGET): their log_norm comes from the largest log p (an extra
+        # reduction, only then). Its backward cannot recompute p with a fused softmax of the rows (the
+        # normal, cheaper way here): p is normalised over the whole vocabulary, so it is replayed as
+        # exp((z - row_max)/T - log_norm).
+        self.vocab_shard = vocab_shard
 
     def supports(self, logits: torch.Tensor) -> bool:
         return True
@@ -71,17 +73,17 @@ class TorchBackend:
         entropy = torch.zeros_like(row_max) if compute_entropy else None
         sum_pi_squared = torch.zeros_like(row_max) if compute_sum_pi_squared else None
         target = torch.zeros_like(row_max)
+        # a row with a foreign target recovers log_norm from its largest log p (= -log_norm exactly)
+        log_p_max = torch.zeros_like(row_max) if self.vocab_shard else None
         for s, e, chunk, _ in self._chunks(logits):
-            m, argmax = chunk.max(1)
-            m = m.to(acc)
-            # the column log_norm is recovered from: the target, or for a foreign target the row's max
-            # (finite whenever the row has one: log_norm = -log p_max exactly)
-            ref = torch.where(foreign[s:e, None], argmax[:, None], safe_labels[s:e])
-            target[s:e] = chunk.gather(1, ref).squeeze(1).to(acc)
+            target[s:e] = chunk.gather(1, safe_labels[s:e]).squeeze(1).to(acc)
+            m = chunk.amax(1).to(acc)
             # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats)
             row_max[s:e] = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             log_p = torch.log_softmax(self._scaled(chunk, row_max[s:e], acc, temperature), dim=1, dtype=acc)
-            logprobs[s:e] = log_p.gather(1, ref).squeeze(1)
+            logprobs[s:e] = log_p.gather(1, safe_labels[s:e]).squeeze(1)
+            if self.vocab_shard:
+                log_p_max[s:e] = log_p.amax(1)
             if compute_entropy or compute_sum_pi_squared:
                 p = log_p.exp()
                 if compute_entropy:
@@ -95,6 +97,8 @@ class TorchBackend:
         no_mass = torch.isnan(logprobs)
         logprobs = logprobs.masked_fill(no_mass, float("-inf"))
         log_norm = (target - row_max) / temperature - logprobs
+        if self.vocab_shard:
+            log_norm = torch.where(foreign, -log_p_max, log_norm)
         log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), log_norm)
         zero = torch.zeros((), dtype=acc, device=logits.device)
         keep = lambda t: None if t is None else torch.where(active & ~no_mass, t, zero)  # noqa: E731
@@ -128,7 +132,7 @@ class TorchBackend:
         replay_ln = torch.where(usable, log_norm.to(acc), torch.full_like(row_max, float("inf")))
         for s, e, chunk, out_chunk in self._chunks(logits, out):
             c_rows, y, ct_rows, own = c[s:e, None], safe_labels[s:e], c_target[s:e, None], onehot_y[s:e, None]
-            if self.replay_log_norm:
+            if self.vocab_shard:
                 p = (chunk.to(acc) - row_max[s:e, None]).mul_(inv_t).sub_(replay_ln[s:e, None]).exp_()
             else:
                 p = torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc)
