@@ -19,7 +19,9 @@ from .config import (
     check_memory_budget,
     resolve_config,
 )
+from .metrics import Metrics
 from .segments import Segments
+from .split import LOCAL
 from .validation import check_cu_seqlens, check_head, check_logits, check_tensor, value_checks
 
 
@@ -450,12 +452,10 @@ def rollout_correction(
     tr = torch.where(mask, tr.detach().to(dt), zero)
     ro = torch.where(mask, ro.detach().to(dt), zero)
     seg = _segments(token_shape, cu_seqlens, device)
-    delta = tr - ro
-    weights = correction.is_weights(delta, mask, seg, config) if config.is_level is not None else None
-    final_mask, metrics = mask, {}
-    if config.rs:
-        final_mask, metrics = correction.rejection(delta, mask, seg, config)
-    metrics.update(correction.offpolicy_metrics(tr, ro, mask, seg, config, weights))
+    terms, table, decisions, norms, weights = correction.correct(tr, ro, mask, seg, config, LOCAL)
+    metrics = Metrics()
+    correction.record_metrics(metrics, terms, mask, table, decisions, norms, config, weights)
+    final_mask, metrics = decisions.mask, metrics.finish(LOCAL)
     return CorrectionOutput(
         None if weights is None else weights.weights.reshape(token_shape), final_mask.reshape(token_shape), metrics
     )

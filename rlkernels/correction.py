@@ -1,46 +1,24 @@
 """Rollout correction on per-token scalars: IS weights (SPEC §4), rejection masks (§5) and the
 rollout_corr/* diagnostics (§8). Vectorised torch on [N] tensors; the same code serves every
 backend, since none of it touches the vocabulary.
+
+It runs in the stage's three steps, each ending where a split batch must communicate:
+  1. `token_terms`: everything that needs only a token (log-ratios, k-statistics, token-level
+     rejection and truncation), and the per-sequence columns the later steps read;
+  2. `decide` after the per-sequence sums are whole: sequence-level weights and rejection, the final
+     mask; then `normalisers`, the batch-wide counts and means (whole after one combine);
+  3. `weights` and `record_metrics` with those global normalisers.
 """
 
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .config import RolloutCorrection
-from .segments import Segments, hyper, log_hyper, masked_extreme, masked_mean, masked_mean_exp
+from .metrics import Metrics, combine_moments, std  # noqa: F401  (std is used by derive below)
+from .segments import Segments, SequenceTable, hyper, log_hyper
 
 CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp
-
-
-class ISWeights(NamedTuple):
-    weights: torch.Tensor  # [N] applied weights, 0 off the mask
-    truncated: torch.Tensor  # [N] before batch normalisation (what the metrics describe)
-    norm_factor: torch.Tensor  # 0-d, 1 when not normalised
-
-
-def is_weights(delta: torch.Tensor, mask: torch.Tensor, seg: Segments, rc: RolloutCorrection) -> ISWeights:
-    """delta: [N] log(pi_train / mu), already 0 off the mask."""
-    if rc.is_level == "token":
-        raw = torch.exp(delta.clamp(-CLAMP, CLAMP))
-    else:  # the unclamped sequence sum, clamped once (SPEC §4)
-        raw = seg.expand(torch.exp(seg.sum(delta).clamp(-CLAMP, CLAMP)))
-    if rc.is_icepop:
-        lo, hi = rc.is_threshold
-        w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
-    else:
-        w = torch.minimum(raw, hyper(raw, rc.is_threshold))
-    w = torch.where(mask, w, torch.zeros_like(w))
-    factor = torch.ones((), dtype=w.dtype, device=w.device)
-    if rc.is_batch_normalize:
-        if rc.is_level == "token":
-            mean = masked_mean(w, mask)
-        else:  # over non-empty sequences, one weight each
-            lengths = seg.sum(mask.to(w.dtype))
-            per_seq = seg.sum(w) / lengths.clamp_min(1)
-            mean = masked_mean(per_seq, lengths > 0)
-        factor = torch.where(mean > 1e-8, mean, factor)
-    return ISWeights(w / factor, w, factor)
 
 
 def _k_stat(kind: str, delta_hat: torch.Tensor) -> torch.Tensor:
@@ -58,101 +36,241 @@ def _keeps(kind: str, stat: torch.Tensor, bound) -> torch.Tensor:
     return stat <= bound
 
 
-class Rejection(NamedTuple):
-    mask: torch.Tensor  # [N] final mask m'
-    metrics: Dict[str, torch.Tensor]
+def _truncate(raw: torch.Tensor, mask: torch.Tensor, rc: RolloutCorrection) -> torch.Tensor:
+    """SPEC §4: truncation (min with the threshold) or IcePop masking (0 outside [lo, hi]); 0 off the mask."""
+    if rc.is_icepop:
+        lo, hi = rc.is_threshold
+        w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
+    else:
+        w = torch.minimum(raw, hyper(raw, rc.is_threshold))
+    return torch.where(mask, w, torch.zeros_like(w))
 
 
-def rejection(delta: torch.Tensor, mask: torch.Tensor, seg: Segments, rc: RolloutCorrection) -> Rejection:
-    """SPEC §5: every option keeps or drops tokens; options combine by AND."""
+class TokenTerms(NamedTuple):
+    train: torch.Tensor  # [N] log-probs of the training policy, 0 off the mask
+    rollout: torch.Tensor  # [N] behaviour log-probs, 0 off the mask
+    delta: torch.Tensor  # [N] train - rollout
+    k_stats: Dict[str, torch.Tensor]  # kind -> [N] k-statistic, 0 off the mask (the kinds rejection uses)
+    token_keep: torch.Tensor  # [N] mask minus the tokens a token_* rejection option drops
+    token_weights: Optional[torch.Tensor]  # [N] truncated token-level IS weights (is_level='token')
+
+
+def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, rc: Optional[RolloutCorrection],
+                table: SequenceTable) -> TokenTerms:
+    """Step 1. train, rollout: [N], already 0 off the mask. Registers the per-sequence columns."""
+    delta = train - rollout
     delta_hat = delta.clamp(-CLAMP, CLAMP)
-    maskf = mask.to(delta.dtype)
-    lengths = seg.sum(maskf)
-    nonempty = lengths > 0
-    keep_all = mask
-    metrics = {}
+    table.add_sum("train", train)
+    table.add_sum("rollout", rollout)
+    table.add_sum("delta", delta)  # the unclamped sequence sum, clamped once (SPEC §4)
+    k_stats, keep, token_weights = {}, mask, None
+    for option, bound in (rc.rs if rc is not None else ()):
+        kind = option[-2:]
+        if kind not in k_stats:
+            k_stats[kind] = torch.where(mask, _k_stat(kind, delta_hat), torch.zeros_like(delta))
+        if option.startswith("token_"):
+            keep = keep & _keeps(kind, k_stats[kind], bound)
+        elif option.startswith("seq_max_"):
+            table.add_max(kind, k_stats[kind])
+        else:
+            table.add_sum(kind, k_stats[kind])
+    if rc is not None and rc.rs:
+        table.add_sum("kept", keep.to(delta.dtype))
+    if rc is not None and rc.is_level == "token":
+        token_weights = _truncate(torch.exp(delta_hat), mask, rc)
+        if rc.is_batch_normalize:
+            table.add_sum("weights", token_weights)
+    return TokenTerms(train, rollout, delta, k_stats, keep, token_weights)
+
+
+class Option(NamedTuple):
+    """One rejection option's values and verdict, for its metrics."""
+    name: str
+    values: torch.Tensor  # [N] token statistics, or [S] sequence statistics
+    per_sequence: bool
+    keep: torch.Tensor  # [N] bool, the tokens this option keeps
+
+
+class Decisions(NamedTuple):
+    truncated: Optional[torch.Tensor]  # [N] IS weights before batch normalisation, 0 off the mask
+    sequence_weights: Optional[torch.Tensor]  # [S] truncated weight of each sequence (is_level='sequence')
+    log_ratio: Optional[torch.Tensor]  # [N] or [S] the clamped log-ratio the IS weights come from
+    mask: torch.Tensor  # [N] bool, the final mask m'
+    final_lengths: torch.Tensor  # [S] tokens of each sequence in m'
+    options: List[Option]
+
+
+def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable,
+           rc: Optional[RolloutCorrection]) -> Decisions:
+    """Step 2: sequence-level IS weights and rejection on whole sequences; the final mask."""
+    lengths = table.sum("len")
+    if terms is None or rc is None:
+        return Decisions(None, None, None, mask, lengths, [])
+    seg = table.seg
+    truncated = seq_weights = log_ratio = None
+    if rc.is_level == "token":
+        truncated, log_ratio = terms.token_weights, terms.delta.clamp(-CLAMP, CLAMP)
+    elif rc.is_level is not None:
+        log_ratio = table.sum("delta").clamp(-CLAMP, CLAMP)
+        seq_weights = _truncate(torch.exp(log_ratio), lengths > 0, rc)
+        truncated = torch.where(mask, seg.expand(seq_weights), torch.zeros_like(terms.delta))
+    options, keep_seq = [], torch.ones_like(lengths, dtype=torch.bool)
     for option, bound in rc.rs:
         kind = option[-2:]
-        k = torch.where(mask, _k_stat(kind, delta_hat), torch.zeros_like(delta))
         if option.startswith("token_"):
-            values, valid = k, mask
-            keep = _keeps(kind, k, bound)
+            stat = terms.k_stats[kind]
+            options.append(Option(option, stat, False, _keeps(kind, stat, bound) | ~mask))
+            continue
+        if option.startswith("seq_sum_"):
+            values = table.sum(kind)
+        elif option.startswith("seq_mean_"):
+            values = table.sum(kind) / lengths.clamp_min(1)
         else:
-            if option.startswith("seq_sum_"):
-                values = seg.sum(k)
-            elif option.startswith("seq_mean_"):
-                values = seg.sum(k) / lengths.clamp_min(1)
-            else:
-                values = seg.max(k, mask)
-            valid = nonempty
-            keep = seg.expand(_keeps(kind, values, bound))
-        prefix = f"rollout_corr/rollout_rs_{option}"
-        metrics[f"{prefix}_mean"] = masked_mean(values, valid)
-        metrics[f"{prefix}_max"] = masked_extreme(values, valid, largest=True)
-        metrics[f"{prefix}_min"] = masked_extreme(values, valid, largest=False)
-        metrics[f"{prefix}_masked_fraction"] = masked_mean((~keep).to(delta.dtype), mask)
-        keep_all = keep_all & keep
-    rejected = (mask & ~keep_all).to(delta.dtype)
-    metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected, mask)
-    seq_rejected = (seg.sum(rejected) > 0).to(delta.dtype)
-    metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = masked_mean(seq_rejected, nonempty)
-    return Rejection(keep_all, metrics)
+            values = table.max(kind)
+        keep = _keeps(kind, values, bound)
+        keep_seq = keep_seq & keep
+        options.append(Option(option, values, True, seg.expand(keep)))
+    if not rc.rs:
+        return Decisions(truncated, seq_weights, log_ratio, mask, lengths, [])
+    final_mask = terms.token_keep & seg.expand(keep_seq)
+    # the final lengths from whole-sequence values: a token rejection is local, a sequence one global
+    final_lengths = torch.where(keep_seq, table.sum("kept"), torch.zeros_like(lengths))
+    return Decisions(truncated, seq_weights, log_ratio, final_mask, final_lengths, options)
 
 
-def offpolicy_metrics(
-    train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor, seg: Segments,
-    rc: Optional[RolloutCorrection], weights: Optional[ISWeights],
-) -> Dict[str, torch.Tensor]:
-    """The rollout_corr/* diagnostics of SPEC §8 on the original mask (inputs already 0 off it)."""
-    dt = train_lp.dtype
-    delta = train_lp - rollout_lp
+class Normalisers(NamedTuple):
+    """Batch-wide counts and means, whole over the split (SPEC §7, §8)."""
+    tokens: torch.Tensor  # |m|
+    kept_tokens: torch.Tensor  # |m'|
+    seqs: torch.Tensor  # sequences with a token in m
+    kept_seqs: torch.Tensor  # sequences with a token in m' (G)
+    width: torch.Tensor  # K default of seq-mean-token-sum-norm
+    weight_mean: Optional[torch.Tensor]  # the batch mean of the truncated IS weights (is_batch_normalize)
+
+
+def normalisers(table: SequenceTable, decisions: Decisions, rc: Optional[RolloutCorrection], split) -> Normalisers:
+    """From whole per-sequence values; one combine across a data-parallel split."""
+    lengths = table.sum("len")
+    dt = lengths.dtype
+    sums = [lengths.sum(), decisions.final_lengths.sum(), (lengths > 0).to(dt).sum(),
+            (decisions.final_lengths > 0).to(dt).sum()]
+    normalise = rc is not None and rc.is_level is not None and rc.is_batch_normalize
+    if normalise:  # token level: the mean over m; sequence level: over non-empty sequences, one weight each
+        weights = table.sum("weights") if rc.is_level == "token" else decisions.sequence_weights
+        sums.append(weights.sum())
+    width = torch.as_tensor(table.seg.width, device=lengths.device).to(dt).reshape(1)
+    total, widest = split.combine_normalisers(torch.stack(sums), width)
+    tokens, kept_tokens, seqs, kept_seqs = total[:4].unbind()
+    weight_mean = None
+    if normalise:
+        weight_mean = total[4] / (tokens if rc.is_level == "token" else seqs).clamp_min(1)
+    return Normalisers(tokens, kept_tokens, seqs, kept_seqs, widest[0], weight_mean)
+
+
+class ISWeights(NamedTuple):
+    weights: torch.Tensor  # [N] applied weights, 0 off the mask
+    truncated: torch.Tensor  # [N] before batch normalisation (what the metrics describe)
+    norm_factor: torch.Tensor  # 0-d, 1 when not normalised
+
+
+def weights(decisions: Decisions, norms: Normalisers) -> Optional[ISWeights]:
+    """Step 3: the applied IS weights (batch-normalised by the global mean when asked)."""
+    w = decisions.truncated
+    if w is None:
+        return None
+    factor = torch.ones((), dtype=w.dtype, device=w.device)
+    if norms.weight_mean is not None:
+        factor = torch.where(norms.weight_mean > 1e-8, norms.weight_mean, factor)
+    return ISWeights(w / factor, w, factor)
+
+
+def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, table: SequenceTable,
+                   decisions: Decisions, norms: Normalisers, rc: Optional[RolloutCorrection],
+                   weights: Optional[ISWeights]) -> None:
+    """The rollout_rs_* metrics of every rejection option and the rollout_corr/* diagnostics of SPEC
+    §8, on the original mask."""
+    dt = terms.delta.dtype
+    n_tok, n_seq = norms.tokens, norms.seqs
+    lengths = table.sum("len")
+    nonempty = lengths > 0
+    for option in decisions.options:
+        prefix = f"rollout_corr/rollout_rs_{option.name}"
+        valid, n = (nonempty, n_seq) if option.per_sequence else (mask, n_tok)
+        metrics.mean(f"{prefix}_mean", option.values, valid, n, option.per_sequence)
+        metrics.extreme(f"{prefix}_max", option.values, valid, n, largest=True)
+        metrics.extreme(f"{prefix}_min", option.values, valid, n, largest=False)
+        metrics.mean(f"{prefix}_masked_fraction", (~option.keep).to(dt), mask, n_tok)
+    if decisions.options:
+        metrics.mean("rollout_corr/rollout_rs_masked_fraction", (mask & ~decisions.mask).to(dt), mask, n_tok)
+        seq_rejected = (decisions.final_lengths < lengths).to(dt)
+        metrics.mean("rollout_corr/rollout_rs_seq_masked_fraction", seq_rejected, nonempty, n_seq, True)
+
+    name = lambda k: f"rollout_corr/{k}"  # noqa: E731
+    delta = terms.delta
     delta_hat = delta.clamp(-CLAMP, CLAMP)
     rho = torch.exp(delta_hat)
-    lengths = seg.sum(mask.to(dt))
-    nonempty = lengths > 0
-    mean_tr = seg.sum(train_lp) / lengths.clamp_min(1)
-    mean_ro = seg.sum(rollout_lp) / lengths.clamp_min(1)
+    mean_tr = table.sum("train") / lengths.clamp_min(1)
+    mean_ro = table.sum("rollout") / lengths.clamp_min(1)
     diff = mean_ro - mean_tr
-    rho_seq_sq = torch.exp(2 * seg.sum(delta).clamp(-CLAMP, CLAMP))
-    out = {
-        "kl": masked_mean(-delta, mask),
-        "k3_kl": masked_mean(rho - delta_hat - 1, mask),
-        # chi2 = E[rho^2] - 1 written as E[rho^2 - 1]: equal, but 0 (not -1) on an empty batch
-        "chi2_token": masked_mean(rho * rho - 1, mask),
-        "chi2_seq": masked_mean(rho_seq_sq - 1, nonempty),
-        "tv_token": masked_mean(0.5 * (rho - 1).abs(), mask),
-        "training_ppl": masked_mean_exp(-mean_tr, nonempty),
-        "rollout_ppl": masked_mean_exp(-mean_ro, nonempty),
-        "training_log_ppl": masked_mean(-mean_tr, nonempty),
-        "rollout_log_ppl": masked_mean(-mean_ro, nonempty),
-        "log_ppl_diff": masked_mean(diff, nonempty),
-        "log_ppl_abs_diff": masked_mean(diff.abs(), nonempty),
-        "log_ppl_diff_max": masked_extreme(diff, nonempty, largest=True),
-        "log_ppl_diff_min": masked_extreme(diff, nonempty, largest=False),
-        "ppl_ratio": masked_mean_exp(diff, nonempty),
-    }
+    rho_seq_sq = torch.exp(2 * table.sum("delta").clamp(-CLAMP, CLAMP))
+    metrics.mean(name("kl"), -delta, mask, n_tok)
+    metrics.mean(name("k3_kl"), rho - delta_hat - 1, mask, n_tok)
+    # chi2 = E[rho^2] - 1 written as E[rho^2 - 1]: equal, but 0 (not -1) on an empty batch
+    metrics.mean(name("chi2_token"), rho * rho - 1, mask, n_tok)
+    metrics.mean(name("chi2_seq"), rho_seq_sq - 1, nonempty, n_seq, True)
+    metrics.mean(name("tv_token"), 0.5 * (rho - 1).abs(), mask, n_tok)
+    metrics.mean_exp(name("training_ppl"), -mean_tr, nonempty, n_seq)
+    metrics.mean_exp(name("rollout_ppl"), -mean_ro, nonempty, n_seq)
+    metrics.mean(name("training_log_ppl"), -mean_tr, nonempty, n_seq, True)
+    metrics.mean(name("rollout_log_ppl"), -mean_ro, nonempty, n_seq, True)
+    metrics.mean(name("log_ppl_diff"), diff, nonempty, n_seq, True)
+    metrics.mean(name("log_ppl_abs_diff"), diff.abs(), nonempty, n_seq, True)
+    metrics.extreme(name("log_ppl_diff_max"), diff, nonempty, n_seq, largest=True)
+    metrics.extreme(name("log_ppl_diff_min"), diff, nonempty, n_seq, largest=False)
+    metrics.mean_exp(name("ppl_ratio"), diff, nonempty, n_seq)
     # sqrt(2 (1 + chi2_seq)) taken as sqrt(2 E[rho_seq^2]): 1 + (E[rho^2] - 1) rounds to 0 in
     # float32 when every rho_seq is tiny, E[rho^2] itself does not
-    out["c_star"] = torch.sqrt(2 * masked_mean(rho_seq_sq, nonempty))
-    if rc is not None and rc.is_level is not None:
-        lo, hi = rc.is_bounds
-        w = weights.truncated
-        x = torch.minimum(w.clamp_min(0), hyper(w, hi))
-        mean_x = masked_mean(x, mask)
-        out["rollout_is_mean"] = masked_mean(w, mask)
-        # two-pass variance: E[x^2] - E[x]^2 cancels catastrophically in float32 when w ~ 1
-        out["rollout_is_std"] = torch.sqrt(masked_mean((x - mean_x) ** 2, mask))
-        out["rollout_is_min"] = masked_extreme(w, mask, largest=False)
-        out["rollout_is_max"] = masked_extreme(w, mask, largest=True)
-        if rc.is_level == "token":
-            log_ratio, valid = delta_hat, mask
-        else:
-            log_ratio, valid = seg.sum(delta).clamp(-CLAMP, CLAMP), nonempty
-        out["rollout_is_ratio_fraction_high"] = masked_mean((log_ratio > log_hyper(log_ratio, hi)).to(dt), valid)
-        out["rollout_is_ratio_fraction_low"] = masked_mean((log_ratio < log_hyper(log_ratio, lo)).to(dt), valid)
-        # ESS = 1 / mean((x / mean x)^2); 0 when every weight is 0 or nothing is valid
-        ess = 1.0 / masked_mean((x / mean_x.clamp_min(torch.finfo(dt).tiny)) ** 2, mask).clamp_min(torch.finfo(dt).tiny)
-        out["rollout_is_eff_sample_size"] = torch.where(mean_x > 0, ess, torch.zeros_like(ess))
-        if rc.is_batch_normalize:
-            out["rollout_is_batch_norm_factor"] = weights.norm_factor
-    return {f"rollout_corr/{k}": v for k, v in out.items()}
+    metrics.mean("_rho_seq_sq", rho_seq_sq, nonempty, n_seq, True)
+    metrics.derive(name("c_star"), lambda m: torch.sqrt(2 * m), "_rho_seq_sq")
+    if weights is None:
+        return
+    lo, hi = rc.is_bounds
+    w = weights.truncated
+    x = torch.minimum(w.clamp_min(0), hyper(w, hi))
+    metrics.mean(name("rollout_is_mean"), w, mask, n_tok)
+    metrics.moments("_is_x", x, mask)
+    metrics.derive(name("rollout_is_std"), std, "_is_x")
+    metrics.extreme(name("rollout_is_min"), w, mask, n_tok, largest=False)
+    metrics.extreme(name("rollout_is_max"), w, mask, n_tok, largest=True)
+    per_sequence = rc.is_level != "token"
+    valid, n = (nonempty, n_seq) if per_sequence else (mask, n_tok)
+    log_ratio = decisions.log_ratio
+    metrics.mean(name("rollout_is_ratio_fraction_high"), (log_ratio > log_hyper(log_ratio, hi)).to(dt), valid, n,
+                 per_sequence)
+    metrics.mean(name("rollout_is_ratio_fraction_low"), (log_ratio < log_hyper(log_ratio, lo)).to(dt), valid, n,
+                 per_sequence)
+    metrics.derive(name("rollout_is_eff_sample_size"), _effective_sample_size, "_is_x")
+    if rc.is_batch_normalize:
+        metrics.derive(name("rollout_is_batch_norm_factor"), lambda: weights.norm_factor)
+
+
+def _effective_sample_size(moments: torch.Tensor) -> torch.Tensor:
+    """ESS = 1 / mean((x / mean x)^2) = 1 / (1 + (std / mean)^2); 0 when every weight is 0 or nothing
+    is valid. Written with the ratio std / mean so that tiny weights do not underflow a square."""
+    _, mean, _ = moments.unbind()
+    tiny = torch.finfo(mean.dtype).tiny
+    ratio = std(moments) / mean.clamp_min(tiny)
+    return torch.where(mean > 0, 1.0 / (1 + ratio * ratio), torch.zeros_like(mean))
+
+
+def correct(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg: Segments,
+            rc: Optional[RolloutCorrection], split) -> Tuple[Optional[TokenTerms], SequenceTable, Decisions,
+                                                                Normalisers, Optional[ISWeights]]:
+    """Steps 1-2 and the weights, for `rollout_correction` and the loss stage alike. rollout=None:
+    no correction (the normalisers are still computed, for the loss)."""
+    table = SequenceTable(seg, mask, train.dtype)
+    terms = None if rollout is None else token_terms(train, rollout, mask, rc, table)
+    table.reduce(split)
+    decisions = decide(terms, mask, table, rc)
+    norms = normalisers(table, decisions, rc, split)
+    return terms, table, decisions, norms, weights(decisions, norms)

@@ -15,7 +15,9 @@ import torch
 from . import correction
 from .config import PolicyLossConfig
 from .correction import CLAMP
-from .segments import Segments, hyper, masked_mean
+from .metrics import Metrics
+from .segments import Segments, hyper
+from .split import LOCAL, BatchSplit
 
 
 class StageOutput(NamedTuple):
@@ -27,24 +29,33 @@ class StageOutput(NamedTuple):
     metrics: Dict[str, torch.Tensor]
 
 
-def aggregation_weights(mask: torch.Tensor, seg: Segments, config: PolicyLossConfig, dtype) -> torch.Tensor:
-    """a_t of SPEC §7, so that agg(X) = sum_t a_t * X_t. Empty batches give a = 0 (loss 0, never NaN)."""
+def aggregation_weights(mask: torch.Tensor, seg: Segments, config: PolicyLossConfig, dtype,
+                        final_lengths: Optional[torch.Tensor] = None,
+                        norms: Optional[correction.Normalisers] = None) -> torch.Tensor:
+    """a_t of SPEC §7, so that agg(X) = sum_t a_t * X_t. Empty batches give a = 0 (loss 0, never NaN).
+
+    `final_lengths` ([S], tokens of each sequence in the mask) and `norms` (the batch-wide counts)
+    come from the stage, whole over a split batch; alone, this computes them from `mask`."""
     m = mask.to(dtype)
+    if final_lengths is None:
+        final_lengths = seg.sum(m)
+    if norms is None:
+        count = m.sum()
+        norms = correction.Normalisers(count, count, None, (final_lengths > 0).to(dtype).sum(),
+                                       torch.as_tensor(seg.width).to(dtype), None)
     mode = config.loss_agg_mode
     if mode == "token-sum":
         return m
     if mode == "token-mean":
-        n = m.sum().clamp_min(1) if config.global_num_tokens is None else config.global_num_tokens
+        n = norms.kept_tokens.clamp_min(1) if config.global_num_tokens is None else config.global_num_tokens
         return m / n
-    lengths = seg.sum(m)
-    G = (lengths > 0).to(dtype).sum().clamp_min(1) if config.global_num_seqs is None else config.global_num_seqs
+    G = norms.kept_seqs.clamp_min(1) if config.global_num_seqs is None else config.global_num_seqs
     if mode == "seq-mean-token-mean":
-        return m / (seg.expand(lengths.clamp_min(1)) * G)
+        return m / (seg.expand(final_lengths.clamp_min(1)) * G)
     if mode == "seq-mean-token-sum":
         return m / G
-    K = config.loss_scale_factor if config.loss_scale_factor is not None else seg.width
-    if isinstance(K, torch.Tensor):
-        K = K.to(dtype).clamp_min(1)  # a packed batch of empty sequences has width 0 and a = 0 anyway
+    # a packed batch of empty sequences has width 0 and a = 0 anyway
+    K = config.loss_scale_factor if config.loss_scale_factor is not None else norms.width.clamp_min(1)
     return m / (G * K)
 
 
@@ -66,9 +77,14 @@ def kl_and_grad(lp: torch.Tensor, ref: torch.Tensor, kl_type: str):
 def sequence_stage(
     lp: torch.Tensor, entropy: Optional[torch.Tensor], advantages: torch.Tensor, mask: torch.Tensor,
     old: Optional[torch.Tensor], rollout: Optional[torch.Tensor], ref: Optional[torch.Tensor],
-    seg: Segments, config: PolicyLossConfig,
+    seg: Segments, config: PolicyLossConfig, split: BatchSplit = LOCAL,
 ) -> StageOutput:
-    """lp, entropy: [N] detached statistics of the current policy; mask: [N] bool (m); the others [N]."""
+    """lp, entropy: [N] detached statistics of the current policy; mask: [N] bool (m); the others [N].
+
+    `split`: the data- and context-parallel groups the batch is split over. Whole-sequence values and
+    batch normalisers are combined across them (see correction), so every rank's coefficients are
+    those of its tokens in the computation on the whole batch; the loss is scaled by the
+    data-parallel world size, so that the mean of the ranks' gradients is the whole batch's."""
     dt = lp.dtype
     zero = torch.zeros((), dtype=dt, device=lp.device)
 
@@ -80,20 +96,13 @@ def sequence_stage(
     rc = config.rollout_correction
     decoupled = old is not None
     l_old = old if decoupled else (roll if roll is not None else lp)  # SPEC §1 modes
+    l_train = old if decoupled else lp
 
-    metrics: Dict[str, torch.Tensor] = {}
-    w = None
-    final_mask = mask
-    if roll is not None:
-        l_train = old if decoupled else lp
-        delta = l_train - roll
-        if rc is not None and rc.is_level is not None:
-            w = correction.is_weights(delta, mask, seg, rc)
-        if rc is not None and rc.rs:
-            rej = correction.rejection(delta, mask, seg, rc)
-            final_mask = rej.mask
-            metrics.update(rej.metrics)
-        metrics.update(correction.offpolicy_metrics(l_train, roll, mask, seg, rc, w))
+    terms, table, decisions, norms, w = correction.correct(l_train, roll, mask, seg, rc, split)
+    final_mask = decisions.mask
+    metrics = Metrics()
+    if terms is not None:
+        correction.record_metrics(metrics, terms, mask, table, decisions, norms, rc, w)
 
     delta_pg_raw = lp - l_old
     delta_pg = delta_pg_raw.clamp(-CLAMP, CLAMP)
@@ -126,27 +135,32 @@ def sequence_stage(
             L = L * applied_w
             dL = dL * applied_w
 
-    a = aggregation_weights(final_mask, seg, config, dt)
+    a = aggregation_weights(final_mask, seg, config, dt, decisions.final_lengths, norms)
     L = torch.where(final_mask, L, zero)
     pg_loss = (a * L).sum()
     loss = pg_loss
     coef = a * dL
-    metrics["actor/pg_loss"] = pg_loss
-    metrics["actor/pg_clipfrac"] = masked_mean(clipped.to(dt), final_mask)
-    metrics["actor/pg_clipfrac_lower"] = masked_mean(dual.to(dt), final_mask)
-    metrics["actor/ppo_kl"] = masked_mean(-delta_pg, final_mask)
+    n_kept = norms.kept_tokens
+    metrics.total("actor/pg_loss", pg_loss)
+    metrics.mean("actor/pg_clipfrac", clipped.to(dt), final_mask, n_kept)
+    metrics.mean("actor/pg_clipfrac_lower", dual.to(dt), final_mask, n_kept)
+    metrics.mean("actor/ppo_kl", -delta_pg, final_mask, n_kept)
     if ref is not None:
         kl, dkl = kl_and_grad(lp, ref, config.kl_type)
         kl_loss = (a * torch.where(final_mask, kl, zero)).sum()
-        metrics["actor/kl_loss"] = kl_loss
+        metrics.total("actor/kl_loss", kl_loss)
         if config.kl_coef:
             loss = loss + config.kl_coef * kl_loss
             coef = coef + config.kl_coef * a * dkl
     coef_entropy = None
     if H is not None:
         ent = (a * H).sum()
-        metrics["actor/entropy"] = ent
+        metrics.total("actor/entropy", ent)
         if config.entropy_coeff:
             loss = loss - config.entropy_coeff * ent
             coef_entropy = -config.entropy_coeff * a
-    return StageOutput(loss, coef, coef_entropy, applied_w, final_mask, metrics)
+    scale = split.loss_scale  # 1, or the data-parallel world size (see the docstring)
+    if scale != 1:
+        loss, coef = loss * scale, coef * scale
+        coef_entropy = None if coef_entropy is None else coef_entropy * scale
+    return StageOutput(loss, coef, coef_entropy, applied_w, final_mask, metrics.finish(split))

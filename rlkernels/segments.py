@@ -6,9 +6,13 @@ identical on a GPU too: the padded layout reduces rows of a [B, T] view, the pac
 `torch.segment_reduce` over the offsets (one ordered reduction per segment). Neither uses
 `index_add_` / `scatter_reduce_`, whose CUDA kernels accumulate with floating-point atomics. Nothing
 depends on data in shapes, so the per-sequence stage never synchronises the device.
+
+A context-parallel rank holds only some tokens of each sequence, at known global positions
+(`Segments.at_positions`); its reductions give partial per-sequence values, which `SequenceTable`
+combines across the group in one collective before anything reads them.
 """
 
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -16,13 +20,14 @@ import torch
 class Segments:
     def __init__(
         self, seq_id: torch.Tensor, num_seqs: int, width: Union[int, torch.Tensor], padded_T: Optional[int],
-        cu_seqlens: Optional[torch.Tensor] = None,
+        cu_seqlens: Optional[torch.Tensor] = None, order: Optional[torch.Tensor] = None,
     ):
         self.seq_id = seq_id  # [N] int64, the sequence of each token
         self.num_seqs = num_seqs  # S, known from shapes alone
         self.width = width  # K default of seq-mean-token-sum-norm: T, or the longest packed sequence
         self.padded_T = padded_T  # T of the padded layout, None when packed
-        self.cu_seqlens = cu_seqlens  # [S + 1] int64 offsets of the packed layout, None when padded
+        self.cu_seqlens = cu_seqlens  # [S + 1] int64 offsets of the tokens (after `order`), None when padded
+        self.order = order  # [N] permutation that groups the tokens by sequence, None when they already are
 
     @classmethod
     def padded(cls, B: int, T: int, device) -> "Segments":
@@ -37,31 +42,89 @@ class Segments:
         cu = cu_seqlens.to(device=device, dtype=torch.long)
         S = cu.numel() - 1
         seq_id = torch.searchsorted(cu[1:], torch.arange(N, device=device), right=True)
-        width = (cu[1:] - cu[:-1]).max() if S > 0 else torch.zeros((), dtype=torch.long, device=device)
-        return cls(seq_id, S, width, None, cu)
+        return cls(seq_id, S, _longest(cu), None, cu)
+
+    @classmethod
+    def at_positions(cls, positions: torch.Tensor, cu_seqlens: torch.Tensor, width: Union[int, torch.Tensor],
+                     grouped: bool) -> "Segments":
+        """Tokens at global `positions` ([N] int64) of a packed axis split by `cu_seqlens` ([S + 1],
+        global): one context-parallel rank's share. `grouped`: the positions are increasing (a
+        contiguous slice), so the tokens of a sequence are already together; otherwise a stable sort
+        groups them (a fixed order, hence deterministic)."""
+        cu = cu_seqlens.to(device=positions.device, dtype=torch.long)
+        S = cu.numel() - 1
+        seq_id = torch.searchsorted(cu[1:], positions, right=True)
+        order = None if grouped else torch.sort(seq_id, stable=True).indices
+        sorted_id = seq_id if order is None else seq_id.index_select(0, order)
+        local_cu = torch.searchsorted(sorted_id, torch.arange(S + 1, device=positions.device))
+        return cls(seq_id, S, width, None, local_cu, order)
 
     def _reduce(self, x: torch.Tensor, how: str, empty: float) -> torch.Tensor:
+        """[N, ...] -> [S, ...]."""
         if self.padded_T is not None:  # padded: a row reduction of the [B, T] view
             if self.padded_T == 0:
-                return x.new_full((self.num_seqs,), empty)
-            rows = x.view(self.num_seqs, self.padded_T)
+                return x.new_full((self.num_seqs, *x.shape[1:]), empty)
+            rows = x.view(self.num_seqs, self.padded_T, *x.shape[1:])
             return rows.sum(1) if how == "sum" else rows.amax(1)
+        if self.order is not None:
+            x = x.index_select(0, self.order)
         # `unsafe`: the offsets were checked by validation (or are trusted with validate=False); the
         # safe path would read them on the host
-        return torch.segment_reduce(x, how, offsets=self.cu_seqlens, unsafe=True, initial=empty)
+        return torch.segment_reduce(x, how, offsets=self.cu_seqlens, axis=0, unsafe=True, initial=empty)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """[N] -> [S] sums (callers zero the masked tokens first); 0 for an empty sequence."""
         return self._reduce(x, "sum", 0.0)
 
-    def max(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[N] -> [S] max over masked-in tokens; an empty sequence has max 0 (SPEC §5)."""
-        out = self._reduce(torch.where(mask, x, torch.full_like(x, float("-inf"))), "max", float("-inf"))
-        return torch.where(self.sum(mask.to(x.dtype)) > 0, out, torch.zeros_like(out))
-
     def expand(self, per_seq: torch.Tensor) -> torch.Tensor:
         """[S] -> [N]: each token gets its sequence's value (a gather: no accumulation)."""
         return per_seq.index_select(0, self.seq_id)
+
+
+def _longest(cu: torch.Tensor) -> torch.Tensor:
+    return (cu[1:] - cu[:-1]).max() if cu.numel() > 1 else torch.zeros((), dtype=torch.long, device=cu.device)
+
+
+class SequenceTable:
+    """Per-sequence sums and maxima of named per-token columns, each kind reduced in one segmented
+    pass over a [N, columns] stack. `reduce(split)` runs the reductions and, when the batch is split
+    over a context-parallel group, combines the partial values across it (one collective) -- so every
+    per-sequence decision after it sees whole sequences. "len" (the masked-in token count) is always a
+    column; a sequence's max is 0 when it has no masked-in token (SPEC §5)."""
+
+    def __init__(self, seg: Segments, mask: torch.Tensor, dtype: torch.dtype):
+        self.seg = seg
+        self.mask = mask
+        self._sum_columns: Dict[str, torch.Tensor] = {"len": mask.to(dtype)}
+        self._max_columns: Dict[str, torch.Tensor] = {}
+        self._sums: Dict[str, torch.Tensor] = {}
+        self._maxes: Dict[str, torch.Tensor] = {}
+
+    def add_sum(self, name: str, x: torch.Tensor) -> None:
+        """x: [N], already 0 off the mask."""
+        self._sum_columns[name] = x
+
+    def add_max(self, name: str, x: torch.Tensor) -> None:
+        """x: [N]; only masked-in tokens count."""
+        self._max_columns[name] = torch.where(self.mask, x, torch.full_like(x, float("-inf")))
+
+    def reduce(self, split) -> "SequenceTable":
+        sums, maxes = list(self._sum_columns.values()), list(self._max_columns.values())
+        S_sum = self.seg._reduce(torch.stack(sums, 1), "sum", 0.0)
+        S_max = self.seg._reduce(torch.stack(maxes, 1), "max", float("-inf")) if maxes else None
+        S_sum, S_max = split.combine_sequences(S_sum, S_max)
+        self._sums = dict(zip(self._sum_columns, S_sum.unbind(1)))
+        if S_max is not None:
+            nonempty = self._sums["len"] > 0
+            self._maxes = {name: torch.where(nonempty, col, torch.zeros_like(col))
+                           for name, col in zip(self._max_columns, S_max.unbind(1))}
+        return self
+
+    def sum(self, name: str) -> torch.Tensor:
+        return self._sums[name]
+
+    def max(self, name: str) -> torch.Tensor:
+        return self._maxes[name]
 
 
 def hyper(like: torch.Tensor, value) -> torch.Tensor:
@@ -78,30 +141,3 @@ def log_hyper(like: torch.Tensor, value) -> torch.Tensor:
     """log(value) as a 0-d tensor of `like`'s dtype: taken in float64 and rounded once, as math.log
     followed by the comparison's cast would (see `hyper` for why it is a tensor)."""
     return torch.log(torch.zeros((), dtype=torch.float64, device=like.device) + value).to(like.dtype)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x where mask is set; 0 over an empty set (SPEC §8). Values off the mask may be NaN.
-
-    Each term is divided before the sum, so that a mean of values near the dtype's maximum (exp of
-    a large log-ratio in float32) does not overflow in the running sum."""
-    n = mask.sum().clamp_min(1).to(x.dtype)
-    return torch.where(mask, x / n, torch.zeros_like(x)).sum()
-
-
-def masked_mean_exp(a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """mean(exp(a)) where mask is set, as exp(logsumexp(a) - log n): finite whenever the mean is,
-    even when single terms overflow the dtype (perplexities of float32 log-probs); 0 when empty."""
-    n = mask.sum().clamp_min(1).to(a.dtype)
-    lse = torch.logsumexp(torch.where(mask, a, torch.full_like(a, float("-inf"))), dim=0)
-    return torch.exp(lse - torch.log(n))
-
-
-def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
-    """Max (or min) of x where mask is set; 0 over an empty set."""
-    fill = float("-inf") if largest else float("inf")
-    filled = torch.where(mask, x, torch.full_like(x, fill))
-    if filled.numel() == 0:
-        return x.new_zeros(())
-    out = filled.max() if largest else filled.min()
-    return torch.where(mask.any(), out, torch.zeros_like(out))

@@ -1,0 +1,101 @@
+"""A batch split over data-parallel (`dp_group`) and context-parallel (`cp_group`) ranks.
+
+The per-sequence stage reads three kinds of batch-wide values, and each is made whole at one point,
+with one collective per group that needs it:
+
+    per-sequence sums and maxima   (log-ratio sums, lengths, k-statistics)   across cp_group
+    batch normalisers              (|m|, |m'|, non-empty sequences, K, IS-weight means)   across dp_group
+    metrics                        (packed partial values, see metrics.py)   across cp_group, then dp_group
+
+A context-parallel rank's sequences are whole after the first combine, so its normalisers need no
+collective; a data-parallel rank's sequences are whole from the start, so it needs no first combine.
+Every combine is an `all_gather` of a small float64 vector, merged by every rank in rank order: the
+results are bitwise identical on every rank and in every run (an all_reduce would leave the order of
+the sum to the communication library). Nothing is read on the host: no synchronisation.
+
+The loss of a data-parallel rank is scaled by the group's size, so that the *mean* of the ranks'
+gradients (what DDP and FSDP compute) is the gradient of the loss on the whole batch.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .metrics import LSE_SEQ, MAX, MIN, MOMENTS, SUM_SEQ, SUM_TOKEN, combine_moments
+
+_REASON = "rlkernels: dp_group / cp_group run torch.distributed collectives outside the compiled graph"
+
+
+@torch.compiler.disable(reason=_REASON)  # a graph break under torch.compile (an error under fullgraph=True)
+def _all_gather(vector: torch.Tensor, group) -> torch.Tensor:
+    """[F] on every rank -> [world, F] float64, in rank order."""
+    part = vector.detach().to(torch.float64).contiguous()
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, part, group=group)
+    return torch.stack(parts)
+
+
+def _combine_metrics(gathered: torch.Tensor, slots: Dict[int, int], within_context: bool) -> torch.Tensor:
+    """gathered: [world, F] packed records (metrics.Metrics.finish's layout) -> [F]. Across a
+    context-parallel group the per-sequence records are the same on every rank: taken once."""
+    out, start = [], 0
+    for kind, width in slots.items():
+        part = gathered[:, start:start + width]
+        start += width
+        if kind == SUM_TOKEN or (kind == SUM_SEQ and not within_context):
+            out.append(part.sum(0))
+        elif kind in (SUM_SEQ, LSE_SEQ) and within_context:
+            out.append(part[0])
+        elif kind == LSE_SEQ:
+            out.append(torch.logsumexp(part, 0))
+        elif kind == MAX:
+            out.append(part.amax(0))
+        elif kind == MIN:
+            out.append(part.amin(0))
+        elif kind == MOMENTS:
+            out.append(combine_moments(part.reshape(part.shape[0], -1, 3)).reshape(-1))
+    return torch.cat(out)
+
+
+class BatchSplit:
+    def __init__(self, dp_group=None, cp_group=None):
+        self.dp_group = dp_group
+        self.cp_group = cp_group
+
+    @property
+    def loss_scale(self) -> int:
+        return 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+
+    def combine_sequences(self, sums: torch.Tensor, maxes: Optional[torch.Tensor]
+                          ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[S, F] partial sums and [S, G] partial maxima of this rank's tokens -> whole sequences."""
+        if self.cp_group is None:
+            return sums, maxes
+        n_sum = sums.numel()
+        flat = sums.reshape(-1) if maxes is None else torch.cat([sums.reshape(-1), maxes.reshape(-1)])
+        gathered = _all_gather(flat, self.cp_group)
+        whole_sums = gathered[:, :n_sum].sum(0).to(sums.dtype).reshape(sums.shape)
+        if maxes is None:
+            return whole_sums, None
+        return whole_sums, gathered[:, n_sum:].amax(0).to(maxes.dtype).reshape(maxes.shape)
+
+    def combine_normalisers(self, sums: torch.Tensor, maxes: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Batch counts ([k], summed) and widths ([j], maxed) of this rank -> the whole batch's."""
+        if self.dp_group is None:
+            return sums, maxes
+        gathered = _all_gather(torch.cat([sums, maxes]), self.dp_group)
+        k = sums.numel()
+        return gathered[:, :k].sum(0).to(sums.dtype), gathered[:, k:].amax(0).to(maxes.dtype)
+
+    def combine_metrics(self, packed: torch.Tensor, slots: Dict[int, int]) -> torch.Tensor:
+        """Packed metric records of this rank -> the whole batch's (see metrics.py)."""
+        out = packed
+        if self.cp_group is not None:
+            out = _combine_metrics(_all_gather(out, self.cp_group), slots, within_context=True)
+        if self.dp_group is not None:
+            out = _combine_metrics(_all_gather(out, self.dp_group), slots, within_context=False)
+        return out.to(packed.dtype)
+
+
+LOCAL = BatchSplit()
