@@ -4,9 +4,10 @@ Only this module reads `backend=`. Inputs are never modified (unless `inplace_ba
 writes dlogits into the logits' storage and bumps their version counter).
 """
 
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from . import backends, correction, custom_ops, distributed, linear
 from .autograd import CoefficientLossFunction
@@ -21,7 +22,7 @@ from .config import (
 )
 from .metrics import Metrics
 from .segments import Segments
-from .split import LOCAL
+from .split import BatchSplit, context_layout
 from .validation import check_cu_seqlens, check_head, check_logits, check_tensor, value_checks
 
 
@@ -50,6 +51,36 @@ def _segments(token_shape, cu_seqlens, device) -> Segments:
     if len(token_shape) == 2:
         return Segments.padded(token_shape[0], token_shape[1], device)
     return Segments.packed(cu_seqlens, token_shape[0], device)
+
+
+def _check_group(name: str, group) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+
+
+class _BatchLayout(NamedTuple):
+    split: BatchSplit
+    segments: Segments
+    num_tokens: Union[int, torch.Tensor, None]  # what cu_seqlens[-1] must be (None: unchecked)
+    positions: Union[int, torch.Tensor, None]  # token_index values lie in [0, positions)
+
+
+def _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index):
+    """The data/context-parallel split of the batch, this rank's sequence segments, and what the value
+    checks compare cu_seqlens[-1] with (None: nothing) and token_index's positions with."""
+    _check_group("dp_group", dp_group)
+    _check_group("cp_group", cp_group)
+    split = BatchSplit(dp_group, cp_group)
+    if cp_group is None:
+        if token_index is not None:
+            raise ValueError("token_index: only used with cp_group (the global positions of this rank's tokens); "
+                             "pass cp_group or token_index=None")
+        return _BatchLayout(split, _segments(token_shape, cu_seqlens, device), token_shape[0], None)
+    if token_index is not None:
+        check_tensor("token_index", token_index, kind="int", shape=(token_shape[-1],), device=device)
+    layout = context_layout(token_shape, cu_seqlens, token_index, cp_group, device)
+    end = layout.total if (len(token_shape) == 2 or cu_seqlens is None) else cu_seqlens[-1]
+    return _BatchLayout(split, layout.segments, layout.total, end)
 
 
 def _check_per_token(shape, device, **tensors) -> None:
@@ -121,15 +152,15 @@ def _logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
 
 
 def _policy_output(
-    lp, entropy, advantages, mask, old, rollout, ref, cu_seqlens, token_shape, config
+    lp, entropy, advantages, mask, old, rollout, ref, layout, token_shape, config
 ) -> PolicyLossOutput:
     """Flat statistics carrying autograd -> the per-sequence stage -> PolicyLossOutput (both entry points)."""
     dt = backends.statistics_dtype(lp.dtype)
     stat_lp = lp.detach().to(dt)
     stat_ent = None if entropy is None else entropy.detach().to(dt)
     stage = backends.select_stage(lp, config.compile_stage)(
-        stat_lp, stat_ent, _flat(advantages), mask, _flat(old), _flat(rollout), _flat(ref),
-        _segments(token_shape, cu_seqlens, lp.device), config,
+        stat_lp, stat_ent, _flat(advantages), mask, _flat(old), _flat(rollout), _flat(ref), layout.segments, config,
+        layout.split,
     )
     loss = CoefficientLossFunction.apply(stage.loss, lp, entropy, stage.coef_logprob, stage.coef_entropy)
     shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
@@ -175,11 +206,11 @@ def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inpla
 
 def _loss_tokens(
     source: str, token_shape, V: int, device, labels, advantages, response_mask, old_logprobs, rollout_logprobs,
-    ref_logprobs, cu_seqlens, config: PolicyLossConfig, ignore_index: int,
+    ref_logprobs, cu_seqlens, config: PolicyLossConfig, ignore_index: int, dp_group, cp_group, token_index,
 ):
-    """The checks every loss entry point makes on its per-token inputs, then the flat int64 labels and
-    the mask m: the response mask minus ignored tokens and (with validate=False) out-of-range labels,
-    which are treated as masked so that nothing is ever read out of bounds."""
+    """The checks every loss entry point makes on its per-token inputs, then the flat int64 labels,
+    the mask m -- the response mask minus ignored tokens and (with validate=False) out-of-range labels,
+    which are treated as masked so that nothing is ever read out of bounds -- and the batch layout."""
     check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
     _check_per_token(
         token_shape, device, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
@@ -190,24 +221,27 @@ def _loss_tokens(
                          "sequences")
     check_cu_seqlens(cu_seqlens, token_shape, device)
     _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
+    layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
     flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     in_mask = response_mask.reshape(-1).bool()
     if config.validate:
         value_checks(
             valid=in_mask, labels=flat_labels, vocab=V, ignore_index=ignore_index, cu_seqlens=cu_seqlens,
-            num_tokens=flat_labels.numel(), finite=[("advantages", advantages.reshape(-1))],
+            num_tokens=layout.num_tokens, token_index=token_index, positions=layout.positions,
+            finite=[("advantages", advantages.reshape(-1))],
             not_nan=[("old_logprobs", _flat(old_logprobs)), ("rollout_logprobs", _flat(rollout_logprobs)),
                      ("ref_logprobs", _flat(ref_logprobs))],
         )
     mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
-    return flat_labels, mask
+    return flat_labels, mask, layout
 
 
 def decoupled_ppo_loss(
     logits: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
     old_logprobs: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
-    config: Optional[PolicyLossConfig] = None, ignore_index: int = -100, tp_group=None, **overrides,
+    config: Optional[PolicyLossConfig] = None, ignore_index: int = -100, tp_group=None, dp_group=None,
+    cp_group=None, token_index: Optional[torch.Tensor] = None, **overrides,
 ) -> PolicyLossOutput:
     """Decoupled PPO / REINFORCE loss with rollout correction, from logits (SPEC §1-§8).
 
@@ -224,6 +258,15 @@ def decoupled_ppo_loss(
         tp_group: a process group over which the logits are split along the vocabulary (each rank
             passes its contiguous shard, in rank order; labels are global ids): one all_gather per
             call, identical loss and metrics on every rank, each rank's gradient its own slice.
+        dp_group: a process group over which the batch is split (data parallelism): normalisers and
+            metrics are those of the whole batch, and the loss is scaled so that the mean of the
+            ranks' gradients (DDP / FSDP) is the whole batch's gradient.
+        cp_group: a process group over which the sequences are split (context parallelism): this
+            rank holds the r-th contiguous slice of the packed token axis (or of the padded time
+            axis), or the global positions `token_index`; cu_seqlens is the global one. Each rank's
+            loss is its tokens' share (the ranks' losses sum to the whole batch's).
+        token_index: [N_r] (packed) or [T_r] (padded) global positions of this rank's tokens along
+            the split axis, for interleaved (zigzag) context-parallel layouts.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics).
     Raises:
@@ -233,16 +276,16 @@ def decoupled_ppo_loss(
     check_logits(logits)
     token_shape = tuple(logits.shape[:-1])
     V = _vocab_size(logits.shape[-1], logits.device, tp_group, config.inplace_backward)
-    flat_labels, mask = _loss_tokens(
+    flat_labels, mask, layout = _loss_tokens(
         "logits", token_shape, V, logits.device, labels, advantages, response_mask, old_logprobs,
-        rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
+        rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index, dp_group, cp_group, token_index,
     )
     lp, entropy, _ = _token_stats(
         logits, _row_labels(flat_labels, mask), config.temperature, config.needs_entropy, False,
         config.inplace_backward, config.backend, config.chunk_rows, tp_group,
     )
     return _policy_output(
-        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, token_shape, config
+        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config
     )
 
 
@@ -250,14 +293,15 @@ def policy_loss(
     logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
     old_logprobs: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
-    cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, **overrides,
+    cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, dp_group=None,
+    cp_group=None, token_index: Optional[torch.Tensor] = None, **overrides,
 ) -> PolicyLossOutput:
     """The same loss as `decoupled_ppo_loss` when log-probs (and entropy) come from elsewhere.
 
     Args:
         logprobs: [B, T] or [N] float current-policy log-probs of the sampled tokens (with autograd).
         entropy: like logprobs, needed when entropy_coeff != 0 (with autograd).
-        The other arguments are those of `decoupled_ppo_loss`.
+        The other arguments (dp_group, cp_group, token_index included) are those of `decoupled_ppo_loss`.
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. logprobs and entropy.
     """
@@ -274,15 +318,17 @@ def policy_loss(
     _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
+    layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
     mask = response_mask.reshape(-1).bool()
     if config.validate:
         value_checks(
-            valid=mask, cu_seqlens=cu_seqlens, num_tokens=mask.numel(), finite=[("advantages", _flat(advantages))],
+            valid=mask, cu_seqlens=cu_seqlens, num_tokens=layout.num_tokens, token_index=token_index,
+            positions=layout.positions, finite=[("advantages", _flat(advantages))],
             not_nan=[("logprobs", _flat(logprobs)), ("old_logprobs", _flat(old_logprobs)),
                      ("rollout_logprobs", _flat(rollout_logprobs)), ("ref_logprobs", _flat(ref_logprobs))],
         )
     return _policy_output(
-        _flat(logprobs), _flat(entropy), advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens,
+        _flat(logprobs), _flat(entropy), advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout,
         token_shape, config,
     )
 
@@ -290,19 +336,23 @@ def policy_loss(
 def token_logprobs(
     logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
     compute_sum_pi_squared: bool = False, ignore_index: int = -100, backend: str = "auto", validate: bool = True,
-    inplace_backward: bool = False, tp_group=None,
+    inplace_backward: bool = False, tp_group=None, dp_group=None, cp_group=None,
 ) -> TokenStats:
     """Per-token log-prob of `labels` under softmax(logits / T), with entropy and sum p^2 (SPEC §2).
 
     Args:
         logits: [..., V] float; labels: [...] integer (`ignore_index` rows give 0 and no gradient).
         tp_group: vocabulary parallelism, as in `decoupled_ppo_loss`.
+        dp_group, cp_group: accepted so that one set of group arguments fits every entry point; per-token
+            statistics need nothing from other data- or context-parallel ranks (no collective).
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
         to logits from logprobs and entropy.
     """
     check_logits(logits, allow_any_rank=True)
     token_shape = tuple(logits.shape[:-1])
+    _check_group("dp_group", dp_group)
+    _check_group("cp_group", cp_group)
     temperature, row_labels = _stats_tokens(
         token_shape, logits.shape[-1], logits.device, labels, temperature, backend, validate, ignore_index, tp_group,
         inplace_backward,
@@ -356,7 +406,7 @@ def linear_decoupled_ppo_loss(
     response_mask: torch.Tensor, *, bias: Optional[torch.Tensor] = None, old_logprobs: Optional[torch.Tensor] = None,
     rollout_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, ignore_index: int = -100,
-    tp_group=None, **overrides,
+    tp_group=None, dp_group=None, cp_group=None, token_index: Optional[torch.Tensor] = None, **overrides,
 ) -> PolicyLossOutput:
     """`decoupled_ppo_loss` on logits = hidden @ weight.T + bias, without ever forming [N, V] logits.
 
@@ -371,7 +421,7 @@ def linear_decoupled_ppo_loss(
         tp_group: the head split over the vocabulary: this rank's weight rows (and bias) [V_r, H] of
             the contiguous shard [o_r, o_r + V_r); one all_gather forward, one all_reduce (d_hidden)
             backward.
-        The other arguments are those of `decoupled_ppo_loss`.
+        The other arguments (dp_group, cp_group, token_index included) are those of `decoupled_ppo_loss`.
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. hidden, weight and bias.
     Raises:
@@ -380,16 +430,17 @@ def linear_decoupled_ppo_loss(
     config = resolve_config(config, overrides)
     check_head(hidden, weight, bias)
     token_shape = tuple(hidden.shape[:-1])
-    flat_labels, mask = _loss_tokens(
+    flat_labels, mask, layout = _loss_tokens(
         "hidden", token_shape, _vocab_size(weight.shape[0], hidden.device, tp_group), hidden.device, labels,
         advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
+        dp_group, cp_group, token_index,
     )
     lp, entropy, _ = _linear_stats(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, mask), config.temperature,
         config.needs_entropy, False, config.backend, config.memory_budget_bytes, tp_group,
     )
     return _policy_output(
-        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, token_shape, config
+        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config
     )
 
 
@@ -397,13 +448,14 @@ def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0, compute_entropy: bool = False, compute_sum_pi_squared: bool = False,
     ignore_index: int = -100, backend: str = "auto", validate: bool = True,
-    memory_budget_bytes: Optional[int] = None, tp_group=None,
+    memory_budget_bytes: Optional[int] = None, tp_group=None, dp_group=None, cp_group=None,
 ) -> TokenStats:
     """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
 
     Args:
         hidden: [..., H] float; weight: [V, H]; bias: [V] or None; labels: [...] integer
             (`ignore_index` rows give 0, never touch the head, and get no gradient).
+        tp_group, dp_group, cp_group: as in `token_logprobs`.
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
         from logprobs and entropy to hidden, weight and bias. Under torch.no_grad() this is the lean
@@ -412,6 +464,8 @@ def linear_token_logprobs(
     check_head(hidden, weight, bias, allow_any_rank=True)
     check_memory_budget(memory_budget_bytes)
     token_shape = tuple(hidden.shape[:-1])
+    _check_group("dp_group", dp_group)
+    _check_group("cp_group", cp_group)
     temperature, row_labels = _stats_tokens(
         token_shape, weight.shape[0], hidden.device, labels, temperature, backend, validate, ignore_index, tp_group,
     )
@@ -422,7 +476,8 @@ def linear_token_logprobs(
 
 def rollout_correction(
     train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
-    cu_seqlens: Optional[torch.Tensor] = None, config: RolloutCorrection, validate: bool = True,
+    cu_seqlens: Optional[torch.Tensor] = None, config: RolloutCorrection, validate: bool = True, dp_group=None,
+    cp_group=None, token_index: Optional[torch.Tensor] = None,
 ) -> CorrectionOutput:
     """IS weights (SPEC §4), rejection mask (§5) and rollout_corr/* metrics (§8), without a loss.
 
@@ -431,6 +486,8 @@ def rollout_correction(
         rollout_logprobs: same shape, from the inference engine.
         response_mask: same shape, bool or 0/1.
         config: a RolloutCorrection.
+        dp_group, cp_group, token_index: a split batch, as in `decoupled_ppo_loss` (metrics, sequence
+            decisions and batch normalisation are those of the whole batch).
     Returns:
         CorrectionOutput(weights or None, mask, metrics); nothing carries autograd.
     """
@@ -442,20 +499,20 @@ def rollout_correction(
     device, token_shape = train_logprobs.device, tuple(train_logprobs.shape)
     _check_per_token(token_shape, device, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
     check_cu_seqlens(cu_seqlens, token_shape, device)
+    layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
     mask = response_mask.reshape(-1).bool()
     tr, ro = train_logprobs.reshape(-1), rollout_logprobs.reshape(-1)
     if validate:
-        value_checks(valid=mask, cu_seqlens=cu_seqlens, num_tokens=mask.numel(),
-                     not_nan=[("train_logprobs", tr), ("rollout_logprobs", ro)])
+        value_checks(valid=mask, cu_seqlens=cu_seqlens, num_tokens=layout.num_tokens, token_index=token_index,
+                     positions=layout.positions, not_nan=[("train_logprobs", tr), ("rollout_logprobs", ro)])
     dt = backends.statistics_dtype(train_logprobs.dtype)
     zero = torch.zeros((), dtype=dt, device=device)
     tr = torch.where(mask, tr.detach().to(dt), zero)
     ro = torch.where(mask, ro.detach().to(dt), zero)
-    seg = _segments(token_shape, cu_seqlens, device)
-    terms, table, decisions, norms, weights = correction.correct(tr, ro, mask, seg, config, LOCAL)
+    terms, table, decisions, norms, weights = correction.correct(tr, ro, mask, layout.segments, config, layout.split)
     metrics = Metrics()
     correction.record_metrics(metrics, terms, mask, table, decisions, norms, config, weights)
-    final_mask, metrics = decisions.mask, metrics.finish(LOCAL)
+    final_mask, metrics = decisions.mask, metrics.finish(layout.split)
     return CorrectionOutput(
         None if weights is None else weights.weights.reshape(token_shape), final_mask.reshape(token_shape), metrics
     )

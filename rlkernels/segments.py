@@ -42,7 +42,7 @@ class Segments:
         cu = cu_seqlens.to(device=device, dtype=torch.long)
         S = cu.numel() - 1
         seq_id = torch.searchsorted(cu[1:], torch.arange(N, device=device), right=True)
-        return cls(seq_id, S, _longest(cu), None, cu)
+        return cls(seq_id, S, longest(cu), None, cu)
 
     @classmethod
     def at_positions(cls, positions: torch.Tensor, cu_seqlens: torch.Tensor, width: Union[int, torch.Tensor],
@@ -81,7 +81,7 @@ class Segments:
         return per_seq.index_select(0, self.seq_id)
 
 
-def _longest(cu: torch.Tensor) -> torch.Tensor:
+def longest(cu: torch.Tensor) -> torch.Tensor:
     return (cu[1:] - cu[:-1]).max() if cu.numel() > 1 else torch.zeros((), dtype=torch.long, device=cu.device)
 
 

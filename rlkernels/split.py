@@ -17,12 +17,13 @@ The loss of a data-parallel rank is scaled by the group's size, so that the *mea
 gradients (what DDP and FSDP compute) is the gradient of the loss on the whole batch.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .metrics import LSE_SEQ, MAX, MIN, MOMENTS, SUM_SEQ, SUM_TOKEN, combine_moments
+from .segments import Segments, longest
 
 _REASON = "rlkernels: dp_group / cp_group run torch.distributed collectives outside the compiled graph"
 
@@ -99,3 +100,36 @@ class BatchSplit:
 
 
 LOCAL = BatchSplit()
+
+
+class ContextLayout(NamedTuple):
+    segments: Segments  # this rank's tokens as parts of the global sequences
+    total: Optional[torch.Tensor]  # 0-d int64: tokens along the split axis on all ranks (None if not needed)
+
+
+def context_layout(token_shape: Tuple[int, ...], cu_seqlens: Optional[torch.Tensor],
+                   token_index: Optional[torch.Tensor], group, device) -> ContextLayout:
+    """Where this context-parallel rank's tokens sit in the global sequences.
+
+    The split axis is the packed token axis ([N] tokens, global `cu_seqlens`) or the padded time axis
+    ([B, T] tokens: every row split alike). Rank r holds the r-th contiguous slice of it (sizes may
+    differ), or the positions `token_index` ([N_r] / [T_r], global, in any order: zigzag layouts).
+    The slice offsets and the global length come from one all_gather of each rank's size, done only
+    when needed (no token_index, a padded layout, or no cu_seqlens); on the device, no sync."""
+    padded = len(token_shape) == 2
+    local = token_shape[-1] if padded else token_shape[0]
+    total = None
+    if token_index is None or padded or cu_seqlens is None:
+        sizes = _all_gather(torch.tensor([local], dtype=torch.float64, device=device), group)[:, 0].long()
+        total = sizes.sum()
+    if token_index is None:
+        along = sizes[:dist.get_rank(group)].sum() + torch.arange(local, device=device)
+    else:
+        along = token_index.to(device=device, dtype=torch.long)
+    if padded:
+        B = token_shape[0]
+        positions = (torch.arange(B, device=device)[:, None] * total + along[None, :]).reshape(-1)
+        cu = torch.arange(B + 1, device=device) * total
+        return ContextLayout(Segments.at_positions(positions, cu, total, token_index is None), total)
+    cu = torch.stack([total.new_zeros(()), total]) if cu_seqlens is None else cu_seqlens.long()
+    return ContextLayout(Segments.at_positions(along, cu, longest(cu), token_index is None), total)

@@ -5,7 +5,7 @@ range, cu_seqlens contents, NaN/inf) need to look at device memory: they are gat
 tensor and read with a single host sync, and `validate=False` skips them for sync-free steps.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -126,20 +126,31 @@ class ValueChecks:
 
 def value_checks(
     *, valid: torch.Tensor, labels: Optional[torch.Tensor] = None, vocab: int = 0, ignore_index: int = -100,
-    cu_seqlens: Optional[torch.Tensor] = None, num_tokens: int = 0,
+    cu_seqlens: Optional[torch.Tensor] = None, num_tokens: Union[int, torch.Tensor, None] = 0,
+    token_index: Optional[torch.Tensor] = None, positions: Union[int, torch.Tensor, None] = None,
     finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
     not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
     where: str = "tokens of the response mask",
 ) -> None:
-    """Value checks of SPEC §11 on valid tokens only (padding may hold anything)."""
+    """Value checks of SPEC §11 on valid tokens only (padding may hold anything). `num_tokens`: what
+    cu_seqlens[-1] must be (a device tensor for a context-parallel split, None: unchecked);
+    `token_index` must lie in [0, positions)."""
     checks = ValueChecks()
     if cu_seqlens is not None:
         cu = cu_seqlens.long()
         checks.add(cu[0] != 0, "cu_seqlens: expected cu_seqlens[0] == 0")
         if cu.numel() > 1:
             checks.add((cu[1:] < cu[:-1]).any(), "cu_seqlens: expected non-decreasing offsets")
-        checks.add(cu[-1] != num_tokens,
-                   f"cu_seqlens: expected cu_seqlens[-1] == N = {num_tokens} (the number of rows)")
+        if isinstance(num_tokens, torch.Tensor):
+            checks.add(cu[-1] != num_tokens, "cu_seqlens: expected cu_seqlens[-1] == the number of tokens on all "
+                       "ranks of cp_group (cu_seqlens is the global one)")
+        elif num_tokens is not None:
+            checks.add(cu[-1] != num_tokens,
+                       f"cu_seqlens: expected cu_seqlens[-1] == N = {num_tokens} (the number of rows)")
+    if token_index is not None:
+        ti = token_index.long()
+        checks.add(((ti < 0) | (ti >= positions)).any(),
+                   "token_index: expected global positions in [0, the length of the split axis on all ranks)")
     if labels is not None:
         out_of_range = valid & (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
         checks.add(
