@@ -10,18 +10,13 @@ torch.distributed.all_gather is wrapped to count collectives: one per call in th
 cached, to learn the shard offsets), none in the backward.
 """
 
-import datetime
 import os
-import tempfile
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-TIMEOUT_S = 120
+from .ranks import Collectives, spawn
 
 
 def _shards(V: int, world: int):
@@ -29,44 +24,6 @@ def _shards(V: int, world: int):
     sizes = [V // world + (1 if r < V % world else 0) for r in range(world)]
     offsets = [sum(sizes[:r]) for r in range(world)]
     return sizes, offsets
-
-
-def _worker(rank, world, init_file, dtype_name, backend, kind, errors):
-    code = 0
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        torch.set_num_threads(1)
-        check = _check_rank if kind == "logits" else _check_rank_linear
-        check(rank, world, getattr(torch, dtype_name), backend)
-        dist.barrier()
-    except BaseException:  # noqa: BLE001 -- reported to the parent, which fails the test
-        errors.put((rank, traceback.format_exc()))
-        code = 1
-    # Leave without tearing the group down: after the barrier nothing is in flight, and gloo's
-    # destructor racing a peer that already left can abort a rank that passed (seen once in CI runs)
-    os._exit(code)
-
-
-def _count_collectives(*names):
-    """Wrap torch.distributed.<name> to count calls (the library calls them through the module) and the
-    bytes each rank contributes (the tensor it sends: all_gather's input, all_reduce's buffer) under
-    "<name>_bytes"."""
-    calls = {name: 0 for name in names}
-    calls.update({f"{name}_bytes": 0 for name in names})
-    real = {name: getattr(dist, name) for name in names}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            sent = args[1] if name == "all_gather" else args[0]
-            calls[f"{name}_bytes"] += sent.numel() * sent.element_size()
-            return real[name](*args, **kwargs)
-        return call
-
-    for name in names:
-        setattr(dist, name, counting(name))
-    return calls, real
 
 
 def _check_rank(rank, world, dtype, backend):
@@ -90,8 +47,8 @@ def _check_rank(rank, world, dtype, backend):
     full[1, : sizes[0]] = float("-inf")
     full[2, offsets] = float("-inf")
     batch.labels[2] = 1
-    calls, real = _count_collectives("all_gather")
-    real_all_gather = real["all_gather"]
+    counter = Collectives("all_gather")
+    real_all_gather = counter.real["all_gather"]
     kw = dict(batch.kwargs("decoupled"), config=config)
     stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     quantity = "same_path" if dtype == torch.float64 else "reordered"
@@ -104,15 +61,16 @@ def _check_rank(rank, world, dtype, backend):
     shard = full[:, lo:hi].clone().requires_grad_(True)
     rlkernels.decoupled_ppo_loss(shard, batch.labels, batch.advantages, batch.response_mask, backend=backend,
                                  tp_group=dist.group.WORLD, **kw)  # warm-up: learns the shard offsets
-    calls.update(all_gather=0, all_gather_bytes=0)
+    counter.reset()
     out = rlkernels.decoupled_ppo_loss(shard, batch.labels, batch.advantages, batch.response_mask, backend=backend,
                                        tp_group=dist.group.WORLD, **kw)
-    forward_calls = calls["all_gather"]
+    forward = dict(counter.calls)
     (grad,) = torch.autograd.grad(out.loss, shard)
-    assert forward_calls == 1, f"forward collectives: {forward_calls}"
-    assert calls["all_gather"] == 1, f"backward collectives: {calls['all_gather'] - forward_calls}"
+    assert forward == {("all_gather", "world"): 1}, f"forward collectives: {forward}"
+    assert counter.calls == forward, f"backward collectives: {counter.calls}"
     N = batch.labels.numel()
-    assert calls["all_gather_bytes"] == 48 * N, f"bytes sent per rank: {calls['all_gather_bytes']}, 48 N = {48 * N}"
+    sent = counter.sent[("all_gather", "world")]
+    assert sent == 48 * N, f"bytes sent per rank: {sent}, 48 N = {48 * N}"
 
     scale = max(1.0, float(expected.loss.detach().abs()))
     assert_close(out.loss, expected.loss, **tol(quantity, stat_dtype, scale=scale), name="loss")
@@ -137,7 +95,7 @@ def _check_rank(rank, world, dtype, backend):
     everyone = [torch.empty_like(mine) for _ in range(world)]
     real_all_gather(everyone, mine)
     assert all(torch.equal(everyone[0], other) for other in everyone), "ranks disagree"
-    dist.all_gather = real_all_gather
+    counter.restore()
 
 
 def _check_rank_linear(rank, world, dtype, backend):
@@ -166,21 +124,21 @@ def _check_rank_linear(rank, world, dtype, backend):
                                                    batch.response_mask, bias=leaves[2], backend="torch", **kw)
     want = torch.autograd.grad(expected.loss, leaves)
 
-    calls, real = _count_collectives("all_gather", "all_reduce")
+    counter = Collectives("all_gather", "all_reduce")
     mine = [hidden.clone().requires_grad_(True), weight[lo:hi].clone().requires_grad_(True),
             bias[lo:hi].clone().requires_grad_(True)]
     rlkernels.linear_token_logprobs(mine[0].detach(), mine[1].detach(), batch.labels, bias=mine[2].detach(),
                                     backend=backend, tp_group=dist.group.WORLD)  # warm-up: the shard offsets
-    calls.update(all_gather=0, all_reduce=0, all_gather_bytes=0, all_reduce_bytes=0)
+    counter.reset()
     out = rlkernels.linear_decoupled_ppo_loss(mine[0], mine[1], batch.labels, batch.advantages, batch.response_mask,
                                               bias=mine[2], backend=backend, tp_group=dist.group.WORLD, **kw)
-    assert (calls["all_gather"], calls["all_reduce"]) == (1, 0), f"forward collectives: {calls}"
+    assert dict(counter.calls) == {("all_gather", "world"): 1}, f"forward collectives: {counter.calls}"
     got = torch.autograd.grad(out.loss, mine)
-    assert (calls["all_gather"], calls["all_reduce"]) == (1, 1), f"forward + backward collectives: {calls}"
+    assert dict(counter.calls) == {("all_gather", "world"): 1, ("all_reduce", "world"): 1}, counter.calls
     N = hidden.shape[0]
-    assert calls["all_gather_bytes"] == 48 * N and calls["all_reduce_bytes"] == N * H * hidden.element_size(), calls
-    for name, value in real.items():
-        setattr(dist, name, value)
+    assert counter.sent[("all_gather", "world")] == 48 * N, counter.sent
+    assert counter.sent[("all_reduce", "world")] == N * H * hidden.element_size(), counter.sent
+    counter.restore()
 
     scale = max(1.0, float(expected.loss.detach().abs()))
     assert_close(out.loss, expected.loss, **tol(quantity, stat_dtype, scale=scale), name="loss")
@@ -194,25 +152,7 @@ def _check_rank_linear(rank, world, dtype, backend):
 
 
 def _spawn(world, dtype_name, backend, kind="logits"):
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        errors = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rendezvous"), dtype_name, backend,
-                                                   kind, errors)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + TIMEOUT_S
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-        failures = []
-        while not errors.empty():
-            failures.append(errors.get())
-        assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures)
-        assert not hung, f"{len(hung)} rank(s) did not finish within {TIMEOUT_S} s"
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    spawn(world, _check_rank if kind == "logits" else _check_rank_linear, getattr(torch, dtype_name), backend)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -1,0 +1,323 @@
+"""Data- and context-parallel splits (`dp_group=`, `cp_group=`, `token_index=`), alone and in grids with
+vocabulary parallelism (`tp_group=`), on real gloo groups, against the single-process computation on
+the whole batch.
+
+Every rank builds the same global batch (packed: eight sequences, one empty and one all-masked;
+padded: four rows), keeps its share -- a contiguous run of sequences for its data-parallel rank,
+then a slice of that run's token axis (uneven, crossing sequence boundaries, possibly empty) or a
+zigzag set of positions for its context-parallel rank, then a vocabulary shard for its tensor-parallel
+rank -- and checks, for a set of configurations drawn over the option product:
+
+* metrics equal to the single-process ones and bitwise identical on every rank;
+* its gradient equal to its rows of the single-process gradient, times the data-parallel size (DDP
+  and FSDP average gradients); the ranks' losses summed over context-parallel ranks and averaged
+  over data-parallel ones equal the single-process loss;
+* its log-probs, IS weights and final mask equal to its rows of the single-process ones;
+* the collectives per call and per group: all_gather only, 2 on dp_group (normalisers, metrics),
+  3 on cp_group (slice sizes, sequence sums, metrics; 2 with token_index and cu_seqlens), 1 on
+  tp_group, none in the backward of the logits path; the bytes each rank sends on dp_group and
+  cp_group depend on the number of sequences and metrics, never on the number of tokens.
+
+float64 to 1e-12 relative (the combine only reorders float64 sums); float32 within the tolerance
+table's "reordered" entry (the same fp32 formulas, summed in another order).
+"""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from .ranks import Collectives, spawn
+
+V = 11
+LENGTHS = [5, 0, 7, 3, 1, 6, 4, 2]  # packed; sequence 3 is all-masked
+B, T = 4, 7  # padded
+DP_CUTS = {1: [0, 8], 2: [0, 3, 8], 3: [0, 2, 2, 8]}  # sequences per data-parallel rank (rank 1 of 3: none)
+ROW_CUTS = {1: [0, 4], 2: [0, 1, 4], 3: [0, 2, 2, 4]}  # padded rows per data-parallel rank
+CP_FRACTIONS = {1: [], 2: [0.4], 3: [0.35, 0.35]}  # slice ends, as fractions of the axis (rank 1 of 3: none)
+
+
+def _coords(rank, tp, cp):
+    """rank = (d * cp + c) * tp + t: tensor-parallel ranks adjacent, as Megatron lays them out."""
+    return rank // (tp * cp), (rank // tp) % cp, rank % tp
+
+
+def _make_groups(world, tp, dp, cp):
+    """Every rank creates every group (new_group is collective) and keeps those it belongs to."""
+    rank, mine = dist.get_rank(), {}
+    for kind, size in (("tp", tp), ("dp", dp), ("cp", cp)):
+        if size == 1:
+            continue
+        axis = {"dp": 0, "cp": 1, "tp": 2}[kind]
+        families = {}
+        for r in range(world):
+            key = tuple(x for i, x in enumerate(_coords(r, tp, cp)) if i != axis)
+            families.setdefault(key, []).append(r)
+        for members in families.values():
+            group = dist.new_group(members)
+            if rank in members:
+                mine[kind] = group
+    return mine
+
+
+def _slices(n, cp):
+    cuts = [0] + [int(round(f * n)) for f in CP_FRACTIONS[cp]] + [n]
+    return [torch.arange(cuts[c], cuts[c + 1]) for c in range(cp)]
+
+
+def _zigzag(lengths, cp):
+    """Ring attention's layout: each sequence in 2 cp chunks, rank c takes chunks c and 2 cp - 1 - c."""
+    ranks, start = [[] for _ in range(cp)], 0
+    for n in lengths:
+        chunks = torch.arange(start, start + n).tensor_split(2 * cp)
+        for c in range(cp):
+            ranks[c] += [chunks[c], chunks[2 * cp - 1 - c]]
+        start += n
+    return [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in ranks]
+
+
+def _random_config(rng, mode, dtype):
+    from rlkernels import PolicyLossConfig, RolloutCorrection
+    from rlkernels.config import IS_LEVELS, KL_TYPES, LOSS_AGG_MODES, RS_OPTIONS
+
+    rc = None
+    if mode != "on-policy":
+        rs = {}
+        for option in rng.sample(RS_OPTIONS, rng.randint(0, 3)):
+            rs[option] = ((rng.choice([0.3, 0.7]), rng.choice([1.3, 3.0])) if option.endswith("k1")
+                          else rng.choice([0.02, 0.1, 2.0]))
+        rc = RolloutCorrection(is_level=rng.choice(IS_LEVELS), is_threshold=rng.choice([2.0, 1.2, (0.5, 5.0)]),
+                               is_batch_normalize=rng.random() < 0.5, rs=rs)
+    kl = rng.choice((None,) + KL_TYPES)
+    kw = {}
+    if rng.random() < 0.15:
+        kw.update(global_num_tokens=13.0, global_num_seqs=3.0)
+    return PolicyLossConfig(
+        loss_type=rng.choice(["ppo_clip", "reinforce"]) if mode == "bypass" else "ppo_clip",
+        loss_agg_mode=rng.choice(LOSS_AGG_MODES), clip_ratio_c=rng.choice([3.0, None]),
+        entropy_coeff=rng.choice([0.0, 0.01]), compute_entropy=rng.random() < 0.5, kl_coef=0.0 if kl is None else 0.05,
+        kl_type=kl or "k3", temperature=rng.choice([1.0, 0.7]), rollout_correction=rc, backend="torch", **kw,
+    )
+
+
+class _Share:
+    """This rank's part of the global batch: rows (into the flattened global token axis), the
+    per-token tensors, the cu_seqlens of its data-parallel batch and, for zigzag, token_index."""
+
+    def __init__(self, batch, layout, d, c, dp, cp, zigzag):
+        if layout == "packed":
+            cut = DP_CUTS[dp]
+            seq_lengths = LENGTHS[cut[d]:cut[d + 1]]
+            start = sum(LENGTHS[:cut[d]])
+            n = sum(seq_lengths)
+            local = _zigzag(seq_lengths, cp)[c] if zigzag else _slices(n, cp)[c]
+            self.rows = start + local
+            self.cu_seqlens = torch.tensor([0] + torch.tensor(seq_lengths, dtype=torch.long).cumsum(0).tolist(),
+                                           dtype=torch.int32)
+            self.token_index = local if zigzag else None
+            self.token_shape = (len(local),)
+        else:
+            cut = ROW_CUTS[dp]
+            rows = torch.arange(cut[d], cut[d + 1])
+            along = _zigzag([T], cp)[c] if zigzag else _slices(T, cp)[c]
+            self.rows = (rows[:, None] * T + along[None, :]).reshape(-1)
+            self.cu_seqlens = None
+            self.token_index = along if zigzag else None
+            self.token_shape = (len(rows), len(along))
+        self.batch = batch
+
+    def take(self, t):
+        """Global per-token tensor ([N] or [B, T, ...]) -> this rank's, shaped like its share."""
+        if t is None:
+            return None
+        flat = t.reshape(-1, *t.shape[(2 if self.batch.padded else 1):])
+        return flat[self.rows].reshape(*self.token_shape, *flat.shape[1:]).clone()
+
+
+def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs):
+    import rlkernels
+    from rlkernels.metrics import KINDS  # noqa: F401  (imported to fail early if the module moved)
+
+    from .cases import assert_close, make_batch, tol
+
+    dtype = getattr(torch, dtype_name)
+    groups = _make_groups(world, tp, dp, cp)
+    tp_group, dp_group, cp_group = (groups.get(k) for k in ("tp", "dp", "cp"))
+    d, c, t = _coords(rank, tp, cp)
+    sizes = [V // tp + (1 if r < V % tp else 0) for r in range(tp)]
+    lo = sum(sizes[:t])
+    hi = lo + sizes[t]
+    rng = random.Random(1234 + 17 * world + len(layout))
+    quantity = "same_path" if dtype == torch.float64 else "reordered"
+    counter = Collectives("all_gather", "all_reduce", labels={g: k for k, g in groups.items()})
+    world_group = counter.real["all_gather"]
+
+    for case in range(num_configs):
+        mode = rng.choice(["decoupled", "bypass", "on-policy"]) if entry != "correction" else "decoupled"
+        config = _random_config(rng, mode, dtype)
+        if entry == "compiled":  # the stage under torch.compile: the collectives are graph breaks
+            config = config.with_overrides(compile_stage=True)
+        lengths = LENGTHS if layout == "packed" else [T] * B
+        batch = make_batch(layout, lengths, V, dtype=dtype, seed=100 + case, mask_p=0.8)
+        if layout == "packed":  # an all-masked sequence
+            batch.response_mask[sum(LENGTHS[:3]):sum(LENGTHS[:4])] = False
+        share = _Share(batch, layout, d, c, dp, cp, zigzag)
+        kw = batch.kwargs(mode)
+        mine_kw = {k: (share.take(v) if k != "cu_seqlens" else share.cu_seqlens) for k, v in kw.items()}
+        split_kw = dict(tp_group=tp_group, dp_group=dp_group, cp_group=cp_group, token_index=share.token_index)
+        expected, got, grads = _run(rlkernels, entry, batch, share, kw, mine_kw, config, split_kw, lo, hi, counter)
+
+        # collectives of the call just made: all_gathers only, none in the backward
+        calls = dict(counter.calls)
+        budget = {("all_gather", "tp"): 1 if tp > 1 else 0, ("all_gather", "dp"): 2 if dp > 1 else 0,
+                  ("all_gather", "cp"): 0 if cp == 1 else (2 if (zigzag and layout == "packed") else 3)}
+        if entry in ("correction", "policy"):
+            budget[("all_gather", "tp")] = 0
+        if entry == "linear" and tp > 1:
+            budget[("all_reduce", "tp")] = 1
+        budget = {k: v for k, v in budget.items() if v}
+        assert calls == budget, f"case {case}: collectives {calls}, expected {budget}"
+        S = len(LENGTHS) if layout == "packed" else B
+        for kind in ("dp", "cp"):  # bytes: sequences and metrics, not tokens
+            sent = counter.sent.get(("all_gather", kind), 0)
+            assert sent <= 8 * (1 + 12 * S + 3 * len(expected.metrics) + 8), f"{kind} sent {sent} bytes"
+
+        for name, value in expected.metrics.items():
+            scale = max(1.0, float(value.abs())) if torch.isfinite(value) else 1.0
+            assert_close(got.metrics[name], value, **tol(quantity, dtype, scale=scale), name=f"case {case}: {name}")
+        assert set(got.metrics) == set(expected.metrics)
+        assert torch.equal(got.mask, share.take(expected.mask)), f"case {case}: final mask"
+        weights = expected.weights if entry == "correction" else expected.is_weights
+        if weights is not None:
+            assert_close(got.weights if entry == "correction" else got.is_weights, share.take(weights),
+                         **tol(quantity, dtype), name=f"case {case}: IS weights")
+        if entry != "correction":
+            assert_close(got.logprobs, share.take(expected.logprobs), **tol(quantity, dtype), name="logprobs")
+        # every rank holds the same metrics, bit for bit
+        mine = torch.stack([got.metrics[n].double() for n in sorted(got.metrics)]) if got.metrics else torch.zeros(0)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        world_group(everyone, mine)
+        assert all(torch.equal(everyone[0], other) for other in everyone), f"case {case}: ranks' metrics differ"
+        if entry == "correction":
+            continue
+        # losses: summed over context-parallel ranks, averaged over data-parallel ones
+        losses = [torch.empty(1, dtype=torch.float64) for _ in range(world)]
+        world_group(losses, got.loss.detach().double().reshape(1))
+        total = sum(float(losses[r]) for r in range(world) if _coords(r, tp, cp)[2] == 0) / dp
+        scale = max(1.0, abs(float(expected.loss)))
+        assert_close(torch.tensor(total), expected.loss.detach().double().cpu(),
+                     **tol(quantity, dtype, scale=scale), name=f"case {case}: loss")
+        for name, (g, want) in grads.items():
+            want = want * dp
+            g_scale = max(1e-3, float(want.abs().max())) if want.numel() else 1.0
+            assert_close(g, want, **tol(quantity if dtype == torch.float64 else "reordered.dlogits", dtype,
+                                        scale=g_scale), name=f"case {case}: {name}")
+    counter.restore()
+
+
+def _grads(loss, inputs):
+    """d loss / d inputs, zeros for an input the loss does not use (the entropy without entropy_coeff)."""
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+
+
+def _run(rlkernels, entry, batch, share, kw, mine_kw, config, split_kw, lo, hi, counter):
+    """(expected on the whole batch, this rank's output, {name: (its gradient, the expected rows)})."""
+    if entry == "correction":
+        rc = config.rollout_correction
+        train = batch.old_logprobs
+        expected = rlkernels.rollout_correction(train, batch.rollout_logprobs, batch.response_mask,
+                                                cu_seqlens=batch.cu_seqlens, config=rc)
+        split_kw = {k: v for k, v in split_kw.items() if k != "tp_group"}
+        counter.reset()
+        got = rlkernels.rollout_correction(share.take(train), share.take(batch.rollout_logprobs),
+                                           share.take(batch.response_mask), cu_seqlens=share.cu_seqlens,
+                                           config=rc, **split_kw)
+        return expected, got, {}
+    if entry == "policy":
+        lp = (batch.old_logprobs + 0.05 * torch.sin(torch.arange(batch.old_logprobs.numel()))
+              .reshape(batch.old_logprobs.shape).to(batch.old_logprobs.dtype))
+        ent = 1.5 + torch.cos(torch.arange(lp.numel())).reshape(lp.shape).to(lp.dtype)
+        full = [lp.clone().requires_grad_(True), ent.clone().requires_grad_(True)]
+        expected = rlkernels.policy_loss(full[0], batch.advantages, batch.response_mask, entropy=full[1],
+                                         config=config, **kw)
+        want = _grads(expected.loss, full)
+        split_kw = {k: v for k, v in split_kw.items() if k != "tp_group"}
+        mine = [share.take(lp).requires_grad_(True), share.take(ent).requires_grad_(True)]
+        counter.reset()
+        got = rlkernels.policy_loss(mine[0], share.take(batch.advantages), share.take(batch.response_mask),
+                                    entropy=mine[1], config=config, **mine_kw, **split_kw)
+        g = _grads(got.loss, mine)
+        return expected, got, {"d logprobs": (g[0], share.take(want[0])), "d entropy": (g[1], share.take(want[1]))}
+    if entry == "linear":
+        H = 5
+        gen = torch.Generator().manual_seed(5)
+        hidden = torch.randn(*batch.labels.shape, H, generator=gen, dtype=torch.float64).to(batch.logits.dtype)
+        weight = torch.randn(V, H, generator=gen, dtype=torch.float64).to(batch.logits.dtype)
+        full = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+        expected = rlkernels.linear_decoupled_ppo_loss(full[0], full[1], batch.labels, batch.advantages,
+                                                       batch.response_mask, config=config, **kw)
+        want = torch.autograd.grad(expected.loss, full)
+        mine = [share.take(hidden).requires_grad_(True), weight[lo:hi].clone().requires_grad_(True)]
+        args = (share.take(batch.labels), share.take(batch.advantages), share.take(batch.response_mask))
+        if split_kw["tp_group"] is not None:  # learn the shard offsets (one cached all_gather) outside the count
+            rlkernels.linear_token_logprobs(mine[0].detach(), mine[1].detach(), args[0], tp_group=split_kw["tp_group"])
+        counter.reset()
+        got = rlkernels.linear_decoupled_ppo_loss(mine[0], mine[1], *args, config=config, **mine_kw, **split_kw)
+        g = torch.autograd.grad(got.loss, mine)
+        # d_weight: this rank's rows' share; summed over the batch's ranks it is the whole gradient
+        d_weight = g[1].clone()
+        for kind in ("cp", "dp"):
+            group = split_kw[f"{kind}_group"]
+            if group is not None:
+                parts = [torch.empty_like(d_weight) for _ in range(dist.get_world_size(group))]
+                counter.real["all_gather"](parts, d_weight, group=group)
+                d_weight = sum(parts) / (dist.get_world_size(group) if kind == "dp" else 1)
+        dp = 1 if split_kw["dp_group"] is None else dist.get_world_size(split_kw["dp_group"])
+        return expected, got, {"d hidden": (g[0], share.take(want[0])), "d weight": (d_weight, want[1][lo:hi] / dp)}
+    # logits (entry "logits" or "compiled")
+    full = batch.logits.clone().requires_grad_(True)
+    expected = rlkernels.decoupled_ppo_loss(full, batch.labels, batch.advantages, batch.response_mask, config=config,
+                                            **kw)
+    (want,) = torch.autograd.grad(expected.loss, full)
+    mine = share.take(batch.logits)[..., lo:hi].clone().requires_grad_(True)
+    args = (share.take(batch.labels), share.take(batch.advantages), share.take(batch.response_mask))
+    if split_kw["tp_group"] is not None:  # learn the shard offsets (one cached all_gather) outside the count
+        rlkernels.token_logprobs(mine.detach(), args[0], tp_group=split_kw["tp_group"])
+    counter.reset()
+    got = rlkernels.decoupled_ppo_loss(mine, *args, config=config, **mine_kw, **split_kw)
+    (g,) = torch.autograd.grad(got.loss, mine)
+    return expected, got, {"d logits": (g, share.take(want)[..., lo:hi])}
+
+
+GRIDS = [
+    # (tp, dp, cp, layout, zigzag, dtype, entry, configs)
+    (1, 2, 1, "packed", False, "float64", "logits", 12),
+    (1, 3, 1, "packed", False, "float64", "logits", 12),
+    (1, 2, 1, "padded", False, "float64", "logits", 8),
+    (1, 2, 1, "packed", False, "float32", "logits", 8),
+    (1, 1, 2, "packed", False, "float64", "logits", 12),
+    (1, 1, 3, "packed", False, "float64", "logits", 12),
+    (1, 1, 2, "packed", True, "float64", "logits", 10),
+    (1, 1, 3, "padded", False, "float64", "logits", 8),
+    (1, 1, 2, "padded", True, "float32", "logits", 8),
+    (1, 2, 2, "packed", True, "float64", "logits", 8),
+    (2, 2, 1, "packed", False, "float64", "logits", 8),
+    (2, 1, 2, "packed", False, "float64", "logits", 8),
+    (2, 1, 2, "padded", True, "float32", "logits", 6),
+    (2, 2, 1, "packed", False, "float64", "linear", 6),
+    (1, 2, 2, "packed", False, "float64", "linear", 6),
+    (1, 2, 1, "packed", False, "float64", "policy", 8),
+    (1, 1, 3, "packed", True, "float64", "policy", 8),
+    (1, 2, 2, "packed", False, "float64", "correction", 10),
+    (1, 1, 2, "packed", True, "float32", "compiled", 2),
+    (1, 1, 2, "padded", False, "float32", "correction", 8),
+]
+
+
+@pytest.mark.parametrize("tp,dp,cp,layout,zigzag,dtype_name,entry,num_configs", GRIDS,
+                         ids=lambda v: str(v) if not isinstance(v, bool) else ("zigzag" if v else "slices"))
+def test_split_batch_matches_the_single_process_computation(tp, dp, cp, layout, zigzag, dtype_name, entry,
+                                                            num_configs):
+    spawn(tp * dp * cp, _check_split, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs)
