@@ -321,3 +321,43 @@ GRIDS = [
 def test_split_batch_matches_the_single_process_computation(tp, dp, cp, layout, zigzag, dtype_name, entry,
                                                             num_configs):
     spawn(tp * dp * cp, _check_split, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs)
+
+
+def _check_errors(rank, world):
+    import rlkernels
+    from rlkernels import PolicyLossConfig
+
+    from .cases import make_batch
+
+    group = dist.new_group(list(range(world)))
+    batch = make_batch("packed", [4, 5], V, seed=3)
+    rows = torch.arange(rank * 4, rank * 4 + 4)  # 4 tokens each, cu_seqlens says 9 in all
+    args = (batch.logits[rows], batch.labels[rows], batch.advantages[rows], batch.response_mask[rows])
+    config = PolicyLossConfig(backend="torch")
+    with pytest.raises(ValueError, match="cu_seqlens.*all ranks of cp_group"):
+        rlkernels.decoupled_ppo_loss(*args, cu_seqlens=batch.cu_seqlens, cp_group=group, config=config)
+    with pytest.raises(ValueError, match="token_index: expected global positions"):
+        rlkernels.decoupled_ppo_loss(*args, cu_seqlens=batch.cu_seqlens, cp_group=group, config=config,
+                                     token_index=rows + 6)  # positions 6..13 of 9: out of range on both ranks
+    with pytest.raises(ValueError, match=r"token_index: expected shape \(4,\)"):
+        rlkernels.decoupled_ppo_loss(*args, cu_seqlens=batch.cu_seqlens, cp_group=group, config=config,
+                                     token_index=rows[:3])
+
+
+def test_split_batch_errors_name_the_argument():
+    spawn(2, _check_errors)
+
+
+def test_group_arguments_are_checked_without_a_group():
+    import rlkernels
+
+    from .cases import make_batch
+
+    batch = make_batch("packed", [3], V, seed=1)
+    args = (batch.logits, batch.labels, batch.advantages, batch.response_mask)
+    with pytest.raises(ValueError, match="token_index: only used with cp_group"):
+        rlkernels.decoupled_ppo_loss(*args, token_index=torch.arange(3))
+    with pytest.raises(TypeError, match="dp_group: expected a torch.distributed ProcessGroup"):
+        rlkernels.decoupled_ppo_loss(*args, dp_group="world")
+    with pytest.raises(TypeError, match="cp_group: expected a torch.distributed ProcessGroup"):
+        rlkernels.token_logprobs(batch.logits, batch.labels, cp_group=2)
