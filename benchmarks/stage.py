@@ -9,6 +9,12 @@ the number of kernels Inductor generates for the stage (torch._inductor.metrics,
 the stage's time eager vs compiled, runs interleaved (eager, compiled, eager, ...) and reported as
 medians with their ratio. Hyperparameters change on every timed call, as a schedule would, and the
 script checks that they cause no recompilation and that both versions agree.
+
+    python -m benchmarks.stage --device cuda --split       # + the cost of a data-parallel split
+
+`--split` also times the stage with `dp_group` set to a one-rank group (gloo on the CPU, NCCL on
+CUDA) against no group, eager and compiled, interleaved: what the split's packing, merging, two
+all_gathers and graph breaks cost by themselves, before any network time.
 """
 
 import argparse
@@ -84,6 +90,43 @@ def measure(case: str, num_tokens: int, num_seqs: int, device: str, reps: int) -
                 compiled_vs_eager=round(compiled_ms / eager_ms, 3), loss_max_rel_diff=max_rel)
 
 
+def measure_split(case: str, num_tokens: int, num_seqs: int, device: str, reps: int) -> dict:
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from rlkernels.backends import select_stage
+    from rlkernels.split import LOCAL, BatchSplit
+
+    if not dist.is_initialized():
+        init = os.path.join(tempfile.mkdtemp(), "rendezvous")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init}", rank=0,
+                                world_size=1)
+    split = BatchSplit(dp_group=dist.group.WORLD)
+    config = CASES[case]()
+    inputs = stage_inputs(num_tokens, num_seqs, device)
+    runs = {}
+    for compiled in (False, True):
+        stage = select_stage(inputs[0], compiled)
+        for name, s in (("local", LOCAL), ("split", split)):
+            stage(*inputs, config, s)  # compile / warm up
+            runs[(compiled, name)] = (stage, s, [])
+    for _ in range(reps):
+        for stage, s, times in runs.values():
+            _sync(device)
+            t = time.perf_counter()
+            stage(*inputs, config, s)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+    ms = {key: statistics.median(times) * 1e3 for key, (_, _, times) in runs.items()}
+    return dict(case=case, device=device, tokens=num_tokens, seqs=num_seqs,
+                eager_local_ms=round(ms[(False, "local")], 3), eager_split_ms=round(ms[(False, "split")], 3),
+                compiled_local_ms=round(ms[(True, "local")], 3), compiled_split_ms=round(ms[(True, "split")], 3),
+                eager_split_vs_local=round(ms[(False, "split")] / ms[(False, "local")], 3),
+                compiled_split_vs_local=round(ms[(True, "split")] / ms[(True, "local")], 3))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -92,6 +135,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="default: every case")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--split", action="store_true", help="also time a one-rank dp_group against no group")
     args = ap.parse_args(argv)
     rows = [measure(c, args.tokens, args.seqs, args.device, args.reps) for c in (args.case or sorted(CASES))]
     print(f"{'case':22} {'device':6} {'N':>6} {'S':>4} {'kernels':>7} {'first call s':>12} "
@@ -100,6 +144,16 @@ def main(argv=None):
         print(f"{r['case']:22} {r['device']:6} {r['tokens']:>6} {r['seqs']:>4} {r['inductor_kernels']:>7} "
               f"{r['first_call_s']:>12} {r['eager_ms']:>9.3f} {r['compiled_ms']:>11.3f} "
               f"{r['compiled_vs_eager']:>14.3f}")
+    if args.split:
+        split_rows = [measure_split(c, args.tokens, args.seqs, args.device, args.reps)
+                      for c in (args.case or sorted(CASES))]
+        print(f"\n{'case':22} {'device':6} {'eager ms':>9} {'+dp_group':>9} {'ratio':>6} {'compiled ms':>11} "
+              f"{'+dp_group':>9} {'ratio':>6}")
+        for r in split_rows:
+            print(f"{r['case']:22} {r['device']:6} {r['eager_local_ms']:>9.3f} {r['eager_split_ms']:>9.3f} "
+                  f"{r['eager_split_vs_local']:>6.2f} {r['compiled_local_ms']:>11.3f} {r['compiled_split_ms']:>9.3f} "
+                  f"{r['compiled_split_vs_local']:>6.2f}")
+        rows += split_rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,7 +13,7 @@ the result on a split batch equal to the result on the whole batch:
     moments  (per token)                  (count, mean, M2) of one rank's values; combined with Chan's
                                           pairwise formula, so a variance is never E[x^2] - E[x]^2
 
-Without a split nothing is combined and every metric is finished from its own rank's value (which
+Without a split nothing is combined or packed: every metric is finished from its own value (which
 is then the whole batch's). With one, the records are packed by kind into one vector and combined
 with one collective per group (`distributed.BatchSplit.combine_metrics`). Per-sequence records are
 already whole on every rank of a context-parallel group (sequences were combined before the stage),
@@ -58,9 +58,11 @@ class Metrics:
 
     def extreme(self, name: str, x: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, largest: bool) -> None:
         """Max (or min) of x over `valid`; 0 when the global set is empty."""
-        fill = x.new_full((1,), float("-inf") if largest else float("inf"))
-        values = torch.cat([torch.where(valid, x, fill), fill])  # never empty
-        value = values.max() if largest else values.min()
+        filled = torch.where(valid, x, torch.full_like(x, float("-inf") if largest else float("inf")))
+        if filled.numel() == 0:  # the identity of the combine (max of nothing)
+            value = x.new_full((), float("-inf") if largest else float("inf"))
+        else:
+            value = filled.max() if largest else filled.min()
         self._add(name, MAX if largest else MIN, value, lambda v: torch.where(n > 0, v, torch.zeros_like(v)))
 
     def mean_exp(self, name: str, a: torch.Tensor, valid: torch.Tensor, n: torch.Tensor) -> None:
@@ -83,22 +85,17 @@ class Metrics:
         self._order.append(name)
 
     def finish(self, split) -> Dict[str, torch.Tensor]:
-        names, values, slots = [], [], {}
-        for kind in KINDS:
-            slots[kind] = len(self._records[kind]) * SLOTS[kind]
-            for name, value in self._records[kind]:
-                names.append((name, kind))
-                values.append(value.reshape(-1))
-        if not values:
-            return {}
-        packed = split.combine_metrics(torch.cat(values), slots)
+        records = [(name, kind, value) for kind in KINDS for name, value in self._records[kind]]
+        if split.combines_metrics and records:  # packed by kind, one collective per group
+            slots = {kind: len(self._records[kind]) * SLOTS[kind] for kind in KINDS}
+            packed = split.combine_metrics(torch.cat([value.reshape(-1) for _, _, value in records]), slots)
+            sizes = [SLOTS[kind] for _, kind, _ in records]
+            values = [v if SLOTS[kind] > 1 else v.reshape(())
+                      for v, (_, kind, _) in zip(packed.split(sizes), records)]
+            records = [(name, kind, v) for (name, kind, _), v in zip(records, values)]
         out: Dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, kind in names:
-            width = SLOTS[kind]
-            v = packed[offset] if width == 1 else packed[offset:offset + width]
-            offset += width
-            out[name] = self._finish[name](v) if name in self._finish else v
+        for name, _, value in records:
+            out[name] = self._finish[name](value) if name in self._finish else value
         for name, fn, inputs in self._derived:
             out[name] = fn(*(out[i] for i in inputs))
         return {name: out[name] for name in self._order}

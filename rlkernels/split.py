@@ -65,6 +65,10 @@ class BatchSplit:
         self.cp_group = cp_group
 
     @property
+    def combines_metrics(self) -> bool:
+        return self.dp_group is not None or self.cp_group is not None
+
+    @property
     def loss_scale(self) -> int:
         return 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
 

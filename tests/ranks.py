@@ -1,7 +1,7 @@
 """Real process groups for the distributed tests: gloo ranks spawned with torch.multiprocessing.
 
 `spawn(world, check, *args)` runs `check(rank, world, *args)` on every rank of a fresh gloo group
-(file rendezvous) and fails with every rank's traceback. Every wait has a timeout -- the group's,
+(file rendezvous; `backend="nccl"` for the one-GPU check) and fails with every rank's traceback. Every wait has a timeout -- the group's,
 the joins' -- so a failing or hung rank fails the test instead of hanging the suite. `check` must be
 a module-level function (spawned processes import it by name).
 
@@ -23,10 +23,10 @@ import torch.multiprocessing as mp
 TIMEOUT_S = 120
 
 
-def _worker(rank, world, init_file, check, args, errors):
+def _worker(rank, world, init_file, check, args, errors, backend):
     code = 0
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
         torch.set_num_threads(1)
         check(rank, world, *args)
@@ -39,12 +39,12 @@ def _worker(rank, world, init_file, check, args, errors):
     os._exit(code)
 
 
-def spawn(world, check, *args):
+def spawn(world, check, *args, backend="gloo"):
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
         errors = ctx.SimpleQueue()
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, check, args, errors)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, check, args, errors, backend)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TIMEOUT_S

@@ -361,3 +361,30 @@ def test_group_arguments_are_checked_without_a_group():
         rlkernels.decoupled_ppo_loss(*args, dp_group="world")
     with pytest.raises(TypeError, match="cp_group: expected a torch.distributed ProcessGroup"):
         rlkernels.token_logprobs(batch.logits, batch.labels, cp_group=2)
+
+
+def _check_one_gpu(rank, world):
+    """On CUDA with NCCL: a one-rank dp_group / cp_group gives the ungrouped results, with the stage
+    compiled (compile_stage=None compiles on CUDA) and the collectives as graph breaks."""
+    import rlkernels
+
+    from .cases import assert_close, make_batch, tol
+
+    rng = random.Random(7)
+    for case in range(3):
+        config = _random_config(rng, "decoupled", torch.float32).with_overrides(backend="auto")
+        batch = make_batch("packed", LENGTHS, V, dtype=torch.float32, seed=case, mask_p=0.8)
+        cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch.kwargs("decoupled").items()}
+        args = [t.cuda() for t in (batch.logits, batch.labels, batch.advantages, batch.response_mask)]
+        want = rlkernels.decoupled_ppo_loss(*args, config=config, **cuda)
+        for groups in (dict(dp_group=dist.group.WORLD), dict(cp_group=dist.group.WORLD)):
+            got = rlkernels.decoupled_ppo_loss(*args, config=config, **cuda, **groups)
+            assert_close(got.loss, want.loss, **tol("reordered", torch.float32), name=f"{groups}: loss")
+            for name, value in want.metrics.items():
+                scale = max(1.0, float(value.abs())) if torch.isfinite(value) else 1.0
+                assert_close(got.metrics[name], value, **tol("reordered", torch.float32, scale=scale), name=name)
+
+
+@pytest.mark.gpu
+def test_split_batch_on_one_gpu_with_nccl():
+    spawn(1, _check_one_gpu, backend="nccl")
