@@ -11,6 +11,11 @@
 
 namespace rlkernels {
 
+// A row's label when its target lies in another vocabulary shard (tensor parallelism; see
+// rlkernels/backends/base.py FOREIGN_TARGET): every statistic but the log-prob (0), and the gradient
+// without the + c column. Any other label outside [0, V) skips the row.
+constexpr int64_t kForeignTarget = -2;
+
 enum class LogitsDtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // Each launcher returns nullptr on success, else the CUDA error string of the launch.

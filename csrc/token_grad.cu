@@ -80,7 +80,9 @@ __global__ void __launch_bounds__(kBlockThreads) token_grad_bwd_kernel(
   const float c = coef_logprob_ptr[pid_n];
   const float e = HAS_ENTROPY ? coef_entropy_ptr[pid_n] : 0.f;
   T* out = dlogits_ptr + pid_n * stride_dlogits_n;
-  if (y < 0 || y >= V || (c == 0.f && e == 0.f)) {
+  // a foreign target (kForeignTarget) is a live row whose target column is elsewhere: y never matches
+  // a column below, in the head loop or the unsigned vector compare
+  if (((y < 0 || y >= V) && y != kForeignTarget) || (c == 0.f && e == 0.f)) {
     zero_row<T, THREADS_PER_ROW>(out, V, lane);
     return;
   }

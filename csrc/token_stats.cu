@@ -7,7 +7,8 @@ namespace {
 // One row per warp (V <= kWarpRowMaxV: 8 rows per block) or per block, rows on grid x.
 // Reads each valid row once in 16-byte vectors (N*V*sizeof(T) bytes), writes up to 5 floats per row.
 // Hazards: -inf is the max identity and never meets -inf in a subtraction; row offsets are int64
-// (N*V > 2^31); a row whose label is outside [0, V) is never read and gets zeros.
+// (N*V > 2^31); a row whose label is outside [0, V) is never read and gets zeros, except a
+// kForeignTarget row (tensor parallelism), which gets its statistics and a log-prob of 0.
 template <typename T, int THREADS_PER_ROW, bool HAS_ENTROPY, bool HAS_SUM_SQ>
 __global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
     // data ptrs
@@ -33,7 +34,8 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
   if (pid_n >= N) return;  // a whole warp (warp rows) or never (block rows: grid = N)
 
   const int64_t y = labels_ptr[pid_n];
-  if (y < 0 || y >= V) {  // uniform over the row's threads, so the early exit skips no barrier
+  const bool has_target = y >= 0 && y < V;
+  if (!has_target && y != kForeignTarget) {  // uniform over the row's threads: the exit skips no barrier
     if (lane == 0) {
       row_max_ptr[pid_n] = 0.f;
       log_norm_ptr[pid_n] = 0.f;
@@ -46,7 +48,7 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
 
   const T* row = logits_ptr + pid_n * stride_logits_n;
   // the target logit, loaded before the loop so that its latency hides behind it
-  const float z_y = lane == 0 ? Elem<T>::to_float(row[y]) : 0.f;
+  const float z_y = (lane == 0 && has_target) ? Elem<T>::to_float(row[y]) : 0.f;
 
   State s = State::identity();
   const RowSplit split = split_row<T>(row, row, V);
@@ -96,13 +98,14 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
     // logit makes s1 NaN and takes the NaN-propagating branch below instead.
     row_max = 0.f;
     log_norm = -INFINITY;
-    logprob = -INFINITY;
+    logprob = has_target ? -INFINITY : 0.f;
   } else {
     // s1 >= 1 (the max contributes 2^0) and s1 - 1 is exact: log1p keeps log_norm accurate to
     // fp32's resolution of s1 when p_max -> 1, where the fast lg2.approx would add ~1e-7 absolute
     row_max = s.m;
     log_norm = log1pf(s.s1 - 1.f);
-    logprob = fmaf(z_y - s.m, inv_temperature, -log_norm);  // z_y - m is exact near the max
+    // z_y - m is exact near the max; a foreign target's log-prob is the owner shard's to give
+    logprob = has_target ? fmaf(z_y - s.m, inv_temperature, -log_norm) : 0.f;
     if (HAS_ENTROPY) entropy = fmaf(-kLn2, s.sx / s.s1, log_norm);
     if (HAS_SUM_SQ) sum_sq = s.s2 / (s.s1 * s.s1);
   }

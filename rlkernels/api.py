@@ -179,13 +179,6 @@ def _vocab_size(local_vocab: int, device, tp_group, inplace: bool = False) -> in
     return distributed.shard_offset(tp_group, local_vocab, device)[1]
 
 
-def _tp_backend(name: str) -> str:
-    if name == "cuda":
-        raise ValueError("backend='cuda': tp_group needs the torch or Triton backend (the CUDA kernels do not "
-                         "take rows whose target lies in another vocabulary shard)")
-    return name
-
-
 def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows,
                  tp_group=None):
     """The fused forward as a custom op (or, with tp_group, the vocabulary-parallel function). The
@@ -195,7 +188,7 @@ def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inpla
     name = backends.select(backend, rows, chunk_rows).name
     if tp_group is not None:
         return distributed.vocab_parallel_token_stats(
-            rows, row_labels, float(temperature), entropy, sum_pi_squared, _tp_backend(name), chunk_rows, tp_group
+            rows, row_labels, float(temperature), entropy, sum_pi_squared, name, chunk_rows, tp_group
         )
     _, _, lp, ent, s2 = custom_ops.token_stats(
         rows, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared, inplace, name,
@@ -391,7 +384,7 @@ def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden2d.dtype, hidden2d.device, budget)
     if tp_group is not None:
         return distributed.vocab_parallel_linear_token_stats(
-            hidden2d, weight, bias, row_labels, float(temperature), entropy, sum_pi_squared, _tp_backend(name),
+            hidden2d, weight, bias, row_labels, float(temperature), entropy, sum_pi_squared, name,
             chunk_rows, tp_group,
         )
     _, _, lp, ent, s2 = linear.linear_token_stats(

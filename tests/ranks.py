@@ -1,11 +1,12 @@
 """Real process groups for the distributed tests: gloo ranks spawned with torch.multiprocessing.
 
 `spawn(world, check, *args)` runs `check(rank, world, *args)` on every rank of a fresh gloo group
-(file rendezvous; `backend="nccl"` for the one-GPU check) and fails with every rank's traceback. Every wait has a timeout -- the group's,
-the joins' -- so a failing or hung rank fails the test instead of hanging the suite. `check` must be
-a module-level function (spawned processes import it by name).
+(file rendezvous; `backend="nccl"` for the one-GPU check) and fails with every rank's traceback.
+Every wait has a timeout -- the group's, the joins' -- so a failing or hung rank fails the test
+instead of hanging the suite. `check` must be a module-level function (spawned processes import it
+by name).
 
-`count_collectives` wraps torch.distributed functions (the library calls them through the module) to
+`Collectives` wraps torch.distributed functions (the library calls them through the module) to
 count calls and the bytes each rank sends, per group.
 """
 
@@ -44,7 +45,8 @@ def spawn(world, check, *args, backend="gloo"):
         ctx = mp.get_context("spawn")
         errors = ctx.SimpleQueue()
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, check, args, errors, backend)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, check, args, errors, backend))
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + TIMEOUT_S

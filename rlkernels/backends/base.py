@@ -9,8 +9,8 @@ Conventions shared by every backend (and checked by tests/backends against the r
   selects those rows away.
 - `FOREIGN_TARGET` (-2) marks a row whose target lies in another vocabulary shard (tensor
   parallelism, rlkernels.distributed): its row_max, log_norm, entropy and sum p^2 are computed, its
-  logprob is 0, and its gradient is that of a row without the target column. The torch and Triton
-  backends support it; the CUDA kernels do not (they skip such rows).
+  logprob is 0, and its gradient is that of a row without the target column. Every backend
+  supports it.
 - Statistics are float32 (float64 for float64 logits, which only the torch backend accepts).
 """
 
