@@ -28,7 +28,7 @@ LOSS_AGG_MODES = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
 )
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-BACKENDS = ("auto", "torch", "triton", "cuda")
+BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 Threshold = Union[float, Tuple[float, float]]
 
@@ -284,7 +284,7 @@ class PolicyLossConfig:
         kl_coef, kl_type: KL penalty beta * agg(KL) against ref_logprobs; kl_type k1, k2, k3
             ("low_var_kl" is an alias of k3).
         rollout_correction: a `RolloutCorrection` or None.
-        backend: "auto", "torch", "triton" or "cuda".
+        backend: "auto", "torch", "cpu", "triton" or "cuda".
         validate: run the value checks of SPEC §11 (one device sync). False for sync-free steps.
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.

@@ -1,6 +1,8 @@
 """The one dispatch point: which backend each name and device get, and how the one per-sequence stage runs."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,8 +19,31 @@ class CudaLike:
     device = torch.device("cuda", 0)
 
 
-def test_auto_picks_torch_on_cpu():
-    assert backends.select("auto", torch.zeros(2, 3)).name == "torch"
+def test_auto_picks_the_cpu_kernels_on_cpu_and_torch_for_float64():
+    expected = "cpu" if backends.available()["cpu"] else "torch"
+    assert backends.select("auto", torch.zeros(2, 3)).name == expected
+    assert backends.select("auto", torch.zeros(2, 3, dtype=torch.float64)).name == "torch"
+
+
+def _auto_name_in_a_fresh_process(env):
+    code = "import torch; from rlkernels import backends; print(backends.select('auto', torch.zeros(2, 3)).name)"
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, **env))
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip(), run.stderr
+
+
+def test_cpu_kernels_can_be_turned_off():
+    name, _ = _auto_name_in_a_fresh_process({"RLKERNELS_CPU_KERNELS": "0"})
+    assert name == "torch"
+
+
+def test_a_failed_cpu_build_warns_and_keeps_the_torch_backend(tmp_path):
+    """No usable compiler: a warning that says so, and "auto" runs the torch backend."""
+    env = {"RLKERNELS_CACHE": str(tmp_path), "CXX": "false", "PATH": "/nonexistent"}
+    name, err = _auto_name_in_a_fresh_process(env)
+    assert name == "torch"
+    assert "the CPU kernels are unavailable, using the torch backend" in err
 
 
 @pytest.mark.skipif(not backends.available()["triton"], reason="Triton is not importable here")

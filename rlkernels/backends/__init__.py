@@ -33,21 +33,32 @@ def _cuda_backend():
     return backend if backend.is_built() else None
 
 
+@lru_cache(maxsize=None)
+def _cpu_backend():
+    from .cpu_backend import CpuBackend
+
+    backend = CpuBackend()
+    return backend if backend.is_built() else None  # builds on first use (cpu_backend.py)
+
+
 def available() -> dict:
     """Which backends can run in this process (for diagnostics and the benchmark harness)."""
-    return {"torch": True, "triton": _triton_backend() is not None, "cuda": _cuda_backend() is not None}
+    return {"torch": True, "cpu": _cpu_backend() is not None, "triton": _triton_backend() is not None,
+            "cuda": _cuda_backend() is not None}
 
 
 def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool = False) -> Backend:
-    """Pick the backend for these logits. "auto": Triton on CUDA tensors when importable, else torch.
+    """Pick the backend for these logits. "auto": Triton on CUDA tensors when importable; the CPU
+    kernels on CPU tensors of a kernel dtype when they build; else torch (float64 included).
 
     vocab_shard: the logits are one shard of a vocabulary-parallel head (rlkernels.distributed):
     rows may carry FOREIGN_TARGET, and the backward must form p from the given (row_max, log_norm),
-    the whole vocabulary's normaliser. The kernels do both always; the torch backend is told to (it
-    otherwise recomputes the softmax of the rows it has, and skips the foreign-target work)."""
+    the whole vocabulary's normaliser. The kernels (Triton, CUDA, CPU) do both always; the torch
+    backend is told to (it otherwise recomputes the softmax of the rows it has, and skips the
+    foreign-target work)."""
     if name == "torch":
         return TorchBackend(chunk_rows, vocab_shard)
-    if name in ("triton", "cuda") and logits.dtype not in KERNEL_DTYPES:
+    if name in ("triton", "cuda", "cpu") and logits.dtype not in KERNEL_DTYPES:
         raise ValueError(
             f"backend={name!r}: supports float16, bfloat16 and float32 logits, got {logits.dtype}; "
             "use backend='torch' (or 'auto') for float64"
@@ -70,13 +81,20 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool =
         if not backend.supports(logits):
             raise ValueError(f"backend='cuda': needs CUDA logits, got device {logits.device}")
         return backend
+    if name == "cpu":
+        backend = _cpu_backend()
+        if backend is None:
+            raise RuntimeError("backend='cpu': the CPU kernels could not be built (see the warning above; "
+                               "backend='torch' runs everywhere)")
+        if not backend.supports(logits):
+            raise ValueError(f"backend='cpu': needs CPU logits, got device {logits.device}")
+        return backend
     if name == "auto":
-        if logits.is_cuda:
-            backend = _triton_backend()
-            if backend is not None and backend.supports(logits):
-                return backend
+        backend = _triton_backend() if logits.is_cuda else _cpu_backend() if logits.device.type == "cpu" else None
+        if backend is not None and backend.supports(logits):
+            return backend
         return TorchBackend(chunk_rows, vocab_shard)
-    raise ValueError(f"backend: expected 'auto', 'torch', 'triton' or 'cuda', got {name!r}")
+    raise ValueError(f"backend: expected 'auto', 'torch', 'cpu', 'triton' or 'cuda', got {name!r}")
 
 
 # Graphs the compiled stage may hold: Dynamo specialises sizes 0 and 1 even with dynamic=True, so one

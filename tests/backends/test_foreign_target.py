@@ -4,7 +4,8 @@ row with its target label minus the + c/T on the target column. Checked against 
 with the real label on the same rows, so every backend is held to its own numerics; the distributed
 tests check the merged result against the single-process loss.
 
-torch runs everywhere, Triton through the interpreter on the CPU, CUDA on a GPU with the extension.
+torch and the CPU kernels run everywhere, Triton through the interpreter on the CPU, CUDA on a GPU
+with the extension.
 """
 
 import pytest
@@ -26,13 +27,15 @@ def _backend(name):
 
         if not CudaBackend().is_built():
             pytest.fail("GPU present but the CUDA extension is not built")
-    if name == "triton" and not backends.available()["triton"]:
-        pytest.skip("Triton is not importable here")
+    if name in ("triton", "cpu") and not backends.available()[name]:
+        pytest.skip(f"the {name} backend is not available here")
+    if name == "cpu" and DEVICE != "cpu":
+        pytest.skip("the CPU kernels take CPU tensors")
     return name
 
 
 @pytest.mark.parametrize("name", [
-    "torch", pytest.param("triton", marks=pytest.mark.interpret), pytest.param("cuda", marks=pytest.mark.gpu)])
+    "torch", "cpu", pytest.param("triton", marks=pytest.mark.interpret), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("V", [7, 129])
 def test_foreign_target_rows_are_target_rows_without_the_target(name, V):
     _backend(name)

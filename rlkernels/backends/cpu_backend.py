@@ -1,0 +1,128 @@
+"""The CPU kernels: the two vocabulary passes as fused C++ loops (csrc/cpu/token_passes.cpp), over
+`torch.ops.rlkernels_cpu.*`.
+
+Why they exist: the torch backend's chunked ATen ops open several parallel regions per chunk, and on
+a machine shared with another multi-threaded process each region waits for a descheduled thread;
+these kernels open one region per pass (see the source's header).
+
+How they are built: on first use, by the C++ compiler every PyTorch CPU user has (`$CXX`, else g++
+or c++), against the installed torch's headers and libraries, for this machine's CPU
+(`-march=native`), into a cache keyed by the source, the flags, the torch version and the CPU
+(`$RLKERNELS_CACHE`, else `$XDG_CACHE_HOME/rlkernels`, else `~/.cache/rlkernels`); about 10-20 s once.
+Not at install time: the README's install builds in pip's isolated environment, where torch is not
+importable, and putting torch in the build requirements would download a second (unpinned, possibly
+CUDA) torch to build against. Processes that build at once each write their own file and rename it
+into place. If there is no compiler or the build fails, a warning says why and "auto" keeps the torch
+backend. `RLKERNELS_CPU_KERNELS=0` turns them off.
+"""
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .extension import ExtensionBackend, register_fakes
+
+OPS_NAMESPACE = "rlkernels_cpu"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "token_passes.cpp"
+# -fno-trapping-math and -ffp-contract=fast let the row loops vectorise (selects, fused multiply-adds);
+# nothing here reorders sums (no -ffast-math: -inf and NaN keep their IEEE meaning). -fopenmp gives
+# at::parallel_for its threads (torch's own libgomp, already loaded, serves them).
+CXX_FLAGS = ["-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast",
+             "-fno-trapping-math", "-w"]
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+BUILD_TIMEOUT_S = 600
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU the -march=native build is for: a cache shared by several machines must not hand one
+    another's binary to a CPU without its instructions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("RLKERNELS_CACHE"):
+        return Path(os.environ["RLKERNELS_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlkernels"
+
+
+def _compiler():
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build_command(compiler: str, output: Path):
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    lib_dir = cpp_extension.library_paths()[0]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [compiler, *CXX_FLAGS, abi, *includes, str(SOURCE), "-o", str(output), f"-L{lib_dir}", "-lc10",
+            "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
+
+
+def _build() -> Path:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found ($CXX, g++, c++)")
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS).encode(), torch.__version__.encode(),
+                 _cpu_fingerprint().encode(), compiler.encode()):
+        key.update(part)
+    cache = _cache_dir()
+    library = cache / f"rlkernels_cpu_{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    print(f"rlkernels: compiling the CPU kernels once (~10-20 s), into {cache}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        partial = Path(tmp) / library.name
+        run = subprocess.run(build_command(compiler, partial), capture_output=True, text=True,
+                             timeout=BUILD_TIMEOUT_S)
+        if run.returncode != 0:
+            raise RuntimeError(f"{compiler} failed:\n{run.stderr[-2000:]}")
+        os.replace(partial, library)  # atomic: a concurrent build just replaces it with the same bytes
+    return library
+
+
+@lru_cache(maxsize=None)
+def _load_ops() -> bool:
+    """Builds (once per machine) and loads the ops (once per process); True when usable."""
+    if os.environ.get("RLKERNELS_CPU_KERNELS") == "0":
+        return False
+    if hasattr(torch.ops, OPS_NAMESPACE) and hasattr(getattr(torch.ops, OPS_NAMESPACE), "token_stats_fwd"):
+        return True
+    try:
+        torch.ops.load_library(str(_build()))
+    except Exception as exc:  # the torch backend stays available
+        warnings.warn(f"rlkernels: the CPU kernels are unavailable, using the torch backend: {exc}", RuntimeWarning,
+                      stacklevel=3)
+        return False
+    register_fakes(OPS_NAMESPACE)
+    return True
+
+
+class CpuBackend(ExtensionBackend):
+    name = "cpu"
+    namespace = OPS_NAMESPACE
+
+    def is_built(self) -> bool:
+        return _load_ops()
+
+    def supports(self, logits: torch.Tensor) -> bool:
+        return logits.device.type == "cpu" and logits.dtype in _SUPPORTED

@@ -1,0 +1,90 @@
+"""Backends whose two passes are compiled ops with one schema (csrc/): `torch.ops.<namespace>.*`.
+
+The CUDA kernels (`rlkernels_cuda`, csrc/*.cu) and the CPU kernels (`rlkernels_cpu`,
+csrc/cpu/token_passes.cpp) take the same arguments: logits [N, V] with unit stride along V and one row
+stride, int64 labels, float32 [N] statistics and coefficients. This class adapts the backend protocol
+(base.Backend) to them: casts, and one call per batch row for [B, T, V] views whose rows are not one
+strided sequence (the causal shift), read where they lie instead of copied.
+"""
+
+from typing import Optional
+
+import torch
+
+from .base import RowStats, paired_row_groups, row_groups
+
+
+def register_fakes(namespace: str) -> None:
+    """Shape-only implementations, so that the ops trace under torch.compile / FakeTensor."""
+
+    @torch.library.register_fake(f"{namespace}::token_stats_fwd")
+    def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared):
+        N = logits.shape[0]
+        new = lambda n: logits.new_empty((n,), dtype=torch.float32)  # noqa: E731
+        return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
+
+    @torch.library.register_fake(f"{namespace}::token_grad_bwd")
+    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(f"{namespace}::token_grad_bwd_inplace")
+    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature):
+        return None
+
+    @torch.library.register_fake(f"{namespace}::token_grad_bwd_out")
+    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits):
+        return None
+
+
+class ExtensionBackend:
+    name = ""
+    namespace = ""
+
+    def _ops(self):
+        return getattr(torch.ops, self.namespace)
+
+    def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
+        # logits: (N, V) or (B, T, V) with unit stride along V; labels: (N,) int64, -1 on skipped rows
+        labels = _labels(labels)
+        pieces = [
+            self._ops().token_stats_fwd(
+                rows, labels[start:start + rows.shape[0]], float(temperature), bool(compute_entropy),
+                bool(compute_sum_pi_squared),
+            )
+            for start, rows in row_groups(logits)
+        ]
+        row_max, log_norm, logprobs, entropy, sum_pi_squared = (
+            p[0] if len(pieces) == 1 else torch.cat(p) for p in zip(*pieces)
+        )
+        return RowStats(
+            row_max, log_norm, logprobs, entropy if compute_entropy else None,
+            sum_pi_squared if compute_sum_pi_squared else None,
+        )
+
+    def token_grad_bwd(
+        self, logits, labels, row_max, log_norm, entropy: Optional[torch.Tensor], coef_logprob,
+        coef_entropy: Optional[torch.Tensor], temperature, inplace,
+    ) -> torch.Tensor:
+        # coefficients arrive in the statistics' dtype from autograd; the kernels read float32 [N]
+        has_entropy = coef_entropy is not None
+        vectors = (
+            _labels(labels), _f32(row_max), _f32(log_norm), _f32(entropy) if has_entropy else None,
+            _f32(coef_logprob), _f32(coef_entropy) if has_entropy else None,
+        )
+        out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for start, rows, out_rows in paired_row_groups(logits, out):
+            stop = start + rows.shape[0]
+            args = (rows, *(None if v is None else v[start:stop] for v in vectors), float(temperature))
+            if inplace:
+                self._ops().token_grad_bwd_inplace(*args)  # the caller bumps logits' version counter
+            else:
+                self._ops().token_grad_bwd_out(*args, out_rows)
+        return out
+
+
+def _labels(labels: torch.Tensor) -> torch.Tensor:
+    return labels.to(torch.int64).contiguous()
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()

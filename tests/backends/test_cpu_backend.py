@@ -1,0 +1,105 @@
+"""The CPU kernels (csrc/cpu/token_passes.cpp) against the float64 oracle, over the option product of
+the torch backend's tests, through the public API; and the dispatch that picks them.
+
+Tolerances: the "value" and "dlogits" rows of cases.TOL. The kernels sum in float32 over blocks of
+1,024 elements (16 lanes each) and add the block totals in float64, and their exponential is within
+about one ulp of the true value, so they carry the same fp32 summation error the rows already allow.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rlkernels
+from rlkernels import backends
+from rlkernels.backends.base import FOREIGN_TARGET
+from rlkernels.reference import token_stats
+
+from ..cases import LOGIT_KINDS, assert_close, make_coefficients, make_logits, problems, scaled, tol
+from .parity import check_against_reference
+
+pytestmark = pytest.mark.skipif(not backends.available()["cpu"], reason="the CPU kernels could not be built here")
+
+
+@settings(max_examples=scaled(150))
+@given(problems(torch.float32))
+def test_cpu_kernels_match_reference_float32(problem):
+    batch, mode, config = problem
+    check_against_reference(batch, mode, config, backend="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@settings(max_examples=scaled(40))
+@given(data=st.data())
+def test_cpu_kernels_half_inputs(dtype, data):
+    batch, mode, config = data.draw(problems(dtype))
+    check_against_reference(batch, mode, config, backend="cpu")
+
+
+@pytest.mark.parametrize("kind", LOGIT_KINDS)
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 1023, 1024, 1025, 4099])  # lanes and blocks, with tails
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_cpu_token_statistics_and_gradient_against_the_oracle(kind, V, temperature):
+    """Every statistic and d logits row by row, at widths around the kernels' lane (16) and block
+    (1,024) sizes, on the logit families of the suite (±1e4 offsets, -inf entries, one-hot rows),
+    with skipped rows (label -1, label V), a foreign-target row and a zero-coefficient row."""
+    gen = torch.Generator().manual_seed(V)
+    N = 7
+    logits = make_logits(gen, (N, V), kind, torch.float32)
+    labels = torch.randint(0, V, (N,), generator=gen)
+    if kind == "neg_inf":
+        labels.zero_()
+    labels[1], labels[4] = -1, V
+    backend = backends.select("cpu", logits)
+    got = backend.token_stats_fwd(logits, labels, temperature, True, True)
+    active = (labels >= 0) & (labels < V)
+    want_lp, want_h, want_s2 = token_stats(logits.double(), labels.clamp(0, V - 1), temperature=temperature)
+    q = tol("kernel.stats", torch.float32)
+    for name, value in (("logprobs", want_lp), ("entropy", want_h), ("sum_pi_squared", want_s2)):
+        have = getattr(got, name)
+        assert torch.all(have[~active] == 0), f"{name}: skipped rows must be 0"
+        assert_close(have[active], value[active].float(), **q, name=name)
+    lse = got.row_max / temperature + got.log_norm
+    assert_close(lse[active], torch.logsumexp(logits.double() / temperature, 1)[active].float(), **q, name="lse")
+
+    c, e = make_coefficients(N, seed=V, zero_rows=(2,))
+    dl = backend.token_grad_bwd(logits, labels, got.row_max, got.log_norm, got.entropy, c, e, temperature, False)
+    ref = logits.double().clone().requires_grad_(True)
+    ref_lp, ref_h, _ = token_stats(ref, labels.clamp(0, V - 1), temperature=temperature)
+    keep = active.double()
+    loss = (c.double() * keep * ref_lp).sum() + (e.double() * keep * ref_h).sum()
+    (want_grad,) = torch.autograd.grad(loss, ref)
+    assert torch.all(dl[~active] == 0) and torch.all(dl[2] == 0), "skipped / zero-coefficient rows must be 0"
+    scale = max(1.0, float(want_grad.abs().max()))
+    assert_close(dl, want_grad.float(), **tol("kernel.dlogits", torch.float32, scale=scale), name="dlogits")
+
+
+def test_auto_runs_the_cpu_kernels_on_the_cpu():
+    """The dispatch: "auto" on CPU logits of a kernel dtype is the CPU kernels; float64 stays on torch."""
+    assert type(backends.select("auto", torch.zeros(2, 3))).__name__ == "CpuBackend"
+    assert type(backends.select("auto", torch.zeros(2, 3, dtype=torch.bfloat16))).__name__ == "CpuBackend"
+    assert type(backends.select("auto", torch.zeros(2, 3, dtype=torch.float64))).__name__ == "TorchBackend"
+    with pytest.raises(ValueError, match="backend='cpu': supports float16, bfloat16 and float32"):
+        backends.select("cpu", torch.zeros(2, 3, dtype=torch.float64))
+    logits = torch.randn(5, 11, requires_grad=True)
+    with torch.autograd.profiler.profile() as prof:
+        out = rlkernels.token_logprobs(logits, torch.randint(0, 11, (5,)), compute_entropy=True)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+    names = {evt.name for evt in prof.function_events}
+    assert "rlkernels_cpu::token_stats_fwd" in names, sorted(names)
+    assert "rlkernels_cpu::token_grad_bwd_out" in names, sorted(names)
+
+
+def test_foreign_target_rows_with_inplace_backward():
+    """In place: the gradient overwrites the logits row by row, each row read before it is written."""
+    gen = torch.Generator().manual_seed(3)
+    logits = make_logits(gen, (6, 33), "normal", torch.float32)
+    labels = torch.tensor([3, FOREIGN_TARGET, -1, 7, FOREIGN_TARGET, 0])
+    backend = backends.select("cpu", logits)
+    st_ = backend.token_stats_fwd(logits, labels, 0.9, True, False)
+    c, e = make_coefficients(6, seed=3)
+    out = backend.token_grad_bwd(logits, labels, st_.row_max, st_.log_norm, st_.entropy, c, e, 0.9, False)
+    inplace = logits.clone()
+    backend.token_grad_bwd(inplace, labels, st_.row_max, st_.log_norm, st_.entropy, c, e, 0.9, True)
+    assert torch.equal(inplace, out)
