@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
-# Runs in under 10 minutes (step limits 150 + 90 + 45 + 60 + 75 + 60 + 60 s = 9 min): versions, optional CUDA
+# Runs in under 10 minutes (step limits 150 + 90 + 45 + 60 + 75 + 60 + 60 + 40 s = 9.7 min): versions, optional CUDA
 # extension build, GPU tests, Triton kernel tests, the per-sequence stage eager vs compiled (Inductor
 # kernel count, no recompilation over a hyperparameter schedule), the 8192 x 151936 bf16 head-to-head
 # (triton vs cuda vs torch backend vs naive, GB/s vs the bytes model), the fused-linear loss against the
@@ -50,6 +50,9 @@ step headline 75 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --
 # rlkernels[linear] should approach (1 + 3f) t_GEMM (forward GEMM on f of the rows, backward 3 GEMMs on them)
 step linear 60 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
   --providers "naive,rlkernels[logits],rlkernels[linear],liger" --reps 10 --out "$OUT" --tag h200-linear-8192x4096x151936
+
+# the CPU kernels on this machine's host CPU (a second CPU and compiler besides the development VM)
+step cpu_kernels 40 $PY -m benchmarks.cpu --N 2048 --reps 3 --no-contended --json "$OUT/cpu-kernels.json"
 
 step quick_suite 60 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
 

@@ -125,8 +125,10 @@ class RLKernels(Provider):
     def skip_reason(self, op, case, V, device):
         if not rk_backends.available().get(self.backend, False):
             return f"backend {self.backend!r} is not available in this process"
-        if self.backend != "torch" and device != "cuda":
+        if self.backend in ("triton", "cuda") and device != "cuda":
             return f"backend {self.backend!r} is measured on CUDA only (the CPU interpreter is not a speed path)"
+        if self.backend == "cpu" and device != "cpu":
+            return "backend 'cpu' runs on CPU tensors only"
         return super().skip_reason(op, case, V, device)
 
     def build(self, op, case, x):
@@ -289,7 +291,8 @@ class Liger(Provider):
 
 
 PROVIDERS = {p.name: p for p in (
-    Naive(False), Naive(True), Verl(), Liger(), RLKernels("torch"), RLKernels("triton"), RLKernels("cuda"),
+    Naive(False), Naive(True), Verl(), Liger(), RLKernels("torch"), RLKernels("cpu"), RLKernels("triton"),
+    RLKernels("cuda"),
 )}
 REFERENCE = "rlkernels[torch]"
 
