@@ -6,10 +6,24 @@ A pure-Python install by default. The CUDA extension in csrc/ is built only when
 """
 
 import os
+import shutil
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
-ext_modules, cmdclass = [], {}
+
+class BuildPyWithCpuSource(build_py):
+    """Ships csrc/cpu/token_passes.cpp inside the package (rlkernels/_csrc/cpu/) so that an installed,
+    non-editable copy can compile the CPU kernels on first use (rlkernels/backends/cpu_backend.py)."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "rlkernels", "_csrc", "cpu")
+        os.makedirs(target, exist_ok=True)
+        shutil.copy(os.path.join("csrc", "cpu", "token_passes.cpp"), target)
+
+
+ext_modules, cmdclass = [], {"build_py": BuildPyWithCpuSource}
 if os.environ.get("RLKERNELS_BUILD_CUDA") == "1":
     # Needs a CUDA build of torch and nvcc; build with --no-build-isolation so that the installed torch
     # (whose headers and ABI the extension must match) is the one compiled against.
@@ -30,6 +44,6 @@ if os.environ.get("RLKERNELS_BUILD_CUDA") == "1":
             extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags + nvcc_arch_flags},
         )
     ]
-    cmdclass = {"build_ext": BuildExtension}
+    cmdclass["build_ext"] = BuildExtension
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

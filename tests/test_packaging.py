@@ -6,6 +6,7 @@ import importlib.metadata
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import rlkernels
@@ -49,6 +50,16 @@ def test_sdist_ships_csrc_and_the_contract(tmp_path):
     (archive,) = tmp_path.glob("rlkernels-*.tar.gz")
     with tarfile.open(archive) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    expected = {f"csrc/{p.name}" for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cuh", ".cpp")}
+    sources = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cu", ".cuh", ".cpp")]
+    expected = {p.relative_to(ROOT).as_posix() for p in sources}
     expected |= {"docs/spec.md", "pyproject.toml", "setup.py", "rlkernels/__init__.py"}
     assert expected <= names, f"missing from the sdist: {sorted(expected - names)}"
+
+
+def test_wheel_carries_the_cpu_kernel_source(tmp_path):
+    """A non-editable install compiles the CPU kernels from the copy inside the package."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("rlkernels-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert "rlkernels/_csrc/cpu/token_passes.cpp" in zf.namelist()

@@ -32,7 +32,12 @@ import torch
 from .extension import ExtensionBackend, register_fakes
 
 OPS_NAMESPACE = "rlkernels_cpu"
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "token_passes.cpp"
+# a checkout (or editable install) reads csrc/ at the repository root; a built package carries a copy
+# (setup.py's build_py)
+_PACKAGE = Path(__file__).resolve().parents[1]
+SOURCE = next((p for p in (_PACKAGE.parent / "csrc" / "cpu" / "token_passes.cpp",
+                           _PACKAGE / "_csrc" / "cpu" / "token_passes.cpp") if p.exists()),
+              _PACKAGE.parent / "csrc" / "cpu" / "token_passes.cpp")
 # -fno-trapping-math and -ffp-contract=fast let the row loops vectorise (selects, fused multiply-adds);
 # nothing here reorders sums (no -ffast-math: -inf and NaN keep their IEEE meaning). -fopenmp gives
 # at::parallel_for its threads (torch's own libgomp, already loaded, serves them).
