@@ -23,7 +23,8 @@ SEQ_RS_OPTIONS = (
 )
 RS_OPTIONS = TOKEN_RS_OPTIONS + SEQ_RS_OPTIONS
 IS_LEVELS = (None, "token", "sequence")
-LOSS_TYPES = ("ppo_clip", "reinforce")
+# policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla")
+LOSS_TYPES = ("vanilla", "ppo_clip", "reinforce", "gpg", "sapo", "gspo")
 LOSS_AGG_MODES = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
 )
@@ -269,7 +270,11 @@ class PolicyLossConfig:
     """Options of the decoupled PPO / REINFORCE loss (SPEC §6-§7).
 
     Args:
-        loss_type: "ppo_clip" (default) or "reinforce" (bypass mode only).
+        loss_type: the per-token policy objective (SPEC §6; docs/spec.md "The loss family"):
+            "vanilla" (PPO clip, with dual clip; "ppo_clip" is the same), "reinforce" (bypass mode
+            only), "gpg", "sapo" (soft gates), "gspo" (sequence-level ratio, token form), each as
+            verl 0.9.1's registered loss of that name computes it.
+        tau_pos, tau_neg: SAPO's gate temperatures for tokens with positive / non-positive advantage.
         clip_ratio_low, clip_ratio_high: eps_lo, eps_hi of the clip range (1 - eps_lo, 1 + eps_hi).
         clip_ratio_c: dual-clip constant c > 1 (default 3.0), or None to disable dual clip.
         loss_agg_mode: one of token-mean (default), token-sum, seq-mean-token-sum,
@@ -294,6 +299,8 @@ class PolicyLossConfig:
     """
 
     loss_type: str = "ppo_clip"
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: Optional[float] = 3.0
@@ -317,6 +324,8 @@ class PolicyLossConfig:
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
+        for name in ("tau_pos", "tau_neg"):
+            object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name)))
         for name in ("clip_ratio_low", "clip_ratio_high"):
             object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name), allow_zero=True))
         if _checking_values() and self.clip_ratio_low >= 1.0:

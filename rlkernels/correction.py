@@ -264,12 +264,17 @@ def _effective_sample_size(moments: torch.Tensor) -> torch.Tensor:
 
 
 def correct(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg: Segments,
-            rc: Optional[RolloutCorrection], split) -> Tuple[Optional[TokenTerms], SequenceTable, Decisions,
-                                                                Normalisers, Optional[ISWeights]]:
+            rc: Optional[RolloutCorrection], split, kept_sums: Optional[Dict[str, torch.Tensor]] = None,
+            ) -> Tuple[Optional[TokenTerms], SequenceTable, Decisions, Normalisers, Optional[ISWeights]]:
     """Steps 1-2 and the weights, for `rollout_correction` and the loss stage alike. rollout=None:
-    no correction (the normalisers are still computed, for the loss)."""
+    no correction (the normalisers are still computed, for the loss). `kept_sums`: per-token values
+    the loss needs summed per sequence over the tokens no token-level rejection drops (a sequence
+    that a sequence-level option drops has no token left to use them)."""
     table = SequenceTable(seg, mask, train.dtype)
     terms = None if rollout is None else token_terms(train, rollout, mask, rc, table)
+    token_keep = mask if terms is None else terms.token_keep
+    for name, x in (kept_sums or {}).items():
+        table.add_sum(name, torch.where(token_keep, x, torch.zeros_like(x)))
     table.reduce(split)
     decisions = decide(terms, mask, table, rc)
     norms = normalisers(table, decisions, rc, split)

@@ -98,22 +98,50 @@ def sequence_stage(
     l_old = old if decoupled else (roll if roll is not None else lp)  # SPEC §1 modes
     l_train = old if decoupled else lp
 
-    terms, table, decisions, norms, w = correction.correct(l_train, roll, mask, seg, rc, split)
+    loss_type = config.loss_type
+    delta_pg_raw = lp - l_old
+    # GSPO's sequence ratio is the mean log-ratio over each sequence's tokens in the final mask
+    kept_sums = {"pg_delta": delta_pg_raw} if loss_type == "gspo" else None
+    terms, table, decisions, norms, w = correction.correct(l_train, roll, mask, seg, rc, split, kept_sums)
     final_mask = decisions.mask
     metrics = Metrics()
     if terms is not None:
         correction.record_metrics(metrics, terms, mask, table, decisions, norms, rc, w)
 
-    delta_pg_raw = lp - l_old
     delta_pg = delta_pg_raw.clamp(-CLAMP, CLAMP)
+    kl_metric = -delta_pg
+    within_clamp = (delta_pg_raw >= -CLAMP) & (delta_pg_raw <= CLAMP)
+    no_clip = torch.zeros_like(mask)
     applied_w = None
-    if config.loss_type == "reinforce":
+    if loss_type == "reinforce":
         applied_w = w.weights if w is not None else None
         wv = applied_w if applied_w is not None else torch.ones_like(lp)
         L = -A * wv * lp
         dL = -A * wv
-        clipped = dual = torch.zeros_like(mask)
-    else:
+        clipped = dual = no_clip
+    elif loss_type == "gpg":  # plain policy gradient on the log-prob
+        L, dL = -A * lp, -A
+        clipped = dual = no_clip
+    elif loss_type == "sapo":  # soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau, tau by the advantage's sign
+        r = torch.exp(delta_pg)
+        tau = torch.where(A > 0, hyper(r, config.tau_pos), hyper(r, config.tau_neg))
+        gate = torch.sigmoid(tau * (r - 1))
+        L = -A * gate * 4 / tau
+        dL = torch.where(within_clamp, -A * 4 * gate * (1 - gate) * r, zero)  # d f / d lp = 4 s (1 - s) r
+        clipped = dual = no_clip
+    elif loss_type == "gspo":  # s = exp(sg[mean log-ratio of the sequence] + lp - sg[lp]), clipped as PPO
+        seq_delta = table.sum("pg_delta") / decisions.final_lengths.clamp_min(1)
+        log_s = seg.expand(seq_delta)
+        s_ratio = torch.exp(log_s.clamp(max=10.0))
+        L1 = -A * s_ratio
+        L2 = -A * torch.clamp(s_ratio, hyper(s_ratio, 1 - config.clip_ratio_low),
+                              hyper(s_ratio, 1 + config.clip_ratio_high))
+        clipped = L2 > L1
+        L = torch.where(clipped, L2, L1)
+        dL = torch.where(~clipped & (log_s <= 10.0), -A * s_ratio, zero)  # d s / d lp = s (the lp - sg[lp] term)
+        dual = no_clip
+        kl_metric = -delta_pg_raw  # verl's GSPO reports the unclamped log-ratio
+    else:  # "vanilla" / "ppo_clip"
         r = torch.exp(delta_pg)
         L1 = -A * r
         # clip bounds as tensors: a clip-ratio schedule must not recompile a compiled step
@@ -125,15 +153,15 @@ def sequence_stage(
             dual = (A < 0) & (L3 < Lc)
             L = torch.where(dual, L3, Lc)
         else:
-            dual = torch.zeros_like(mask)
+            dual = no_clip
             L = Lc
         # c_t = -A * r where the unclipped branch is active (and the ±20 clamp passes it), else 0
-        live = ~clipped & ~dual & (delta_pg_raw >= -CLAMP) & (delta_pg_raw <= CLAMP)
+        live = ~clipped & ~dual & within_clamp
         dL = torch.where(live, -A * r, zero)
-        if decoupled and w is not None:
-            applied_w = w.weights
-            L = L * applied_w
-            dL = dL * applied_w
+    if loss_type != "reinforce" and decoupled and w is not None:
+        applied_w = w.weights
+        L = L * applied_w
+        dL = dL * applied_w
 
     a = aggregation_weights(final_mask, seg, config, dt, decisions.final_lengths, norms)
     L = torch.where(final_mask, L, zero)
@@ -144,7 +172,7 @@ def sequence_stage(
     metrics.total("actor/pg_loss", pg_loss)
     metrics.mean("actor/pg_clipfrac", clipped.to(dt), final_mask, n_kept)
     metrics.mean("actor/pg_clipfrac_lower", dual.to(dt), final_mask, n_kept)
-    metrics.mean("actor/ppo_kl", -delta_pg, final_mask, n_kept)
+    metrics.mean("actor/ppo_kl", kl_metric, final_mask, n_kept)
     if ref is not None:
         kl, dkl = kl_and_grad(lp, ref, config.kl_type)
         kl_loss = (a * torch.where(final_mask, kl, zero)).sum()

@@ -79,7 +79,7 @@ def _zigzag(lengths, cp):
 
 def _random_config(rng, mode, dtype):
     from rlkernels import PolicyLossConfig, RolloutCorrection
-    from rlkernels.config import IS_LEVELS, KL_TYPES, LOSS_AGG_MODES, RS_OPTIONS
+    from rlkernels.config import IS_LEVELS, KL_TYPES, LOSS_AGG_MODES, LOSS_TYPES, RS_OPTIONS
 
     rc = None
     if mode != "on-policy":
@@ -94,7 +94,7 @@ def _random_config(rng, mode, dtype):
     if rng.random() < 0.15:
         kw.update(global_num_tokens=13.0, global_num_seqs=3.0)
     return PolicyLossConfig(
-        loss_type=rng.choice(["ppo_clip", "reinforce"]) if mode == "bypass" else "ppo_clip",
+        loss_type=rng.choice([t for t in LOSS_TYPES if t != "reinforce" or mode == "bypass"]),
         loss_agg_mode=rng.choice(LOSS_AGG_MODES), clip_ratio_c=rng.choice([3.0, None]),
         entropy_coeff=rng.choice([0.0, 0.01]), compute_entropy=rng.random() < 0.5, kl_coef=0.0 if kl is None else 0.05,
         kl_type=kl or "k3", temperature=rng.choice([1.0, 0.7]), rollout_correction=rc, backend="torch", **kw,

@@ -102,13 +102,34 @@ def policy_loss(
         metrics.update(correction.diagnostics(l_train, roll, m, seqs, rc, w_pre, norm, new_mask, rs_info))
 
     applied_w = None
-    if config.loss_type == "reinforce":
+    loss_type = config.loss_type
+    delta_pg = (lp - l_old).clamp(-CLAMP, CLAMP)
+    kl_metric = -delta_pg.detach()
+    clipped = dual = torch.zeros_like(m)
+    if loss_type == "reinforce":
         applied_w = w.detach() if w is not None else torch.ones_like(lp)
         L = -A * applied_w * lp
-        clipped = dual = torch.zeros_like(m)
-        delta_pg = (lp - l_old).clamp(-CLAMP, CLAMP)
-    else:
-        delta_pg = (lp - l_old).clamp(-CLAMP, CLAMP)
+    elif loss_type == "gpg":  # verl core_algos.compute_policy_loss_gpg
+        L = -lp * A
+    elif loss_type == "sapo":  # verl compute_policy_loss_sapo: gates sigmoid(tau (r - 1)) 4 / tau
+        r = torch.exp(delta_pg)
+        tau = torch.where(A > 0, torch.full_like(r, config.tau_pos), torch.full_like(r, config.tau_neg))
+        L = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * A
+    elif loss_type == "gspo":  # verl compute_policy_loss_gspo, token form, over the final mask
+        raw = lp - l_old
+        seq_mean = torch.zeros_like(lp)
+        for idx in seqs:
+            keep = new_mask[idx]
+            n = max(int(keep.sum()), 1)
+            seq_mean[idx] = torch.where(keep, raw[idx], torch.zeros_like(raw[idx])).sum().detach() / n
+        log_s = (lp - lp.detach() + seq_mean).clamp(max=10.0)
+        s_ratio = torch.exp(log_s)
+        L1 = -A * s_ratio
+        L2 = -A * s_ratio.clamp(1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+        clipped = L2 > L1
+        L = torch.maximum(L1, L2)
+        kl_metric = -raw.detach()
+    else:  # vanilla / ppo_clip
         r = torch.exp(delta_pg)
         L1 = -A * r
         L2 = -A * r.clamp(1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
@@ -118,11 +139,10 @@ def policy_loss(
             dual = (A < 0) & (-A * config.clip_ratio_c < Lc)
             L = torch.where(dual, -A * config.clip_ratio_c, Lc)
         else:
-            dual = torch.zeros_like(m)
             L = Lc
-        if mode == "decoupled" and w is not None:
-            applied_w = w.detach()
-            L = L * applied_w
+    if loss_type != "reinforce" and mode == "decoupled" and w is not None:
+        applied_w = w.detach()
+        L = L * applied_w
     L = torch.where(new_mask, L, torch.zeros_like(L))
 
     agg = lambda x: aggregate(  # noqa: E731
@@ -134,7 +154,7 @@ def policy_loss(
     metrics["actor/pg_loss"] = pg_loss.detach()
     metrics["actor/pg_clipfrac"] = masked_mean(clipped.double(), new_mask)
     metrics["actor/pg_clipfrac_lower"] = masked_mean(dual.double(), new_mask)
-    metrics["actor/ppo_kl"] = masked_mean(-delta_pg.detach(), new_mask)
+    metrics["actor/ppo_kl"] = masked_mean(kl_metric, new_mask)
     if ref is not None:
         kl = agg(per_token_kl(lp, ref, config.kl_type))
         metrics["actor/kl_loss"] = kl.detach()
