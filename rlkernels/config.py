@@ -24,7 +24,8 @@ SEQ_RS_OPTIONS = (
 RS_OPTIONS = TOKEN_RS_OPTIONS + SEQ_RS_OPTIONS
 IS_LEVELS = (None, "token", "sequence")
 # policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla")
-LOSS_TYPES = ("vanilla", "ppo_clip", "reinforce", "gpg", "sapo", "gspo")
+LOSS_TYPES = ("vanilla", "ppo_clip", "reinforce", "gpg", "sapo", "gspo", "geo_mean", "cispo", "dro", "dppo_tv",
+              "dppo_kl")
 LOSS_AGG_MODES = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
 )
@@ -272,9 +273,14 @@ class PolicyLossConfig:
     Args:
         loss_type: the per-token policy objective (SPEC §6; docs/spec.md "The loss family"):
             "vanilla" (PPO clip, with dual clip; "ppo_clip" is the same), "reinforce" (bypass mode
-            only), "gpg", "sapo" (soft gates), "gspo" (sequence-level ratio, token form), each as
-            verl 0.9.1's registered loss of that name computes it.
+            only), "gpg", "sapo" (soft gates), "gspo" (sequence-level ratio, token form), "geo_mean"
+            (GMPO: geometric-mean sequence ratio, its own mean over sequences), "cispo"
+            (clipped, stop-gradient IS weight on the log-prob), "dro" (quadratic log-ratio penalty),
+            "dppo_tv" / "dppo_kl" (DPPO: a trust region on the probability's total-variation / binary-KL
+            divergence; clip_ratio_c truncates their stop-gradient ratio, 20 when None),
+            each as verl 0.9.1's registered loss of that name computes it.
         tau_pos, tau_neg: SAPO's gate temperatures for tokens with positive / non-positive advantage.
+        dro_beta: DRO's penalty weight beta > 0 (required with loss_type="dro").
         clip_ratio_low, clip_ratio_high: eps_lo, eps_hi of the clip range (1 - eps_lo, 1 + eps_hi).
         clip_ratio_c: dual-clip constant c > 1 (default 3.0), or None to disable dual clip.
         loss_agg_mode: one of token-mean (default), token-sum, seq-mean-token-sum,
@@ -301,6 +307,7 @@ class PolicyLossConfig:
     loss_type: str = "ppo_clip"
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    dro_beta: Optional[float] = None
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: Optional[float] = 3.0
@@ -326,6 +333,11 @@ class PolicyLossConfig:
             raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
         for name in ("tau_pos", "tau_neg"):
             object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name)))
+        if self.dro_beta is not None:
+            object.__setattr__(self, "dro_beta", _check_finite_positive("dro_beta", self.dro_beta))
+        elif self.loss_type == "dro":
+            raise ValueError("dro_beta: expected a number > 0 with loss_type='dro' (verl's policy_loss.dro_beta), "
+                             "got None")
         for name in ("clip_ratio_low", "clip_ratio_high"):
             object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name), allow_zero=True))
         if _checking_values() and self.clip_ratio_low >= 1.0:
@@ -372,6 +384,68 @@ class PolicyLossConfig:
     @property
     def needs_entropy(self) -> bool:
         return self.compute_entropy or self.entropy_coeff != 0.0
+
+    @classmethod
+    def from_verl_actor(cls, actor, rollout_correction: Optional[RolloutCorrection] = None,
+                        **overrides) -> "PolicyLossConfig":
+        """Build from a verl 0.9.1 ``ActorConfig`` (or its dict / OmegaConf node): the policy loss
+        (``policy_loss.loss_mode`` and its parameters ``dro_beta``; ``tau_pos``, ``tau_neg``), the clip
+        ratios (``clip_ratio_low`` / ``clip_ratio_high``, falling back to ``clip_ratio``, and
+        ``clip_ratio_c``), ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff`` and the KL loss
+        (``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``). ``bypass_mode`` maps to its
+        ``policy_loss.rollout_correction.loss_type``. Rollout correction comes separately (verl keeps
+        it under ``algorithm.rollout_correction``: see ``RolloutCorrection.from_verl``). Anything this
+        library does not compute raises an error naming verl's option."""
+
+        def get(node, key, default=None):
+            if node is None:
+                return default
+            if isinstance(node, dict) or hasattr(node, "keys"):
+                return node.get(key, default)
+            return getattr(node, key, default)
+
+        policy = get(actor, "policy_loss", {})
+        mode = get(policy, "loss_mode", "vanilla")
+        if mode == "bypass_mode":
+            mode = get(get(policy, "rollout_correction", {}), "loss_type", "ppo_clip")
+            if mode not in ("ppo_clip", "reinforce"):
+                raise ValueError(f"actor.policy_loss.rollout_correction.loss_type: expected 'ppo_clip' or "
+                                 f"'reinforce', got {mode!r}")
+        elif mode not in LOSS_TYPES:
+            raise ValueError(f"actor.policy_loss.loss_mode: {mode!r} is not computed by rlkernels; supported: "
+                             f"{tuple(t for t in LOSS_TYPES if t != 'ppo_clip') + ('bypass_mode',)}")
+        clip = get(actor, "clip_ratio", 0.2)
+        low, high = get(actor, "clip_ratio_low", None), get(actor, "clip_ratio_high", None)
+        kw = dict(
+            loss_type=mode,
+            clip_ratio_low=clip if low is None else low,
+            clip_ratio_high=clip if high is None else high,
+            clip_ratio_c=get(actor, "clip_ratio_c", 3.0),
+            loss_agg_mode=get(actor, "loss_agg_mode", "token-mean"),
+            loss_scale_factor=get(actor, "loss_scale_factor", None),
+            entropy_coeff=float(get(actor, "entropy_coeff", 0.0)),
+            tau_pos=get(actor, "tau_pos", 1.0),
+            tau_neg=get(actor, "tau_neg", 1.05),
+            dro_beta=get(policy, "dro_beta", None),
+            rollout_correction=rollout_correction,
+        )
+        if get(actor, "use_kl_loss", False):
+            kl_type = get(actor, "kl_loss_type", "low_var_kl")
+            kinds = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+            if kl_type not in kinds:
+                raise ValueError(f"actor.kl_loss_type: {kl_type!r} is not computed by rlkernels; supported: "
+                                 f"{tuple(kinds)}")
+            kw.update(kl_coef=float(get(actor, "kl_loss_coef", 0.001)), kl_type=kinds[kl_type])
+        verl_names = {"loss_type": "actor.policy_loss.loss_mode", "dro_beta": "actor.policy_loss.dro_beta",
+                      "kl_coef": "actor.kl_loss_coef"}
+        try:
+            return cls(**kw).with_overrides(**overrides)
+        except (TypeError, ValueError) as exc:  # name verl's option, not this class's field
+            message = str(exc)
+            field_name = message.split(":", 1)[0]
+            if field_name in kw and field_name not in overrides:
+                message = verl_names.get(field_name, f"actor.{field_name}") + message[len(field_name):]
+            raise type(exc)(message) from None
 
     def with_overrides(self, **overrides) -> "PolicyLossConfig":
         unknown = set(overrides) - set(self.__dataclass_fields__)

@@ -146,6 +146,7 @@ class Normalisers(NamedTuple):
     kept_seqs: torch.Tensor  # sequences with a token in m' (G)
     width: torch.Tensor  # K default of seq-mean-token-sum-norm
     weight_mean: Optional[torch.Tensor]  # the batch mean of the truncated IS weights (is_batch_normalize)
+    all_seqs: Optional[torch.Tensor] = None  # every sequence, empty ones included (GMPO's mean)
 
 
 def normalisers(table: SequenceTable, decisions: Decisions, rc: Optional[RolloutCorrection], split) -> Normalisers:
@@ -153,18 +154,18 @@ def normalisers(table: SequenceTable, decisions: Decisions, rc: Optional[Rollout
     lengths = table.sum("len")
     dt = lengths.dtype
     sums = [lengths.sum(), decisions.final_lengths.sum(), (lengths > 0).to(dt).sum(),
-            (decisions.final_lengths > 0).to(dt).sum()]
+            (decisions.final_lengths > 0).to(dt).sum(), lengths.new_full((), float(lengths.numel()))]
     normalise = rc is not None and rc.is_level is not None and rc.is_batch_normalize
     if normalise:  # token level: the mean over m; sequence level: over non-empty sequences, one weight each
         weights = table.sum("weights") if rc.is_level == "token" else decisions.sequence_weights
         sums.append(weights.sum())
     width = torch.as_tensor(table.seg.width, device=lengths.device).to(dt).reshape(1)
     total, widest = split.combine_normalisers(torch.stack(sums), width)
-    tokens, kept_tokens, seqs, kept_seqs = total[:4].unbind()
+    tokens, kept_tokens, seqs, kept_seqs, all_seqs = total[:5].unbind()
     weight_mean = None
     if normalise:
-        weight_mean = total[4] / (tokens if rc.is_level == "token" else seqs).clamp_min(1)
-    return Normalisers(tokens, kept_tokens, seqs, kept_seqs, widest[0], weight_mean)
+        weight_mean = total[5] / (tokens if rc.is_level == "token" else seqs).clamp_min(1)
+    return Normalisers(tokens, kept_tokens, seqs, kept_seqs, widest[0], weight_mean, all_seqs)
 
 
 class ISWeights(NamedTuple):
@@ -269,12 +270,17 @@ def correct(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg:
     """Steps 1-2 and the weights, for `rollout_correction` and the loss stage alike. rollout=None:
     no correction (the normalisers are still computed, for the loss). `kept_sums`: per-token values
     the loss needs summed per sequence over the tokens no token-level rejection drops (a sequence
-    that a sequence-level option drops has no token left to use them)."""
+    that a sequence-level option drops has no token left to use them); the key "log_weights" asks
+    for the log of the token-level truncated IS weights (its value is ignored)."""
     table = SequenceTable(seg, mask, train.dtype)
     terms = None if rollout is None else token_terms(train, rollout, mask, rc, table)
     token_keep = mask if terms is None else terms.token_keep
-    for name, x in (kept_sums or {}).items():
-        table.add_sum(name, torch.where(token_keep, x, torch.zeros_like(x)))
+    kept_sums = dict(kept_sums or {})
+    if "log_weights" in kept_sums and terms is not None and terms.token_weights is not None:
+        kept_sums["log_weights"] = torch.log(terms.token_weights)  # GMPO: a geometric mean of token weights
+    for name, x in kept_sums.items():
+        if x is not None:
+            table.add_sum(name, torch.where(token_keep, x, torch.zeros_like(x)))
     table.reduce(split)
     decisions = decide(terms, mask, table, rc)
     norms = normalisers(table, decisions, rc, split)

@@ -59,6 +59,20 @@ def aggregation_weights(mask: torch.Tensor, seg: Segments, config: PolicyLossCon
     return m / (G * K)
 
 
+def _dppo_inside(loss_type: str, lp: torch.Tensor, l_old: torch.Tensor, A: torch.Tensor, config) -> torch.Tensor:
+    """DPPO's trust region on the sampled token's probability (bool per token): the total variation
+    p - p_old (dppo_tv) or the binary KL between Bernoulli(p_old) and Bernoulli(p) (dppo_kl) within
+    eps_hi (A > 0) or eps_lo (A <= 0); the binary KL only limits moves toward the advantage."""
+    p, p_old = torch.exp(lp), torch.exp(l_old)
+    hi, lo = hyper(lp, config.clip_ratio_high), hyper(lp, config.clip_ratio_low)
+    if loss_type == "dppo_tv":
+        inside = torch.where(A > 0, p - p_old <= hi, p - p_old >= -lo)
+    else:  # verl's binary KL, with its 1e-8 guards
+        bkl = p_old * (l_old - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        inside = torch.where(A > 0, (bkl <= hi) | (p <= p_old), (bkl <= lo) | (p >= p_old))
+    return inside
+
+
 def kl_and_grad(lp: torch.Tensor, ref: torch.Tensor, kl_type: str):
     """Per-token KL penalty of SPEC §6 and its derivative w.r.t. lp."""
     if kl_type == "k1":
@@ -101,7 +115,14 @@ def sequence_stage(
     loss_type = config.loss_type
     delta_pg_raw = lp - l_old
     # GSPO's sequence ratio is the mean log-ratio over each sequence's tokens in the final mask
-    kept_sums = {"pg_delta": delta_pg_raw} if loss_type == "gspo" else None
+    kept_sums = None
+    if loss_type == "gspo":
+        kept_sums = {"pg_delta": delta_pg_raw}
+    elif loss_type == "geo_mean":  # token-level clipping toward the advantage's sign, then sequence means
+        sign = torch.sign(A)
+        d_clip = torch.clamp(delta_pg_raw, hyper(lp, -config.clip_ratio_low), hyper(lp, config.clip_ratio_high))
+        d_min = sign * torch.minimum(sign * delta_pg_raw, sign * d_clip)
+        kept_sums = {"gm_delta": d_min, "gm_adv": A, "log_weights": None}
     terms, table, decisions, norms, w = correction.correct(l_train, roll, mask, seg, rc, split, kept_sums)
     final_mask = decisions.mask
     metrics = Metrics()
@@ -141,6 +162,46 @@ def sequence_stage(
         dL = torch.where(~clipped & (log_s <= 10.0), -A * s_ratio, zero)  # d s / d lp = s (the lp - sg[lp] term)
         dual = no_clip
         kl_metric = -delta_pg_raw  # verl's GSPO reports the unclamped log-ratio
+    elif loss_type == "geo_mean":  # GMPO: -mean_i(A_i exp(mean_t d_min)) over every sequence of the batch
+        n = decisions.final_lengths.clamp_min(1)
+        seq_ratio = torch.exp(table.sum("gm_delta") / n)
+        seq_adv = table.sum("gm_adv") / n
+        seq_w = torch.ones_like(seq_ratio)
+        if decoupled and w is not None:  # the geometric mean of each sequence's weights
+            if rc.is_level == "token":
+                seq_w = torch.exp(table.sum("log_weights") / n) / w.norm_factor
+            else:
+                seq_w = decisions.sequence_weights / w.norm_factor
+            applied_w = torch.where(final_mask, seg.expand(seq_w), zero)
+        seq_coef = torch.where(decisions.final_lengths > 0, -seq_adv * seq_ratio * seq_w, torch.zeros_like(n))
+        per_token = seg.expand(seq_coef / n) / norms.all_seqs.clamp_min(1)
+        # each token carries 1/n of its sequence's term, so that context-parallel ranks' losses add up
+        geo_loss = torch.where(final_mask, per_token, zero).sum()
+        live = (sign != 0) & (sign * delta_pg_raw <= sign * d_clip)  # d d_min / d lp: 1 unclipped, else 0
+        geo_coef = torch.where(live, per_token, zero)
+        outside = delta_pg_raw != d_clip
+        clipped, dual = outside & (A > 0), outside & (A < 0)
+        L = dL = torch.zeros_like(lp)  # the loss is per sequence: geo_loss / geo_coef below
+        kl_metric = -delta_pg_raw
+    elif loss_type in ("dppo_tv", "dppo_kl"):  # -A sg(min(r, c)) lp on tokens inside the divergence region
+        r = torch.exp(delta_pg)
+        cap = hyper(r, 20.0 if config.clip_ratio_c is None else config.clip_ratio_c)
+        truncated = torch.minimum(r, cap)
+        inside = _dppo_inside(loss_type, lp, l_old, A, config)
+        L = torch.where(inside, -A * truncated * lp, zero)
+        dL = torch.where(inside, -A * truncated, zero)
+        clipped, dual = ~inside, (r > cap) & inside
+    elif loss_type == "cispo":  # -sg(clip(r)) A lp: the clipped ratio weights the log-prob's gradient
+        r = torch.exp(delta_pg)
+        r_clip = torch.clamp(r, hyper(r, 1 - config.clip_ratio_low), hyper(r, 1 + config.clip_ratio_high))
+        L, dL = -r_clip * A * lp, -r_clip * A
+        clipped, dual = r != r_clip, no_clip
+    elif loss_type == "dro":  # -(lp A - beta/2 (lp - l_old)^2), the log-ratio unclamped
+        beta = hyper(lp, config.dro_beta)
+        L = -(lp * A - 0.5 * beta * delta_pg_raw * delta_pg_raw)
+        dL = -A + beta * delta_pg_raw
+        clipped = dual = no_clip
+        kl_metric = -delta_pg_raw
     else:  # "vanilla" / "ppo_clip"
         r = torch.exp(delta_pg)
         L1 = -A * r
@@ -158,16 +219,18 @@ def sequence_stage(
         # c_t = -A * r where the unclipped branch is active (and the ±20 clamp passes it), else 0
         live = ~clipped & ~dual & within_clamp
         dL = torch.where(live, -A * r, zero)
-    if loss_type != "reinforce" and decoupled and w is not None:
+    if loss_type not in ("reinforce", "geo_mean") and decoupled and w is not None:
         applied_w = w.weights
         L = L * applied_w
         dL = dL * applied_w
 
     a = aggregation_weights(final_mask, seg, config, dt, decisions.final_lengths, norms)
     L = torch.where(final_mask, L, zero)
-    pg_loss = (a * L).sum()
+    if loss_type == "geo_mean":  # its own mean over sequences, as verl's (not loss_agg_mode)
+        pg_loss, coef = geo_loss, torch.where(final_mask, geo_coef, zero)
+    else:
+        pg_loss, coef = (a * L).sum(), a * dL
     loss = pg_loss
-    coef = a * dL
     n_kept = norms.kept_tokens
     metrics.total("actor/pg_loss", pg_loss)
     metrics.mean("actor/pg_clipfrac", clipped.to(dt), final_mask, n_kept)

@@ -97,7 +97,8 @@ def _random_config(rng, mode, dtype):
         loss_type=rng.choice([t for t in LOSS_TYPES if t != "reinforce" or mode == "bypass"]),
         loss_agg_mode=rng.choice(LOSS_AGG_MODES), clip_ratio_c=rng.choice([3.0, None]),
         entropy_coeff=rng.choice([0.0, 0.01]), compute_entropy=rng.random() < 0.5, kl_coef=0.0 if kl is None else 0.05,
-        kl_type=kl or "k3", temperature=rng.choice([1.0, 0.7]), rollout_correction=rc, backend="torch", **kw,
+        kl_type=kl or "k3", temperature=rng.choice([1.0, 0.7]), rollout_correction=rc, backend="torch", dro_beta=0.2,
+        **kw,
     )
 
 

@@ -129,6 +129,53 @@ def policy_loss(
         clipped = L2 > L1
         L = torch.maximum(L1, L2)
         kl_metric = -raw.detach()
+    elif loss_type == "geo_mean":  # verl compute_policy_loss_geo_mean (GMPO), over the final mask
+        raw = lp - l_old
+        sign = torch.sign(A)
+        d_clip = raw.clamp(-config.clip_ratio_low, config.clip_ratio_high)
+        d_min = sign * torch.minimum(sign * raw, sign * d_clip)
+        outside = raw != d_clip
+        clipped, dual = outside & (A > 0), outside & (A < 0)
+        kl_metric = -raw.detach()
+        total = (lp * 0.0).sum()  # stays a function of lp when no sequence has a token
+        if mode == "decoupled" and w is not None:
+            applied_w = torch.zeros_like(lp)
+        for idx in seqs:
+            keep = new_mask[idx]
+            if not keep.any():
+                continue
+            n = keep.sum()
+            ratio = torch.exp(d_min[idx][keep].sum() / n)
+            seq_w = 1.0
+            if mode == "decoupled" and w is not None:
+                seq_w = torch.exp(torch.log(w[idx][keep].detach()).sum() / n)
+                applied_w[idx] = torch.where(keep, seq_w, torch.zeros_like(seq_w))
+            total = total + (-A[idx][keep].sum() / n * ratio * seq_w)
+        geo_loss = total / max(len(seqs), 1)
+        L = torch.zeros_like(lp)
+    elif loss_type in ("dppo_tv", "dppo_kl"):  # verl compute_policy_loss_dppo_tv / _kl
+        r = torch.exp(delta_pg)
+        cap = 20.0 if config.clip_ratio_c is None else config.clip_ratio_c
+        truncated = r.clamp(max=cap).detach()
+        p, p_old = torch.exp(lp.detach()), torch.exp(l_old.detach())
+        if loss_type == "dppo_tv":
+            inside = torch.where(A > 0, p - p_old <= config.clip_ratio_high, p - p_old >= -config.clip_ratio_low)
+        else:
+            bkl = (p_old * (l_old.detach() - lp.detach())
+                   + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)))
+            inside = torch.where(A > 0, (bkl <= config.clip_ratio_high) | (p <= p_old),
+                                 (bkl <= config.clip_ratio_low) | (p >= p_old))
+        L = -A * truncated * lp * inside.double()
+        clipped, dual = ~inside, (r > cap) & inside
+    elif loss_type == "cispo":  # verl compute_policy_loss_cispo
+        r = torch.exp(delta_pg)
+        r_clip = r.clamp(1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+        clipped = r != r_clip
+        L = -r_clip.detach() * A * lp
+    elif loss_type == "dro":  # verl compute_policy_loss_dro
+        raw = lp - l_old
+        L = -(lp * A - 0.5 * config.dro_beta * raw.square())
+        kl_metric = -raw.detach()
     else:  # vanilla / ppo_clip
         r = torch.exp(delta_pg)
         L1 = -A * r
@@ -140,7 +187,7 @@ def policy_loss(
             L = torch.where(dual, -A * config.clip_ratio_c, Lc)
         else:
             L = Lc
-    if loss_type != "reinforce" and mode == "decoupled" and w is not None:
+    if loss_type not in ("reinforce", "geo_mean") and mode == "decoupled" and w is not None:
         applied_w = w.detach()
         L = L * applied_w
     L = torch.where(new_mask, L, torch.zeros_like(L))
@@ -149,7 +196,7 @@ def policy_loss(
         x, new_mask, seqs, config.loss_agg_mode, config.loss_scale_factor or width,
         config.global_num_tokens, config.global_num_seqs,
     )
-    pg_loss = agg(L)
+    pg_loss = geo_loss if loss_type == "geo_mean" else agg(L)
     loss = pg_loss
     metrics["actor/pg_loss"] = pg_loss.detach()
     metrics["actor/pg_clipfrac"] = masked_mean(clipped.double(), new_mask)

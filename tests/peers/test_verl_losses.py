@@ -37,7 +37,7 @@ try:
 except ImportError as exc:  # pragma: no cover - reported by the skip
     pytest.skip(f"verl 0.9.1 is not importable here ({exc}); see the module docstring", allow_module_level=True)
 
-LOSSES = ("vanilla", "gpg", "sapo", "gspo")
+LOSSES = ("vanilla", "gpg", "sapo", "gspo", "geo_mean", "cispo", "dro", "dppo_tv", "dppo_kl")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -56,10 +56,13 @@ def batches(draw):
     return lp, old, adv, mask
 
 
+DRO_BETA = 0.3
+
+
 def _verl(loss, lp, old, adv, mask, agg, clip_c, tau):
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
                          clip_ratio_high=0.28, clip_ratio_c=clip_c, loss_agg_mode=agg, tau_pos=tau[0],
-                         tau_neg=tau[1], policy_loss=VerlPolicyLossConfig(loss_mode=loss))
+                         tau_neg=tau[1], policy_loss=VerlPolicyLossConfig(loss_mode=loss, dro_beta=DRO_BETA))
     leaf = lp.clone().requires_grad_(True)
     value, metrics = core_algos.get_policy_loss_fn(loss)(old, leaf, adv, mask.double(), agg, config, None)
     (grad,) = torch.autograd.grad(value, leaf, allow_unused=True)
@@ -76,18 +79,73 @@ def test_policy_loss_matches_verl(loss, batch, agg, clip_c, tau):
     ours_agg = "seq-mean-token-mean" if loss == "sapo" else agg
     want, want_grad, want_metrics = _verl(loss, lp, old, adv, mask, agg, clip_c, tau)
     if not mask.any():  # nothing to average: verl divides 0 by 0
-        out = rlkernels.policy_loss(lp, adv, mask, old_logprobs=old, loss_type=loss, loss_agg_mode=ours_agg)
+        out = rlkernels.policy_loss(lp, adv, mask, old_logprobs=old, loss_type=loss, loss_agg_mode=ours_agg,
+                                    dro_beta=DRO_BETA)
         assert float(out.loss) == 0.0
         return
     config = PolicyLossConfig(loss_type=loss, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_c,
-                              loss_agg_mode=ours_agg, tau_pos=tau[0], tau_neg=tau[1])
+                              loss_agg_mode=ours_agg, tau_pos=tau[0], tau_neg=tau[1], dro_beta=DRO_BETA)
     leaf = lp.clone().requires_grad_(True)
     out = rlkernels.policy_loss(leaf, adv, mask, old_logprobs=old, config=config)
     (grad,) = torch.autograd.grad(out.loss, leaf)
-    q = tol("verl", torch.float64, scale=max(1.0, float(want.abs())))
+    # verl's 1e-8 / n deviation is relative to each sequence's term, and terms of opposite signs cancel in
+    # the total: scale by the sum of the terms' magnitudes (|A| (|lp| + 2) bounds each loss's per-token
+    # term, plus DRO's penalty), not by the total
+    terms = adv.abs() * (lp.abs() + 2) + DRO_BETA * (lp - old).square()
+    scale = max(1.0, float(want.abs()), float(terms[mask].sum()))
+    if loss == "geo_mean":  # exp(x / (n + 1e-8)) vs exp(x / n): a relative |x| 1e-8 / n, |x / n| <= max |lp - old|
+        scale *= 1 + float((lp - old)[mask].abs().max())
+    q = tol("verl", torch.float64, scale=scale)
     assert_close(out.loss.detach(), want, **q, name=f"{loss} loss")
-    assert_close(grad, want_grad, **tol("verl", torch.float64, scale=max(1e-3, float(want_grad.abs().max()))),
-                 name=f"{loss} d loss / d logprobs")
+    g_scale = max(1e-3, float(want_grad.abs().max())) * (scale / max(1.0, float(want.abs())))
+    assert_close(grad, want_grad, **tol("verl", torch.float64, scale=g_scale), name=f"{loss} d loss / d logprobs")
     for name, value in want_metrics.items():
         got = float(out.metrics[name])
         assert abs(got - value) <= 2e-8 * max(1.0, abs(value)), f"{loss} {name}: {got} vs verl {value}"
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_from_verl_actor_reproduces_verls_loss(loss):
+    """A verl ActorConfig -> PolicyLossConfig.from_verl_actor: the same loss and gradient as verl's
+    function run with that ActorConfig (non-default clip ratios, dual clip, taus, aggregation)."""
+    gen = torch.Generator().manual_seed(11)
+    old = -torch.rand(3, 5, generator=gen, dtype=torch.float64) * 3
+    lp = old + torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.4
+    adv = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    mask = torch.rand(3, 5, generator=gen) < 0.8
+    agg = "seq-mean-token-mean"
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.15,
+                        clip_ratio_high=0.3, clip_ratio_c=4.0, loss_agg_mode=agg, tau_pos=1.5, tau_neg=0.8,
+                        policy_loss=VerlPolicyLossConfig(loss_mode=loss, dro_beta=DRO_BETA))
+    leaf = lp.clone().requires_grad_(True)
+    want, _ = core_algos.get_policy_loss_fn(loss)(old, leaf, adv, mask.double(), agg, actor, None)
+    (want_grad,) = torch.autograd.grad(want, leaf, allow_unused=True)
+    config = PolicyLossConfig.from_verl_actor(actor)
+    got = (config.loss_type, config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c)
+    assert got == (loss, 0.15, 0.3, 4.0)
+    mine = lp.clone().requires_grad_(True)
+    out = rlkernels.policy_loss(mine, adv, mask, old_logprobs=old, config=config)
+    (grad,) = torch.autograd.grad(out.loss, mine)
+    # O(1) terms and log-ratios (spread 0.4): verl's 1e-8 / n deviation, amplified at most ~2x (GMPO's
+    # exponent), stays below 1e-7
+    assert_close(out.loss.detach(), want.detach(), rtol=1e-7, atol=1e-7, name="loss")
+    if want_grad is not None:
+        assert_close(grad, want_grad, rtol=1e-7, atol=1e-7, name="gradient")
+
+
+def test_from_verl_actor_maps_kl_and_names_verls_options():
+    actor = {"clip_ratio": 0.25, "clip_ratio_low": None, "use_kl_loss": True, "kl_loss_coef": 0.02,
+             "kl_loss_type": "mse", "entropy_coeff": 0.01, "policy_loss": {"loss_mode": "vanilla"}}
+    config = PolicyLossConfig.from_verl_actor(actor)
+    assert (config.clip_ratio_low, config.clip_ratio_high, config.kl_coef, config.kl_type, config.entropy_coeff) == (
+        0.25, 0.25, 0.02, "k2", 0.01)
+    bypass = {"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce"}}}
+    assert PolicyLossConfig.from_verl_actor(bypass).loss_type == "reinforce"
+    with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode: 'clip_cov' is not computed by rlkernels"):
+        PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "clip_cov"}})
+    with pytest.raises(ValueError, match=r"actor.kl_loss_type: 'abs' is not computed"):
+        PolicyLossConfig.from_verl_actor({"use_kl_loss": True, "kl_loss_type": "abs"})
+    with pytest.raises(ValueError, match=r"actor.policy_loss.dro_beta: expected a number > 0"):
+        PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "dro"}})
+    with pytest.raises(ValueError, match=r"actor.clip_ratio_c: expected c > 1"):
+        PolicyLossConfig.from_verl_actor({"clip_ratio_c": 0.5})

@@ -1,0 +1,26 @@
+"""benchmarks/cpu.py end to end at a tiny size (it needs none of the bench extra's packages, so it runs
+in CI, unlike the harness smoke test)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def test_cpu_benchmark_runs_and_measures_every_provider(tmp_path):
+    """benchmarks/cpu.py at a tiny size: every provider timed in both cases, quiet and contended, and the
+    bandwidth floor measured (the figures themselves are not checked: timing is not a unit test)."""
+    cpu = pytest.importorskip("benchmarks.cpu")
+    out = tmp_path / "cpu.json"
+    results = cpu.main(["--N", "64", "--V", "256", "--reps", "1", "--json", str(out)])
+    for state in ("quiet", "contended"):
+        for case in ("train", "logprobs"):
+            assert (case, "naive") in results[state] and (case, "rlkernels[torch]") in results[state]
+            assert all(ms > 0 for ms in results[state].values())
+    assert results["floor"]["read_GBps"] > 0
+    assert json.loads(out.read_text())["N"] == 64
