@@ -83,13 +83,27 @@ def _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_ind
     return _BatchLayout(split, layout.segments, layout.total, end)
 
 
+def _sequence_advantages(advantages, token_shape, cu_seqlens, device) -> bool:
+    """True when `advantages` holds one value per sequence ([S] or [S, 1]: GRPO-style outcome
+    advantages), to be broadcast to the tokens once the sequences are known; False when per token.
+    Raises naming the argument when the shape is neither."""
+    check_tensor("advantages", advantages, kind="float", device=device)
+    if tuple(advantages.shape) == tuple(token_shape):
+        return False
+    S = token_shape[0] if len(token_shape) == 2 else (1 if cu_seqlens is None else cu_seqlens.numel() - 1)
+    if tuple(advantages.shape) in ((S,), (S, 1)):
+        return True
+    raise ValueError(f"advantages: expected shape {tuple(token_shape)} (per token) or ({S},) / ({S}, 1) (one per "
+                     f"sequence), got {tuple(advantages.shape)}")
+
+
 def _check_per_token(shape, device, **tensors) -> None:
     for name, x in tensors.items():
         if x is not None:
             check_tensor(name, x, kind="mask" if name == "response_mask" else "float", shape=shape, device=device)
 
 
-def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_logprobs) -> None:
+def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_logprobs, is_weights=None) -> None:
     if config.loss_type == "reinforce" and old_logprobs is not None:
         raise ValueError(
             "old_logprobs: expected None with loss_type='reinforce' (the bypass-mode loss of SPEC §6); "
@@ -98,6 +112,9 @@ def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_lo
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"ref_logprobs: expected a tensor since kl_coef={config.kl_coef} > 0, got None")
     rc = config.rollout_correction
+    if is_weights is not None and rc is not None and rc.is_level is not None:
+        raise ValueError(f"is_weights: given while rollout_correction computes IS weights too (is_level="
+                         f"{rc.is_level!r}); pass one or the other")
     if rc is not None and rc.enabled and rollout_logprobs is None:
         raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
 
@@ -152,7 +169,7 @@ def _logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
 
 
 def _policy_output(
-    lp, entropy, advantages, mask, old, rollout, ref, layout, token_shape, config
+    lp, entropy, advantages, mask, old, rollout, ref, layout, token_shape, config, is_weights=None
 ) -> PolicyLossOutput:
     """Flat statistics carrying autograd -> the per-sequence stage -> PolicyLossOutput (both entry points)."""
     dt = backends.statistics_dtype(lp.dtype)
@@ -160,7 +177,7 @@ def _policy_output(
     stat_ent = None if entropy is None else entropy.detach().to(dt)
     stage = backends.select_stage(lp, config.compile_stage)(
         stat_lp, stat_ent, _flat(advantages), mask, _flat(old), _flat(rollout), _flat(ref), layout.segments, config,
-        layout.split,
+        layout.split, None if is_weights is None else _flat(is_weights).detach(),
     )
     loss = CoefficientLossFunction.apply(stage.loss, lp, entropy, stage.coef_logprob, stage.coef_entropy)
     shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
@@ -200,33 +217,37 @@ def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inpla
 def _loss_tokens(
     source: str, token_shape, V: int, device, labels, advantages, response_mask, old_logprobs, rollout_logprobs,
     ref_logprobs, cu_seqlens, config: PolicyLossConfig, ignore_index: int, dp_group, cp_group, token_index,
+    is_weights=None,
 ):
     """The checks every loss entry point makes on its per-token inputs, then the flat int64 labels,
     the mask m -- the response mask minus ignored tokens and (with validate=False) out-of-range labels,
     which are treated as masked so that nothing is ever read out of bounds -- and the batch layout."""
     check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
     _check_per_token(
-        token_shape, device, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
+        token_shape, device, response_mask=response_mask, old_logprobs=old_logprobs,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, is_weights=is_weights,
     )
     if cu_seqlens is not None and len(token_shape) == 2:
         raise ValueError(f"cu_seqlens: must be None with padded [B, T, ...] {source}; pass [N, ...] {source} to pack "
                          "sequences")
     check_cu_seqlens(cu_seqlens, token_shape, device)
-    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
+    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device)
+    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights)
     layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
+    if per_sequence:
+        advantages = layout.segments.expand(advantages.reshape(-1)).reshape(token_shape)
     flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     in_mask = response_mask.reshape(-1).bool()
     if config.validate:
         value_checks(
             valid=in_mask, labels=flat_labels, vocab=V, ignore_index=ignore_index, cu_seqlens=cu_seqlens,
             num_tokens=layout.num_tokens, token_index=token_index, positions=layout.positions,
-            finite=[("advantages", advantages.reshape(-1))],
+            finite=[("advantages", advantages.reshape(-1)), ("is_weights", _flat(is_weights))],
             not_nan=[("old_logprobs", _flat(old_logprobs)), ("rollout_logprobs", _flat(rollout_logprobs)),
                      ("ref_logprobs", _flat(ref_logprobs))],
         )
     mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
-    return flat_labels, mask, layout
+    return flat_labels, mask, layout, advantages
 
 
 def decoupled_ppo_loss(
@@ -234,14 +255,16 @@ def decoupled_ppo_loss(
     old_logprobs: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
     config: Optional[PolicyLossConfig] = None, ignore_index: int = -100, tp_group=None, dp_group=None,
-    cp_group=None, token_index: Optional[torch.Tensor] = None, **overrides,
+    cp_group=None, token_index: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
+    **overrides,
 ) -> PolicyLossOutput:
     """Decoupled PPO / REINFORCE loss with rollout correction, from logits (SPEC §1-§8).
 
     Args:
         logits: [B, T, V] (padded) or [N, V] (packed), float16/bfloat16/float32 (float64 on torch).
         labels: [B, T] / [N] integer sampled tokens; `ignore_index` marks tokens outside the loss.
-        advantages: [B, T] / [N] float.
+        advantages: [B, T] / [N] float per token, or one per sequence ([B] / [B, 1] padded, [S] / [S, 1]
+            packed), broadcast to the sequence's tokens.
         response_mask: [B, T] / [N] bool or 0/1; 1 = generated token that enters the loss.
         old_logprobs: proximal policy log-probs (decoupled mode) or None.
         rollout_logprobs: behaviour (inference engine) log-probs; alone they select bypass mode.
@@ -260,6 +283,9 @@ def decoupled_ppo_loss(
             loss is its tokens' share (the ranks' losses sum to the whole batch's).
         token_index: [N_r] (packed) or [T_r] (padded) global positions of this rank's tokens along
             the split axis, for interleaved (zigzag) context-parallel layouts.
+        is_weights: per-token IS weights a trainer computed itself (verl's `rollout_is_weights`),
+            detached; they multiply the policy term in every mode, in place of computed ones (the
+            config's rollout correction must then have no IS level; its rejection still applies).
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics).
     Raises:
@@ -269,16 +295,17 @@ def decoupled_ppo_loss(
     check_logits(logits)
     token_shape = tuple(logits.shape[:-1])
     V = _vocab_size(logits.shape[-1], logits.device, tp_group, config.inplace_backward)
-    flat_labels, mask, layout = _loss_tokens(
+    flat_labels, mask, layout, advantages = _loss_tokens(
         "logits", token_shape, V, logits.device, labels, advantages, response_mask, old_logprobs,
-        rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index, dp_group, cp_group, token_index,
+        rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index, dp_group, cp_group, token_index, is_weights,
     )
     lp, entropy, _ = _token_stats(
         logits, _row_labels(flat_labels, mask), config.temperature, config.needs_entropy, False,
         config.inplace_backward, config.backend, config.chunk_rows, tp_group,
     )
     return _policy_output(
-        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config
+        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config,
+        is_weights,
     )
 
 
@@ -287,14 +314,16 @@ def policy_loss(
     old_logprobs: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, dp_group=None,
-    cp_group=None, token_index: Optional[torch.Tensor] = None, **overrides,
+    cp_group=None, token_index: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
+    **overrides,
 ) -> PolicyLossOutput:
     """The same loss as `decoupled_ppo_loss` when log-probs (and entropy) come from elsewhere.
 
     Args:
         logprobs: [B, T] or [N] float current-policy log-probs of the sampled tokens (with autograd).
         entropy: like logprobs, needed when entropy_coeff != 0 (with autograd).
-        The other arguments (dp_group, cp_group, token_index included) are those of `decoupled_ppo_loss`.
+        The other arguments (dp_group, cp_group, token_index, is_weights included) are those of
+        `decoupled_ppo_loss`.
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. logprobs and entropy.
     """
@@ -304,25 +333,28 @@ def policy_loss(
         raise ValueError(f"logprobs: expected [B, T] (padded) or [N] (packed), got shape {tuple(logprobs.shape)}")
     device, token_shape = logprobs.device, tuple(logprobs.shape)
     _check_per_token(
-        token_shape, device, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+        token_shape, device, response_mask=response_mask, old_logprobs=old_logprobs,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
     )
     check_cu_seqlens(cu_seqlens, token_shape, device)
-    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs)
+    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device)
+    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights)
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
     layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
+    if per_sequence:
+        advantages = layout.segments.expand(advantages.reshape(-1)).reshape(token_shape)
     mask = response_mask.reshape(-1).bool()
     if config.validate:
         value_checks(
             valid=mask, cu_seqlens=cu_seqlens, num_tokens=layout.num_tokens, token_index=token_index,
-            positions=layout.positions, finite=[("advantages", _flat(advantages))],
+            positions=layout.positions, finite=[("advantages", _flat(advantages)), ("is_weights", _flat(is_weights))],
             not_nan=[("logprobs", _flat(logprobs)), ("old_logprobs", _flat(old_logprobs)),
                      ("rollout_logprobs", _flat(rollout_logprobs)), ("ref_logprobs", _flat(ref_logprobs))],
         )
     return _policy_output(
         _flat(logprobs), _flat(entropy), advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout,
-        token_shape, config,
+        token_shape, config, is_weights,
     )
 
 
@@ -399,7 +431,8 @@ def linear_decoupled_ppo_loss(
     response_mask: torch.Tensor, *, bias: Optional[torch.Tensor] = None, old_logprobs: Optional[torch.Tensor] = None,
     rollout_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, ignore_index: int = -100,
-    tp_group=None, dp_group=None, cp_group=None, token_index: Optional[torch.Tensor] = None, **overrides,
+    tp_group=None, dp_group=None, cp_group=None, token_index: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None, **overrides,
 ) -> PolicyLossOutput:
     """`decoupled_ppo_loss` on logits = hidden @ weight.T + bias, without ever forming [N, V] logits.
 
@@ -414,7 +447,8 @@ def linear_decoupled_ppo_loss(
         tp_group: the head split over the vocabulary: this rank's weight rows (and bias) [V_r, H] of
             the contiguous shard [o_r, o_r + V_r); one all_gather forward, one all_reduce (d_hidden)
             backward.
-        The other arguments (dp_group, cp_group, token_index included) are those of `decoupled_ppo_loss`.
+        The other arguments (dp_group, cp_group, token_index, is_weights included) are those of
+        `decoupled_ppo_loss`.
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. hidden, weight and bias.
     Raises:
@@ -423,17 +457,18 @@ def linear_decoupled_ppo_loss(
     config = resolve_config(config, overrides)
     check_head(hidden, weight, bias)
     token_shape = tuple(hidden.shape[:-1])
-    flat_labels, mask, layout = _loss_tokens(
+    flat_labels, mask, layout, advantages = _loss_tokens(
         "hidden", token_shape, _vocab_size(weight.shape[0], hidden.device, tp_group), hidden.device, labels,
         advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
-        dp_group, cp_group, token_index,
+        dp_group, cp_group, token_index, is_weights,
     )
     lp, entropy, _ = _linear_stats(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, mask), config.temperature,
         config.needs_entropy, False, config.backend, config.memory_budget_bytes, tp_group,
     )
     return _policy_output(
-        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config
+        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config,
+        is_weights,
     )
 
 

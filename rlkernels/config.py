@@ -29,7 +29,11 @@ LOSS_TYPES = ("vanilla", "ppo_clip", "reinforce", "gpg", "sapo", "gspo", "geo_me
 LOSS_AGG_MODES = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
 )
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+# KL estimators, verl's names and aliases; "<name>+" keeps the value and takes k2's gradient (verl's
+# straight-through variants)
+_KL_BASE = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
+KL_TYPES = _KL_BASE + tuple(f"{k}+" for k in _KL_BASE)
+_KL_ALIASES = {"low_var_kl": "k3", "kl": "k1", "mse": "k2"}
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 
 Threshold = Union[float, Tuple[float, float]]
@@ -292,7 +296,9 @@ class PolicyLossConfig:
         temperature: T > 0; log-probs are those of softmax(logits / T).
         entropy_coeff: weight of the entropy bonus (Loss -= entropy_coeff * agg(H)).
         compute_entropy: return per-token entropy even when entropy_coeff == 0.
-        kl_coef, kl_type: KL penalty beta * agg(KL) against ref_logprobs; kl_type k1, k2, k3
+        kl_coef, kl_type: KL penalty beta * agg(KL) against ref_logprobs; kl_type k1, k2, k3, abs, or
+            any of them with "+" (the value of that estimator, the gradient of k2), as verl's kl_penalty;
+            verl's names "kl", "mse" and "low_var_kl" are aliases of k1, k2 and k3
             ("low_var_kl" is an alias of k3).
         rollout_correction: a `RolloutCorrection` or None.
         backend: "auto", "torch", "cpu", "triton" or "cuda".
@@ -363,8 +369,9 @@ class PolicyLossConfig:
         object.__setattr__(self, "kl_coef", _check_finite_positive("kl_coef", self.kl_coef, allow_zero=True))
         if self.kl_type not in KL_TYPES:
             raise ValueError(f"kl_type: expected one of {KL_TYPES}, got {self.kl_type!r}")
-        if self.kl_type == "low_var_kl":
-            object.__setattr__(self, "kl_type", "k3")
+        base, plus = self.kl_type.rstrip("+"), "+" if self.kl_type.endswith("+") else ""
+        base = _KL_ALIASES.get(base, base)
+        object.__setattr__(self, "kl_type", base + ("" if base == "k2" else plus))  # k2+ is k2
         if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
             raise TypeError(
                 "rollout_correction: expected a RolloutCorrection or None, "
@@ -431,11 +438,10 @@ class PolicyLossConfig:
         )
         if get(actor, "use_kl_loss", False):
             kl_type = get(actor, "kl_loss_type", "low_var_kl")
-            kinds = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
-            if kl_type not in kinds:
+            if kl_type not in KL_TYPES:
                 raise ValueError(f"actor.kl_loss_type: {kl_type!r} is not computed by rlkernels; supported: "
-                                 f"{tuple(kinds)}")
-            kw.update(kl_coef=float(get(actor, "kl_loss_coef", 0.001)), kl_type=kinds[kl_type])
+                                 f"{KL_TYPES}")
+            kw.update(kl_coef=float(get(actor, "kl_loss_coef", 0.001)), kl_type=kl_type)
         verl_names = {"loss_type": "actor.policy_loss.loss_mode", "dro_beta": "actor.policy_loss.dro_beta",
                       "kl_coef": "actor.kl_loss_coef"}
         try:

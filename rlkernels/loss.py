@@ -74,11 +74,16 @@ def _dppo_inside(loss_type: str, lp: torch.Tensor, l_old: torch.Tensor, A: torch
 
 
 def kl_and_grad(lp: torch.Tensor, ref: torch.Tensor, kl_type: str):
-    """Per-token KL penalty of SPEC §6 and its derivative w.r.t. lp."""
+    """Per-token KL penalty of SPEC §6 and its derivative w.r.t. lp. "<type>+": that estimator's value
+    with k2's derivative lp - ref (verl's straight-through variants)."""
+    if kl_type.endswith("+"):
+        return kl_and_grad(lp, ref, kl_type[:-1])[0], lp - ref
     if kl_type == "k1":
         return lp - ref, torch.ones_like(lp)
     if kl_type == "k2":
         return 0.5 * (lp - ref) ** 2, lp - ref
+    if kl_type == "abs":
+        return (lp - ref).abs(), torch.sign(lp - ref)
     d_raw = ref - lp
     d = d_raw.clamp(-CLAMP, CLAMP)
     k3_raw = torch.exp(d) - d - 1
@@ -91,9 +96,13 @@ def kl_and_grad(lp: torch.Tensor, ref: torch.Tensor, kl_type: str):
 def sequence_stage(
     lp: torch.Tensor, entropy: Optional[torch.Tensor], advantages: torch.Tensor, mask: torch.Tensor,
     old: Optional[torch.Tensor], rollout: Optional[torch.Tensor], ref: Optional[torch.Tensor],
-    seg: Segments, config: PolicyLossConfig, split: BatchSplit = LOCAL,
+    seg: Segments, config: PolicyLossConfig, split: BatchSplit = LOCAL, given_weights: Optional[torch.Tensor] = None,
 ) -> StageOutput:
     """lp, entropy: [N] detached statistics of the current policy; mask: [N] bool (m); the others [N].
+
+    `given_weights`: [N] IS weights a trainer computed itself (verl's `rollout_is_weights`), used in
+    place of computed ones (the config then has no IS level): they multiply the policy term in every
+    mode, and no rollout_is_* metric describes them.
 
     `split`: the data- and context-parallel groups the batch is split over. Whole-sequence values and
     batch normalisers are combined across them (see correction), so every rank's coefficients are
@@ -106,6 +115,7 @@ def sequence_stage(
         return None if x is None else torch.where(mask, x.to(dt), zero)
 
     lp, H, A = valid(lp), valid(entropy), valid(advantages)
+    given_weights = valid(given_weights)
     old, roll, ref = valid(old), valid(rollout), valid(ref)
     rc = config.rollout_correction
     decoupled = old is not None
@@ -122,12 +132,16 @@ def sequence_stage(
         sign = torch.sign(A)
         d_clip = torch.clamp(delta_pg_raw, hyper(lp, -config.clip_ratio_low), hyper(lp, config.clip_ratio_high))
         d_min = sign * torch.minimum(sign * delta_pg_raw, sign * d_clip)
-        kept_sums = {"gm_delta": d_min, "gm_adv": A, "log_weights": None}
+        log_given = None if given_weights is None else torch.log(given_weights)
+        kept_sums = {"gm_delta": d_min, "gm_adv": A, "log_weights": log_given}
     terms, table, decisions, norms, w = correction.correct(l_train, roll, mask, seg, rc, split, kept_sums)
     final_mask = decisions.mask
     metrics = Metrics()
     if terms is not None:
         correction.record_metrics(metrics, terms, mask, table, decisions, norms, rc, w)
+    if given_weights is not None:  # a trainer's own weights stand where computed ones would
+        w = correction.ISWeights(given_weights, given_weights, torch.ones((), dtype=dt, device=lp.device))
+    weighted = w is not None and (decoupled or given_weights is not None)
 
     delta_pg = delta_pg_raw.clamp(-CLAMP, CLAMP)
     kl_metric = -delta_pg
@@ -167,8 +181,8 @@ def sequence_stage(
         seq_ratio = torch.exp(table.sum("gm_delta") / n)
         seq_adv = table.sum("gm_adv") / n
         seq_w = torch.ones_like(seq_ratio)
-        if decoupled and w is not None:  # the geometric mean of each sequence's weights
-            if rc.is_level == "token":
+        if weighted:  # the geometric mean of each sequence's weights
+            if given_weights is not None or rc.is_level == "token":
                 seq_w = torch.exp(table.sum("log_weights") / n) / w.norm_factor
             else:
                 seq_w = decisions.sequence_weights / w.norm_factor
@@ -219,7 +233,7 @@ def sequence_stage(
         # c_t = -A * r where the unclipped branch is active (and the ±20 clamp passes it), else 0
         live = ~clipped & ~dual & within_clamp
         dL = torch.where(live, -A * r, zero)
-    if loss_type not in ("reinforce", "geo_mean") and decoupled and w is not None:
+    if loss_type not in ("reinforce", "geo_mean") and weighted:
         applied_w = w.weights
         L = L * applied_w
         dL = dL * applied_w

@@ -260,3 +260,45 @@ def test_output_shapes_and_dtypes():
         assert out.mask.shape == shape and out.mask.dtype == torch.bool
         assert all(v.shape == () for v in out.metrics.values())
         assert math.isfinite(out.loss.item())
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("column", [False, True])
+def test_per_sequence_advantages_broadcast_to_their_tokens(layout, column):
+    """GRPO-style outcome advantages, one per sequence ([S] or [S, 1]), give exactly the loss and
+    gradient of the same values written on every token of the sequence."""
+    lengths = [4, 4, 4] if layout == "padded" else [3, 0, 5, 2]
+    batch = make_batch(layout, lengths, 11, seed=5, mask_p=0.8)
+    S = len(lengths)
+    per_seq = torch.randn(S, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    seq_of_token = (torch.arange(S).repeat_interleave(4) if layout == "padded"
+                    else torch.arange(S).repeat_interleave(torch.tensor(lengths)))
+    per_token = per_seq[seq_of_token].reshape(batch.labels.shape)
+    kw = batch.kwargs("decoupled")
+    outs = []
+    for adv in (per_token, per_seq[:, None] if column else per_seq):
+        logits = batch.logits.clone().requires_grad_(True)
+        out = rlkernels.decoupled_ppo_loss(logits, batch.labels, adv, batch.response_mask, **kw)
+        outs.append((out.loss.detach(), torch.autograd.grad(out.loss, logits)[0]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_advantages_of_neither_shape_name_both_options():
+    batch = make_batch("packed", [3, 2], 7, seed=2)
+    with pytest.raises(ValueError, match=r"advantages: expected shape \(5,\) \(per token\) or \(2,\) / \(2, 1\)"):
+        rlkernels.decoupled_ppo_loss(batch.logits, batch.labels, torch.zeros(4, dtype=torch.float64),
+                                     batch.response_mask, cu_seqlens=batch.cu_seqlens)
+
+
+def test_given_is_weights_multiply_the_policy_term_and_exclude_computed_ones():
+    """is_weights=: the policy term of every token scaled by the trainer's weight (here checked as the
+    loss with weights 2 being twice the loss without, for token-sum), and refused beside an IS level."""
+    batch = make_batch("packed", [3, 4], 9, seed=4)
+    kw = dict(batch.kwargs("decoupled"), loss_agg_mode="token-sum", clip_ratio_c=None)
+    args = (batch.logits, batch.labels, batch.advantages, batch.response_mask)
+    plain = rlkernels.decoupled_ppo_loss(*args, **kw)
+    doubled = rlkernels.decoupled_ppo_loss(*args, is_weights=torch.full_like(batch.advantages, 2.0), **kw)
+    assert_close(doubled.metrics["actor/pg_loss"], 2 * plain.metrics["actor/pg_loss"], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="is_weights: given while rollout_correction computes IS weights too"):
+        rlkernels.decoupled_ppo_loss(*args, is_weights=torch.ones_like(batch.advantages),
+                                     rollout_correction=RolloutCorrection.token_tis(), **kw)

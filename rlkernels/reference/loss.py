@@ -32,10 +32,15 @@ def _d(x):
 
 
 def per_token_kl(lp, ref, kl_type):
+    if kl_type.endswith("+"):  # straight through: this value, k2's gradient (verl's kl_penalty)
+        k2 = 0.5 * (lp - ref) ** 2
+        return k2 - k2.detach() + per_token_kl(lp, ref, kl_type[:-1]).detach()
     if kl_type == "k1":
         return lp - ref
     if kl_type == "k2":
         return 0.5 * (lp - ref) ** 2
+    if kl_type == "abs":
+        return (lp - ref).abs()
     d = (ref - lp).clamp(-CLAMP, CLAMP)
     return (torch.exp(d) - d - 1).clamp(-10, 10)
 

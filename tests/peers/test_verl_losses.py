@@ -59,12 +59,12 @@ def batches(draw):
 DRO_BETA = 0.3
 
 
-def _verl(loss, lp, old, adv, mask, agg, clip_c, tau):
+def _verl(loss, lp, old, adv, mask, agg, clip_c, tau, weights=None):
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
                          clip_ratio_high=0.28, clip_ratio_c=clip_c, loss_agg_mode=agg, tau_pos=tau[0],
                          tau_neg=tau[1], policy_loss=VerlPolicyLossConfig(loss_mode=loss, dro_beta=DRO_BETA))
     leaf = lp.clone().requires_grad_(True)
-    value, metrics = core_algos.get_policy_loss_fn(loss)(old, leaf, adv, mask.double(), agg, config, None)
+    value, metrics = core_algos.get_policy_loss_fn(loss)(old, leaf, adv, mask.double(), agg, config, weights)
     (grad,) = torch.autograd.grad(value, leaf, allow_unused=True)
     return value.detach(), torch.zeros_like(lp) if grad is None else grad, metrics
 
@@ -72,12 +72,15 @@ def _verl(loss, lp, old, adv, mask, agg, clip_c, tau):
 @pytest.mark.parametrize("loss", LOSSES)
 @settings(max_examples=scaled(60))
 @given(batch=batches(), agg=st.sampled_from(AGG_MODES), clip_c=st.sampled_from([3.0, 10.0]),
-       tau=st.sampled_from([(1.0, 1.05), (2.0, 0.5)]))
-def test_policy_loss_matches_verl(loss, batch, agg, clip_c, tau):
+       tau=st.sampled_from([(1.0, 1.05), (2.0, 0.5)]), weighted=st.booleans())
+def test_policy_loss_matches_verl(loss, batch, agg, clip_c, tau, weighted):
+    """weighted: the trainer's own rollout IS weights (verl's `rollout_is_weights`, our `is_weights=`)."""
     lp, old, adv, mask = batch
+    weights = 0.25 + torch.rand(lp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+    weights = weights if weighted else None
     # verl's sapo always aggregates seq-mean-token-mean (docs/spec.md, "Deliberate differences")
     ours_agg = "seq-mean-token-mean" if loss == "sapo" else agg
-    want, want_grad, want_metrics = _verl(loss, lp, old, adv, mask, agg, clip_c, tau)
+    want, want_grad, want_metrics = _verl(loss, lp, old, adv, mask, agg, clip_c, tau, weights)
     if not mask.any():  # nothing to average: verl divides 0 by 0
         out = rlkernels.policy_loss(lp, adv, mask, old_logprobs=old, loss_type=loss, loss_agg_mode=ours_agg,
                                     dro_beta=DRO_BETA)
@@ -86,12 +89,12 @@ def test_policy_loss_matches_verl(loss, batch, agg, clip_c, tau):
     config = PolicyLossConfig(loss_type=loss, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=clip_c,
                               loss_agg_mode=ours_agg, tau_pos=tau[0], tau_neg=tau[1], dro_beta=DRO_BETA)
     leaf = lp.clone().requires_grad_(True)
-    out = rlkernels.policy_loss(leaf, adv, mask, old_logprobs=old, config=config)
+    out = rlkernels.policy_loss(leaf, adv, mask, old_logprobs=old, config=config, is_weights=weights)
     (grad,) = torch.autograd.grad(out.loss, leaf)
     # verl's 1e-8 / n deviation is relative to each sequence's term, and terms of opposite signs cancel in
     # the total: scale by the sum of the terms' magnitudes (|A| (|lp| + 2) bounds each loss's per-token
     # term, plus DRO's penalty), not by the total
-    terms = adv.abs() * (lp.abs() + 2) + DRO_BETA * (lp - old).square()
+    terms = (adv.abs() * (lp.abs() + 2) + DRO_BETA * (lp - old).square()) * (1 if weights is None else weights)
     scale = max(1.0, float(want.abs()), float(terms[mask].sum()))
     if loss == "geo_mean":  # exp(x / (n + 1e-8)) vs exp(x / n): a relative |x| 1e-8 / n, |x / n| <= max |lp - old|
         scale *= 1 + float((lp - old)[mask].abs().max())
@@ -143,9 +146,31 @@ def test_from_verl_actor_maps_kl_and_names_verls_options():
     assert PolicyLossConfig.from_verl_actor(bypass).loss_type == "reinforce"
     with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode: 'clip_cov' is not computed by rlkernels"):
         PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "clip_cov"}})
-    with pytest.raises(ValueError, match=r"actor.kl_loss_type: 'abs' is not computed"):
-        PolicyLossConfig.from_verl_actor({"use_kl_loss": True, "kl_loss_type": "abs"})
+    with pytest.raises(ValueError, match=r"actor.kl_loss_type: 'full' is not computed"):
+        PolicyLossConfig.from_verl_actor({"use_kl_loss": True, "kl_loss_type": "full"})
     with pytest.raises(ValueError, match=r"actor.policy_loss.dro_beta: expected a number > 0"):
         PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "dro"}})
     with pytest.raises(ValueError, match=r"actor.clip_ratio_c: expected c > 1"):
         PolicyLossConfig.from_verl_actor({"clip_ratio_c": 0.5})
+
+
+@pytest.mark.parametrize("kl_type", [k for k in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")]
+                         + [f"{k}+" for k in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")])
+@settings(max_examples=scaled(25))
+@given(batch=batches())
+def test_kl_penalty_matches_verl(kl_type, batch):
+    """The KL term (value and d / d logprobs, token-sum so each token's term is compared) against verl's
+    own kl_penalty, straight-through "+" variants included."""
+    lp, old, adv, mask = batch
+    ref = old  # a reference policy at the log-ratios of the batch (up to past the +-20 clamp)
+    leaf = lp.clone().requires_grad_(True)
+    want = (core_algos.kl_penalty(leaf, ref, kl_type) * mask).sum()
+    (want_grad,) = torch.autograd.grad(want, leaf)
+    mine = lp.clone().requires_grad_(True)
+    config = PolicyLossConfig(kl_coef=1.0, kl_type=kl_type, loss_agg_mode="token-sum")
+    out = rlkernels.policy_loss(mine, torch.zeros_like(lp), mask, ref_logprobs=ref, config=config)
+    (grad,) = torch.autograd.grad(out.loss, mine)
+    scale = max(1.0, float((core_algos.kl_penalty(lp, ref, kl_type).abs() * mask).sum()))
+    assert_close(out.metrics["actor/kl_loss"], want.detach(), **tol("verl", torch.float64, scale=scale), name="kl")
+    assert_close(grad, want_grad, **tol("verl", torch.float64, scale=max(1.0, float(want_grad.abs().max()))),
+                 name="d kl / d logprobs")
