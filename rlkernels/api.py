@@ -83,7 +83,7 @@ def _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_ind
     return _BatchLayout(split, layout.segments, layout.total, end)
 
 
-def _sequence_advantages(advantages, token_shape, cu_seqlens, device) -> bool:
+def _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group=None) -> bool:
     """True when `advantages` holds one value per sequence ([S] or [S, 1]: GRPO-style outcome
     advantages), to be broadcast to the tokens once the sequences are known; False when per token.
     Raises naming the argument when the shape is neither."""
@@ -91,6 +91,9 @@ def _sequence_advantages(advantages, token_shape, cu_seqlens, device) -> bool:
     if tuple(advantages.shape) == tuple(token_shape):
         return False
     S = token_shape[0] if len(token_shape) == 2 else (1 if cu_seqlens is None else cu_seqlens.numel() - 1)
+    if tuple(advantages.shape) == (S,) and cp_group is not None:
+        # a rank whose slice holds S tokens would read the same tensor per token
+        raise ValueError(f"advantages: with cp_group pass one value per sequence as [{S}, 1], not [{S}]")
     if tuple(advantages.shape) in ((S,), (S, 1)):
         return True
     raise ValueError(f"advantages: expected shape {tuple(token_shape)} (per token) or ({S},) / ({S}, 1) (one per "
@@ -231,7 +234,7 @@ def _loss_tokens(
         raise ValueError(f"cu_seqlens: must be None with padded [B, T, ...] {source}; pass [N, ...] {source} to pack "
                          "sequences")
     check_cu_seqlens(cu_seqlens, token_shape, device)
-    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device)
+    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group)
     _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights)
     layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
     if per_sequence:
@@ -258,13 +261,15 @@ def decoupled_ppo_loss(
     cp_group=None, token_index: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
     **overrides,
 ) -> PolicyLossOutput:
-    """Decoupled PPO / REINFORCE loss with rollout correction, from logits (SPEC §1-§8).
+    """The policy loss of `config.loss_type` (PPO clip by default) with rollout correction, from logits
+    (SPEC §1-§8).
 
     Args:
         logits: [B, T, V] (padded) or [N, V] (packed), float16/bfloat16/float32 (float64 on torch).
         labels: [B, T] / [N] integer sampled tokens; `ignore_index` marks tokens outside the loss.
         advantages: [B, T] / [N] float per token, or one per sequence ([B] / [B, 1] padded, [S] / [S, 1]
-            packed), broadcast to the sequence's tokens.
+            packed; S global under cp_group, which needs [S, 1]), broadcast to the sequence's tokens;
+            a tensor of the token shape is always per token.
         response_mask: [B, T] / [N] bool or 0/1; 1 = generated token that enters the loss.
         old_logprobs: proximal policy log-probs (decoupled mode) or None.
         rollout_logprobs: behaviour (inference engine) log-probs; alone they select bypass mode.
@@ -337,7 +342,7 @@ def policy_loss(
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
     )
     check_cu_seqlens(cu_seqlens, token_shape, device)
-    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device)
+    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group)
     _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights)
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")

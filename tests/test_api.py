@@ -302,3 +302,17 @@ def test_given_is_weights_multiply_the_policy_term_and_exclude_computed_ones():
     with pytest.raises(ValueError, match="is_weights: given while rollout_correction computes IS weights too"):
         rlkernels.decoupled_ppo_loss(*args, is_weights=torch.ones_like(batch.advantages),
                                      rollout_correction=RolloutCorrection.token_tis(), **kw)
+
+
+def test_token_shaped_advantages_are_per_token_even_when_they_could_be_per_sequence():
+    """[S] with S == N (an empty sequence makes it so) is read per token; [S, 1] is per sequence."""
+    batch = make_batch("packed", [0, 2], 7, seed=6)
+    adv = torch.tensor([5.0, 1.0], dtype=torch.float64)
+    grads = []
+    for a in (adv, adv[:, None], torch.tensor([1.0, 1.0], dtype=torch.float64)):
+        logits = batch.logits.clone().requires_grad_(True)
+        out = rlkernels.decoupled_ppo_loss(logits, batch.labels, a, batch.response_mask, cu_seqlens=batch.cu_seqlens,
+                                           loss_agg_mode="token-sum")
+        grads.append(torch.autograd.grad(out.loss, logits)[0])
+    assert not torch.equal(grads[0], grads[1])  # per token [5, 1] vs the second sequence's 1 on both tokens
+    assert torch.equal(grads[1], grads[2])

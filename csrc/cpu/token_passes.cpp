@@ -13,8 +13,8 @@
 //   backward  log p = (z - m) / T - log_norm, p = exp(log p)
 //             g = -(p (c + e H) + e p log p) / T  (+ c / T at the target column, in float32)
 // The exponential is a branch-free Cody-Waite reduction with a degree-7 polynomial (relative error
-// below 2^-23 on the reduced range), written so that the compiler vectorises the row loops (with
-// `omp simd` reductions: no OpenMP runtime, only -fopenmp-simd). Rows follow the backends' contract
+// below 2^-23 on the reduced range), written so that the compiler vectorises the row loops, whose
+// reductions keep explicit lane arrays (built with -fopenmp for at::parallel_for's threads). Rows follow the backends' contract
 // (rlkernels/backends/base.py): a label outside [0, V) skips the row (never read, zeros out), except
 // kForeignTarget (-2), a row whose target is in another vocabulary shard; a row without a finite logit
 // has row_max 0, log_norm -inf, logprob -inf (0 for a foreign target), entropy and sum p^2 0; the

@@ -1,6 +1,7 @@
 """The one dispatch point: `select(name, logits)` returns the backend that runs the vocabulary passes,
 `select_stage(...)` how the single per-sequence stage runs (eager or compiled)."""
 
+import os
 from functools import lru_cache
 from typing import Optional
 
@@ -84,6 +85,8 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool =
     if name == "cpu":
         backend = _cpu_backend()
         if backend is None:
+            if os.environ.get("RLKERNELS_CPU_KERNELS") == "0":
+                raise RuntimeError("backend='cpu': the CPU kernels are turned off (RLKERNELS_CPU_KERNELS=0)")
             raise RuntimeError("backend='cpu': the CPU kernels could not be built (see the warning above; "
                                "backend='torch' runs everywhere)")
         if not backend.supports(logits):
