@@ -13,7 +13,7 @@ import argparse
 import random
 
 import torch
-import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from tests.ranks import Collectives, spawn
 
@@ -43,26 +43,9 @@ def _config(options):
 def _measure(rank, world, kinds, tokens, seqs, results):
     import rlkernels
 
-    sizes = dict(zip(kinds, (2, 2))) if len(kinds) == 2 else {kinds[0]: 2}
-    coords = {}
-    stride = 1
-    for kind in reversed(kinds):
-        coords[kind] = (rank // stride) % sizes[kind]
-        stride *= sizes[kind]
-    groups = {}
-    for kind in kinds:  # every rank creates every group
-        families = {}
-        for r in range(world):
-            key, s = [], 1
-            for k in reversed(kinds):
-                if k != kind:
-                    key.append((r // s) % sizes[k])
-                s *= sizes[k]
-            families.setdefault(tuple(key), []).append(r)
-        for members in families.values():
-            g = dist.new_group(members)
-            if rank in members:
-                groups[kind] = g
+    mesh = init_device_mesh("cpu", (2,) * len(kinds), mesh_dim_names=tuple(kinds))
+    groups = {kind: mesh.get_group(kind) for kind in kinds}
+    coords = {kind: mesh.get_local_rank(kind) for kind in kinds}
     rng = random.Random(0)
     lengths = [max(1, int(tokens / seqs * rng.uniform(0.5, 1.5))) for _ in range(seqs)]
     N, V = sum(lengths), 64

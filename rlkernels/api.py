@@ -83,6 +83,16 @@ def _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_ind
     return _BatchLayout(split, layout.segments, layout.total, end)
 
 
+def _layout_and_advantages(token_shape, cu_seqlens, device, advantages, dp_group, cp_group, token_index):
+    """The batch layout, and the advantages per token (broadcast to the sequences' tokens when given
+    one per sequence: the sequences are known only once the layout is)."""
+    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group)
+    layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
+    if per_sequence:
+        advantages = layout.segments.expand(advantages.reshape(-1)).reshape(token_shape)
+    return layout, advantages
+
+
 def _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group=None) -> bool:
     """True when `advantages` holds one value per sequence ([S] or [S, 1]: GRPO-style outcome
     advantages), to be broadcast to the tokens once the sequences are known; False when per token.
@@ -192,6 +202,7 @@ def _policy_output(
 
 def _vocab_size(local_vocab: int, device, tp_group, inplace: bool = False) -> int:
     """The vocabulary the labels index: this rank's V, or the whole of a vocabulary-parallel group's."""
+    _check_group("tp_group", tp_group)
     if tp_group is None:
         return local_vocab
     if inplace:
@@ -234,11 +245,9 @@ def _loss_tokens(
         raise ValueError(f"cu_seqlens: must be None with padded [B, T, ...] {source}; pass [N, ...] {source} to pack "
                          "sequences")
     check_cu_seqlens(cu_seqlens, token_shape, device)
-    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group)
     _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights)
-    layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
-    if per_sequence:
-        advantages = layout.segments.expand(advantages.reshape(-1)).reshape(token_shape)
+    layout, advantages = _layout_and_advantages(token_shape, cu_seqlens, device, advantages, dp_group, cp_group,
+                                                token_index)
     flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
     in_mask = response_mask.reshape(-1).bool()
     if config.validate:
@@ -342,13 +351,11 @@ def policy_loss(
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
     )
     check_cu_seqlens(cu_seqlens, token_shape, device)
-    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group)
     _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights)
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
-    layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
-    if per_sequence:
-        advantages = layout.segments.expand(advantages.reshape(-1)).reshape(token_shape)
+    layout, advantages = _layout_and_advantages(token_shape, cu_seqlens, device, advantages, dp_group, cp_group,
+                                                token_index)
     mask = response_mask.reshape(-1).bool()
     if config.validate:
         value_checks(
@@ -381,11 +388,9 @@ def token_logprobs(
     """
     check_logits(logits, allow_any_rank=True)
     token_shape = tuple(logits.shape[:-1])
-    _check_group("dp_group", dp_group)
-    _check_group("cp_group", cp_group)
     temperature, row_labels = _stats_tokens(
         token_shape, logits.shape[-1], logits.device, labels, temperature, backend, validate, ignore_index, tp_group,
-        inplace_backward,
+        dp_group, cp_group, inplace_backward,
     )
     stats = _token_stats(logits, row_labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward,
                          backend, None, tp_group)
@@ -393,10 +398,12 @@ def token_logprobs(
 
 
 def _stats_tokens(token_shape, local_vocab, device, labels, temperature, backend, validate, ignore_index, tp_group,
-                  inplace=False):
+                  dp_group, cp_group, inplace=False):
     """The checks of the two token-statistics entry points, then the checked temperature and the row
     labels (-1 on ignored rows and, with validate=False, out-of-range labels)."""
     check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
+    _check_group("dp_group", dp_group)  # accepted and unused: per-token statistics combine nothing
+    _check_group("cp_group", cp_group)
     temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -497,10 +504,9 @@ def linear_token_logprobs(
     check_head(hidden, weight, bias, allow_any_rank=True)
     check_memory_budget(memory_budget_bytes)
     token_shape = tuple(hidden.shape[:-1])
-    _check_group("dp_group", dp_group)
-    _check_group("cp_group", cp_group)
     temperature, row_labels = _stats_tokens(
         token_shape, weight.shape[0], hidden.device, labels, temperature, backend, validate, ignore_index, tp_group,
+        dp_group, cp_group,
     )
     stats = _linear_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, row_labels, temperature,
                           compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes, tp_group)

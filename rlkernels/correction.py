@@ -15,7 +15,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from .config import RolloutCorrection
-from .metrics import Metrics, combine_moments, std  # noqa: F401  (std is used by derive below)
+from .metrics import Metrics, std
 from .segments import Segments, SequenceTable, hyper, log_hyper
 
 CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp

@@ -55,6 +55,19 @@ def shard_labels(labels: torch.Tensor, offset: int, local_vocab: int) -> torch.T
     return torch.where(labels < 0, labels, torch.where(mine, local, torch.full_like(labels, FOREIGN_TARGET)))
 
 
+def _local_labels(row_labels: torch.Tensor, local_vocab: int, group, device) -> torch.Tensor:
+    """This rank's row labels: its shard's ids, FOREIGN_TARGET, or -1 (skipped)."""
+    offset, _ = shard_offset(group, local_vocab, device)
+    return shard_labels(row_labels, offset, local_vocab)
+
+
+def _coefficients(row_max, grad_logprobs, grad_entropy, compute_entropy: bool):
+    """The backward's per-row (c, e) in the statistics' dtype; e is None without an entropy gradient."""
+    c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
+    e = grad_entropy.to(row_max.dtype) if (compute_entropy and grad_entropy is not None) else None
+    return c, e
+
+
 def _merge(parts: torch.Tensor, temperature: float):
     """parts: [world, 6, N] float64 in rank order -> the global statistics and, per rank, the
     normaliser its backward uses (relative to its own row max)."""
@@ -104,9 +117,7 @@ class VocabParallelTokenStats(torch.autograd.Function):
                 backend_name: str, chunk_rows: Optional[int], group):
         # logits: (N, V_r) or (B, T, V_r) this rank's shard; row_labels: (N,) global ids, -1 skipped
         backend = backends.select(backend_name, logits, chunk_rows, vocab_shard=True)
-        V_r = logits.shape[-1]
-        offset, _ = shard_offset(group, V_r, logits.device)
-        local = shard_labels(row_labels, offset, V_r)
+        local = _local_labels(row_labels, logits.shape[-1], group, logits.device)
         # the entropy is needed to merge it, and the backward needs the merged one
         stats = backend.token_stats_fwd(logits, local, temperature, compute_entropy, compute_sum_pi_squared)
         logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature, group)
@@ -121,8 +132,7 @@ class VocabParallelTokenStats(torch.autograd.Function):
         logits, local, row_max, log_norm, entropy = ctx.saved_tensors
         temperature, backend_name, chunk_rows, compute_entropy = ctx.options
         backend = backends.select(backend_name, logits, chunk_rows, vocab_shard=True)
-        c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
-        e = grad_entropy.to(row_max.dtype) if (compute_entropy and grad_entropy is not None) else None
+        c, e = _coefficients(row_max, grad_logprobs, grad_entropy, compute_entropy)
         dlogits = backend.token_grad_bwd(logits, local, row_max, log_norm, None if e is None else entropy, c, e,
                                          temperature, False)
         return dlogits, None, None, None, None, None, None, None
@@ -136,9 +146,7 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, row_labels, temperature: float, compute_entropy: bool,
                 compute_sum_pi_squared: bool, backend_name: str, chunk_rows: int, group):
-        V_r = weight.shape[0]
-        offset, _ = shard_offset(group, V_r, hidden.device)
-        local = shard_labels(row_labels, offset, V_r)
+        local = _local_labels(row_labels, weight.shape[0], group, hidden.device)
         T = temperature_tensor(temperature)
         stats = RowStats(*linear.linear_token_stats(hidden, weight, bias, local, T, compute_entropy,
                                                     compute_sum_pi_squared, backend_name, chunk_rows, True))
@@ -155,9 +163,9 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
         refuse_double_backward()
         hidden, weight, bias, local, row_max, log_norm, entropy, T = ctx.saved_tensors
         backend_name, chunk_rows, compute_entropy, group = ctx.options
-        c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
-        use_entropy = compute_entropy and grad_entropy is not None
-        e = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
+        c, e = _coefficients(row_max, grad_logprobs, grad_entropy, compute_entropy)
+        use_entropy = e is not None
+        e = e if use_entropy else row_max.new_empty(0)  # the op takes an empty tensor for "none"
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         d_hidden, d_weight, d_bias = linear.linear_token_grad(
             hidden, weight, bias, local, row_max, log_norm, entropy if use_entropy else row_max.new_empty(0), c, e,

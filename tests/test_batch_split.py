@@ -27,6 +27,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from .ranks import Collectives, spawn
 
@@ -43,22 +44,11 @@ def _coords(rank, tp, cp):
     return rank // (tp * cp), (rank // tp) % cp, rank % tp
 
 
-def _make_groups(world, tp, dp, cp):
-    """Every rank creates every group (new_group is collective) and keeps those it belongs to."""
-    rank, mine = dist.get_rank(), {}
-    for kind, size in (("tp", tp), ("dp", dp), ("cp", cp)):
-        if size == 1:
-            continue
-        axis = {"dp": 0, "cp": 1, "tp": 2}[kind]
-        families = {}
-        for r in range(world):
-            key = tuple(x for i, x in enumerate(_coords(r, tp, cp)) if i != axis)
-            families.setdefault(key, []).append(r)
-        for members in families.values():
-            group = dist.new_group(members)
-            if rank in members:
-                mine[kind] = group
-    return mine
+def _make_groups(tp, dp, cp):
+    """The grid as a device mesh (row-major over dp, cp, tp, as _coords numbers the ranks); a group
+    of size 1 is passed as None, as a trainer without that parallelism would."""
+    mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    return {kind: mesh.get_group(kind) for kind, size in (("tp", tp), ("dp", dp), ("cp", cp)) if size > 1}
 
 
 def _slices(n, cp):
@@ -143,7 +133,7 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
     from .cases import assert_close, make_batch, tol
 
     dtype = getattr(torch, dtype_name)
-    groups = _make_groups(world, tp, dp, cp)
+    groups = _make_groups(tp, dp, cp)
     tp_group, dp_group, cp_group = (groups.get(k) for k in ("tp", "dp", "cp"))
     d, c, t = _coords(rank, tp, cp)
     sizes = [V // tp + (1 if r < V % tp else 0) for r in range(tp)]
