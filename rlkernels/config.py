@@ -25,13 +25,19 @@ RS_OPTIONS = TOKEN_RS_OPTIONS + SEQ_RS_OPTIONS
 IS_LEVELS = (None, "token", "sequence")
 # policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla")
 LOSS_TYPES = ("vanilla", "ppo_clip", "reinforce", "gpg", "sapo", "gspo", "geo_mean", "cispo", "dro", "dppo_tv",
-              "dppo_kl")
+              "dppo_kl", "clip_cov", "kl_cov", "topr", "luspo", "vespo")
+# losses whose ratio may be taken per sequence (TRL's importance_sampling_level="sequence")
+SEQUENCE_RATIO_LOSSES = ("vanilla", "ppo_clip", "cispo", "sapo", "luspo")
+# losses whose selection is batch-global (a host sync, as in verl; no split batches)
+COVARIANCE_LOSSES = ("clip_cov", "kl_cov")
+IS_MODES = ("truncate", "mask")
+SEQ_MEAN_OVER = ("nonempty", "all")
 LOSS_AGG_MODES = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
 )
 # KL estimators, verl's names and aliases; "<name>+" keeps the value and takes k2's gradient (verl's
 # straight-through variants)
-_KL_BASE = ("k1", "k2", "k3", "abs", "low_var_kl", "kl", "mse")
+_KL_BASE = ("k1", "k2", "k3", "k3_unclamped", "abs", "low_var_kl", "kl", "mse")
 KL_TYPES = _KL_BASE + tuple(f"{k}+" for k in _KL_BASE)
 _KL_ALIASES = {"low_var_kl": "k3", "kl": "k1", "mse": "k2"}
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
@@ -64,8 +70,9 @@ def _check_finite_positive(name: str, value, *, allow_zero: bool = False) -> flo
     return value
 
 
-def _ratio_bounds(name: str, value) -> Tuple[float, float]:
-    """A k1 / IcePop bound: (lo, hi) with 0 < lo <= hi, or a single hi meaning (1/hi, hi)."""
+def _ratio_bounds(name: str, value, open_ends: bool = False) -> Tuple[float, float]:
+    """A k1 / IcePop bound: (lo, hi) with 0 < lo <= hi, or a single hi meaning (1/hi, hi).
+    `open_ends` (IS thresholds): lo may be 0 and hi may be inf (TRL's unset C_min / C_max)."""
     if _is_number(value):
         hi = _check_finite_positive(name, value)
         if not _checking_values():
@@ -74,8 +81,11 @@ def _ratio_bounds(name: str, value) -> Tuple[float, float]:
             raise ValueError(f"{name}: expected hi >= 1 (a single ratio bound hi means (1/hi, hi)), got {hi!r}")
         return (1.0 / hi, hi)
     if isinstance(value, (tuple, list)) and len(value) == 2:
-        lo = _check_finite_positive(f"{name}[0] (lo)", value[0])
-        hi = _check_finite_positive(f"{name}[1] (hi)", value[1])
+        lo = _check_finite_positive(f"{name}[0] (lo)", value[0], allow_zero=open_ends)
+        if open_ends and _is_number(value[1]) and value[1] == math.inf:
+            hi = math.inf
+        else:
+            hi = _check_finite_positive(f"{name}[1] (hi)", value[1])
         if _checking_values() and lo > hi:
             raise ValueError(f"{name}: expected lo <= hi, got lo={lo!r} > hi={hi!r}")
         return (lo, hi)
@@ -88,8 +98,10 @@ class RolloutCorrection:
 
     Args:
         is_level: None (no weights), "token" or "sequence".
-        is_threshold: C > 0 for truncated IS, w = min(raw, C); or (lo, hi) for IcePop, w = raw inside
-            [lo, hi] and 0 outside (the mask is not changed).
+        is_threshold: C > 0, or bounds (lo, hi) with 0 <= lo <= hi (hi may be inf).
+        is_mode: "truncate": w = clamp(raw, lo, hi) (a single C: w = min(raw, C)); "mask" (IcePop,
+            TRL's *_mask): w = raw inside [lo, hi], 0 outside, the mask unchanged (a single C: [0, C]).
+            None (default): "mask" for bounds, "truncate" for a single C.
         is_batch_normalize: divide the weights by their batch mean (skipped if that mean <= 1e-8).
         rs: rejection options, a mapping ``{option: threshold}`` (or a sequence of pairs). k1 options
             take ratio bounds (lo, hi) or a single hi meaning (1/hi, hi) and keep lo <= rho <= hi;
@@ -100,6 +112,7 @@ class RolloutCorrection:
     is_threshold: Threshold = 2.0
     is_batch_normalize: bool = False
     rs: Tuple[Tuple[str, Threshold], ...] = field(default=())
+    is_mode: Optional[str] = None
 
     def __post_init__(self):
         if self.is_level not in IS_LEVELS:
@@ -107,8 +120,12 @@ class RolloutCorrection:
         if _is_number(self.is_threshold):
             threshold: Threshold = _check_finite_positive("is_threshold", self.is_threshold)
         else:
-            threshold = _ratio_bounds("is_threshold", self.is_threshold)
+            threshold = _ratio_bounds("is_threshold", self.is_threshold, open_ends=True)
         object.__setattr__(self, "is_threshold", threshold)
+        if self.is_mode is None:
+            object.__setattr__(self, "is_mode", "mask" if isinstance(threshold, tuple) else "truncate")
+        elif self.is_mode not in IS_MODES:
+            raise ValueError(f"is_mode: expected one of {IS_MODES} or None, got {self.is_mode!r}")
         if not isinstance(self.is_batch_normalize, bool):
             raise TypeError(f"is_batch_normalize: expected a bool, got {self.is_batch_normalize!r}")
         pairs = self.rs.items() if isinstance(self.rs, Mapping) else self.rs
@@ -135,13 +152,20 @@ class RolloutCorrection:
     # -- derived views ---------------------------------------------------------------------------
     @property
     def is_icepop(self) -> bool:
-        return isinstance(self.is_threshold, tuple)
+        return self.is_mode == "mask"
+
+    @property
+    def is_range(self) -> Tuple[float, float]:
+        """(lo, hi) the weights are truncated to or masked outside of."""
+        if isinstance(self.is_threshold, tuple):
+            return self.is_threshold
+        return (0.0, self.is_threshold)
 
     @property
     def is_bounds(self) -> Tuple[float, float]:
-        """(lo, hi) used by the diagnostics: IcePop's bounds, or (1/C, C) for truncated IS."""
-        if self.is_icepop:
-            return self.is_threshold  # type: ignore[return-value]
+        """(lo, hi) used by the diagnostics: the given bounds, or (1/C, C) for a single C (verl's)."""
+        if isinstance(self.is_threshold, tuple):
+            return self.is_threshold
         return (1.0 / self.is_threshold, self.is_threshold)  # type: ignore[operator]
 
     @property
@@ -242,6 +266,27 @@ class RolloutCorrection:
         )
 
 
+    @classmethod
+    def from_trl(cls, vllm_importance_sampling_mode: str = "sequence_mask",
+                 vllm_importance_sampling_clip_min: Optional[float] = None,
+                 vllm_importance_sampling_clip_max: Optional[float] = 3.0) -> "RolloutCorrection":
+        """Build from TRL 1.16's ``GRPOConfig`` vLLM importance-sampling options: token_ / sequence_
+        level (a sequence weight is the product of its tokens' ratios, as in TRL), *_truncate
+        (clamp to [C_min, C_max]) or *_mask (0 outside [C_min, C_max]); an unset bound is open."""
+        level, _, mode = str(vllm_importance_sampling_mode).partition("_")
+        if level not in ("token", "sequence") or mode not in IS_MODES:
+            raise ValueError("vllm_importance_sampling_mode: expected 'token_truncate', 'token_mask', "
+                             f"'sequence_truncate' or 'sequence_mask', got {vllm_importance_sampling_mode!r}")
+        lo = 0.0 if vllm_importance_sampling_clip_min is None else vllm_importance_sampling_clip_min
+        hi = math.inf if vllm_importance_sampling_clip_max is None else vllm_importance_sampling_clip_max
+        try:
+            return cls(is_level=level, is_threshold=(lo, hi), is_mode=mode)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(str(exc).replace("is_threshold[0] (lo)", "vllm_importance_sampling_clip_min")
+                            .replace("is_threshold[1] (hi)", "vllm_importance_sampling_clip_max")
+                            .replace("is_threshold", "vllm_importance_sampling_clip_min/max")) from None
+
+
 def _renamed(build, field_name: str, argument: str) -> None:
     """Run a constructor check and re-raise its error under the name the caller of from_verl used."""
     try:
@@ -333,10 +378,33 @@ class PolicyLossConfig:
     inplace_backward: bool = False
     compile_stage: Optional[bool] = None
     memory_budget_bytes: Optional[int] = None
+    # -- conventions where the reference libraries differ (docs/spec.md, "The loss family") ---------
+    ratio_level: str = "token"
+    log_ratio_clamp: Optional[float] = 20.0
+    cispo_cap: Optional[float] = None
+    seq_mean_over: str = "nonempty"
+    entropy_agg_mode: Optional[str] = None
+    kl_bias_correction: bool = False
+    off_policy_mask_threshold: Optional[float] = None
+    # -- parameters of single losses (verl's / TRL's names and defaults) ----------------------------
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
+    topr_negative_ratio_lower: float = 0.0
+    topr_negative_ratio_upper: float = 1.0
+    m2po_threshold: Optional[float] = None
+    m2po_quadrant: bool = True
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
+        self._check_family()
         for name in ("tau_pos", "tau_neg"):
             object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name)))
         if self.dro_beta is not None:
@@ -377,6 +445,10 @@ class PolicyLossConfig:
                 "rollout_correction: expected a RolloutCorrection or None, "
                 f"got {type(self.rollout_correction).__name__}"
             )
+        if self.loss_type == "vespo" and self.rollout_correction is not None and \
+                self.rollout_correction.is_level == "sequence":
+            raise ValueError("rollout_correction: loss_type='vespo' folds token-level IS weights into its sequence "
+                             "ratio; is_level='sequence' has no such form (TRL raises too)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         for name in ("compute_entropy", "validate", "inplace_backward"):
@@ -387,6 +459,47 @@ class PolicyLossConfig:
         check_memory_budget(self.memory_budget_bytes)
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
+
+    def _check_family(self) -> None:
+        """The loss-family fields: types, ranges, and combinations that have no meaning."""
+        if self.ratio_level not in ("token", "sequence"):
+            raise ValueError(f"ratio_level: expected 'token' or 'sequence', got {self.ratio_level!r}")
+        if self.ratio_level == "sequence" and self.loss_type not in SEQUENCE_RATIO_LOSSES:
+            raise ValueError(f"ratio_level: 'sequence' applies to loss types {SEQUENCE_RATIO_LOSSES}, not "
+                             f"{self.loss_type!r} (gspo and geo_mean are sequence-level already)")
+        if self.seq_mean_over not in SEQ_MEAN_OVER:
+            raise ValueError(f"seq_mean_over: expected one of {SEQ_MEAN_OVER}, got {self.seq_mean_over!r}")
+        if self.entropy_agg_mode is not None and self.entropy_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"entropy_agg_mode: expected None or one of {LOSS_AGG_MODES}, "
+                             f"got {self.entropy_agg_mode!r}")
+        for name in ("log_ratio_clamp", "cispo_cap", "m2po_threshold"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name)))
+        if self.off_policy_mask_threshold is not None:
+            if not _is_number(self.off_policy_mask_threshold):
+                raise TypeError(f"off_policy_mask_threshold: expected a number or None, got "
+                                f"{self.off_policy_mask_threshold!r}")
+            object.__setattr__(self, "off_policy_mask_threshold", float(self.off_policy_mask_threshold))
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            if not _is_number(getattr(self, name)):
+                raise TypeError(f"{name}: expected a number, got {getattr(self, name)!r}")
+        for name in ("vespo_lambda_pos", "vespo_lambda_neg", "clip_cov_ratio", "kl_cov_ratio"):
+            object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name)))
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
+            if not _is_number(getattr(self, name)):
+                raise TypeError(f"{name}: expected a number, got {getattr(self, name)!r}")
+        for name in ("topr_negative_ratio_lower", "topr_negative_ratio_upper"):
+            object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name), allow_zero=True))
+        if _checking_values() and self.topr_negative_ratio_lower > self.topr_negative_ratio_upper:
+            raise ValueError("topr_negative_ratio_lower: expected <= topr_negative_ratio_upper, got "
+                             f"{self.topr_negative_ratio_lower!r} > {self.topr_negative_ratio_upper!r}")
+        if self.loss_type == "geo_mean" and (self.off_policy_mask_threshold is not None or
+                                             self.m2po_threshold is not None):
+            raise ValueError("loss_type: 'geo_mean' is one term per sequence; the token masks "
+                             "off_policy_mask_threshold / m2po_threshold do not apply to it")
+        for name in ("kl_bias_correction", "m2po_quadrant"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     @property
     def needs_entropy(self) -> bool:

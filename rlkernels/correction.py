@@ -37,12 +37,12 @@ def _keeps(kind: str, stat: torch.Tensor, bound) -> torch.Tensor:
 
 
 def _truncate(raw: torch.Tensor, mask: torch.Tensor, rc: RolloutCorrection) -> torch.Tensor:
-    """SPEC §4: truncation (min with the threshold) or IcePop masking (0 outside [lo, hi]); 0 off the mask."""
+    """SPEC §4: truncation (clamp to [lo, hi]) or IcePop masking (0 outside [lo, hi]); 0 off the mask."""
+    lo, hi = rc.is_range
     if rc.is_icepop:
-        lo, hi = rc.is_threshold
         w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
     else:
-        w = torch.minimum(raw, hyper(raw, rc.is_threshold))
+        w = torch.minimum(torch.maximum(raw, hyper(raw, lo)), hyper(raw, hi))
     return torch.where(mask, w, torch.zeros_like(w))
 
 
@@ -270,14 +270,16 @@ def correct(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg:
     """Steps 1-2 and the weights, for `rollout_correction` and the loss stage alike. rollout=None:
     no correction (the normalisers are still computed, for the loss). `kept_sums`: per-token values
     the loss needs summed per sequence over the tokens no token-level rejection drops (a sequence
-    that a sequence-level option drops has no token left to use them); the key "log_weights" asks
-    for the log of the token-level truncated IS weights (its value is ignored)."""
+    that a sequence-level option drops has no token left to use them); a callable under the key
+    "log_weights" is applied to the log of the token-level truncated IS weights computed here."""
     table = SequenceTable(seg, mask, train.dtype)
     terms = None if rollout is None else token_terms(train, rollout, mask, rc, table)
     token_keep = mask if terms is None else terms.token_keep
     kept_sums = dict(kept_sums or {})
-    if "log_weights" in kept_sums and terms is not None and terms.token_weights is not None:
-        kept_sums["log_weights"] = torch.log(terms.token_weights)  # GMPO: a geometric mean of token weights
+    transform = kept_sums.get("log_weights")
+    if callable(transform):  # of the token-level weights computed here, or nothing when there are none
+        has_weights = terms is not None and terms.token_weights is not None
+        kept_sums["log_weights"] = transform(torch.log(terms.token_weights)) if has_weights else None
     for name, x in kept_sums.items():
         if x is not None:
             table.add_sum(name, torch.where(token_keep, x, torch.zeros_like(x)))

@@ -10,6 +10,7 @@ Option names (agg modes, loss types, KL types, IS levels, RS options) come from 
 never re-typed here.
 """
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
@@ -19,7 +20,15 @@ import torch
 from hypothesis import strategies as st
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
-from rlkernels.config import IS_LEVELS, KL_TYPES, LOSS_AGG_MODES, LOSS_TYPES, RS_OPTIONS
+from rlkernels.config import (
+    COVARIANCE_LOSSES,
+    IS_LEVELS,
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    LOSS_TYPES,
+    RS_OPTIONS,
+    SEQUENCE_RATIO_LOSSES,
+)
 
 # Every property test states its CI example budget; HYPOTHESIS_SCALE=10 runs ten times as many.
 EXAMPLE_SCALE = int(os.environ.get("HYPOTHESIS_SCALE", "1"))
@@ -396,20 +405,29 @@ def rollout_corrections(draw):
     if draw(st.integers(0, 5)) == 0:
         return None
     is_level = draw(st.sampled_from(IS_LEVELS))
-    threshold = draw(st.sampled_from([2.0, 1.2, 10.0, (0.5, 5.0), (0.8, 1.25)]))
+    threshold = draw(st.sampled_from([2.0, 1.2, 10.0, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0), (0.5, math.inf)]))
+    is_mode = draw(st.sampled_from([None, "truncate", "mask"]))
     options = draw(st.lists(st.sampled_from(RS_OPTIONS), max_size=3, unique=True))
     rs = {}
     for option in options:
         rs[option] = _ratio_bound(draw) if option.endswith("k1") else draw(st.sampled_from([0.001, 0.05, 0.5, 4.0]))
-    return RolloutCorrection(is_level=is_level, is_threshold=threshold, is_batch_normalize=draw(st.booleans()), rs=rs)
+    if is_mode == "truncate" and isinstance(threshold, tuple) and threshold[1] == math.inf:
+        is_mode = "mask"  # truncation at inf is no truncation: draw the mask instead
+    return RolloutCorrection(is_level=is_level, is_threshold=threshold, is_batch_normalize=draw(st.booleans()), rs=rs,
+                             is_mode=is_mode)
 
 
 @st.composite
 def configs(draw, mode: str, **fixed):
     """A PolicyLossConfig over the whole option product, consistent with the mode."""
     # REINFORCE is a bypass-mode loss (no old log-probs to form a PPO ratio against)
-    loss_type = draw(st.sampled_from([t for t in LOSS_TYPES if t != "reinforce" or mode == "bypass"]))
+    # clip_cov / kl_cov select tokens by rank or at random: tests/test_loss_family.py holds them to the
+    # reference in float64 with the generator seeded alike, not across dtypes here
+    loss_type = fixed.get("loss_type") or draw(st.sampled_from(
+        [t for t in LOSS_TYPES if (t != "reinforce" or mode == "bypass") and t not in COVARIANCE_LOSSES]))
     rc = draw(rollout_corrections()) if mode != "on-policy" else None
+    if loss_type == "vespo" and rc is not None and rc.is_level == "sequence":
+        rc = RolloutCorrection(is_level="token", is_threshold=rc.is_threshold, rs=rc.rs)
     kl = draw(st.sampled_from((None,) + KL_TYPES))  # None: no KL penalty
     kw = dict(
         loss_type=loss_type,
@@ -432,6 +450,27 @@ def configs(draw, mode: str, **fixed):
         kw["global_num_seqs"] = 3.0
     if draw(st.integers(0, 7)) == 0:
         kw["loss_scale_factor"] = 4.0
+    # the conventions of the loss family (TRL's where they differ from verl's)
+    if loss_type in SEQUENCE_RATIO_LOSSES:
+        kw["ratio_level"] = draw(st.sampled_from(["token", "sequence"]))
+    if loss_type == "cispo":
+        kw["cispo_cap"] = draw(st.sampled_from([None, 5.0, 1.1]))
+    # None (TRL's: no clamp) overflows exp() in float32 where float64 does not, so the dtype comparisons
+    # here draw finite clamps; tests/peers/test_trl_losses.py runs None in float64
+    kw["log_ratio_clamp"] = draw(st.sampled_from([20.0, 20.0, 5.0, 30.0]))
+    kw["seq_mean_over"] = draw(st.sampled_from(["nonempty", "all"]))
+    kw["entropy_agg_mode"] = draw(st.sampled_from((None,) + LOSS_AGG_MODES))
+    kw["kl_bias_correction"] = draw(st.booleans())
+    if kw["kl_bias_correction"] and kw.get("ratio_level") == "sequence" and kw["kl_type"] == "k3_unclamped":
+        # per sequence, k3 x r's gradient sums (1 - e^d) r and the sequence's share of e^d r: both sides
+        # (autograd in the oracle too) cancel e^d terms of up to e^40 here, so neither is an oracle
+        kw["kl_type"] = "k3"
+    if loss_type != "geo_mean":
+        kw["off_policy_mask_threshold"] = draw(st.sampled_from([None, None, 0.0, 0.5]))
+        kw["m2po_threshold"] = draw(st.sampled_from([None, None, 0.04, 1.0]))
+        kw["m2po_quadrant"] = draw(st.booleans())
+    kw["topr_negative_ratio_upper"] = draw(st.sampled_from([1.0, 2.0]))
+    kw["vespo_k_neg"] = draw(st.sampled_from([3.0, 1.0]))
     kw.update(fixed)
     return PolicyLossConfig(**kw)
 

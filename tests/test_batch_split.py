@@ -67,9 +67,10 @@ def _zigzag(lengths, cp):
     return [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in ranks]
 
 
-def _random_config(rng, mode, dtype):
+def _random_config(rng, mode, dtype, cp=1):
     from rlkernels import PolicyLossConfig, RolloutCorrection
-    from rlkernels.config import IS_LEVELS, KL_TYPES, LOSS_AGG_MODES, LOSS_TYPES, RS_OPTIONS
+    from rlkernels.config import (COVARIANCE_LOSSES, IS_LEVELS, KL_TYPES, LOSS_AGG_MODES, LOSS_TYPES, RS_OPTIONS,
+                                  SEQUENCE_RATIO_LOSSES)
 
     rc = None
     if mode != "on-policy":
@@ -83,8 +84,21 @@ def _random_config(rng, mode, dtype):
     kw = {}
     if rng.random() < 0.15:
         kw.update(global_num_tokens=13.0, global_num_seqs=3.0)
+    # the batch-global selections (Clip-Cov, KL-Cov, M2PO) refuse split batches (test_family_errors)
+    loss_type = rng.choice([t for t in LOSS_TYPES if (t != "reinforce" or mode == "bypass")
+                            and t not in COVARIANCE_LOSSES])
+    if loss_type == "vespo" and rc is not None and rc.is_level == "sequence":
+        rc = RolloutCorrection(is_level="token", rs=rc.rs)
+    if loss_type in SEQUENCE_RATIO_LOSSES and cp == 1 and rng.random() < 0.5:
+        kw["ratio_level"] = "sequence"
+    if loss_type != "geo_mean" and rng.random() < 0.3:
+        kw["off_policy_mask_threshold"] = rng.choice([0.0, 0.3])
+    kw.update(seq_mean_over=rng.choice(["nonempty", "all"]), kl_bias_correction=rng.random() < 0.3,
+              entropy_agg_mode=rng.choice([None, "token-mean", "seq-mean-token-mean"]))
+    if kw["kl_bias_correction"] and kl in ("k3_unclamped", "k3_unclamped+") and kw.get("ratio_level") == "sequence":
+        kl = "k3"  # see tests/cases.py: the sequence-level e^d cancellation
     return PolicyLossConfig(
-        loss_type=rng.choice([t for t in LOSS_TYPES if t != "reinforce" or mode == "bypass"]),
+        loss_type=loss_type,
         loss_agg_mode=rng.choice(LOSS_AGG_MODES), clip_ratio_c=rng.choice([3.0, None]),
         entropy_coeff=rng.choice([0.0, 0.01]), compute_entropy=rng.random() < 0.5, kl_coef=0.0 if kl is None else 0.05,
         kl_type=kl or "k3", temperature=rng.choice([1.0, 0.7]), rollout_correction=rc, backend="torch", dro_beta=0.2,
@@ -146,7 +160,7 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
 
     for case in range(num_configs):
         mode = rng.choice(["decoupled", "bypass", "on-policy"]) if entry != "correction" else "decoupled"
-        config = _random_config(rng, mode, dtype)
+        config = _random_config(rng, mode, dtype, cp)
         if entry == "compiled":  # the stage under torch.compile: the collectives are graph breaks
             config = config.with_overrides(compile_stage=True)
         lengths = LENGTHS if layout == "packed" else [T] * B

@@ -14,6 +14,10 @@ from .sequences import masked_mean, mean_or_zero
 CLAMP = 20.0  # SPEC §4 safety clamp before any exp
 
 
+def _log(x):
+    return math.log(x) if x > 0 else -math.inf
+
+
 def _zero(device):
     return torch.zeros((), dtype=torch.float64, device=device)
 
@@ -31,11 +35,11 @@ def is_weights(delta, mask, seqs: List[torch.Tensor], rc):
         for idx in seqs:
             S = torch.where(mask[idx], delta[idx], torch.zeros_like(delta[idx])).sum()
             raw[idx] = torch.exp(S.clamp(-CLAMP, CLAMP))
+    lo, hi = rc.is_range
     if rc.is_icepop:
-        lo, hi = rc.is_threshold
         w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
     else:
-        w = torch.minimum(raw, torch.full_like(raw, rc.is_threshold))
+        w = raw.clamp(lo, hi)
     w = torch.where(mask, w, torch.zeros_like(w))
     factor = torch.ones((), dtype=torch.float64, device=device)
     if rc.is_batch_normalize:
@@ -69,7 +73,7 @@ def rejection(delta, mask, seqs, rc):
             if kind == "k1":
                 lo, hi = bound
                 # keep lo <= rho <= hi with rho = exp(-k1), compared in log space
-                keep = (-stat >= math.log(lo)) & (-stat <= math.log(hi))
+                keep = (-stat >= _log(lo)) & (-stat <= _log(hi))
             else:
                 keep = stat <= bound
             values = stat[mask]
@@ -87,7 +91,7 @@ def rejection(delta, mask, seqs, rc):
                     s = km.max() if m.any() else _zero(delta.device)
                 if kind == "k1":
                     lo, hi = bound
-                    ok = bool((-s >= math.log(lo)) & (-s <= math.log(hi)))
+                    ok = bool((-s >= _log(lo)) & (-s <= _log(hi)))
                 else:
                     ok = bool(s <= bound)
                 keep[idx] = ok
@@ -155,12 +159,12 @@ def diagnostics(
         out["rollout_is_min"] = w[mask].min() if mask.any() else _zero(device)
         out["rollout_is_max"] = w[mask].max() if mask.any() else _zero(device)
         if rc.is_level == "token":
-            out["rollout_is_ratio_fraction_high"] = masked_mean((delta_hat > math.log(hi)).double(), mask)
-            out["rollout_is_ratio_fraction_low"] = masked_mean((delta_hat < math.log(lo)).double(), mask)
+            out["rollout_is_ratio_fraction_high"] = masked_mean((delta_hat > _log(hi)).double(), mask)
+            out["rollout_is_ratio_fraction_low"] = masked_mean((delta_hat < _log(lo)).double(), mask)
         else:
             sums = [delta[idx][mask[idx]].sum().clamp(-CLAMP, CLAMP) for idx in seqs if mask[idx].any()]
-            out["rollout_is_ratio_fraction_high"] = mean_or_zero([(s > math.log(hi)).double() for s in sums], device)
-            out["rollout_is_ratio_fraction_low"] = mean_or_zero([(s < math.log(lo)).double() for s in sums], device)
+            out["rollout_is_ratio_fraction_high"] = mean_or_zero([(s > _log(hi)).double() for s in sums], device)
+            out["rollout_is_ratio_fraction_low"] = mean_or_zero([(s < _log(lo)).double() for s in sums], device)
         # ESS = 1 / mean(x~^2), x~ = x / mean(x); 0 when every weight is 0 or nothing is valid
         if mean_x > 0:
             out["rollout_is_eff_sample_size"] = 1.0 / masked_mean((x / mean_x) ** 2, mask)

@@ -1,7 +1,7 @@
 """Hypothesis invariants that hold for any input (STYLE.md §5), on the default backend."""
 
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import rlkernels
@@ -107,7 +107,9 @@ def test_padded_equals_packed(batch, mode, data):
 @settings(max_examples=scaled(40))
 @given(batch=batches(layout="packed", allow_empty=False), extra=st.integers(1, 3), data=st.data())
 def test_fully_masked_sequences_do_not_change_token_mean(batch, extra, data):
-    config = data.draw(configs("decoupled", loss_agg_mode="token-mean"))
+    config = data.draw(configs("decoupled", loss_agg_mode="token-mean", entropy_agg_mode=None))
+    # GMPO and LUSPO average over every sequence, empty ones included (verl's / TRL's): not invariant
+    assume(config.loss_type not in ("geo_mean", "luspo"))
     a = run(batch, "decoupled", config)
     V, N = batch.logits.shape[-1], batch.labels.shape[0]
     pad = 3 * extra
@@ -130,4 +132,4 @@ def test_masked_tokens_get_zero_gradient_and_weights_stay_below_C(batch, mode, d
     assert torch.count_nonzero(g[~batch.response_mask]) == 0
     rc = config.rollout_correction
     if out.is_weights is not None and not rc.is_icepop and not rc.is_batch_normalize:
-        assert bool((out.is_weights <= rc.is_threshold).all())
+        assert bool((out.is_weights <= rc.is_range[1]).all())
