@@ -20,6 +20,7 @@ from .config import (
     check_memory_budget,
     resolve_config,
 )
+from .loss import check_split_options
 from .metrics import Metrics
 from .segments import Segments
 from .split import BatchSplit, context_layout
@@ -116,7 +117,9 @@ def _check_per_token(shape, device, **tensors) -> None:
             check_tensor(name, x, kind="mask" if name == "response_mask" else "float", shape=shape, device=device)
 
 
-def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_logprobs, is_weights=None) -> None:
+def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_logprobs, is_weights=None,
+                dp_group=None, cp_group=None) -> None:
+    check_split_options(config, dp_group, cp_group)
     if config.loss_type == "reinforce" and old_logprobs is not None:
         raise ValueError(
             "old_logprobs: expected None with loss_type='reinforce' (the bypass-mode loss of SPEC §6); "
@@ -245,7 +248,7 @@ def _loss_tokens(
         raise ValueError(f"cu_seqlens: must be None with padded [B, T, ...] {source}; pass [N, ...] {source} to pack "
                          "sequences")
     check_cu_seqlens(cu_seqlens, token_shape, device)
-    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights)
+    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights, dp_group, cp_group)
     layout, advantages = _layout_and_advantages(token_shape, cu_seqlens, device, advantages, dp_group, cp_group,
                                                 token_index)
     flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
@@ -351,7 +354,7 @@ def policy_loss(
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
     )
     check_cu_seqlens(cu_seqlens, token_shape, device)
-    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights)
+    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights, dp_group, cp_group)
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
     layout, advantages = _layout_and_advantages(token_shape, cu_seqlens, device, advantages, dp_group, cp_group,

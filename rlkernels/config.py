@@ -26,8 +26,9 @@ IS_LEVELS = (None, "token", "sequence")
 # policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla")
 LOSS_TYPES = ("vanilla", "ppo_clip", "reinforce", "gpg", "sapo", "gspo", "geo_mean", "cispo", "dro", "dppo_tv",
               "dppo_kl", "clip_cov", "kl_cov", "topr", "luspo", "vespo")
-# losses whose ratio may be taken per sequence (TRL's importance_sampling_level="sequence")
-SEQUENCE_RATIO_LOSSES = ("vanilla", "ppo_clip", "cispo", "sapo", "luspo")
+# losses whose ratio may be taken per sequence (TRL's importance_sampling_level="sequence"; VESPO's own
+# weight is per sequence anyway, there the level sets the ratio of a bias-corrected KL, as in TRL)
+SEQUENCE_RATIO_LOSSES = ("vanilla", "ppo_clip", "cispo", "sapo", "luspo", "vespo")
 # losses whose selection is batch-global (a host sync, as in verl; no split batches)
 COVARIANCE_LOSSES = ("clip_cov", "kl_cov")
 IS_MODES = ("truncate", "mask")
@@ -549,14 +550,20 @@ class PolicyLossConfig:
             dro_beta=get(policy, "dro_beta", None),
             rollout_correction=rollout_correction,
         )
+        for key in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
+                    "topr_negative_ratio_lower", "topr_negative_ratio_upper"):
+            if get(policy, key, None) is not None:  # verl's None means its default, which is ours
+                kw[key] = get(policy, key)
         if get(actor, "use_kl_loss", False):
             kl_type = get(actor, "kl_loss_type", "low_var_kl")
             if kl_type not in KL_TYPES:
                 raise ValueError(f"actor.kl_loss_type: {kl_type!r} is not computed by rlkernels; supported: "
                                  f"{KL_TYPES}")
             kw.update(kl_coef=float(get(actor, "kl_loss_coef", 0.001)), kl_type=kl_type)
-        verl_names = {"loss_type": "actor.policy_loss.loss_mode", "dro_beta": "actor.policy_loss.dro_beta",
-                      "kl_coef": "actor.kl_loss_coef"}
+        verl_names = {"loss_type": "actor.policy_loss.loss_mode", "kl_coef": "actor.kl_loss_coef"}
+        verl_names.update({k: f"actor.policy_loss.{k}" for k in kw if k in (
+            "dro_beta", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
+            "topr_negative_ratio_lower", "topr_negative_ratio_upper")})
         try:
             return cls(**kw).with_overrides(**overrides)
         except (TypeError, ValueError) as exc:  # name verl's option, not this class's field
@@ -564,6 +571,84 @@ class PolicyLossConfig:
             field_name = message.split(":", 1)[0]
             if field_name in kw and field_name not in overrides:
                 message = verl_names.get(field_name, f"actor.{field_name}") + message[len(field_name):]
+            raise type(exc)(message) from None
+
+    # TRL 1.16 loss_type -> (policy loss, aggregation, sequence means over every sequence)
+    _TRL_LOSSES = {
+        "grpo": ("vanilla", "seq-mean-token-mean", True), "sapo": ("sapo", "seq-mean-token-mean", True),
+        "bnpo": ("vanilla", "token-mean", False), "dapo": ("vanilla", "token-mean", False),
+        "dr_grpo": ("vanilla", "seq-mean-token-sum-norm", True), "cispo": ("cispo", "token-mean", False),
+        "vespo": ("vespo", "token-mean", False), "luspo": ("luspo", "seq-mean-token-sum", True),
+    }
+
+    @classmethod
+    def from_trl(cls, args, **overrides) -> "PolicyLossConfig":
+        """Build from a TRL 1.16 ``GRPOConfig`` (or its dict): ``loss_type`` (its loss and aggregation:
+        grpo / sapo = seq-mean-token-mean and dr_grpo = token sums / (B x max_completion_length), both
+        over every sequence; bnpo / dapo / cispo / vespo = token-mean, over this batch's tokens unless
+        ``global_num_tokens`` carries TRL's ``num_items_in_batch``; luspo its own), ``epsilon`` /
+        ``epsilon_high`` (CISPO's absolute cap), ``delta`` (= dual clip c), ``importance_sampling_level``,
+        ``beta`` (the unclamped k3, ``use_bias_correction_kl``), ``off_policy_mask_threshold``, the SAPO
+        and VESPO parameters, ``entropy_coef`` (a token mean, as TRL's bonus) and, with ``use_vllm`` and
+        ``vllm_importance_sampling_correction``, the sampler correction (`RolloutCorrection.from_trl`).
+        TRL exponentiates log-ratios unclamped (log_ratio_clamp=None). Errors name TRL's option."""
+
+        def get(key, default=None):
+            if isinstance(args, dict) or hasattr(args, "keys"):
+                return args.get(key, default)
+            return getattr(args, key, default)
+
+        trl_loss = get("loss_type", "dapo")
+        if trl_loss not in cls._TRL_LOSSES:
+            raise ValueError(f"loss_type: TRL's {trl_loss!r} is not computed by rlkernels; supported: "
+                             f"{tuple(cls._TRL_LOSSES)}")
+        loss_type, agg, over_all = cls._TRL_LOSSES[trl_loss]
+        for key, unsupported in (("top_entropy_quantile", lambda v: v is not None and v < 1.0),
+                                 ("use_adaptive_entropy", bool)):
+            if unsupported(get(key)):
+                raise ValueError(f"{key}: {get(key)!r} is not supported by PolicyLossConfig.from_trl (TRL's "
+                                 "trainer state decides it per step); compute it in the trainer")
+        eps_lo = get("epsilon", 0.2)
+        eps_hi = get("epsilon_high", None)
+        eps_hi = eps_lo if eps_hi is None else eps_hi
+        delta = get("delta", None)
+        ppo_clip = loss_type in ("vanilla", "luspo")
+        if delta is not None and ppo_clip and delta <= 1 + eps_hi:
+            raise ValueError(f"delta: expected > 1 + epsilon_high = {1 + eps_hi} (TRL's two-sided clip then equals "
+                             f"the dual clip c = delta), got {delta!r}")
+        level = get("importance_sampling_level", "token")
+        kw = dict(
+            loss_type=loss_type, loss_agg_mode=agg, seq_mean_over="all" if over_all else "nonempty",
+            clip_ratio_low=eps_lo, clip_ratio_high=eps_hi if loss_type != "cispo" else 0.2,
+            clip_ratio_c=delta if ppo_clip else None,
+            cispo_cap=eps_hi if loss_type == "cispo" else None,
+            ratio_level=level if loss_type in SEQUENCE_RATIO_LOSSES else "token", log_ratio_clamp=None,
+            kl_coef=float(get("beta", 0.0)), kl_type="k3_unclamped",
+            kl_bias_correction=bool(get("use_bias_correction_kl", False)),
+            off_policy_mask_threshold=get("off_policy_mask_threshold", None),
+            tau_pos=get("sapo_temperature_pos", 1.0), tau_neg=get("sapo_temperature_neg", 1.05),
+            vespo_k_pos=get("vespo_k_pos", 2.0), vespo_lambda_pos=get("vespo_lambda_pos", 3.0),
+            vespo_k_neg=get("vespo_k_neg", 3.0), vespo_lambda_neg=get("vespo_lambda_neg", 2.0),
+            entropy_coeff=float(get("entropy_coef", 0.0) or 0.0), entropy_agg_mode="token-mean",
+            temperature=get("temperature", 1.0),
+        )
+        if trl_loss == "dr_grpo":
+            kw["loss_scale_factor"] = get("max_completion_length", None)
+        if get("use_vllm", False) and get("vllm_importance_sampling_correction", True):
+            kw["rollout_correction"] = RolloutCorrection.from_trl(
+                get("vllm_importance_sampling_mode", "sequence_mask"), get("vllm_importance_sampling_clip_min"),
+                get("vllm_importance_sampling_clip_max", 3.0))
+        trl_names = {"clip_ratio_low": "epsilon", "clip_ratio_high": "epsilon_high", "clip_ratio_c": "delta",
+                     "cispo_cap": "epsilon_high", "kl_coef": "beta", "tau_pos": "sapo_temperature_pos",
+                     "tau_neg": "sapo_temperature_neg", "loss_scale_factor": "max_completion_length",
+                     "ratio_level": "importance_sampling_level", "entropy_coeff": "entropy_coef"}
+        try:
+            return cls(**kw).with_overrides(**overrides)
+        except (TypeError, ValueError) as exc:  # name TRL's option, not this class's field
+            message = str(exc)
+            field_name = message.split(":", 1)[0]
+            if field_name in kw and field_name not in overrides:
+                message = trl_names.get(field_name, field_name) + message[len(field_name):]
             raise type(exc)(message) from None
 
     def with_overrides(self, **overrides) -> "PolicyLossConfig":

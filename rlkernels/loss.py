@@ -163,7 +163,10 @@ def _covariance_selection(loss_type: str, lp: torch.Tensor, A: torch.Tensor, mas
     if n == 0:
         return chosen
     m = mask.to(lp.dtype)
-    cov = (A - (A * m).sum() / n) * (lp - (lp * m).sum() / n)
+    # Clip-Cov's means divide by n + 1e-8 (verl's masked_mean), KL-Cov's by n (a plain mean), as verl's:
+    # at a threshold of 0 the difference decides whether a one-token batch's covariance is 0 or 4e-16
+    count = n + 1e-8 if loss_type == "clip_cov" else n
+    cov = (A - (A * m).sum() / count) * (lp - (lp * m).sum() / count)
     if loss_type == "clip_cov":
         idx = torch.nonzero(candidates & mask & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)).flatten()
         if idx.numel():
@@ -236,7 +239,6 @@ def sequence_stage(
     behaviour = roll if roll is not None else l_old  # the sampler's log-probs where known
 
     loss_type = config.loss_type
-    _check_split(config, split)
     delta_pg_raw = lp - l_old
     sequence_ratio = config.ratio_level == "sequence" or loss_type in ("gspo", "topr")
     # per-sequence sums over the tokens of the final mask, combined across a context-parallel split
@@ -451,12 +453,12 @@ def _bias_corrected_kl(kl, dkl, lp, ref, r, log_r, within_clamp, config: PolicyL
     return value, dkl * r + torch.where(within_clamp, value, torch.zeros_like(value))
 
 
-def _check_split(config: PolicyLossConfig, split: BatchSplit) -> None:
+def check_split_options(config: PolicyLossConfig, dp_group, cp_group) -> None:
     """Options whose batch-global selection or per-sequence chain rule has no split form yet."""
-    if split.cp_group is not None and config.ratio_level == "sequence":
+    if cp_group is not None and config.ratio_level == "sequence":
         raise ValueError("ratio_level: 'sequence' is not supported with cp_group (its gradient needs a second "
                          "combine of per-sequence sums); use the token level or no context parallelism")
-    if split.combines_metrics:
+    if dp_group is not None or cp_group is not None:
         for name, on in (("loss_type", config.loss_type in COVARIANCE_LOSSES),
                          ("m2po_threshold", config.m2po_threshold is not None)):
             if on:

@@ -78,6 +78,12 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
     # (fp32 for half logits). Losses and metrics scale atol by max(1, |expected|).
     ("value", F64): Tol(1e-9, 1e-10, _F64_ORDER),
     ("value", F32): Tol(2e-5, 1e-5, _F32_CLAMPED),
+    ("trl", F64): Tol(1e-9, 1e-9, "TRL's _compute_loss vs rlkernels in float64: the same formulas summed in another "
+                                  "order (TRL has no epsilon in a denominator); atol scales by the sum of the terms' "
+                                  "magnitudes, in which terms of both signs cancel"),
+    ("trl.sapo", F64): Tol(1e-6, 1e-6, "TRL builds SAPO's temperatures with torch.where(A > 0, tau_pos, tau_neg) "
+                                       "of two Python floats: a float32 tensor, so tau_neg = 1.05 carries a "
+                                       "relative 2^-24 ~ 6e-8 error that the gate and 4 / tau amplify a few times"),
     # "dlogits": d loss / d logits in the logits dtype; atol scales by max(1e-3, max |expected|).
     ("dlogits", F64): Tol(1e-9, 1e-10, _F64_ORDER),
     ("dlogits", F32): Tol(2e-5, 1e-5, _F32_CLAMPED),

@@ -69,8 +69,15 @@ def _zigzag(lengths, cp):
 
 def _random_config(rng, mode, dtype, cp=1):
     from rlkernels import PolicyLossConfig, RolloutCorrection
-    from rlkernels.config import (COVARIANCE_LOSSES, IS_LEVELS, KL_TYPES, LOSS_AGG_MODES, LOSS_TYPES, RS_OPTIONS,
-                                  SEQUENCE_RATIO_LOSSES)
+    from rlkernels.config import (
+        COVARIANCE_LOSSES,
+        IS_LEVELS,
+        KL_TYPES,
+        LOSS_AGG_MODES,
+        LOSS_TYPES,
+        RS_OPTIONS,
+        SEQUENCE_RATIO_LOSSES,
+    )
 
     rc = None
     if mode != "on-policy":
@@ -341,6 +348,13 @@ def _check_errors(rank, world):
     config = PolicyLossConfig(backend="torch")
     with pytest.raises(ValueError, match="cu_seqlens.*all ranks of cp_group"):
         rlkernels.decoupled_ppo_loss(*args, cu_seqlens=batch.cu_seqlens, cp_group=group, config=config)
+    # batch-global selections and the sequence ratio's second combine: refused, naming the option
+    for option, match in ((dict(loss_type="clip_cov"), "loss_type: 'clip_cov' selects tokens over the whole batch"),
+                          (dict(m2po_threshold=0.04), "m2po_threshold: 0.04 selects tokens over the whole batch"),
+                          (dict(ratio_level="sequence"), "ratio_level: 'sequence' is not supported with cp_group")):
+        with pytest.raises(ValueError, match=match):
+            rlkernels.decoupled_ppo_loss(*args, cu_seqlens=batch.cu_seqlens, cp_group=group,
+                                         config=config.with_overrides(**option))
     with pytest.raises(ValueError, match="token_index: expected global positions"):
         rlkernels.decoupled_ppo_loss(*args, cu_seqlens=batch.cu_seqlens, cp_group=group, config=config,
                                      token_index=rows + 6)  # positions 6..13 of 9: out of range on both ranks

@@ -107,7 +107,8 @@ def _covariance_selection(loss_type, lp, A, mask, candidates, config):
     n = int(mask.sum())
     if n == 0:
         return chosen
-    cov = (A - A[mask].mean()) * (lp - lp[mask].mean())
+    count = n + 1e-8 if loss_type == "clip_cov" else n  # verl's masked_mean for Clip-Cov, a plain mean for KL-Cov
+    cov = (A - A[mask].sum() / count) * (lp - lp[mask].sum() / count)
     if loss_type == "clip_cov":
         idx = torch.nonzero(candidates & mask & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)).flatten()
         if len(idx):

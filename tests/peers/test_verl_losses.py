@@ -144,9 +144,14 @@ def test_from_verl_actor_maps_kl_and_names_verls_options():
         0.25, 0.25, 0.02, "k2", 0.01)
     bypass = {"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce"}}}
     assert PolicyLossConfig.from_verl_actor(bypass).loss_type == "reinforce"
-    with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode: 'clip_cov' is not computed by rlkernels"):
-        PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "clip_cov"}})
-    with pytest.raises(ValueError, match=r"actor.kl_loss_type: 'full' is not computed"):
+    with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode: 'rloo' is not computed by rlkernels"):
+        PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "rloo"}})
+    with pytest.raises(ValueError, match=r"actor.policy_loss.clip_cov_ratio: expected a finite number > 0"):
+        PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "clip_cov", "clip_cov_ratio": 0.0}})
+    cov = PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.01,
+                                                            "ppo_kl_coef": 0.5, "clip_cov_lb": None}})
+    assert (cov.loss_type, cov.kl_cov_ratio, cov.ppo_kl_coef, cov.clip_cov_lb) == ("kl_cov", 0.01, 0.5, 1.0)
+    with pytest.raises(ValueError, match=r"actor.kl_loss_type: 'full' is not computed"):  # needs the vocabulary
         PolicyLossConfig.from_verl_actor({"use_kl_loss": True, "kl_loss_type": "full"})
     with pytest.raises(ValueError, match=r"actor.policy_loss.dro_beta: expected a number > 0"):
         PolicyLossConfig.from_verl_actor({"policy_loss": {"loss_mode": "dro"}})
@@ -174,3 +179,41 @@ def test_kl_penalty_matches_verl(kl_type, batch):
     assert_close(out.metrics["actor/kl_loss"], want.detach(), **tol("verl", torch.float64, scale=scale), name="kl")
     assert_close(grad, want_grad, **tol("verl", torch.float64, scale=max(1.0, float(want_grad.abs().max()))),
                  name="d kl / d logprobs")
+
+
+COV_PARAMS = dict(clip_cov_ratio=0.3, clip_cov_lb=0.0, clip_cov_ub=3.0, kl_cov_ratio=0.3, ppo_kl_coef=0.7)
+
+
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
+@settings(max_examples=scaled(40))
+@given(batch=batches(), agg=st.sampled_from(AGG_MODES), weighted=st.booleans(), seed=st.integers(0, 2**16))
+def test_covariance_losses_match_verl_under_the_same_seed(loss, batch, agg, weighted, seed):
+    """Clip-Cov draws its tokens with torch.randperm on the default generator, as verl's does: seeded
+    alike, both pick the same tokens. KL-Cov's top-k is deterministic. Spread <= 2: verl does not clamp
+    the log-ratio of these two losses and neither does rlkernels (docs/spec.md)."""
+    lp, old, adv, mask = batch
+    lp = old + (lp - old).clamp(-2, 2)
+    weights = (0.25 + torch.rand(lp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+               if weighted else None)
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
+                        clip_ratio_high=0.28, loss_agg_mode=agg,
+                        policy_loss=VerlPolicyLossConfig(loss_mode=loss, **COV_PARAMS))
+    if not mask.any():
+        return  # verl divides 0 by 0 (see test_policy_loss_matches_verl)
+    leaf = lp.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    want, want_metrics = core_algos.get_policy_loss_fn(loss)(old, leaf, adv, mask.double(), agg, actor, weights)
+    (want_grad,) = torch.autograd.grad(want, leaf)
+    config = PolicyLossConfig.from_verl_actor(actor)
+    assert (config.loss_type, config.clip_cov_ratio, config.ppo_kl_coef) == (loss, 0.3, 0.7)
+    mine = lp.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    out = rlkernels.policy_loss(mine, adv, mask, old_logprobs=old, config=config, is_weights=weights)
+    (grad,) = torch.autograd.grad(out.loss, mine)
+    terms = (adv.abs() * (torch.exp(lp - old) + 2) + (lp - old).abs()) * (1 if weights is None else weights)
+    scale = max(1.0, float(terms[mask].sum()))
+    assert_close(out.loss.detach(), want.detach(), **tol("verl", torch.float64, scale=scale), name=f"{loss} loss")
+    assert_close(grad, want_grad, **tol("verl", torch.float64, scale=scale), name=f"{loss} gradient")
+    for name, value in want_metrics.items():
+        got = float(out.metrics[name])
+        assert abs(got - value) <= 2e-8 * max(1.0, abs(value)), f"{loss} {name}: {got} vs verl {value}"
