@@ -10,12 +10,13 @@ It runs in the stage's three steps, each ending where a split batch must communi
   3. `weights` and `record_metrics` with those global normalisers.
 """
 
+import math
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .config import RolloutCorrection
-from .metrics import Metrics, std
+from .metrics import Metrics, sample_std, std
 from .segments import Segments, SequenceTable, hyper, log_hyper
 
 CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp
@@ -69,7 +70,10 @@ def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
         if kind not in k_stats:
             k_stats[kind] = torch.where(mask, _k_stat(kind, delta_hat), torch.zeros_like(delta))
         if option.startswith("token_"):
-            keep = keep & _keeps(kind, k_stats[kind], bound)
+            option_keep = _keeps(kind, k_stats[kind], bound)
+            keep = keep & option_keep
+            table.add_sum(kind, k_stats[kind])  # the per-sequence means of the option's metrics
+            table.add_sum(f"rejected_{option}", (mask & ~option_keep).to(delta.dtype))
         elif option.startswith("seq_max_"):
             table.add_max(kind, k_stats[kind])
         else:
@@ -77,9 +81,10 @@ def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
     if rc is not None and rc.rs:
         table.add_sum("kept", keep.to(delta.dtype))
     if rc is not None and rc.is_level == "token":
-        token_weights = _truncate(torch.exp(delta_hat), mask, rc)
-        if rc.is_batch_normalize:
-            table.add_sum("weights", token_weights)
+        raw = torch.exp(delta_hat)
+        token_weights = _truncate(raw, mask, rc)
+        table.add_sum("weights", token_weights)  # batch normalisation and the rollout_is_seq_* metrics
+        table.add_sum("raw_weights", torch.where(mask, raw, torch.zeros_like(raw)))
     return TokenTerms(train, rollout, delta, k_stats, keep, token_weights)
 
 
@@ -89,6 +94,8 @@ class Option(NamedTuple):
     values: torch.Tensor  # [N] token statistics, or [S] sequence statistics
     per_sequence: bool
     keep: torch.Tensor  # [N] bool, the tokens this option keeps
+    bounds: Tuple[float, float]  # the kept range of the statistic (k1: -log hi <= k1 <= -log lo; else 0 <= stat <= u)
+    seq_keep: Optional[torch.Tensor] = None  # [S] bool, sequence options: the sequences kept
 
 
 class Decisions(NamedTuple):
@@ -117,9 +124,11 @@ def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable
     options, keep_seq = [], torch.ones_like(lengths, dtype=torch.bool)
     for option, bound in rc.rs:
         kind = option[-2:]
+        stat_bounds = (-math.log(bound[1]), -math.log(bound[0]) if bound[0] > 0 else math.inf) if kind == "k1" \
+            else (0.0, bound)
         if option.startswith("token_"):
             stat = terms.k_stats[kind]
-            options.append(Option(option, stat, False, _keeps(kind, stat, bound) | ~mask))
+            options.append(Option(option, stat, False, _keeps(kind, stat, bound) | ~mask, stat_bounds))
             continue
         if option.startswith("seq_sum_"):
             values = table.sum(kind)
@@ -129,7 +138,7 @@ def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable
             values = table.max(kind)
         keep = _keeps(kind, values, bound)
         keep_seq = keep_seq & keep
-        options.append(Option(option, values, True, seg.expand(keep)))
+        options.append(Option(option, values, True, seg.expand(keep), stat_bounds, keep))
     if not rc.rs:
         return Decisions(truncated, seq_weights, log_ratio, mask, lengths, [])
     final_mask = terms.token_keep & seg.expand(keep_seq)
@@ -201,6 +210,7 @@ def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, tabl
         metrics.extreme(f"{prefix}_max", option.values, valid, n, largest=True)
         metrics.extreme(f"{prefix}_min", option.values, valid, n, largest=False)
         metrics.mean(f"{prefix}_masked_fraction", (~option.keep).to(dt), mask, n_tok)
+        _option_spread(metrics, prefix, option, valid, n, nonempty, n_seq, lengths, table, dt)
     if decisions.options:
         metrics.mean("rollout_corr/rollout_rs_masked_fraction", (mask & ~decisions.mask).to(dt), mask, n_tok)
         seq_rejected = (decisions.final_lengths < lengths).to(dt)
@@ -253,6 +263,56 @@ def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, tabl
     metrics.derive(name("rollout_is_eff_sample_size"), _effective_sample_size, "_is_x")
     if rc.is_batch_normalize:
         metrics.derive(name("rollout_is_batch_norm_factor"), lambda: weights.norm_factor)
+    if rc.is_icepop:  # the weights IcePop zeroes (verl's rollout_is_oob_ratio)
+        lo_m, hi_m = rc.is_range
+        outside = (log_ratio < log_hyper(log_ratio, lo_m)) | (log_ratio > log_hyper(log_ratio, hi_m))
+        metrics.mean(name("rollout_is_oob_ratio"), outside.to(dt), valid, n, per_sequence)
+    # each sequence's mean weight (verl's rollout_is_seq_*); its raw (untruncated) mean against the bounds
+    if per_sequence:
+        seq_w, seq_raw = decisions.sequence_weights, torch.exp(log_ratio)
+    else:
+        seq_w = table.sum("weights") / lengths.clamp_min(1)
+        seq_raw = table.sum("raw_weights") / lengths.clamp_min(1)
+    _sequence_spread(metrics, name("rollout_is_seq"), seq_w, nonempty, n_seq, centre=1.0)
+    metrics.mean(name("rollout_is_seq_fraction_high"), (seq_raw > hyper(seq_raw, hi)).to(dt), nonempty, n_seq, True)
+    metrics.mean(name("rollout_is_seq_fraction_low"), (seq_raw < hyper(seq_raw, lo)).to(dt), nonempty, n_seq, True)
+
+
+def _sequence_spread(metrics: Metrics, prefix: str, values: torch.Tensor, valid: torch.Tensor, n: torch.Tensor,
+                     centre: float) -> None:
+    """{prefix}_mean|std|max|min|max_deviation of one value per sequence over `valid` sequences
+    (std with Bessel's correction, |value - centre| for the deviation), as verl's *_seq_* metrics."""
+    metrics.mean(f"{prefix}_mean", values, valid, n, True)
+    metrics.moments(f"_{prefix}_moments", values, valid, per_sequence=True)
+    metrics.derive(f"{prefix}_std", sample_std, f"_{prefix}_moments")
+    metrics.extreme(f"{prefix}_max", values, valid, n, largest=True)
+    metrics.extreme(f"{prefix}_min", values, valid, n, largest=False)
+    metrics.extreme(f"{prefix}_max_deviation", (values - centre).abs(), valid, n, largest=True)
+
+
+def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, nonempty, n_seq, lengths,
+                   table: SequenceTable, dt) -> None:
+    """verl's further per-option metrics: fractions beyond the kept range, the spread of the statistic
+    clamped to it, and the same over each sequence's value (the sequence statistic, or the mean of a
+    token statistic over the sequence)."""
+    lo, hi = option.bounds
+    k1 = option.name.endswith("k1")
+    values = option.values
+    metrics.mean(f"{prefix}_fraction_high", (values > hyper(values, hi)).to(dt), valid, n, option.per_sequence)
+    low = (values < hyper(values, lo)) if k1 else torch.zeros_like(values, dtype=torch.bool)
+    metrics.mean(f"{prefix}_fraction_low", low.to(dt), valid, n, option.per_sequence)
+    clamped = torch.minimum(torch.maximum(values, hyper(values, lo)), hyper(values, hi))
+    metrics.moments(f"_{prefix}_clamped", clamped, valid, option.per_sequence)
+    metrics.derive(f"{prefix}_std", std, f"_{prefix}_clamped")
+    kind = option.name[-2:]
+    seq_values = values if option.per_sequence else table.sum(kind) / lengths.clamp_min(1)
+    _sequence_spread(metrics, f"{prefix}_seq", seq_values, nonempty, n_seq, centre=0.0)
+    metrics.mean(f"{prefix}_seq_fraction_high", (seq_values > hyper(seq_values, hi)).to(dt), nonempty, n_seq, True)
+    if k1:
+        metrics.mean(f"{prefix}_seq_fraction_low", (seq_values < hyper(seq_values, lo)).to(dt), nonempty, n_seq,
+                     True)
+    rejected = ~option.seq_keep if option.per_sequence else table.sum(f"rejected_{option.name}") > 0
+    metrics.mean(f"{prefix}_seq_masked_fraction", rejected.to(dt), nonempty, n_seq, True)
 
 
 def _effective_sample_size(moments: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ the result on a split batch equal to the result on the whole batch:
                                           when the global set is empty
     lse      (per sequence)               log sum exp of a set, for means of exp (perplexities);
                                           combined by logsumexp, then exp(lse - log n)
-    moments  (per token)                  (count, mean, M2) of one rank's values; combined with Chan's
+    moments  (per token or per sequence)  (count, mean, M2) of one rank's values; combined with Chan's
                                           pairwise formula, so a variance is never E[x^2] - E[x]^2
 
 Without a split nothing is combined or packed: every metric is finished from its own value (which
@@ -25,9 +25,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 # kinds, in packing order; each occupies one slot per record except MOMENTS (three)
-SUM_TOKEN, SUM_SEQ, MAX, MIN, LSE_SEQ, MOMENTS = range(6)
-KINDS = (SUM_TOKEN, SUM_SEQ, MAX, MIN, LSE_SEQ, MOMENTS)
-SLOTS = {kind: 3 if kind == MOMENTS else 1 for kind in KINDS}
+SUM_TOKEN, SUM_SEQ, MAX, MIN, LSE_SEQ, MOMENTS, MOMENTS_SEQ = range(7)
+KINDS = (SUM_TOKEN, SUM_SEQ, MAX, MIN, LSE_SEQ, MOMENTS, MOMENTS_SEQ)
+SLOTS = {kind: 3 if kind in (MOMENTS, MOMENTS_SEQ) else 1 for kind in KINDS}
 
 
 class Metrics:
@@ -72,12 +72,12 @@ class Metrics:
         lse = torch.logsumexp(torch.where(valid, a, torch.full_like(a, float("-inf"))), dim=0)
         self._add(name, LSE_SEQ, lse, lambda v: torch.exp(v - torch.log(n.clamp_min(1).to(v.dtype))))
 
-    def moments(self, name: str, x: torch.Tensor, valid: torch.Tensor) -> None:
-        """(count, mean, M2) of x over this rank's `valid` tokens, for a variance (`std`)."""
+    def moments(self, name: str, x: torch.Tensor, valid: torch.Tensor, per_sequence: bool = False) -> None:
+        """(count, mean, M2) of x over this rank's `valid` tokens (or sequences), for a variance (`std`)."""
         count = valid.sum().to(x.dtype)
         mean = torch.where(valid, x / count.clamp_min(1), torch.zeros_like(x)).sum()
         m2 = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x)).sum()
-        self._add(name, MOMENTS, torch.stack([count, mean, m2]))
+        self._add(name, MOMENTS_SEQ if per_sequence else MOMENTS, torch.stack([count, mean, m2]))
 
     def derive(self, name: str, fn: Callable, *inputs: str) -> None:
         """A metric computed from combined records (by name) after the combine."""
@@ -104,6 +104,12 @@ class Metrics:
 def std(moments: torch.Tensor) -> torch.Tensor:
     count, _, m2 = moments.unbind()
     return torch.sqrt(m2 / count.clamp_min(1))
+
+
+def sample_std(moments: torch.Tensor) -> torch.Tensor:
+    """With Bessel's correction (torch.std's default); 0 for fewer than two values."""
+    count, _, m2 = moments.unbind()
+    return torch.where(count > 1, torch.sqrt(m2 / (count - 1).clamp_min(1)), torch.zeros_like(m2))
 
 
 def combine_moments(parts: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .metrics import LSE_SEQ, MAX, MIN, MOMENTS, SUM_SEQ, SUM_TOKEN, combine_moments
+from .metrics import LSE_SEQ, MAX, MIN, MOMENTS, MOMENTS_SEQ, SUM_SEQ, SUM_TOKEN, combine_moments
 from .segments import Segments, longest
 
 _REASON = "rlkernels: dp_group / cp_group run torch.distributed collectives outside the compiled graph"
@@ -54,7 +54,9 @@ def _combine_metrics(gathered: torch.Tensor, slots: Dict[int, int], within_conte
             out.append(part.amax(0))
         elif kind == MIN:
             out.append(part.amin(0))
-        elif kind == MOMENTS:
+        elif kind == MOMENTS_SEQ and within_context:
+            out.append(part[0])
+        elif kind in (MOMENTS, MOMENTS_SEQ):
             out.append(combine_moments(part.reshape(part.shape[0], -1, 3)).reshape(-1))
     return torch.cat(out)
 

@@ -18,6 +18,15 @@ def _log(x):
     return math.log(x) if x > 0 else -math.inf
 
 
+def _spread(prefix, values, centre, device):
+    """{prefix}_mean|std|max|min|max_deviation of one value per sequence (std with Bessel's correction)."""
+    if not values:
+        return {f"{prefix}_{k}": _zero(device) for k in ("mean", "std", "max", "min", "max_deviation")}
+    x = torch.stack(values)
+    return {f"{prefix}_mean": x.mean(), f"{prefix}_std": x.std() if len(values) > 1 else _zero(device),
+            f"{prefix}_max": x.max(), f"{prefix}_min": x.min(), f"{prefix}_max_deviation": (x - centre).abs().max()}
+
+
 def _zero(device):
     return torch.zeros((), dtype=torch.float64, device=device)
 
@@ -99,9 +108,19 @@ def rejection(delta, mask, seqs, rc):
                     values.append(s)
             values = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=delta.device)
         option_keep = keep & mask
+        # each non-empty sequence's value: the sequence statistic, or the mean of the token statistic
+        seq_values = [k[idx][mask[idx]].mean() if option.startswith("token_") else None
+                      for idx in seqs if mask[idx].any()]
+        if not option.startswith("token_"):
+            seq_values = list(values)
+        rejected = [(mask[idx] & ~keep[idx]).any() for idx in seqs if mask[idx].any()]
         info[option] = {
             "values": values,
             "masked_fraction": masked_mean((mask & ~option_keep).double(), mask),
+            "seq_values": seq_values,
+            "seq_rejected": rejected,
+            # the kept range of the statistic: k1 keeps lo <= rho <= hi, i.e. -log hi <= k1 <= -log lo
+            "bounds": (-_log(bound[1]), -_log(bound[0])) if kind == "k1" else (0.0, bound),
         }
         keep_all = keep_all & keep
     return keep_all, info
@@ -172,6 +191,25 @@ def diagnostics(
             out["rollout_is_eff_sample_size"] = _zero(device)
         if rc.is_batch_normalize:
             out["rollout_is_batch_norm_factor"] = norm_factor
+        nonempty = [idx for idx in seqs if mask[idx].any()]
+        if rc.is_level == "token":
+            raw_seq = [torch.exp(delta_hat[idx][mask[idx]]).mean() for idx in nonempty]
+            log_raw = delta_hat
+        else:
+            raw_seq = [torch.exp(delta[idx][mask[idx]].sum().clamp(-CLAMP, CLAMP)) for idx in nonempty]
+            log_raw = None
+        if rc.is_icepop:
+            lo_m, hi_m = rc.is_range
+            if log_raw is not None:
+                out["rollout_is_oob_ratio"] = masked_mean(((log_raw < _log(lo_m)) | (log_raw > _log(hi_m))).double(),
+                                                          mask)
+            else:
+                out["rollout_is_oob_ratio"] = mean_or_zero(
+                    [((torch.log(r) < _log(lo_m)) | (torch.log(r) > _log(hi_m))).double() for r in raw_seq], device)
+        seq_w = [w[idx][mask[idx]].mean() for idx in nonempty]
+        out.update(_spread("rollout_is_seq", seq_w, 1.0, device))
+        out["rollout_is_seq_fraction_high"] = mean_or_zero([(r > hi).double() for r in raw_seq], device)
+        out["rollout_is_seq_fraction_low"] = mean_or_zero([(r < lo).double() for r in raw_seq], device)
 
     if rc is not None and rc.rs:
         out["rollout_rs_masked_fraction"] = masked_mean((mask & ~new_mask).double(), mask)
@@ -183,4 +221,22 @@ def diagnostics(
             out[f"rollout_rs_{option}_max"] = v.max() if v.numel() else _zero(device)
             out[f"rollout_rs_{option}_min"] = v.min() if v.numel() else _zero(device)
             out[f"rollout_rs_{option}_masked_fraction"] = info["masked_fraction"]
+            lo, hi = info["bounds"]
+            k1 = option.endswith("k1")
+            stat = v  # over valid tokens (token options) or non-empty sequences (sequence options)
+            out[f"rollout_rs_{option}_fraction_high"] = (stat > hi).double().mean() if stat.numel() else _zero(device)
+            out[f"rollout_rs_{option}_fraction_low"] = ((stat < lo).double().mean() if (stat.numel() and k1)
+                                                       else _zero(device))
+            clamped = stat.clamp(lo, hi)
+            out[f"rollout_rs_{option}_std"] = (clamped.var(unbiased=False).sqrt() if stat.numel()
+                                              else _zero(device))
+            seq_values = info["seq_values"]
+            out.update(_spread(f"rollout_rs_{option}_seq", seq_values, 0.0, device))
+            out[f"rollout_rs_{option}_seq_fraction_high"] = mean_or_zero([(x > hi).double() for x in seq_values],
+                                                                         device)
+            if k1:
+                out[f"rollout_rs_{option}_seq_fraction_low"] = mean_or_zero(
+                    [(x < lo).double() for x in seq_values], device)
+            out[f"rollout_rs_{option}_seq_masked_fraction"] = mean_or_zero(
+                [r.double() for r in info["seq_rejected"]], device)
     return {f"rollout_corr/{k}": v for k, v in out.items()}
