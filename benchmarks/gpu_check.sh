@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
-# Runs in under 10 minutes (step limits 130 + 120 + 45 + 60 + 75 + 60 + 40 + 60 s = 9.8 min): versions, optional CUDA
-# extension build, GPU tests, Triton kernel tests, the per-sequence stage eager vs compiled (Inductor
-# kernel count, no recompilation over a hyperparameter schedule), the 8192 x 151936 bf16 head-to-head
+# Runs in under 10 minutes (step limits 130 + 120 + 45 + 60 + 30 + 75 + 60 + 30 + 45 s = 9.9 min): versions,
+# optional CUDA extension build, GPU tests, Triton kernel tests, the per-sequence stage eager vs compiled
+# (Inductor kernel count, no recompilation over a hyperparameter schedule; the loss family's options too), the 8192 x 151936 bf16 head-to-head
 # (triton vs cuda vs torch backend vs naive, GB/s vs the bytes model), the fused-linear loss against the
 # GEMM alone, and the quick CUDA suite.
 # Logs and JSON go to $OUT (default benchmarks/results/gpu).
@@ -39,7 +39,11 @@ fi
 
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
 # what a (one-rank, NCCL) dp_group adds to it: packing, merging, two all_gathers, graph breaks
-step stage 60 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json"
+step stage 60 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
+  --case seq_mis+kl+entropy --case geo_rs_token_tis
+# the loss family's options (sequence ratio, bias-corrected k3, OPSM, M2PO's sort) in one compiled stage
+step stage_family 30 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 20 --case family \
+  --json "$OUT/stage-family.json"
 
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
 step headline 75 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
@@ -52,9 +56,9 @@ step linear 60 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 1519
   --providers "naive,rlkernels[logits],rlkernels[linear],liger" --reps 10 --out "$OUT" --tag h200-linear-8192x4096x151936
 
 # the CPU kernels on this machine's host CPU (a second CPU and compiler besides the development VM)
-step cpu_kernels 40 $PY -m benchmarks.cpu --N 2048 --reps 3 --no-contended --json "$OUT/cpu-kernels.json"
+step cpu_kernels 30 $PY -m benchmarks.cpu --N 2048 --reps 3 --no-contended --json "$OUT/cpu-kernels.json"
 
-step quick_suite 60 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
+step quick_suite 45 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
 
 # ---- summary, last
 echo

@@ -36,6 +36,14 @@ CASES = {
         loss_agg_mode="seq-mean-token-mean", validate=False),
     "geo_rs_token_tis": lambda: PolicyLossConfig(
         rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.9, 1.1)), validate=False),
+    # the loss family's sync-free options at once: TRL's sequence-level ratio and bias-corrected k3,
+    # DeepSeek-V3.2's off-policy mask, M2PO's batch sort, TRL's sequence means, token IS with a lower bound
+    "family": lambda: PolicyLossConfig(
+        ratio_level="sequence", log_ratio_clamp=None, kl_coef=0.04, kl_type="k3_unclamped", kl_bias_correction=True,
+        off_policy_mask_threshold=0.3, m2po_threshold=0.04, seq_mean_over="all", entropy_coeff=0.01,
+        entropy_agg_mode="token-mean", loss_agg_mode="seq-mean-token-mean",
+        rollout_correction=RolloutCorrection(is_level="token", is_threshold=(0.5, 3.0), is_mode="truncate"),
+        validate=False),
 }
 
 

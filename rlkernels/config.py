@@ -328,8 +328,22 @@ class PolicyLossConfig:
             (clipped, stop-gradient IS weight on the log-prob), "dro" (quadratic log-ratio penalty),
             "dppo_tv" / "dppo_kl" (DPPO: a trust region on the probability's total-variation / binary-KL
             divergence; clip_ratio_c truncates their stop-gradient ratio, 20 when None),
-            each as verl 0.9.1's registered loss of that name computes it.
+            each as verl 0.9.1's registered loss of that name computes it; "clip_cov" / "kl_cov" (verl's
+            covariance-selected tokens), "topr" (verl PR #6986), "luspo" and "vespo" (TRL's).
         tau_pos, tau_neg: SAPO's gate temperatures for tokens with positive / non-positive advantage.
+        ratio_level: "token" (default) or "sequence" (TRL's importance_sampling_level: the ratio of each
+            sequence's mean log-ratio, for vanilla / cispo / sapo / luspo, and a bias-corrected KL).
+        log_ratio_clamp: the ratio losses exponentiate clamp(log-ratio, +-this) (20, verl); None: unclamped (TRL).
+        cispo_cap: CISPO's weight min(r, cap) (TRL's epsilon_high); None: clip(r, 1 - eps_lo, 1 + eps_hi) (verl).
+        seq_mean_over: "nonempty" (verl) or "all" (TRL): which sequences a sequence mean divides by.
+        entropy_agg_mode: the entropy bonus's aggregation (None: loss_agg_mode; TRL: "token-mean").
+        kl_bias_correction: the KL term times the policy ratio, with its gradient (DeepSeek-V3.2, TRL).
+        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask delta (zero policy term for
+            A < 0 in sequences whose mean rollout-minus-current log-ratio exceeds delta).
+        m2po_threshold, m2po_quadrant: M2PO's second-moment mask (tau, trust-region quadrants only).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight (TRL's defaults).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef: verl's Clip-Cov / KL-Cov.
+        topr_negative_ratio_lower, topr_negative_ratio_upper: TOPR's taper bounds (0, 1).
         dro_beta: DRO's penalty weight beta > 0 (required with loss_type="dro").
         clip_ratio_low, clip_ratio_high: eps_lo, eps_hi of the clip range (1 - eps_lo, 1 + eps_hi).
         clip_ratio_c: dual-clip constant c > 1 (default 3.0), or None to disable dual clip.

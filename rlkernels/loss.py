@@ -332,7 +332,8 @@ def sequence_stage(
         kl_metric = -delta_pg_raw
     elif loss_type == "topr":  # -A sg(tau_i) lp; tau_i = clip(exp(mean log-ratio), lo, hi) if mean A < 0, else 1
         w_seq = torch.exp((table.sum("pg_delta") / lengths).clamp(max=10.0))
-        negative = table.sum("adv") / lengths < 0
+        # a sequence that rejection emptied has no advantage left (verl sees it through response_mask)
+        negative = (table.sum("adv") / lengths < 0) & (decisions.final_lengths > 0)
         lo, hi = hyper(w_seq, config.topr_negative_ratio_lower), hyper(w_seq, config.topr_negative_ratio_upper)
         taper = torch.where(negative, torch.minimum(torch.maximum(w_seq, lo), hi), torch.ones_like(w_seq))
         tau = seg.expand(taper)

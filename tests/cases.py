@@ -86,7 +86,8 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                                        "relative 2^-24 ~ 6e-8 error that the gate and 4 / tau amplify a few times"),
     # "dlogits": d loss / d logits in the logits dtype; atol scales by max(1e-3, max |expected|).
     ("dlogits", F64): Tol(1e-9, 1e-10, _F64_ORDER),
-    ("dlogits", F32): Tol(2e-5, 1e-5, _F32_CLAMPED),
+    ("dlogits", F32): Tol(2e-5, 1e-5, _F32_CLAMPED + "; backends/parity.py floors atol at 2^-23 |c_t| / T, "
+                                                      "the float32 rounding of p_y - 1 in a confident token's label"),
     ("dlogits", BF16): Tol(max(2e-5, HALF_ULP[BF16]), 1e-5,
                            "the fp32 row, then one more rounding to bf16 (half an ulp, 2^-8), which dominates"),
     ("dlogits", F16): Tol(max(2e-5, HALF_ULP[F16]), 1e-5,

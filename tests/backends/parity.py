@@ -50,5 +50,26 @@ def check_against_reference(batch, mode, config, *, backend, device="cpu"):
     g_scale = max(1e-3, float(ref_grad.abs().max())) if ref_grad.numel() else 1.0
     assert grad.dtype == logits.dtype
     grad_tol = tol("dlogits", logits.dtype, scale=g_scale, interpreter=backend == "triton" and interpreted())
+    if stat_dtype == torch.float32:
+        grad_tol["atol"] = max(grad_tol["atol"], _label_column_floor(batch, config, ref_grad))
     assert_close(grad, ref_grad, **grad_tol, name="dlogits")
     return out, expected
+
+
+def _label_column_floor(batch, config, ref_grad) -> float:
+    """The label column's gradient is (c_t / T)(p_y - 1): in float32, p_y - 1 of a confident token (p_y
+    near 1) carries the rounding of p_y (and of the row's log-normaliser), an absolute ~2^-23 that no
+    scale of the gradient's own size covers (the row's entries are all ~|c_t|/T (1 - p_y)). This floor
+    is 2^-23 |c_t| / T at the worst row, with c_t / T recovered from the float64 oracle's label column."""
+    labels = batch.labels.reshape(-1)
+    V = batch.logits.shape[-1]
+    valid = (labels >= 0) & (labels < V)
+    if not valid.any():
+        return 0.0
+    z = batch.logits.double().reshape(-1, V)[valid] / config.temperature
+    p_y = torch.softmax(z, -1).gather(1, labels[valid, None]).squeeze(1)
+    g_y = ref_grad.reshape(-1, V)[valid].gather(1, labels[valid, None]).squeeze(1)
+    finite = torch.isfinite(g_y) & (p_y < 1)
+    if not finite.any():
+        return 0.0
+    return float(2.0**-23 * (g_y[finite] / (p_y[finite] - 1)).abs().max())
