@@ -9,7 +9,7 @@ from typing import Dict, NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import backends, correction, custom_ops, distributed, linear
+from . import backends, correction, custom_ops, distributed, linear, sampler
 from .autograd import CoefficientLossFunction
 from .backends.base import rows_form_one_sequence
 from .config import (
@@ -117,6 +117,21 @@ def _check_per_token(shape, device, **tensors) -> None:
             check_tensor(name, x, kind="mask" if name == "response_mask" else "float", shape=shape, device=device)
 
 
+def _temperature_override(config, overrides):
+    """(temperature, config): a tensor `temperature=` (per token) is taken out of the overrides and
+    stands for the config's float, which must then be left at 1."""
+    temperature = overrides.get("temperature")
+    if isinstance(temperature, torch.Tensor):
+        overrides = {k: v for k, v in overrides.items() if k != "temperature"}
+        config = resolve_config(config, overrides)
+        if config.temperature != 1.0:
+            raise ValueError(f"temperature: given as a tensor while config.temperature={config.temperature}; pass "
+                             "one or the other")
+        return temperature, config
+    config = resolve_config(config, overrides)
+    return config.temperature, config
+
+
 def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_logprobs, is_weights=None,
                 dp_group=None, cp_group=None) -> None:
     check_split_options(config, dp_group, cp_group)
@@ -214,19 +229,25 @@ def _vocab_size(local_vocab: int, device, tp_group, inplace: bool = False) -> in
 
 
 def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows,
-                 tp_group=None):
+                 tp_group=None, support=None):
     """The fused forward as a custom op (or, with tp_group, the vocabulary-parallel function). The
     backend is chosen here, once per call (the one place that reads backend=), and the forward and
-    its backward run that choice by name."""
+    its backward run that choice by name. With a sampling support: the kept set's statistics from
+    the gathered kept logits (sampler.py), no pass over the vocabulary."""
+    if support is not None:
+        rows = _logit_rows(logits, False)
+        return sampler.kept_set_stats(sampler.logits_kept(rows, support), support >= 0,
+                                      sampler.label_slots(support, row_labels), temperature, entropy, sum_pi_squared)
     rows = _logit_rows(logits, inplace)
-    name = backends.select(backend, rows, chunk_rows).name
+    per_row = isinstance(temperature, torch.Tensor)
+    name = backends.select(backend, rows, chunk_rows, per_row_temperature=per_row).name
     if tp_group is not None:
         return distributed.vocab_parallel_token_stats(
             rows, row_labels, float(temperature), entropy, sum_pi_squared, name, chunk_rows, tp_group
         )
     _, _, lp, ent, s2 = custom_ops.token_stats(
-        rows, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared, inplace, name,
-        chunk_rows or 0,
+        rows, row_labels, temperature if per_row else custom_ops.temperature_tensor(temperature), entropy,
+        sum_pi_squared, inplace, name, chunk_rows or 0,
     )
     return lp, ent if entropy else None, s2 if sum_pi_squared else None
 
@@ -271,7 +292,7 @@ def decoupled_ppo_loss(
     ref_logprobs: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
     config: Optional[PolicyLossConfig] = None, ignore_index: int = -100, tp_group=None, dp_group=None,
     cp_group=None, token_index: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
-    **overrides,
+    sampling_support: Optional[torch.Tensor] = None, **overrides,
 ) -> PolicyLossOutput:
     """The policy loss of `config.loss_type` (PPO clip by default) with rollout correction, from logits
     (SPEC §1-§8).
@@ -303,12 +324,15 @@ def decoupled_ppo_loss(
         is_weights: per-token IS weights a trainer computed itself (verl's `rollout_is_weights`),
             detached; they multiply the policy term in every mode, in place of computed ones (the
             config's rollout correction must then have no IS level; its rejection still applies).
+        sampling_support: [..., K] the ids the sampler kept at each position (-1 pads): log-probs and
+            entropy of the softmax renormalised over them (as `token_logprobs`).
+        temperature=: a tensor here (per token, or [B, 1] per sequence) stands for the config's float.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics).
     Raises:
         TypeError / ValueError naming the argument, before any kernel runs (SPEC §11).
     """
-    config = resolve_config(config, overrides)
+    temperature, config = _temperature_override(config, overrides)
     check_logits(logits)
     token_shape = tuple(logits.shape[:-1])
     V = _vocab_size(logits.shape[-1], logits.device, tp_group, config.inplace_backward)
@@ -316,9 +340,11 @@ def decoupled_ppo_loss(
         "logits", token_shape, V, logits.device, labels, advantages, response_mask, old_logprobs,
         rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index, dp_group, cp_group, token_index, is_weights,
     )
+    temperature, support = _sampler_inputs(temperature, sampling_support, token_shape, V, logits.device, flat_labels,
+                                           mask, config.validate, tp_group)
     lp, entropy, _ = _token_stats(
-        logits, _row_labels(flat_labels, mask), config.temperature, config.needs_entropy, False,
-        config.inplace_backward, config.backend, config.chunk_rows, tp_group,
+        logits, _row_labels(flat_labels, mask), temperature, config.needs_entropy, False,
+        config.inplace_backward, config.backend, config.chunk_rows, tp_group, support,
     )
     return _policy_output(
         lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config,
@@ -374,14 +400,19 @@ def policy_loss(
 
 
 def token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0, compute_entropy: bool = False,
-    compute_sum_pi_squared: bool = False, ignore_index: int = -100, backend: str = "auto", validate: bool = True,
-    inplace_backward: bool = False, tp_group=None, dp_group=None, cp_group=None,
+    logits: torch.Tensor, labels: torch.Tensor, *, temperature: Union[float, torch.Tensor] = 1.0,
+    compute_entropy: bool = False, compute_sum_pi_squared: bool = False, ignore_index: int = -100,
+    backend: str = "auto", validate: bool = True, inplace_backward: bool = False, tp_group=None, dp_group=None,
+    cp_group=None, sampling_support: Optional[torch.Tensor] = None,
 ) -> TokenStats:
     """Per-token log-prob of `labels` under softmax(logits / T), with entropy and sum p^2 (SPEC §2).
 
     Args:
         logits: [..., V] float; labels: [...] integer (`ignore_index` rows give 0 and no gradient).
+        temperature: a float, or a tensor broadcastable to the labels' shape (per token; [B, 1] per
+            sequence): the sampler's own temperatures.
+        sampling_support: [..., K] integer ids the sampler kept at each position (top-k / top-p / min-p;
+            -1 pads): the statistics are those of the softmax renormalised over them, at O(K) per row.
         tp_group: vocabulary parallelism, as in `decoupled_ppo_loss`.
         dp_group, cp_group: accepted so that one set of group arguments fits every entry point; per-token
             statistics need nothing from other data- or context-parallel ranks (no collective).
@@ -395,8 +426,11 @@ def token_logprobs(
         token_shape, logits.shape[-1], logits.device, labels, temperature, backend, validate, ignore_index, tp_group,
         dp_group, cp_group, inplace_backward,
     )
+    temperature, support = _sampler_inputs(temperature, sampling_support, token_shape, logits.shape[-1],
+                                           logits.device, labels.reshape(-1).long(), row_labels >= 0, validate,
+                                           tp_group)
     stats = _token_stats(logits, row_labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward,
-                         backend, None, tp_group)
+                         backend, None, tp_group, support)
     return _shaped_stats(stats, token_shape)
 
 
@@ -407,7 +441,8 @@ def _stats_tokens(token_shape, local_vocab, device, labels, temperature, backend
     check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
     _check_group("dp_group", dp_group)  # accepted and unused: per-token statistics combine nothing
     _check_group("cp_group", cp_group)
-    temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
+    if not isinstance(temperature, torch.Tensor):
+        temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     V = _vocab_size(local_vocab, device, tp_group, inplace)
@@ -419,15 +454,68 @@ def _stats_tokens(token_shape, local_vocab, device, labels, temperature, backend
     return temperature, _row_labels(flat_labels, keep)
 
 
+def _sampler_inputs(temperature, sampling_support, token_shape, V, device, flat_labels, keep, validate, tp_group):
+    """The temperature (a float, or a per-token [N] tensor) and the sampler's kept ids ([N, K] int64, or
+    None), checked: types, shapes and devices always; with validate, in one sync, positive finite
+    temperatures, ids in [-1, V), no id twice in a row, and every label in the loss among its row's ids."""
+    per_token = isinstance(temperature, torch.Tensor)
+    if per_token:
+        check_tensor("temperature", temperature, kind="float", device=device)
+        try:
+            temperature = torch.broadcast_to(temperature, token_shape).reshape(-1).detach()
+        except RuntimeError:
+            raise ValueError(f"temperature: expected a float or a tensor broadcastable to the labels' shape "
+                             f"{token_shape} (per token, or [B, 1] per sequence), got shape "
+                             f"{tuple(temperature.shape)}") from None
+    else:
+        temperature = _check_finite_positive("temperature", temperature)
+    support = None
+    if sampling_support is not None:
+        check_tensor("sampling_support", sampling_support, kind="int", device=device)
+        if sampling_support.dim() != len(token_shape) + 1 or tuple(sampling_support.shape[:-1]) != token_shape:
+            raise ValueError(f"sampling_support: expected shape {token_shape + ('K',)} (the labels' shape and K kept "
+                             f"ids, -1 padding), got {tuple(sampling_support.shape)}")
+        support = sampling_support.reshape(-1, sampling_support.shape[-1]).long()
+    if tp_group is not None and (per_token or support is not None):
+        raise ValueError("temperature / sampling_support: a per-token temperature or a kept set is not supported with "
+                         "tp_group yet")
+    if validate and (per_token or support is not None):
+        zero = torch.zeros((), dtype=torch.bool, device=device)
+        bad_t = (~torch.isfinite(temperature) | (temperature <= 0)).any() if per_token else zero
+        bad_id = missing = twice = zero
+        if support is not None and support.numel():
+            bad_id = ((support < -1) | (support >= V)).any()
+            ordered = support.sort(1).values
+            twice = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
+            missing = (keep & ~(support == flat_labels[:, None]).any(1)).any()
+        elif support is not None:
+            missing = keep.any()
+        flags = torch.stack([bad_t, bad_id, twice, missing]).tolist()  # the one sync of these checks
+        for flag, message in zip(flags, (
+                "temperature: expected finite values > 0",
+                f"sampling_support: expected token ids in [0, {V}) or -1 (padding)",
+                "sampling_support: an id appears twice in a row (the kept set is a set)",
+                "sampling_support: a label in the loss is not among its row's kept ids (the sampler cannot have "
+                "drawn it)")):
+            if flag:
+                raise ValueError(message)
+    return temperature, support
+
+
 def _shaped_stats(stats, token_shape) -> TokenStats:
     return TokenStats(*(None if t is None else t.reshape(token_shape) for t in stats))
 
 
 def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, backend, budget,
-                  tp_group=None):
+                  tp_group=None, support=None):
     """The fused-linear forward as a custom op (or, with tp_group, its vocabulary-parallel form); the
-    backend is chosen here, once per call."""
-    name = backends.select(backend, hidden2d).name
+    backend is chosen here, once per call. With a sampling support: only the kept ids' logits, from
+    the K gathered rows of the head (sampler.py), for the rows in the loss."""
+    if support is not None:
+        return _linear_kept_set_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared,
+                                      budget, support)
+    per_row = isinstance(temperature, torch.Tensor)
+    name = backends.select(backend, hidden2d, per_row_temperature=per_row).name
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden2d.dtype, hidden2d.device, budget)
     if tp_group is not None:
         return distributed.vocab_parallel_linear_token_stats(
@@ -435,10 +523,27 @@ def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_
             chunk_rows, tp_group,
         )
     _, _, lp, ent, s2 = linear.linear_token_stats(
-        hidden2d, weight, bias, row_labels, custom_ops.temperature_tensor(temperature), entropy, sum_pi_squared,
-        name, chunk_rows,
+        hidden2d, weight, bias, row_labels, temperature if per_row else custom_ops.temperature_tensor(temperature),
+        entropy, sum_pi_squared, name, chunk_rows,
     )
     return lp, ent if entropy else None, s2 if sum_pi_squared else None
+
+
+def _linear_kept_set_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, budget, support):
+    """The kept-set statistics of the rows in the loss (the others stay 0 and never touch the head)."""
+    N = hidden2d.shape[0]
+    rows = torch.nonzero(row_labels >= 0).squeeze(1)  # a sync, as the fused-linear path's own row selection
+    budget = budget or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden2d.is_cuda else "cpu"]
+    kept = sampler.linear_logits_kept(hidden2d.index_select(0, rows), weight, bias, support.index_select(0, rows),
+                                      budget)
+    t_rows = temperature.index_select(0, rows) if isinstance(temperature, torch.Tensor) else temperature
+    sub = support.index_select(0, rows)
+    stats = sampler.kept_set_stats(kept, sub >= 0, sampler.label_slots(sub, row_labels.index_select(0, rows)),
+                                   t_rows, entropy, sum_pi_squared)
+    acc = backends.statistics_dtype(hidden2d.dtype)
+    full = lambda t: None if t is None else torch.zeros(N, dtype=acc, device=hidden2d.device).index_copy(  # noqa: E731
+        0, rows, t)
+    return tuple(full(t) for t in stats)
 
 
 def linear_decoupled_ppo_loss(
@@ -447,7 +552,7 @@ def linear_decoupled_ppo_loss(
     rollout_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, ignore_index: int = -100,
     tp_group=None, dp_group=None, cp_group=None, token_index: Optional[torch.Tensor] = None,
-    is_weights: Optional[torch.Tensor] = None, **overrides,
+    is_weights: Optional[torch.Tensor] = None, sampling_support: Optional[torch.Tensor] = None, **overrides,
 ) -> PolicyLossOutput:
     """`decoupled_ppo_loss` on logits = hidden @ weight.T + bias, without ever forming [N, V] logits.
 
@@ -469,17 +574,20 @@ def linear_decoupled_ppo_loss(
     Raises:
         TypeError / ValueError naming the argument, before any kernel runs (SPEC §11).
     """
-    config = resolve_config(config, overrides)
+    temperature, config = _temperature_override(config, overrides)
     check_head(hidden, weight, bias)
     token_shape = tuple(hidden.shape[:-1])
+    V = _vocab_size(weight.shape[0], hidden.device, tp_group)
     flat_labels, mask, layout, advantages = _loss_tokens(
-        "hidden", token_shape, _vocab_size(weight.shape[0], hidden.device, tp_group), hidden.device, labels,
+        "hidden", token_shape, V, hidden.device, labels,
         advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
         dp_group, cp_group, token_index, is_weights,
     )
+    temperature, support = _sampler_inputs(temperature, sampling_support, token_shape, V, hidden.device, flat_labels,
+                                           mask, config.validate, tp_group)
     lp, entropy, _ = _linear_stats(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, mask), config.temperature,
-        config.needs_entropy, False, config.backend, config.memory_budget_bytes, tp_group,
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, mask), temperature,
+        config.needs_entropy, False, config.backend, config.memory_budget_bytes, tp_group, support,
     )
     return _policy_output(
         lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config,
@@ -489,16 +597,18 @@ def linear_decoupled_ppo_loss(
 
 def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-    temperature: float = 1.0, compute_entropy: bool = False, compute_sum_pi_squared: bool = False,
-    ignore_index: int = -100, backend: str = "auto", validate: bool = True,
+    temperature: Union[float, torch.Tensor] = 1.0, compute_entropy: bool = False,
+    compute_sum_pi_squared: bool = False, ignore_index: int = -100, backend: str = "auto", validate: bool = True,
     memory_budget_bytes: Optional[int] = None, tp_group=None, dp_group=None, cp_group=None,
+    sampling_support: Optional[torch.Tensor] = None,
 ) -> TokenStats:
     """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
 
     Args:
         hidden: [..., H] float; weight: [V, H]; bias: [V] or None; labels: [...] integer
             (`ignore_index` rows give 0, never touch the head, and get no gradient).
-        tp_group, dp_group, cp_group: as in `token_logprobs`.
+        tp_group, dp_group, cp_group, temperature, sampling_support: as in `token_logprobs` (with a
+            support only the K kept rows of the head are read for each row: no V-wide product).
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
         from logprobs and entropy to hidden, weight and bias. Under torch.no_grad() this is the lean
@@ -511,8 +621,11 @@ def linear_token_logprobs(
         token_shape, weight.shape[0], hidden.device, labels, temperature, backend, validate, ignore_index, tp_group,
         dp_group, cp_group,
     )
+    temperature, support = _sampler_inputs(temperature, sampling_support, token_shape, weight.shape[0],
+                                           hidden.device, labels.reshape(-1).long(), row_labels >= 0, validate,
+                                           tp_group)
     stats = _linear_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, row_labels, temperature,
-                          compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes, tp_group)
+                          compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes, tp_group, support)
     return _shaped_stats(stats, token_shape)
 
 

@@ -9,7 +9,8 @@ logits' version counter and any other user of the old values fails loudly).
 Absent optional outputs (entropy, sum p^2) are returned as empty [0] tensors: custom ops return
 tensors only. The temperature arrives as a 0-d float64 *CPU* tensor: a `float` argument of a custom
 op specialises a compiled graph on its value (a recompilation per temperature), while a CPU scalar
-tensor stays a graph input and is read here without touching the device.
+tensor stays a graph input and is read here without touching the device. A per-token temperature
+arrives as the [N] device tensor of the rows' temperatures.
 """
 
 from typing import Tuple
@@ -23,6 +24,13 @@ from . import backends
 def host_float(t: Tensor) -> float:
     """The value of a 0-d CPU tensor (the temperature): a host read, never a device synchronisation."""
     return float(t)
+
+
+def temperature_value(t: Tensor):
+    """The temperature a backend takes: a float (0-d CPU tensor, read on the host), or the [N] per-row
+    temperatures themselves (a per-token temperature; only the torch backend takes one, see
+    backends.select)."""
+    return host_float(t) if t.dim() == 0 else t
 
 
 def refuse_double_backward() -> None:
@@ -54,7 +62,7 @@ def token_stats(
     # logits: (N, V) or (B, T, V) row-strided; labels: (N,) int64, -1 on rows that take no part. `inplace_backward` only
     # matters to the backward (see the module docstring).
     stats = _backend(backend, logits, chunk_rows).token_stats_fwd(
-        logits, labels, host_float(temperature), compute_entropy, compute_sum_pi_squared
+        logits, labels, temperature_value(temperature), compute_entropy, compute_sum_pi_squared
     )
     absent = lambda t: stats.logprobs.new_empty(0) if t is None else t  # noqa: E731 (outputs may not alias)
     return stats.row_max, stats.log_norm, stats.logprobs, absent(stats.entropy), absent(stats.sum_pi_squared)
@@ -75,7 +83,7 @@ def token_grad(
     has_entropy = coef_entropy.numel() > 0
     return _backend(backend, logits, chunk_rows).token_grad_bwd(
         logits, labels, row_max, log_norm, entropy if has_entropy else None, coef_logprob,
-        coef_entropy if has_entropy else None, host_float(temperature), False,
+        coef_entropy if has_entropy else None, temperature_value(temperature), False,
     )
 
 
@@ -92,7 +100,7 @@ def token_grad_(
     has_entropy = coef_entropy.numel() > 0
     out = _backend(backend, logits, chunk_rows).token_grad_bwd(
         logits, labels, row_max, log_norm, entropy if has_entropy else None, coef_logprob,
-        coef_entropy if has_entropy else None, host_float(temperature), True,
+        coef_entropy if has_entropy else None, temperature_value(temperature), True,
     )
     if out.data_ptr() != logits.data_ptr():  # a backend that could not work in place
         logits.copy_(out)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import backends
-from .custom_ops import host_float, refuse_double_backward
+from .custom_ops import refuse_double_backward, temperature_value
 
 # Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
 # thousand rows to run at full rate (512 MiB is ~1,700 rows at V = 151,936 in bf16, a fifth of the
@@ -92,6 +92,11 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden
         acc[v0:v0 + block].add_(product)
 
 
+def _rows_of(temperature, idx: torch.Tensor):
+    """The temperature of the chunk's rows: the float, or those rows of a per-row tensor."""
+    return temperature.index_select(0, idx) if isinstance(temperature, torch.Tensor) else temperature
+
+
 @torch.library.custom_op("rlkernels::linear_token_stats", mutates_args=())
 def linear_token_stats(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, temperature: Tensor,
@@ -104,7 +109,7 @@ def linear_token_stats(
     has a data-dependent size). vocab_shard: the weight is one shard of a vocabulary-parallel head
     (see backends.select)."""
     impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
-    T = host_float(temperature)
+    T = temperature_value(temperature)
     N = hidden.shape[0]
     acc = backends.statistics_dtype(hidden.dtype)
     new = lambda n=N: torch.zeros(n, dtype=acc, device=hidden.device)  # noqa: E731
@@ -116,7 +121,7 @@ def linear_token_stats(
         idx = rows[start:start + chunk_rows]
         logits = _head(hidden.index_select(0, idx), weight, bias)
         stats = impl.token_stats_fwd(
-            logits, row_labels.index_select(0, idx), T, compute_entropy, compute_sum_pi_squared
+            logits, row_labels.index_select(0, idx), _rows_of(T, idx), compute_entropy, compute_sum_pi_squared
         )
         for out, value in ((row_max, stats.row_max), (log_norm, stats.log_norm), (logprobs, stats.logprobs),
                            (entropy, stats.entropy), (sum_pi_squared, stats.sum_pi_squared)):
@@ -142,7 +147,7 @@ def linear_token_grad(
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
     impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
-    T = host_float(temperature)
+    T = temperature_value(temperature)
     c = coef_logprob
     e = coef_entropy if coef_entropy.numel() > 0 else None
     live = (row_labels != -1) & ((c != 0) | (e != 0 if e is not None else False))
@@ -159,7 +164,7 @@ def linear_token_grad(
         grad_logits = impl.token_grad_bwd(
             _head(h, weight, bias), row_labels.index_select(0, idx), row_max.index_select(0, idx),
             log_norm.index_select(0, idx), None if e is None else entropy.index_select(0, idx),
-            c.index_select(0, idx), None if e is None else e.index_select(0, idx), T,
+            c.index_select(0, idx), None if e is None else e.index_select(0, idx), _rows_of(T, idx),
             True,  # the chunk's logits are ours: the gradient overwrites them
         )
         if need_hidden:

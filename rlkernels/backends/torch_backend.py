@@ -53,13 +53,25 @@ class TorchBackend:
                 yield start + s, start + e, block[s:e], None if out_block is None else out_block[s:e]
 
     @staticmethod
-    def _scaled(chunk, row_max, acc, temperature) -> torch.Tensor:
+    def _scaled(chunk, row_max, acc, inv_t) -> torch.Tensor:
         """z / T, or rather (z - row_max) / T: subtracting before scaling keeps the differences exact
         at large logits (at 1e4 a scaled float32 logit is off by ~1e-3). At T = 1 the fused softmax
-        kernels shift internally and the chunk goes in as it is."""
-        if temperature == 1.0:
+        kernels shift internally and the chunk goes in as it is. `inv_t`: 1/T, a float or the chunk's
+        [rows, 1] per-row values (a per-token temperature)."""
+        if not isinstance(inv_t, torch.Tensor) and inv_t == 1.0:
             return chunk
-        return (chunk.to(acc) - row_max[:, None]).mul_(1.0 / temperature)
+        return (chunk.to(acc) - row_max[:, None]).mul_(inv_t)
+
+    @staticmethod
+    def _inverse(temperature, acc):
+        """1/T: a float, or an [N, 1] tensor for a per-row temperature ([N])."""
+        if isinstance(temperature, torch.Tensor):
+            return (1.0 / temperature.to(acc)).reshape(-1, 1)
+        return 1.0 / temperature
+
+    @staticmethod
+    def _rows(inv_t, s, e):
+        return inv_t[s:e] if isinstance(inv_t, torch.Tensor) else inv_t
 
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
         N, V = num_rows(logits), logits.shape[-1]
@@ -75,12 +87,14 @@ class TorchBackend:
         target = torch.zeros_like(row_max)
         # a row with a foreign target recovers log_norm from its largest log p (= -log_norm exactly)
         log_p_max = torch.zeros_like(row_max) if self.vocab_shard else None
+        inv_t = self._inverse(temperature, acc)
         for s, e, chunk, _ in self._chunks(logits):
             target[s:e] = chunk.gather(1, safe_labels[s:e]).squeeze(1).to(acc)
             m = chunk.amax(1).to(acc)
             # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats)
             row_max[s:e] = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            log_p = torch.log_softmax(self._scaled(chunk, row_max[s:e], acc, temperature), dim=1, dtype=acc)
+            log_p = torch.log_softmax(self._scaled(chunk, row_max[s:e], acc, self._rows(inv_t, s, e)), dim=1,
+                                      dtype=acc)
             logprobs[s:e] = log_p.gather(1, safe_labels[s:e]).squeeze(1)
             if self.vocab_shard:
                 log_p_max[s:e] = log_p.amax(1)
@@ -96,7 +110,9 @@ class TorchBackend:
         # lse = row_max/T + log_norm holds in the two parts the other backends keep
         no_mass = torch.isnan(logprobs)
         logprobs = logprobs.masked_fill(no_mass, float("-inf"))
-        log_norm = (target - row_max) / temperature - logprobs
+        per_row = isinstance(temperature, torch.Tensor)
+        log_norm = (target - row_max) * inv_t.squeeze(1) if per_row else (target - row_max) / temperature
+        log_norm = log_norm - logprobs
         if self.vocab_shard:
             log_norm = torch.where(foreign, -log_p_max, log_norm)
         log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), log_norm)
@@ -119,9 +135,10 @@ class TorchBackend:
         has_coef = (coef_logprob != 0) | (coef_entropy != 0 if coef_entropy is not None else False)
         active = (valid | foreign) & has_coef
         zero = torch.zeros((), dtype=acc, device=device)
-        inv_t = 1.0 / temperature
+        inv_t = self._inverse(temperature, acc)
+        inv_t_flat = inv_t.squeeze(1) if isinstance(inv_t, torch.Tensor) else inv_t
         # inactive rows have c = e = 0 and so come out exactly 0 from the products below
-        c = torch.where(active, coef_logprob.to(acc), zero) * inv_t
+        c = torch.where(active, coef_logprob.to(acc), zero) * inv_t_flat
         # 1 where this shard holds the target column (it gets + c), 0 for a foreign target
         onehot_y = valid.to(acc)
         c_target = c * onehot_y
@@ -132,10 +149,11 @@ class TorchBackend:
         replay_ln = torch.where(usable, log_norm.to(acc), torch.full_like(row_max, float("inf")))
         for s, e, chunk, out_chunk in self._chunks(logits, out):
             c_rows, y, ct_rows, own = c[s:e, None], safe_labels[s:e], c_target[s:e, None], onehot_y[s:e, None]
+            rows_inv_t = self._rows(inv_t, s, e)
             if self.vocab_shard:
-                p = (chunk.to(acc) - row_max[s:e, None]).mul_(inv_t).sub_(replay_ln[s:e, None]).exp_()
+                p = (chunk.to(acc) - row_max[s:e, None]).mul_(rows_inv_t).sub_(replay_ln[s:e, None]).exp_()
             else:
-                p = torch.softmax(self._scaled(chunk, row_max[s:e], acc, temperature), 1, dtype=acc)
+                p = torch.softmax(self._scaled(chunk, row_max[s:e], acc, rows_inv_t), 1, dtype=acc)
             # a row without a finite logit has no distribution and a NaN softmax: its gradient is c
             # at the target if it is active (p := 0), else 0 -- fixed per row, not with a full pass
             no_distribution = torch.isnan(p[:, 0]) & ~usable[s:e]
@@ -148,7 +166,7 @@ class TorchBackend:
                 g.scatter_(1, y, (c_rows * (own - p_y)).to(out.dtype))
             else:
                 # g = -p (c + e (log p + H)) = -p (c + e H) - e p log p, with p log p = 0 at p = 0
-                e_rows = torch.where(active, coef_entropy.to(acc), zero)[s:e, None] * inv_t
+                e_rows = torch.where(active, coef_entropy.to(acc), zero)[s:e, None] * rows_inv_t
                 g = p * (-c_rows - e_rows * entropy[s:e, None].to(acc))
                 g.sub_(torch.xlogy(p, p).mul_(e_rows))
                 _zero_rows(g, no_distribution)

@@ -367,10 +367,12 @@ def policy_loss(
 
 def decoupled_ppo_loss(
     logits, labels, advantages, response_mask, *, old_logprobs=None, rollout_logprobs=None, ref_logprobs=None,
-    cu_seqlens=None, config, ignore_index=-100, is_weights=None,
+    cu_seqlens=None, config, ignore_index=-100, is_weights=None, temperature=None, sampling_support=None,
 ):
-    """Logits -> SPEC §2 stats -> `policy_loss`. `loss` is differentiable w.r.t. `logits`."""
-    lp, H, _ = token_stats(logits, labels, temperature=config.temperature, ignore_index=ignore_index)
+    """Logits -> SPEC §2 stats -> `policy_loss`. `loss` is differentiable w.r.t. `logits`.
+    `temperature`: a per-token tensor in place of config.temperature; `sampling_support`: kept ids."""
+    lp, H, _ = token_stats(logits, labels, temperature=config.temperature if temperature is None else temperature,
+                           ignore_index=ignore_index, sampling_support=sampling_support)
     V = logits.shape[-1]
     mask = response_mask.bool() & (labels != ignore_index) & (labels >= 0) & (labels < V)
     out = policy_loss(

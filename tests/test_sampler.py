@@ -1,0 +1,214 @@
+"""Sampler replay (docs/spec.md §2, "Sampler replay"): a per-token temperature and the rollout's kept
+token set, on the four entry points, against the float64 oracle (a masked log-softmax of z / T_t over
+the kept ids).
+
+The kept set is drawn per row: the label, K - 1 other distinct ids, then some slots replaced by -1
+padding (never the label's), in a random slot order; K runs from 1 to V.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rlkernels
+from rlkernels import PolicyLossConfig, RolloutCorrection, reference
+
+from .backends.parity import _label_column_floor
+from .cases import F32, F64, MODES, assert_close, batches, configs, make_batch, scaled, tol
+from .test_linear import make_head
+
+
+def make_support(labels: torch.Tensor, V: int, K: int, seed: int, pad_p: float = 0.3) -> torch.Tensor:
+    """[..., K] kept ids: each row's label, K - 1 other distinct ids (fewer if V is small: -1 fills),
+    some replaced by -1, in a shuffled slot order."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = labels.reshape(-1).clamp(0, V - 1)
+    rows = []
+    for y in flat.tolist():
+        others = torch.randperm(V, generator=gen)
+        others = others[others != y][: K - 1]
+        others = torch.where(torch.rand(others.shape, generator=gen) < pad_p, -1, others)
+        row = torch.cat([torch.tensor([y]), others, torch.full((K - 1 - others.numel(),), -1, dtype=torch.long)])
+        rows.append(row[torch.randperm(K, generator=gen)])
+    return torch.stack(rows).reshape(labels.shape + (K,)) if rows else torch.zeros(labels.shape + (K,),
+                                                                                   dtype=torch.long)
+
+
+@st.composite
+def sampler_inputs(draw, dtype=F64):
+    batch = draw(batches(dtype=dtype))
+    V = batch.logits.shape[-1]
+    shape = tuple(batch.labels.shape)
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    support = None
+    if draw(st.booleans()):
+        support = make_support(batch.labels, V, draw(st.integers(1, V)), seed, draw(st.sampled_from([0.0, 0.4])))
+    kind = draw(st.sampled_from(["float", "token", "sequence"]))
+    temperature = draw(st.sampled_from([1.0, 0.7]))
+    if kind == "token":
+        temperature = 0.3 + torch.rand(shape, generator=gen, dtype=F32) * 1.5
+    elif kind == "sequence" and len(shape) == 2:
+        temperature = 0.3 + torch.rand(shape[0], 1, generator=gen, dtype=F32) * 1.5
+    return batch, support, temperature
+
+
+def _oracle_stats(logits, labels, temperature, support):
+    return reference.token_stats(logits, labels, temperature=temperature, sampling_support=support)
+
+
+def _scale(t):
+    return max(1.0, float(t.detach().abs().max())) if t.numel() else 1.0
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, torch.bfloat16])
+@settings(max_examples=scaled(60))
+@given(data=st.data())
+def test_token_logprobs_match_the_oracle(dtype, data):
+    batch, support, temperature = data.draw(sampler_inputs(dtype))
+    logits = batch.logits.clone().requires_grad_(True)
+    out = rlkernels.token_logprobs(logits, batch.labels, temperature=temperature, sampling_support=support,
+                                   compute_entropy=True, compute_sum_pi_squared=True)
+    ref_logits = batch.logits.double().clone().requires_grad_(True)
+    lp, H, s2 = _oracle_stats(ref_logits, batch.labels, temperature, support)
+    stat = F64 if dtype == F64 else F32
+    for name, got, want in (("logprobs", out.logprobs, lp), ("entropy", out.entropy, H),
+                            ("sum_pi_squared", out.sum_pi_squared, s2)):
+        assert_close(got, want, **tol("value", stat, scale=_scale(want)), name=name)
+    weight = torch.linspace(-1, 1, batch.labels.numel(), dtype=F64).reshape(batch.labels.shape)
+    (grad,) = torch.autograd.grad((out.logprobs * weight.to(out.logprobs.dtype)).sum() + out.entropy.sum(), logits)
+    (ref_grad,) = torch.autograd.grad((lp * weight).sum() + H.sum(), ref_logits)
+    if support is not None:
+        ids = torch.where(support >= 0, support, batch.logits.shape[-1])  # padding -> a column dropped below
+        kept = torch.zeros(batch.labels.shape + (batch.logits.shape[-1] + 1,), dtype=torch.bool)
+        kept = kept.scatter(-1, ids, True)[..., :-1]
+        assert not bool(grad.detach()[~kept].any()), "a gradient outside the kept set"
+    row = "sampler.dlogits" if dtype == torch.bfloat16 else "dlogits"
+    q = tol(row, dtype, scale=max(1e-3, float(ref_grad.abs().max())) if ref_grad.numel() else 1.0)
+    if dtype != F64 and batch.labels.numel():
+        # the entropy's gradient -p (log p + H) / T and the label's (p_y - 1) / T cancel O(1) terms in
+        # float32: an absolute 2^-23 |coef| / T whatever the size of the result (coef here is <= 1)
+        inv_t = 1.0 / (temperature if isinstance(temperature, float) else float(temperature.min()))
+        q["atol"] = max(q["atol"], 2.0**-22 * inv_t)
+    assert_close(grad, ref_grad, **q, name="dlogits")
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@settings(max_examples=scaled(40))
+@given(data=st.data())
+def test_linear_token_logprobs_match_the_oracle(dtype, data):
+    """Only the K kept rows of the head are read (a gather), and the gradient reaches hidden, weight and
+    bias through them; the oracle forms the logits and masks the rest."""
+    batch, support, temperature = data.draw(sampler_inputs(dtype))
+    V = batch.logits.shape[-1]
+    shape = tuple(batch.labels.shape)
+    hidden, weight, bias = make_head(torch.Generator().manual_seed(1), shape, V, 6, dtype, bias=True)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    out = rlkernels.linear_token_logprobs(leaves[0], leaves[1], batch.labels, bias=leaves[2], temperature=temperature,
+                                          sampling_support=support, compute_entropy=True,
+                                          memory_budget_bytes=256)  # a few rows per chunk
+    ref = [t.double().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    lp, H, _ = _oracle_stats(ref[0] @ ref[1].T + ref[2], batch.labels, temperature, support)
+    stat = F64 if dtype == F64 else F32
+    assert_close(out.logprobs, lp, **tol("value", stat, scale=_scale(lp)), name="logprobs")
+    assert_close(out.entropy, H, **tol("value", stat, scale=_scale(H)), name="entropy")
+    grads = torch.autograd.grad(out.logprobs.sum() + out.entropy.sum(), leaves)
+    ref_grads = torch.autograd.grad(lp.sum() + H.sum(), ref)
+    for name, g, r in zip(("d_hidden", "d_weight", "d_bias"), grads, ref_grads):
+        assert_close(g, r, **tol("value", stat, scale=_scale(r)), name=name)
+
+
+@settings(max_examples=scaled(40))
+@given(data=st.data(), dtype=st.sampled_from([F64, F32]))
+def test_loss_with_sampler_inputs_matches_the_oracle(data, dtype):
+    """decoupled_ppo_loss and its fused-linear form over the option product, with a per-token
+    temperature and a kept set: loss, statistics, metrics and gradient against the oracle."""
+    batch, support, temperature = data.draw(sampler_inputs(dtype))
+    mode = data.draw(st.sampled_from(MODES))
+    config = data.draw(configs(mode, temperature=1.0))
+    kw = batch.kwargs(mode)
+    logits = batch.logits.clone().requires_grad_(True)
+    args = (batch.labels, batch.advantages, batch.response_mask)
+    out = rlkernels.decoupled_ppo_loss(logits, *args, config=config, temperature=temperature,
+                                       sampling_support=support, **kw)
+    ref_logits = batch.logits.double().clone().requires_grad_(True)
+    ref_kw = {k: (None if v is None else (v.double() if v.is_floating_point() else v)) for k, v in kw.items()}
+    expected = reference.decoupled_ppo_loss(ref_logits, batch.labels, batch.advantages.double(), batch.response_mask,
+                                            config=config, temperature=temperature, sampling_support=support, **ref_kw)
+    stat = F64 if dtype == F64 else F32
+    assert_close(out.loss, expected.loss, **tol("value", stat, scale=_scale(expected.loss)), name="loss")
+    assert_close(out.logprobs, expected.logprobs, **tol("value", stat), name="logprobs")
+    for name, value in expected.metrics.items():
+        assert_close(out.metrics[name], value, **tol("value", stat, scale=_scale(value)), name=name)
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    (ref_grad,) = torch.autograd.grad(expected.loss, ref_logits)
+    q = tol("dlogits", dtype, scale=max(1e-3, float(ref_grad.abs().max())) if ref_grad.numel() else 1.0)
+    if dtype == F32 and support is None:
+        q["atol"] = max(q["atol"], _label_column_floor(batch, config, ref_grad, temperature))
+    assert_close(grad, ref_grad, **q, name="dlogits")
+
+
+def test_a_kept_set_never_runs_the_vocabulary_pass(monkeypatch):
+    """With a support the statistics come from the K gathered logits alone: the vocabulary-wide op is
+    never called (its cost would scale with V)."""
+    from rlkernels import custom_ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the vocabulary-wide pass ran")
+
+    monkeypatch.setattr(custom_ops, "token_stats", refuse)
+    batch = make_batch("packed", [4, 3], 50, dtype=F32, seed=2)
+    support = make_support(batch.labels, 50, 5, seed=3)
+    out = rlkernels.decoupled_ppo_loss(batch.logits, batch.labels, batch.advantages, batch.response_mask,
+                                       old_logprobs=batch.old_logprobs, cu_seqlens=batch.cu_seqlens,
+                                       sampling_support=support, config=PolicyLossConfig(entropy_coeff=0.01))
+    assert torch.isfinite(out.loss)
+
+
+def test_full_support_equals_no_support():
+    batch = make_batch("padded", [5, 5], 9, dtype=F64, seed=4)
+    support = torch.arange(9).expand(2, 5, 9)
+    t = torch.tensor([[0.5], [1.3]], dtype=F64)
+    a = rlkernels.token_logprobs(batch.logits, batch.labels, temperature=t, sampling_support=support,
+                                 compute_entropy=True)
+    b = rlkernels.token_logprobs(batch.logits, batch.labels, temperature=t, compute_entropy=True)
+    assert torch.allclose(a.logprobs, b.logprobs, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(a.entropy, b.entropy, rtol=1e-12, atol=1e-12)
+
+
+ERRORS = [
+    (dict(sampling_support=torch.full((2, 3, 2), 9)), ValueError, r"^sampling_support: expected token ids in \[0, 7\)"),
+    (dict(sampling_support=torch.zeros(2, 3, 2, dtype=torch.long)), ValueError,
+     r"^sampling_support: an id appears twice"),
+    (dict(sampling_support=torch.full((2, 3, 1), -1)), ValueError, r"^sampling_support: a label in the loss is not"),
+    (dict(sampling_support=torch.zeros(2, 3, dtype=torch.long)), ValueError,
+     r"^sampling_support: expected shape \(2, 3, 'K'\)"),
+    (dict(sampling_support=torch.zeros(2, 3, 1)), TypeError, r"^sampling_support"),
+    (dict(temperature=torch.ones(3, 2)), ValueError, r"^temperature: expected a float or a tensor broadcastable"),
+    (dict(temperature=torch.zeros(2, 1)), ValueError, r"^temperature: expected finite values > 0"),
+    (dict(temperature=torch.ones(2, 1), backend="cpu"), ValueError, r"^backend='cpu': a per-token temperature"),
+]
+
+
+@pytest.mark.parametrize("kw,error,match", ERRORS, ids=[m for _, _, m in ERRORS])
+def test_bad_sampler_inputs_name_the_argument(kw, error, match):
+    logits = torch.randn(2, 3, 7)
+    labels = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(error, match=match):
+        rlkernels.token_logprobs(logits, labels, **kw)
+
+
+def test_tensor_temperature_and_config_temperature_are_one_or_the_other():
+    batch = make_batch("padded", [3, 3], 5, dtype=F32, seed=5)
+    with pytest.raises(ValueError, match=r"^temperature: given as a tensor while config.temperature=0.7"):
+        rlkernels.decoupled_ppo_loss(batch.logits, batch.labels, batch.advantages, batch.response_mask,
+                                     config=PolicyLossConfig(temperature=0.7), temperature=torch.ones(2, 1))
+    rc = RolloutCorrection.token_tis()
+    out = rlkernels.decoupled_ppo_loss(batch.logits, batch.labels, batch.advantages, batch.response_mask,
+                                       rollout_logprobs=batch.rollout_logprobs, rollout_correction=rc,
+                                       temperature=torch.full((2, 1), 0.7))
+    same = rlkernels.decoupled_ppo_loss(batch.logits, batch.labels, batch.advantages, batch.response_mask,
+                                        rollout_logprobs=batch.rollout_logprobs, rollout_correction=rc,
+                                        temperature=0.7, backend="torch")
+    assert torch.allclose(out.loss, same.loss, rtol=1e-6, atol=1e-7)
