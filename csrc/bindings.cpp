@@ -52,6 +52,13 @@ void check_temperature(const char* op, double temperature) {
               temperature);
 }
 
+// [N] float32 1 / T per row on the logits' device, or null for one temperature
+const float* inverse_temperatures(const char* op, const std::optional<at::Tensor>& inv_t, const at::Tensor& logits) {
+  if (!inv_t.has_value()) return nullptr;
+  check_row_vector(op, "inv_temperature", *inv_t, logits, at::kFloat);
+  return inv_t->data_ptr<float>();
+}
+
 LogitsDtype logits_dtype(const at::Tensor& logits) {
   switch (logits.scalar_type()) {
     case at::kHalf:
@@ -69,7 +76,7 @@ void* current_stream(const at::Tensor& t) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_fwd(
     const at::Tensor& logits, const at::Tensor& labels, double temperature, bool compute_entropy,
-    bool compute_sum_pi_squared) {
+    bool compute_sum_pi_squared, const std::optional<at::Tensor>& inv_temperature) {
   constexpr const char* op = "rlkernels_cuda::token_stats_fwd";
   check_logits(op, logits);
   check_row_vector(op, "labels", labels, logits, at::kLong);
@@ -87,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
       logprobs.data_ptr<float>(),
       compute_entropy ? entropy.data_ptr<float>() : nullptr,
       compute_sum_pi_squared ? sum_pi_squared.data_ptr<float>() : nullptr, N, logits.size(1), logits.stride(0),
-      temperature, logits_dtype(logits), current_stream(logits));
+      temperature, inverse_temperatures(op, inv_temperature, logits), logits_dtype(logits), current_stream(logits));
   TORCH_CHECK(err == nullptr, op, ": kernel launch failed: ", err);
   return {row_max, log_norm, logprobs, entropy, sum_pi_squared};
 }
@@ -112,24 +119,27 @@ void check_grad_inputs(const char* op, const at::Tensor& logits, const at::Tenso
 const char* launch_grad(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                         const at::Tensor& log_norm,
                         const std::optional<at::Tensor>& entropy, const at::Tensor& coef_logprob,
-                        const std::optional<at::Tensor>& coef_entropy, double temperature, at::Tensor& dlogits) {
+                        const std::optional<at::Tensor>& coef_entropy, double temperature, at::Tensor& dlogits,
+                        const float* inv_t_rows) {
   const bool has_entropy = coef_entropy.has_value();
   return token_grad_bwd_launch(
       logits.data_ptr(), labels.data_ptr<int64_t>(), row_max.data_ptr<float>(), log_norm.data_ptr<float>(),
       has_entropy ? entropy->data_ptr<float>() : nullptr, coef_logprob.data_ptr<float>(),
       has_entropy ? coef_entropy->data_ptr<float>() : nullptr, dlogits.data_ptr(), logits.size(0), logits.size(1),
-      logits.stride(0), dlogits.stride(0), temperature, logits_dtype(logits), current_stream(logits));
+      logits.stride(0), dlogits.stride(0), temperature, inv_t_rows, logits_dtype(logits), current_stream(logits));
 }
 
 at::Tensor token_grad_bwd(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                           const at::Tensor& log_norm,
                           const std::optional<at::Tensor>& entropy, const at::Tensor& coef_logprob,
-                          const std::optional<at::Tensor>& coef_entropy, double temperature) {
+                          const std::optional<at::Tensor>& coef_entropy, double temperature,
+                          const std::optional<at::Tensor>& inv_temperature) {
   constexpr const char* op = "rlkernels_cuda::token_grad_bwd";
   check_grad_inputs(op, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature);
   const c10::DeviceGuard guard(logits.device());
   at::Tensor dlogits = at::empty({logits.size(0), logits.size(1)}, logits.options());
-  const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits);
+  const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits,
+                                inverse_temperatures(op, inv_temperature, logits));
   TORCH_CHECK(err == nullptr, op, ": kernel launch failed: ", err);
   return dlogits;
 }
@@ -137,21 +147,24 @@ at::Tensor token_grad_bwd(const at::Tensor& logits, const at::Tensor& labels, co
 void token_grad_bwd_inplace(at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                             const at::Tensor& log_norm,
                             const std::optional<at::Tensor>& entropy, const at::Tensor& coef_logprob,
-                            const std::optional<at::Tensor>& coef_entropy, double temperature) {
+                            const std::optional<at::Tensor>& coef_entropy, double temperature,
+                            const std::optional<at::Tensor>& inv_temperature) {
   constexpr const char* op = "rlkernels_cuda::token_grad_bwd_inplace";
   check_grad_inputs(op, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature);
   // overlapping rows (stride 0 from expand) would be written by several blocks at once
   TORCH_CHECK(logits.size(0) <= 1 || logits.stride(0) >= logits.size(1), op,
               ": in place needs non-overlapping rows, got strides ", logits.strides(), " for shape ", logits.sizes());
   const c10::DeviceGuard guard(logits.device());
-  const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, logits);
+  const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, logits,
+                                inverse_temperatures(op, inv_temperature, logits));
   TORCH_CHECK(err == nullptr, op, ": kernel launch failed: ", err);
 }
 
 void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                         const at::Tensor& log_norm,
                         const std::optional<at::Tensor>& entropy, const at::Tensor& coef_logprob,
-                        const std::optional<at::Tensor>& coef_entropy, double temperature, at::Tensor& dlogits) {
+                        const std::optional<at::Tensor>& coef_entropy, double temperature, at::Tensor& dlogits,
+                        const std::optional<at::Tensor>& inv_temperature) {
   // writes into a caller's [N, V] buffer (a row-strided slice of a larger gradient)
   constexpr const char* op = "rlkernels_cuda::token_grad_bwd_out";
   check_grad_inputs(op, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature);
@@ -163,7 +176,8 @@ void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, cons
   TORCH_CHECK(dlogits.size(0) <= 1 || dlogits.stride(0) >= dlogits.size(1), op,
               ": dlogits rows must not overlap, got strides ", dlogits.strides());
   const c10::DeviceGuard guard(logits.device());
-  const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits);
+  const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits,
+                                inverse_temperatures(op, inv_temperature, logits));
   TORCH_CHECK(err == nullptr, op, ": kernel launch failed: ", err);
 }
 
@@ -173,16 +187,18 @@ void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, cons
 TORCH_LIBRARY(rlkernels_cuda, m) {
   m.def(
       "token_stats_fwd(Tensor logits, Tensor labels, float temperature, bool compute_entropy, "
-      "bool compute_sum_pi_squared) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool compute_sum_pi_squared, Tensor? inv_temperature=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "token_grad_bwd(Tensor logits, Tensor labels, Tensor row_max, Tensor log_norm, Tensor? entropy, "
-      "Tensor coef_logprob, Tensor? coef_entropy, float temperature) -> Tensor");
+      "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor? inv_temperature=None) -> Tensor");
   m.def(
       "token_grad_bwd_inplace(Tensor(a!) logits, Tensor labels, Tensor row_max, Tensor log_norm, "
-      "Tensor? entropy, Tensor coef_logprob, Tensor? coef_entropy, float temperature) -> ()");
+      "Tensor? entropy, Tensor coef_logprob, Tensor? coef_entropy, float temperature, "
+      "Tensor? inv_temperature=None) -> ()");
   m.def(
       "token_grad_bwd_out(Tensor logits, Tensor labels, Tensor row_max, Tensor log_norm, Tensor? entropy, "
-      "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor(a!) dlogits) -> ()");
+      "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor(a!) dlogits, "
+      "Tensor? inv_temperature=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_cuda, CUDA, m) {

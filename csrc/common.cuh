@@ -21,20 +21,21 @@ enum class LogitsDtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // Each launcher returns nullptr on success, else the CUDA error string of the launch.
 // `stream` is a cudaStream_t. Shapes: logits [N, V] with unit stride along V; labels, row_max, log_norm, entropy,
 // coefficients [N] contiguous; statistics are float32.
+// inv_t_rows: null (one temperature, `temperature`), or [N] float32 1 / T per row (a per-token temperature).
 // Forward outputs (see rlkernels/backends/base.py, RowStats): row_max = max_v z_v (unscaled),
 // log_norm = log sum_v exp((z_v - row_max) / T), logprobs = (z_y - row_max) / T - log_norm.
 const char* token_stats_fwd_launch(
     const void* logits, const int64_t* labels, float* row_max, float* log_norm, float* logprobs, float* entropy,
     float* sum_pi_squared, int64_t N, int64_t V, int64_t stride_logits_n, double temperature,
-    LogitsDtype dtype, void* stream);
+    const float* inv_t_rows, LogitsDtype dtype, void* stream);
 
 // dlogits may alias logits (in place): then stride_dlogits_n == stride_logits_n.
 // entropy and coef_entropy are both null or both set.
 const char* token_grad_bwd_launch(
     const void* logits, const int64_t* labels, const float* row_max, const float* log_norm, const float* entropy,
     const float* coef_logprob, const float* coef_entropy, void* dlogits, int64_t N, int64_t V,
-    int64_t stride_logits_n, int64_t stride_dlogits_n, double temperature, LogitsDtype dtype,
-    void* stream);
+    int64_t stride_logits_n, int64_t stride_dlogits_n, double temperature, const float* inv_t_rows,
+    LogitsDtype dtype, void* stream);
 
 }  // namespace rlkernels
 

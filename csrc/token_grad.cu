@@ -68,13 +68,16 @@ __global__ void __launch_bounds__(kBlockThreads) token_grad_bwd_kernel(
     // strides
     int64_t stride_logits_n, int64_t stride_dlogits_n,
     // scalars
-    float scale2, float inv_temperature) {  // log2(e) / T, 1 / T
+    float scale2_all, float inv_temperature_all,  // log2(e) / T, 1 / T
+    const float* __restrict__ inv_t_rows) {        // (N,) 1 / T_row for a per-token temperature, or null
   constexpr int kRowsPerBlock = kBlockThreads / THREADS_PER_ROW;
   constexpr int kVec = Elem<T>::kVec;
 
   const int64_t pid_n = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / THREADS_PER_ROW;
   const int lane = threadIdx.x % THREADS_PER_ROW;
   if (pid_n >= N) return;
+  const float inv_temperature = inv_t_rows != nullptr ? inv_t_rows[pid_n] : inv_temperature_all;
+  const float scale2 = inv_t_rows != nullptr ? inv_temperature * kLog2e : scale2_all;
 
   const int64_t y = labels_ptr[pid_n];
   const float c = coef_logprob_ptr[pid_n];
@@ -155,6 +158,7 @@ struct BwdArgs {
   void* dlogits;
   int64_t N, V, stride_logits_n, stride_dlogits_n;
   float scale2, inv_temperature;
+  const float* inv_t_rows;
 };
 
 template <typename T, int THREADS_PER_ROW, bool HAS_ENTROPY>
@@ -163,7 +167,7 @@ void launch(const BwdArgs& a, cudaStream_t stream) {
       <<<row_grid(a.N, kBlockThreads / THREADS_PER_ROW), kBlockThreads, 0, stream>>>(
           static_cast<const T*>(a.logits), a.labels, a.row_max, a.log_norm, a.entropy, a.coef_logprob,
           a.coef_entropy, static_cast<T*>(a.dlogits), a.N, a.V, a.stride_logits_n, a.stride_dlogits_n, a.scale2,
-          a.inv_temperature);
+          a.inv_temperature, a.inv_t_rows);
 }
 
 template <typename T>
@@ -182,12 +186,12 @@ const char* token_grad_bwd_launch(const void* logits, const int64_t* labels, con
                                   const float* log_norm, const float* entropy, const float* coef_logprob,
                                   const float* coef_entropy, void* dlogits, int64_t N, int64_t V,
                                   int64_t stride_logits_n, int64_t stride_dlogits_n, double temperature,
-                                  LogitsDtype dtype, void* stream) {
+                                  const float* inv_t_rows, LogitsDtype dtype, void* stream) {
   if (N == 0) return nullptr;
   const BwdArgs a{logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, dlogits, N, V,
                   stride_logits_n, stride_dlogits_n,
                   static_cast<float>(1.4426950408889634 / temperature),  // each rounded once, from double
-                  static_cast<float>(1.0 / temperature)};
+                  static_cast<float>(1.0 / temperature), inv_t_rows};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   dispatch_logits_dtype(dtype, [&](auto zero) { launch_rows<decltype(zero)>(a, s); });
   return launch_status();

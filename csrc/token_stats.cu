@@ -24,7 +24,8 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
     // strides
     int64_t stride_logits_n,
     // scalars
-    float scale2, float inv_temperature) {  // log2(e) / T, 1 / T
+    float scale2_all, float inv_temperature_all,  // log2(e) / T, 1 / T
+    const float* __restrict__ inv_t_rows) {        // (N,) 1 / T_row for a per-token temperature, or null
   constexpr int kRowsPerBlock = kBlockThreads / THREADS_PER_ROW;
   constexpr int kVec = Elem<T>::kVec;
   using State = SoftmaxState<HAS_ENTROPY, HAS_SUM_SQ>;
@@ -32,6 +33,8 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
   const int64_t pid_n = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / THREADS_PER_ROW;
   const int lane = threadIdx.x % THREADS_PER_ROW;
   if (pid_n >= N) return;  // a whole warp (warp rows) or never (block rows: grid = N)
+  const float inv_temperature = inv_t_rows != nullptr ? inv_t_rows[pid_n] : inv_temperature_all;
+  const float scale2 = inv_t_rows != nullptr ? inv_temperature * kLog2e : scale2_all;
 
   const int64_t y = labels_ptr[pid_n];
   const bool has_target = y >= 0 && y < V;
@@ -123,6 +126,7 @@ struct FwdArgs {
   float *row_max, *log_norm, *logprobs, *entropy, *sum_pi_squared;
   int64_t N, V, stride_logits_n;
   float scale2, inv_temperature;
+  const float* inv_t_rows;
 };
 
 template <typename T, int THREADS_PER_ROW, bool HAS_ENTROPY, bool HAS_SUM_SQ>
@@ -130,7 +134,7 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   token_stats_fwd_kernel<T, THREADS_PER_ROW, HAS_ENTROPY, HAS_SUM_SQ>
       <<<row_grid(a.N, kBlockThreads / THREADS_PER_ROW), kBlockThreads, 0, stream>>>(
           static_cast<const T*>(a.logits), a.labels, a.row_max, a.log_norm, a.logprobs, a.entropy,
-          a.sum_pi_squared, a.N, a.V, a.stride_logits_n, a.scale2, a.inv_temperature);
+          a.sum_pi_squared, a.N, a.V, a.stride_logits_n, a.scale2, a.inv_temperature, a.inv_t_rows);
 }
 
 template <typename T, int THREADS_PER_ROW>
@@ -159,11 +163,12 @@ void launch_rows(const FwdArgs& a, cudaStream_t stream) {
 
 const char* token_stats_fwd_launch(const void* logits, const int64_t* labels, float* row_max, float* log_norm,
                                    float* logprobs, float* entropy, float* sum_pi_squared, int64_t N, int64_t V,
-                                   int64_t stride_logits_n, double temperature, LogitsDtype dtype, void* stream) {
+                                   int64_t stride_logits_n, double temperature, const float* inv_t_rows,
+                                   LogitsDtype dtype, void* stream) {
   if (N == 0) return nullptr;
   const FwdArgs a{logits, labels, row_max, log_norm, logprobs, entropy, sum_pi_squared, N, V, stride_logits_n,
                   static_cast<float>(1.4426950408889634 / temperature),  // each rounded once, from double
-                  static_cast<float>(1.0 / temperature)};
+                  static_cast<float>(1.0 / temperature), inv_t_rows};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   dispatch_logits_dtype(dtype, [&](auto zero) { launch_rows<decltype(zero)>(a, s); });
   return launch_status();

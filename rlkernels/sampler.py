@@ -12,7 +12,7 @@ With a support the statistics need only the K kept logits of each row: they are 
 O(N K) work, never a pass over V) and reduced with ordinary differentiable torch ops; the gradient
 reaches the logits through the gather (zero outside S_t). The fused-linear path computes just those
 K logits, from K gathered rows of the head, in chunks of rows. A per-token temperature without a
-support runs on the torch backend (its chunked pass scales each row by its own 1/T).
+support runs in the vocabulary passes of every backend, each row scaled by its own 1/T.
 """
 
 from typing import Optional, Tuple

@@ -187,7 +187,6 @@ ERRORS = [
     (dict(sampling_support=torch.zeros(2, 3, 1)), TypeError, r"^sampling_support"),
     (dict(temperature=torch.ones(3, 2)), ValueError, r"^temperature: expected a float or a tensor broadcastable"),
     (dict(temperature=torch.zeros(2, 1)), ValueError, r"^temperature: expected finite values > 0"),
-    (dict(temperature=torch.ones(2, 1), backend="cpu"), ValueError, r"^backend='cpu': a per-token temperature"),
 ]
 
 
@@ -212,3 +211,68 @@ def test_tensor_temperature_and_config_temperature_are_one_or_the_other():
                                         rollout_logprobs=batch.rollout_logprobs, rollout_correction=rc,
                                         temperature=0.7, backend="torch")
     assert torch.allclose(out.loss, same.loss, rtol=1e-6, atol=1e-7)
+
+
+def _backend_available(name: str) -> bool:
+    from rlkernels import backends
+
+    if name == "triton":
+        return backends.available()["triton"] and backends.select("triton", torch.zeros(1, 2)) is not None
+    return backends.available()[name]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@settings(max_examples=scaled(30))
+@given(data=st.data(), dtype=st.sampled_from([F32, torch.bfloat16]))
+def test_per_token_temperature_on_every_backend(backend, data, dtype):
+    """The vocabulary passes themselves take the rows' temperatures (no kept set): each backend's
+    statistics and gradient against the oracle (CUDA: tests/backends/test_cuda_backend.py on a GPU)."""
+    if not _backend_available(backend):
+        pytest.skip(f"the {backend} backend is not available here")
+    batch = data.draw(batches(dtype=dtype))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    temperature = 0.3 + torch.rand(batch.labels.shape, generator=gen) * 1.5
+    logits = batch.logits.clone().requires_grad_(True)
+    out = rlkernels.token_logprobs(logits, batch.labels, temperature=temperature, compute_entropy=True,
+                                   compute_sum_pi_squared=True, backend=backend)
+    ref_logits = batch.logits.double().clone().requires_grad_(True)
+    lp, H, s2 = _oracle_stats(ref_logits, batch.labels, temperature, None)
+    for name, got, want in (("logprobs", out.logprobs, lp), ("entropy", out.entropy, H),
+                            ("sum_pi_squared", out.sum_pi_squared, s2)):
+        assert_close(got, want, **tol("value", F32, scale=_scale(want)), name=name)
+    weight = torch.linspace(-1, 1, batch.labels.numel(), dtype=F64).reshape(batch.labels.shape)
+    (grad,) = torch.autograd.grad((out.logprobs * weight.float()).sum() + out.entropy.sum(), logits)
+    (ref_grad,) = torch.autograd.grad((lp * weight).sum() + H.sum(), ref_logits)
+    row = "dlogits@interpreter" if backend == "triton" and dtype == torch.bfloat16 else "dlogits"
+    q = tol(row, dtype, scale=max(1e-3, float(ref_grad.abs().max())) if ref_grad.numel() else 1.0)
+    if batch.labels.numel():  # the float32 cancellations of the label and entropy terms (see above)
+        q["atol"] = max(q["atol"], 2.0**-22 / float(temperature.min()))
+    assert_close(grad, ref_grad, **q, name="dlogits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("seed", range(4))
+def test_sampler_inputs_on_gpu_backends(backend, seed):
+    """On a GPU: the kernels' per-row temperature (Triton compiled, CUDA extension) and a kept set,
+    against the oracle on CUDA tensors."""
+    if not _backend_available(backend):
+        pytest.skip(f"the {backend} backend is not available here")
+    batch = make_batch("packed", [7, 0, 33, 5], 1000, dtype=torch.bfloat16 if seed % 2 else F32, seed=seed,
+                       logit_kind=("normal", "offset_pos", "neg_inf", "one_hot")[seed])
+    gen = torch.Generator().manual_seed(seed)
+    temperature = (0.3 + torch.rand(batch.labels.shape, generator=gen) * 1.5).cuda()
+    support = make_support(batch.labels, 1000, 50, seed).cuda() if seed >= 2 else None
+    logits = batch.logits.cuda().requires_grad_(True)
+    out = rlkernels.token_logprobs(logits, batch.labels.cuda(), temperature=temperature, sampling_support=support,
+                                   compute_entropy=True, backend=backend)
+    ref_logits = batch.logits.double().cuda().requires_grad_(True)
+    lp, H, _ = _oracle_stats(ref_logits, batch.labels.cuda(), temperature, support)
+    assert_close(out.logprobs, lp, **tol("value", F32, scale=_scale(lp)), name="logprobs")
+    assert_close(out.entropy, H, **tol("value", F32, scale=_scale(H)), name="entropy")
+    (grad,) = torch.autograd.grad(out.logprobs.sum() + out.entropy.sum(), logits)
+    (ref_grad,) = torch.autograd.grad(lp.sum() + H.sum(), ref_logits)
+    q = tol("sampler.dlogits" if logits.dtype == torch.bfloat16 else "dlogits", logits.dtype,
+            scale=max(1e-3, float(ref_grad.abs().max())))
+    q["atol"] = max(q["atol"], 2.0**-22 / float(temperature.min()))
+    assert_close(grad, ref_grad, **q, name="dlogits")

@@ -110,11 +110,13 @@ RLK_ALWAYS_INLINE float row_max_of(const float* z, int64_t V) {
 
 template <typename T>
 void stats_rows(const T* logits, int64_t stride, const int64_t* labels, int64_t N, int64_t V, float temperature,
-                float* row_max, float* log_norm, float* logprobs, float* entropy, float* sum_sq) {
-  const float inv_t = 1.0f / temperature;
+                const float* inv_t_rows, float* row_max, float* log_norm, float* logprobs, float* entropy,
+                float* sum_sq) {
+  const float inv_t_all = 1.0f / temperature;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(std::is_same_v<T, float> ? 0 : V);
     for (int64_t r = begin; r < end; ++r) {
+      const float inv_t = inv_t_rows != nullptr ? inv_t_rows[r] : inv_t_all;  // a per-token temperature
       const int64_t y = labels[r];
       const bool has_target = y >= 0 && y < V;
       float out_max = 0.f, out_ln = 0.f, out_lp = 0.f, out_h = 0.f, out_s2 = 0.f;
@@ -189,12 +191,13 @@ RLK_ALWAYS_INLINE void grad_row(const float* z, float* g, int64_t V, float m, fl
 template <typename T>
 void grad_rows(const T* logits, int64_t stride, T* out, int64_t out_stride, const int64_t* labels,
                const float* row_max, const float* log_norm, const float* entropy, const float* coef_logprob,
-               const float* coef_entropy, int64_t N, int64_t V, float temperature) {
-  const float inv_t = 1.0f / temperature;
+               const float* coef_entropy, int64_t N, int64_t V, float temperature, const float* inv_t_rows) {
+  const float inv_t_all = 1.0f / temperature;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(std::is_same_v<T, float> ? 0 : V);
     std::vector<float> grad(std::is_same_v<T, float> ? 0 : V);
     for (int64_t r = begin; r < end; ++r) {
+      const float inv_t = inv_t_rows != nullptr ? inv_t_rows[r] : inv_t_all;  // a per-token temperature
       const int64_t y = labels[r];
       const bool has_target = y >= 0 && y < V;
       const float c = coef_logprob[r] * inv_t;
@@ -248,11 +251,17 @@ const float* f32(const at::Tensor& t, const char* op, const char* name, int64_t 
   return t.data_ptr<float>();
 }
 
+// 1/T per row ([N] float32), or nullptr when one temperature serves every row
+const float* inverse_temperatures(const std::optional<at::Tensor>& inv_t, const char* op, int64_t N) {
+  return inv_t.has_value() ? f32(*inv_t, op, "inv_temperature", N) : nullptr;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_fwd(
     const at::Tensor& logits, const at::Tensor& labels, double temperature, bool compute_entropy,
-    bool compute_sum_pi_squared) {
+    bool compute_sum_pi_squared, const std::optional<at::Tensor>& inv_temperature) {
   check_rows("token_stats_fwd", logits, labels);
   const int64_t N = logits.size(0), V = logits.size(1);
+  const float* inv_t_rows = inverse_temperatures(inv_temperature, "token_stats_fwd", N);
   auto opts = logits.options().dtype(at::kFloat);
   at::Tensor row_max = at::empty({N}, opts), log_norm = at::empty({N}, opts), logprobs = at::empty({N}, opts);
   at::Tensor entropy = at::empty({compute_entropy ? N : 0}, opts);
@@ -260,7 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
   dispatch("token_stats_fwd", logits, [&](auto tag) {
     using T = decltype(tag);
     stats_rows<T>(logits.data_ptr<T>(), logits.stride(0), labels.data_ptr<int64_t>(), N, V,
-                  static_cast<float>(temperature), row_max.data_ptr<float>(), log_norm.data_ptr<float>(),
+                  static_cast<float>(temperature), inv_t_rows, row_max.data_ptr<float>(), log_norm.data_ptr<float>(),
                   logprobs.data_ptr<float>(), compute_entropy ? entropy.data_ptr<float>() : nullptr,
                   compute_sum_pi_squared ? sum_sq.data_ptr<float>() : nullptr);
   });
@@ -269,7 +278,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
 
 void launch_grad(const char* op, const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                  const at::Tensor& log_norm, const std::optional<at::Tensor>& entropy, const at::Tensor& coef_logprob,
-                 const std::optional<at::Tensor>& coef_entropy, double temperature, at::Tensor& dlogits) {
+                 const std::optional<at::Tensor>& coef_entropy, double temperature, at::Tensor& dlogits,
+                 const std::optional<at::Tensor>& inv_temperature) {
   check_rows(op, logits, labels);
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(entropy.has_value() == coef_entropy.has_value(), op, ": entropy and coef_entropy go together");
@@ -282,36 +292,38 @@ void launch_grad(const char* op, const at::Tensor& logits, const at::Tensor& lab
     using T = decltype(tag);
     grad_rows<T>(logits.data_ptr<T>(), logits.stride(0), dlogits.data_ptr<T>(), dlogits.stride(0),
                  labels.data_ptr<int64_t>(), f32(row_max, op, "row_max", N), f32(log_norm, op, "log_norm", N), ent,
-                 f32(coef_logprob, op, "coef_logprob", N), ce, N, V, static_cast<float>(temperature));
+                 f32(coef_logprob, op, "coef_logprob", N), ce, N, V, static_cast<float>(temperature),
+                 inverse_temperatures(inv_temperature, op, N));
   });
 }
 
 at::Tensor token_grad_bwd(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                           const at::Tensor& log_norm, const std::optional<at::Tensor>& entropy,
                           const at::Tensor& coef_logprob, const std::optional<at::Tensor>& coef_entropy,
-                          double temperature) {
+                          double temperature, const std::optional<at::Tensor>& inv_temperature) {
   at::Tensor dlogits = at::empty(logits.sizes(), logits.options());
   launch_grad("token_grad_bwd", logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature,
-              dlogits);
+              dlogits, inv_temperature);
   return dlogits;
 }
 
 void token_grad_bwd_inplace(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                             const at::Tensor& log_norm, const std::optional<at::Tensor>& entropy,
                             const at::Tensor& coef_logprob, const std::optional<at::Tensor>& coef_entropy,
-                            double temperature) {
+                            double temperature, const std::optional<at::Tensor>& inv_temperature) {
   at::Tensor out = logits;  // each row is read before it is written, by the same thread
   launch_grad("token_grad_bwd_inplace", logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy,
-              temperature, out);
+              temperature, out, inv_temperature);
 }
 
 void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                         const at::Tensor& log_norm, const std::optional<at::Tensor>& entropy,
                         const at::Tensor& coef_logprob, const std::optional<at::Tensor>& coef_entropy,
-                        double temperature, const at::Tensor& dlogits) {
+                        double temperature, const at::Tensor& dlogits,
+                        const std::optional<at::Tensor>& inv_temperature) {
   at::Tensor out = dlogits;
   launch_grad("token_grad_bwd_out", logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy,
-              temperature, out);
+              temperature, out, inv_temperature);
 }
 
 }  // namespace
@@ -319,13 +331,15 @@ void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, cons
 // The same schemas as the CUDA extension's ops (csrc/bindings.cpp), in their own namespace.
 TORCH_LIBRARY(rlkernels_cpu, m) {
   m.def("token_stats_fwd(Tensor logits, Tensor labels, float temperature, bool compute_entropy, "
-        "bool compute_sum_pi_squared) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool compute_sum_pi_squared, Tensor? inv_temperature=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("token_grad_bwd(Tensor logits, Tensor labels, Tensor row_max, Tensor log_norm, Tensor? entropy, "
-        "Tensor coef_logprob, Tensor? coef_entropy, float temperature) -> Tensor");
+        "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor? inv_temperature=None) -> Tensor");
   m.def("token_grad_bwd_inplace(Tensor(a!) logits, Tensor labels, Tensor row_max, Tensor log_norm, "
-        "Tensor? entropy, Tensor coef_logprob, Tensor? coef_entropy, float temperature) -> ()");
+        "Tensor? entropy, Tensor coef_logprob, Tensor? coef_entropy, float temperature, "
+        "Tensor? inv_temperature=None) -> ()");
   m.def("token_grad_bwd_out(Tensor logits, Tensor labels, Tensor row_max, Tensor log_norm, Tensor? entropy, "
-        "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor(a!) dlogits) -> ()");
+        "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor(a!) dlogits, "
+        "Tensor? inv_temperature=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_cpu, CPU, m) {

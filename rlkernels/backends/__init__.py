@@ -48,8 +48,7 @@ def available() -> dict:
             "cuda": _cuda_backend() is not None}
 
 
-def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool = False,
-           per_row_temperature: bool = False) -> Backend:
+def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool = False) -> Backend:
     """Pick the backend for these logits. "auto": Triton on CUDA tensors when importable; the CPU
     kernels on CPU tensors of a kernel dtype when they build; else torch (float64 included).
 
@@ -57,16 +56,8 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool =
     rows may carry FOREIGN_TARGET, and the backward must form p from the given (row_max, log_norm),
     the whole vocabulary's normaliser. The kernels (Triton, CUDA, CPU) do both always; the torch
     backend is told to (it otherwise recomputes the softmax of the rows it has, and skips the
-    foreign-target work).
-
-    per_row_temperature: a per-token temperature, which only the torch backend takes so far ("auto"
-    picks it; a kernel backend asked by name refuses)."""
+    foreign-target work)."""
     if name == "torch":
-        return TorchBackend(chunk_rows, vocab_shard)
-    if per_row_temperature:
-        if name != "auto":
-            raise ValueError(f"backend={name!r}: a per-token temperature tensor runs on the torch backend only "
-                             "(pass backend='auto' or 'torch', or a float temperature)")
         return TorchBackend(chunk_rows, vocab_shard)
     if name in ("triton", "cuda", "cpu") and logits.dtype not in KERNEL_DTYPES:
         raise ValueError(

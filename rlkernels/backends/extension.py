@@ -2,7 +2,8 @@
 
 The CUDA kernels (`rlkernels_cuda`, csrc/*.cu) and the CPU kernels (`rlkernels_cpu`,
 csrc/cpu/token_passes.cpp) take the same arguments: logits [N, V] with unit stride along V and one row
-stride, int64 labels, float32 [N] statistics and coefficients. This class adapts the backend protocol
+stride, int64 labels, float32 [N] statistics and coefficients, and a temperature that is one float or
+(a per-token temperature) the rows' float32 1/T. This class adapts the backend protocol
 (base.Backend) to them: casts, and one call per batch row for [B, T, V] views whose rows are not one
 strided sequence (the causal shift), read where they lie instead of copied.
 """
@@ -18,21 +19,22 @@ def register_fakes(namespace: str) -> None:
     """Shape-only implementations, so that the ops trace under torch.compile / FakeTensor."""
 
     @torch.library.register_fake(f"{namespace}::token_stats_fwd")
-    def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared):
+    def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared, inv_temperature=None):
         N = logits.shape[0]
         new = lambda n: logits.new_empty((n,), dtype=torch.float32)  # noqa: E731
         return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
 
     @torch.library.register_fake(f"{namespace}::token_grad_bwd")
-    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature):
+    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inv_temperature=None):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(f"{namespace}::token_grad_bwd_inplace")
-    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature):
+    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inv_temperature=None):
         return None
 
     @torch.library.register_fake(f"{namespace}::token_grad_bwd_out")
-    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits):
+    def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits,
+          inv_temperature=None):
         return None
 
 
@@ -46,10 +48,11 @@ class ExtensionBackend:
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
         # logits: (N, V) or (B, T, V) with unit stride along V; labels: (N,) int64, -1 on skipped rows
         labels = _labels(labels)
+        scalar, inverse = _temperature(temperature)
         pieces = [
             self._ops().token_stats_fwd(
-                rows, labels[start:start + rows.shape[0]], float(temperature), bool(compute_entropy),
-                bool(compute_sum_pi_squared),
+                rows, labels[start:start + rows.shape[0]], scalar, bool(compute_entropy),
+                bool(compute_sum_pi_squared), None if inverse is None else inverse[start:start + rows.shape[0]],
             )
             for start, rows in row_groups(logits)
         ]
@@ -72,14 +75,23 @@ class ExtensionBackend:
             _f32(coef_logprob), _f32(coef_entropy) if has_entropy else None,
         )
         out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        scalar, inverse = _temperature(temperature)
         for start, rows, out_rows in paired_row_groups(logits, out):
             stop = start + rows.shape[0]
-            args = (rows, *(None if v is None else v[start:stop] for v in vectors), float(temperature))
+            args = (rows, *(None if v is None else v[start:stop] for v in vectors), scalar)
+            inv = None if inverse is None else inverse[start:stop]
             if inplace:
-                self._ops().token_grad_bwd_inplace(*args)  # the caller bumps logits' version counter
+                self._ops().token_grad_bwd_inplace(*args, inv)  # the caller bumps logits' version counter
             else:
-                self._ops().token_grad_bwd_out(*args, out_rows)
+                self._ops().token_grad_bwd_out(*args, out_rows, inv)
         return out
+
+
+def _temperature(temperature):
+    """(T, None) for one temperature; (1.0, 1/T as contiguous float32 [N]) for a per-row one."""
+    if isinstance(temperature, torch.Tensor):
+        return 1.0, (1.0 / temperature.to(torch.float64)).to(torch.float32).contiguous()
+    return float(temperature), None
 
 
 def _labels(labels: torch.Tensor) -> torch.Tensor:

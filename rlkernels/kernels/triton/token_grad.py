@@ -8,14 +8,14 @@ import triton.language as tl
 
 from .aot_spec import AotSpec
 from .tl_math import TRITON_DTYPES, all_vocab_configs, vocab_config
-from .token_stats import device_guard, grouped_strides
+from .token_stats import device_guard, grouped_strides, row_temperature
 
 
 @triton.jit
 def _token_grad_bwd_kernel(
     # data ptrs
     logits_ptr, labels_ptr, row_max_ptr, log_norm_ptr, entropy_ptr, coef_logprob_ptr, coef_entropy_ptr,
-    dlogits_ptr,
+    dlogits_ptr, inv_t_ptr,  # inv_t_ptr: (N,) 1 / T per row when ROW_TEMPERATURE
     # shapes
     N, V, rows_per_group,
     # strides
@@ -23,7 +23,7 @@ def _token_grad_bwd_kernel(
     # scalars
     temperature,
     # constexpr
-    HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ROW_TEMPERATURE: tl.constexpr = False,
 ):
     # One program per BLOCK_N rows (grid (cdiv(N, BLOCK_N),), rows on axis 0 only) writes
     # dlogits = (c (onehot - p) - e p (log p + H)) / T block by block: reads N*V and writes N*V
@@ -49,7 +49,10 @@ def _token_grad_bwd_kernel(
     # a row without a distribution (log_norm = -inf) takes log_norm = +inf: p = 0 everywhere and
     # the row's gradient is c / T at the target (-inf - -inf would be NaN)
     log_norm = tl.where(log_norm == float("-inf"), float("inf"), log_norm)
-    inv_t = 1.0 / tl.cast(temperature, tl.float32)  # tl.cast: a float64 scalar must not widen the math (Liger #1366)
+    if ROW_TEMPERATURE:  # a per-token temperature: each row its own 1 / T
+        inv_t = tl.load(inv_t_ptr + offs_n, mask=mask_n, other=1.0)
+    else:  # tl.cast: a float64 scalar must not widen the math (Liger #1366)
+        inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
     # int64 offsets (N * V > 2^31 happens); rows of (B, T, V) views as in the forward
     group, row = offs_n // rows_per_group, offs_n % rows_per_group
     in_ptrs = logits_ptr + group * stride_logits_g + row * stride_logits_n
@@ -61,7 +64,7 @@ def _token_grad_bwd_kernel(
         # inactive rows load nothing: their padding -inf gives p = 0 and the where() below a clean +0
         z = tl.load(in_ptrs[:, None] + offs_v[None, :], mask=active[:, None] & mask_v[None, :],
                     other=float("-inf")).to(tl.float32)
-        log_p = (z - row_max[:, None]) * inv_t - log_norm[:, None]
+        log_p = (z - row_max[:, None]) * inv_t[:, None] - log_norm[:, None]
         p = tl.exp(log_p)
         if HAS_ENTROPY:
             # dH/dzs = -p (log p + H); where p = 0, log p may be -inf and the term is 0 by the limit
@@ -70,7 +73,7 @@ def _token_grad_bwd_kernel(
             g = -p * c[:, None]
         # the target column gets + c: c (1 - p_y) in fp32, rounded to the output dtype only once below
         g = tl.where(offs_v[None, :] == labels[:, None], g + c[:, None], g)
-        g = tl.where(active[:, None], g * inv_t, 0.0)
+        g = tl.where(active[:, None], g * inv_t[:, None], 0.0)
         tl.store(out_ptrs[:, None] + offs_v[None, :], g.to(dlogits_ptr.dtype.element_ty),
                  mask=mask_n[:, None] & mask_v[None, :])
 
@@ -78,7 +81,7 @@ def _token_grad_bwd_kernel(
 def token_grad_bwd(
     logits: torch.Tensor, labels: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
     entropy: Optional[torch.Tensor], coef_logprob: torch.Tensor, coef_entropy: Optional[torch.Tensor],
-    temperature: float, inplace: bool, *, block_v: int = None, block_n: int = None,
+    temperature, inplace: bool, *, block_v: int = None, block_n: int = None,
 ) -> torch.Tensor:
     """dlogits = (c*(onehot - p) + e*(-p*(log p + H))) / T in the logits dtype (SPEC §2), one pass.
 
@@ -89,6 +92,7 @@ def token_grad_bwd(
         entropy: (N,) float32 H, needed when `coef_entropy` is given.
         coef_logprob, coef_entropy: (N,) c = dLoss/dlogprob and e = dLoss/dH (any float dtype and
             stride); `coef_entropy=None` compiles the entropy term out.
+        temperature: T > 0, or an (N,) tensor of per-row temperatures.
         inplace: write dlogits into the logits' storage (the caller bumps the version counter).
         block_v, block_n: test hooks overriding the launch heuristic (powers of two).
     Returns:
@@ -122,13 +126,15 @@ def token_grad_bwd(
     _, out_stride_g, out_stride_n = grouped_strides(out)
     cfg = vocab_config(V, block_v, block_n)
     grid = (triton.cdiv(N, cfg.BLOCK_N),)
+    scalar, inv_t = row_temperature(temperature)
     with device_guard(logits):
         _token_grad_bwd_kernel[grid](
             src, labels, row_max, log_norm, h, c, e, out,
+            c if inv_t is None else inv_t,  # never read when ROW_TEMPERATURE is off
             N, V, rows_per_group,
             stride_g, stride_n, out_stride_g, out_stride_n,
-            float(temperature),
-            HAS_ENTROPY=has_entropy, BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V,
+            scalar,
+            HAS_ENTROPY=has_entropy, BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, ROW_TEMPERATURE=inv_t is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if inplace and out is not logits:
@@ -143,24 +149,26 @@ def aot_specs():
     specs = []
     for dtype in TRITON_DTYPES.values():
         for has_entropy in (False, True):
-            for cfg in all_vocab_configs():
-                constexprs = {"HAS_ENTROPY": has_entropy, "BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V}
-                signature = {
-                    "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32", "log_norm_ptr": "*fp32",
-                    "entropy_ptr": "*fp32", "coef_logprob_ptr": "*fp32", "coef_entropy_ptr": "*fp32",
-                    "dlogits_ptr": f"*{dtype}", "N": "i32", "V": "i32", "rows_per_group": "i32",
-                    "stride_logits_g": "i64", "stride_logits_n": "i32", "stride_dlogits_g": "i64",
-                    "stride_dlogits_n": "i32", "temperature": "fp32",
-                    **{k: "constexpr" for k in constexprs},
-                }
-                specs.append(AotSpec(
-                    name=(f"token_grad_bwd[{dtype},BLOCK_N={cfg.BLOCK_N},BLOCK_V={cfg.BLOCK_V},"
-                          f"HAS_ENTROPY={int(has_entropy)}]"),
-                    fn=_token_grad_bwd_kernel, signature=signature, constexprs=constexprs,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                    # what the JIT sees on a real launch: 16-byte aligned allocations, V % 16 == 0
-                    aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "entropy_ptr",
-                             "coef_logprob_ptr", "coef_entropy_ptr", "dlogits_ptr", "V", "stride_logits_g",
-                             "stride_logits_n", "stride_dlogits_g", "stride_dlogits_n"),
-                ))
+            for row_t in (False, True):
+                for cfg in all_vocab_configs():
+                    constexprs = {"HAS_ENTROPY": has_entropy, "BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V,
+                                  "ROW_TEMPERATURE": row_t}
+                    signature = {
+                        "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32",
+                        "log_norm_ptr": "*fp32", "entropy_ptr": "*fp32", "coef_logprob_ptr": "*fp32",
+                        "coef_entropy_ptr": "*fp32", "dlogits_ptr": f"*{dtype}", "inv_t_ptr": "*fp32", "N": "i32",
+                        "V": "i32", "rows_per_group": "i32", "stride_logits_g": "i64", "stride_logits_n": "i32",
+                        "stride_dlogits_g": "i64", "stride_dlogits_n": "i32", "temperature": "fp32",
+                        **{k: "constexpr" for k in constexprs},
+                    }
+                    specs.append(AotSpec(
+                        name=(f"token_grad_bwd[{dtype},BLOCK_N={cfg.BLOCK_N},BLOCK_V={cfg.BLOCK_V},"
+                              f"HAS_ENTROPY={int(has_entropy)},ROW_TEMPERATURE={int(row_t)}]"),
+                        fn=_token_grad_bwd_kernel, signature=signature, constexprs=constexprs,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        # what the JIT sees on a real launch: 16-byte aligned allocations, V % 16 == 0
+                        aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "entropy_ptr",
+                                 "coef_logprob_ptr", "coef_entropy_ptr", "dlogits_ptr", "inv_t_ptr", "V",
+                                 "stride_logits_g", "stride_logits_n", "stride_dlogits_g", "stride_dlogits_n"),
+                    ))
     return specs

@@ -16,6 +16,7 @@ from .tl_math import TRITON_DTYPES, all_vocab_configs, safe_shift, vocab_config
 def _token_stats_fwd_kernel(
     # data ptrs
     logits_ptr, labels_ptr, row_max_ptr, log_norm_ptr, logprobs_ptr, entropy_ptr, sum_pi_squared_ptr,
+    inv_t_ptr,  # (N,) 1 / T per row when ROW_TEMPERATURE
     # shapes
     N, V, rows_per_group,
     # strides
@@ -24,6 +25,7 @@ def _token_stats_fwd_kernel(
     temperature,
     # constexpr
     HAS_ENTROPY: tl.constexpr, HAS_SUM_PI_SQUARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr = False,
 ):
     # One program per BLOCK_N rows (grid (cdiv(N, BLOCK_N),), rows on axis 0 only): an online max /
     # sum-exp over BLOCK_V-wide blocks reads each logit once (N*V*sizeof(dtype) bytes) and writes 3-5
@@ -40,8 +42,10 @@ def _token_stats_fwd_kernel(
     # int64 offsets (N * V > 2^31 happens); row n lies at (n // rows) * stride_g + (n % rows) * stride_n,
     # so [B, T, V] views such as the causal shift model_out[:, :-1] are read without a copy
     row_ptrs = logits_ptr + (offs_n // rows_per_group) * stride_logits_g + (offs_n % rows_per_group) * stride_logits_n
-    # tl.cast: a float64 scalar (Inductor, Liger #1366) must not widen the math
-    inv_t = 1.0 / tl.cast(temperature, tl.float32)
+    if ROW_TEMPERATURE:  # a per-token temperature: each row its own 1 / T
+        inv_t = tl.load(inv_t_ptr + offs_n, mask=mask_n, other=1.0)
+    else:  # tl.cast: a float64 scalar (Inductor, Liger #1366) must not widen the math
+        inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
 
     # m_i: running max of the raw logits z (T > 0 keeps the argmax); with shift = safe_shift(m_i),
     # d = (z - shift) / T is exact up to one rounding of the product (Sterbenz), and
@@ -62,7 +66,7 @@ def _token_stats_fwd_kernel(
         shift = safe_shift(m_new)
         dm = (m_i - shift) * inv_t  # -inf while no finite entry was seen: alpha = 0 and l = t = s = 0
         alpha = tl.exp(dm)
-        d = (z - shift[:, None]) * inv_t
+        d = (z - shift[:, None]) * inv_t[:, None]
         ex = tl.exp(d)
         if HAS_ENTROPY:
             # re-centre t on the new shift, t' = alpha * (t + dm * l); the l_i > 0 guard stops the
@@ -100,6 +104,13 @@ class TokenStatsResult(NamedTuple):
     sum_pi_squared: Optional[torch.Tensor]
 
 
+def row_temperature(temperature):
+    """(T, None) for one temperature; (1.0, contiguous float32 (N,) 1 / T) for a per-row one."""
+    if isinstance(temperature, torch.Tensor):
+        return 1.0, (1.0 / temperature.to(torch.float64)).to(torch.float32).contiguous()
+    return float(temperature), None
+
+
 def grouped_strides(logits: torch.Tensor):
     """(rows per group, group stride, row stride) of (N, V) or (B, T, V) logits: flat row n starts at
     (n // rows) * group_stride + (n % rows) * row_stride."""
@@ -114,7 +125,7 @@ def device_guard(t: torch.Tensor):
 
 
 def token_stats_fwd(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool,
+    logits: torch.Tensor, labels: torch.Tensor, temperature, compute_entropy: bool,
     compute_sum_pi_squared: bool, *, block_v: int = None, block_n: int = None,
 ) -> TokenStatsResult:
     """Log-normaliser, logprob (and entropy, sum p^2) of every row of softmax(logits / T) in one pass (SPEC §2).
@@ -122,7 +133,8 @@ def token_stats_fwd(
     Args:
         logits: (N, V) or (B, T, V) float16/bfloat16/float32, any strides (copied only if the V stride is not 1).
         labels: (N,) integer; rows with a label outside [0, V) give 0 everywhere and are not read.
-        temperature: T > 0, passed to the kernel as an fp32 run-time scalar.
+        temperature: T > 0, passed to the kernel as an fp32 run-time scalar; or an (N,) tensor of per-row
+            temperatures (a per-token temperature), passed as 1 / T in float32.
         block_v, block_n: test hooks overriding the launch heuristic (powers of two).
     Returns:
         TokenStatsResult(row_max, log_norm, logprobs, entropy, sum_pi_squared), (N,) float32 each, with
@@ -148,16 +160,19 @@ def token_stats_fwd(
         return TokenStatsResult(row_max, log_norm, logprobs, entropy, sum_pi_squared)
     cfg = vocab_config(V, block_v, block_n)
     grid = (triton.cdiv(N, cfg.BLOCK_N),)
+    scalar, inv_t = row_temperature(temperature)
     with device_guard(logits):
         _token_stats_fwd_kernel[grid](
             logits, labels, row_max, log_norm, logprobs,
             logprobs if entropy is None else entropy,  # never written when the flag is off
             logprobs if sum_pi_squared is None else sum_pi_squared,
+            logprobs if inv_t is None else inv_t,  # never read when ROW_TEMPERATURE is off
             N, V, rows_per_group,
             stride_g, stride_n,
-            float(temperature),
+            scalar,
             HAS_ENTROPY=compute_entropy, HAS_SUM_PI_SQUARED=compute_sum_pi_squared,
-            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, ROW_TEMPERATURE=inv_t is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return TokenStatsResult(row_max, log_norm, logprobs, entropy, sum_pi_squared)
 
@@ -168,27 +183,30 @@ def aot_specs():
     for dtype in TRITON_DTYPES.values():
         for has_entropy in (False, True):
             for has_s2 in (False, True):
-                for cfg in all_vocab_configs():
-                    constexprs = {
-                        "HAS_ENTROPY": has_entropy, "HAS_SUM_PI_SQUARED": has_s2,
-                        "BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V,
-                    }
-                    signature = {
-                        "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32",
-                        "log_norm_ptr": "*fp32", "logprobs_ptr": "*fp32",
-                        "entropy_ptr": "*fp32", "sum_pi_squared_ptr": "*fp32", "N": "i32", "V": "i32",
-                        "rows_per_group": "i32", "stride_logits_g": "i64", "stride_logits_n": "i32",
-                        "temperature": "fp32",
-                        **{k: "constexpr" for k in constexprs},
-                    }
-                    specs.append(AotSpec(
-                        name=(f"token_stats_fwd[{dtype},BLOCK_N={cfg.BLOCK_N},BLOCK_V={cfg.BLOCK_V},"
-                              f"HAS_ENTROPY={int(has_entropy)},HAS_SUM_PI_SQUARED={int(has_s2)}]"),
-                        fn=_token_stats_fwd_kernel, signature=signature, constexprs=constexprs,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                        # what the JIT sees on a real launch: torch allocations are 16-byte aligned and
-                        # LLM vocabularies (and so the row stride) are multiples of 16
-                        aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "logprobs_ptr",
-                                 "entropy_ptr", "sum_pi_squared_ptr", "V", "stride_logits_g", "stride_logits_n"),
-                    ))
+                for row_t in (False, True):
+                    for cfg in all_vocab_configs():
+                        constexprs = {
+                            "HAS_ENTROPY": has_entropy, "HAS_SUM_PI_SQUARED": has_s2,
+                            "BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V, "ROW_TEMPERATURE": row_t,
+                        }
+                        signature = {
+                            "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32",
+                            "log_norm_ptr": "*fp32", "logprobs_ptr": "*fp32",
+                            "entropy_ptr": "*fp32", "sum_pi_squared_ptr": "*fp32", "inv_t_ptr": "*fp32",
+                            "N": "i32", "V": "i32", "rows_per_group": "i32", "stride_logits_g": "i64",
+                            "stride_logits_n": "i32", "temperature": "fp32",
+                            **{k: "constexpr" for k in constexprs},
+                        }
+                        specs.append(AotSpec(
+                            name=(f"token_stats_fwd[{dtype},BLOCK_N={cfg.BLOCK_N},BLOCK_V={cfg.BLOCK_V},"
+                                  f"HAS_ENTROPY={int(has_entropy)},HAS_SUM_PI_SQUARED={int(has_s2)},"
+                                  f"ROW_TEMPERATURE={int(row_t)}]"),
+                            fn=_token_stats_fwd_kernel, signature=signature, constexprs=constexprs,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            # what the JIT sees on a real launch: torch allocations are 16-byte aligned and
+                            # LLM vocabularies (and so the row stride) are multiples of 16
+                            aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "logprobs_ptr",
+                                     "entropy_ptr", "sum_pi_squared_ptr", "inv_t_ptr", "V", "stride_logits_g",
+                                     "stride_logits_n"),
+                        ))
     return specs
