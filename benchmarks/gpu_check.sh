@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
-# Runs in under 10 minutes (step limits 130 + 120 + 45 + 60 + 30 + 75 + 60 + 30 + 45 s = 9.9 min): versions,
+# Runs in under 10 minutes (step limits 130 + 110 + 45 + 60 + 30 + 70 + 55 + 30 + 40 + 25 s = 9.9 min): versions,
 # optional CUDA extension build, GPU tests, Triton kernel tests, the per-sequence stage eager vs compiled
-# (Inductor kernel count, no recompilation over a hyperparameter schedule; the loss family's options too), the 8192 x 151936 bf16 head-to-head
+# (Inductor kernel count, no recompilation over a hyperparameter schedule; the loss family's options too),
+# the sampler replay (kept set K = 50 / V, per-token temperature), the 8192 x 151936 bf16 head-to-head
 # (triton vs cuda vs torch backend vs naive, GB/s vs the bytes model), the fused-linear loss against the
 # GEMM alone, and the quick CUDA suite.
 # Logs and JSON go to $OUT (default benchmarks/results/gpu).
@@ -32,7 +33,7 @@ if [ "${BUILD_CUDA:-1}" = "1" ]; then
 fi
 $PY -c "from rlkernels import backends; print('backends available:', backends.available())" 2>&1 | tee "$OUT/backends.log"
 
-step gpu_tests 120 $PY -m pytest -m gpu -q -x -p no:cacheprovider
+step gpu_tests 110 $PY -m pytest -m gpu -q -x -p no:cacheprovider
 if ls tests/kernels/test_*.py > /dev/null 2>&1; then
   step triton_kernel_tests 45 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
 fi
@@ -46,19 +47,23 @@ step stage_family 30 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 
   --json "$OUT/stage-family.json"
 
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
-step headline 75 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
+step headline 70 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
   --providers "naive,rlkernels[torch],rlkernels[triton],rlkernels[cuda]" --warmup 3 --reps 20 --max-seconds 4 --no-plot \
   --shape ppo:seq_mis:8192:151936:bf16 --shape logprobs:-:8192:151936:bf16
 
 # the fused-linear loss at 8192 x 4096 x 151936 bf16, half the rows in the loss, against the GEMM alone:
 # rlkernels[linear] should approach (1 + 3f) t_GEMM (forward GEMM on f of the rows, backward 3 GEMMs on them)
-step linear 60 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
+step linear 55 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
   --providers "naive,rlkernels[logits],rlkernels[linear],liger" --reps 10 --out "$OUT" --tag h200-linear-8192x4096x151936
 
 # the CPU kernels on this machine's host CPU (a second CPU and compiler besides the development VM)
 step cpu_kernels 30 $PY -m benchmarks.cpu --N 2048 --reps 3 --no-contended --json "$OUT/cpu-kernels.json"
 
-step quick_suite 45 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
+# sampler replay: the kept set (K = 50, and every id) and a per-token temperature against the full pass
+step sampler 40 $PY -m benchmarks.sampler --device cuda --N 1024 --V 151936 --dtype bf16 --K 50 --K 151936 --reps 5 \
+  --json "$OUT/sampler.json"
+
+step quick_suite 25 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
 
 # ---- summary, last
 echo

@@ -24,3 +24,15 @@ def test_cpu_benchmark_runs_and_measures_every_provider(tmp_path):
             assert all(ms > 0 for ms in results[state].values())
     assert results["floor"]["read_GBps"] > 0
     assert json.loads(out.read_text())["N"] == 64
+
+
+def test_sampler_benchmark_runs_every_variant(tmp_path):
+    """benchmarks/sampler.py at a tiny size: the full pass, the per-token temperature, and the kept set
+    and its naive masked form at each K, with and without the backward (figures not checked)."""
+    sampler = pytest.importorskip("benchmarks.sampler")
+    out = tmp_path / "sampler.json"
+    results = sampler.main(["--N", "32", "--V", "64", "--K", "5", "--K", "64", "--reps", "1", "--json", str(out)])
+    for case in ("fwd+bwd", "fwd"):
+        assert set(results[case]) == {"full", "full+T_t", "kept K=5", "naive K=5", "kept K=64", "naive K=64"}
+        assert results[case]["full"]["vs_full"] == 1.0
+    assert json.loads(out.read_text())["K"] == [5, 64]
