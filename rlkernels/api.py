@@ -236,8 +236,14 @@ def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inpla
     the gathered kept logits (sampler.py), no pass over the vocabulary."""
     if support is not None:
         rows = _logit_rows(logits, False)
-        return sampler.kept_set_stats(sampler.logits_kept(rows, support), support >= 0,
-                                      sampler.label_slots(support, row_labels), temperature, entropy, sum_pi_squared)
+        if sampler.gathers(support.shape[1], rows.shape[-1]):
+            return sampler.kept_set_stats(sampler.logits_kept(rows, support), support >= 0,
+                                          sampler.label_slots(support, row_labels), temperature, entropy,
+                                          sum_pi_squared)
+        # a large kept set: the vocabulary pass over logits masked to -inf outside it (a temporary of
+        # ours, so its gradient may overwrite it in place)
+        logits = rows.masked_fill(~sampler.kept_mask(support, rows.shape[-1]).reshape(rows.shape), float("-inf"))
+        inplace = True
     rows = _logit_rows(logits, inplace)
     per_row = isinstance(temperature, torch.Tensor)
     name = backends.select(backend, rows, chunk_rows).name
@@ -511,7 +517,7 @@ def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_
     """The fused-linear forward as a custom op (or, with tp_group, its vocabulary-parallel form); the
     backend is chosen here, once per call. With a sampling support: only the kept ids' logits, from
     the K gathered rows of the head (sampler.py), for the rows in the loss."""
-    if support is not None:
+    if support is not None and sampler.gathers(support.shape[1], weight.shape[0]):
         return _linear_kept_set_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared,
                                       budget, support)
     per_row = isinstance(temperature, torch.Tensor)
@@ -524,7 +530,7 @@ def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_
         )
     _, _, lp, ent, s2 = linear.linear_token_stats(
         hidden2d, weight, bias, row_labels, temperature if per_row else custom_ops.temperature_tensor(temperature),
-        entropy, sum_pi_squared, name, chunk_rows,
+        entropy, sum_pi_squared, name, chunk_rows, False, support,  # a large kept set: masked chunks of logits
     )
     return lp, ent if entropy else None, s2 if sum_pi_squared else None
 

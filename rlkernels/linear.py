@@ -31,6 +31,7 @@ from torch import Tensor
 
 from . import backends
 from .custom_ops import refuse_double_backward, temperature_value
+from .sampler import kept_mask
 
 # Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
 # thousand rows to run at full rate (512 MiB is ~1,700 rows at V = 151,936 in bf16, a fifth of the
@@ -92,6 +93,14 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden
         acc[v0:v0 + block].add_(product)
 
 
+def _kept(logits: Tensor, support: Optional[Tensor], idx: Tensor) -> Tensor:
+    """The chunk's logits, set to -inf outside the rows' kept ids when a support is given (in place:
+    the chunk is ours)."""
+    if support is None:
+        return logits
+    return logits.masked_fill_(~kept_mask(support.index_select(0, idx), logits.shape[-1]), float("-inf"))
+
+
 def _rows_of(temperature, idx: torch.Tensor):
     """The temperature of the chunk's rows: the float, or those rows of a per-row tensor."""
     return temperature.index_select(0, idx) if isinstance(temperature, torch.Tensor) else temperature
@@ -101,13 +110,15 @@ def _rows_of(temperature, idx: torch.Tensor):
 def linear_token_stats(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, temperature: Tensor,
     compute_entropy: bool, compute_sum_pi_squared: bool, backend: str, chunk_rows: int, vocab_shard: bool = False,
+    support: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row_max, log_norm, logprobs, entropy, sum_pi_squared), [N] each (absent ones empty [0]).
 
     hidden: (N, H); weight: (V, H); bias: (V,) or None; row_labels: (N,) int64, -1 off the loss.
     A custom op, so that torch.compile sees one opaque op with [N] outputs (the row selection inside
     has a data-dependent size). vocab_shard: the weight is one shard of a vocabulary-parallel head
-    (see backends.select)."""
+    (see backends.select). support: (N, K) kept ids (sampler replay, a large kept set): the logits
+    outside them are set to -inf before the pass (p = 0 there, and a zero gradient)."""
     impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
     T = temperature_value(temperature)
     N = hidden.shape[0]
@@ -119,7 +130,7 @@ def linear_token_stats(
     rows = _rows(row_labels != -1)  # -1: outside the loss (-2: target in another vocabulary shard)
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
-        logits = _head(hidden.index_select(0, idx), weight, bias)
+        logits = _kept(_head(hidden.index_select(0, idx), weight, bias), support, idx)
         stats = impl.token_stats_fwd(
             logits, row_labels.index_select(0, idx), _rows_of(T, idx), compute_entropy, compute_sum_pi_squared
         )
@@ -132,7 +143,7 @@ def linear_token_stats(
 
 @linear_token_stats.register_fake
 def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend, chunk_rows,
-      vocab_shard=False):
+      vocab_shard=False, support=None):
     N = hidden.shape[0]
     new = lambda n: hidden.new_empty(n, dtype=backends.statistics_dtype(hidden.dtype))  # noqa: E731
     return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
@@ -142,7 +153,7 @@ def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_su
 def linear_token_grad(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, row_max: Tensor, log_norm: Tensor,
     entropy: Tensor, coef_logprob: Tensor, coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
-    need_hidden: bool, need_weight: bool, need_bias: bool, vocab_shard: bool = False,
+    need_hidden: bool, need_weight: bool, need_bias: bool, vocab_shard: bool = False, support: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
@@ -162,7 +173,7 @@ def linear_token_grad(
         idx = rows[start:start + chunk_rows]
         h = hidden.index_select(0, idx)
         grad_logits = impl.token_grad_bwd(
-            _head(h, weight, bias), row_labels.index_select(0, idx), row_max.index_select(0, idx),
+            _kept(_head(h, weight, bias), support, idx), row_labels.index_select(0, idx), row_max.index_select(0, idx),
             log_norm.index_select(0, idx), None if e is None else entropy.index_select(0, idx),
             c.index_select(0, idx), None if e is None else e.index_select(0, idx), _rows_of(T, idx),
             True,  # the chunk's logits are ours: the gradient overwrites them
@@ -182,7 +193,7 @@ def linear_token_grad(
 
 @linear_token_grad.register_fake
 def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend,
-      chunk_rows, need_hidden, need_weight, need_bias, vocab_shard=False):
+      chunk_rows, need_hidden, need_weight, need_bias, vocab_shard=False, support=None):
     dense = dict(memory_format=torch.contiguous_format)  # what the real op returns, whatever the input layout
     return (
         torch.empty_like(hidden, **dense) if need_hidden else hidden.new_empty(0),
@@ -192,16 +203,16 @@ def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, row_labels, temperature, _, _, backend, chunk_rows, vocab_shard = inputs
+    hidden, weight, bias, row_labels, temperature, _, _, backend, chunk_rows, vocab_shard, support = inputs
     row_max, log_norm, _, entropy, sum_pi_squared = output
-    ctx.save_for_backward(hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature)
+    ctx.save_for_backward(hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support)
     ctx.options = (backend, chunk_rows, vocab_shard)
     ctx.mark_non_differentiable(row_max, log_norm, sum_pi_squared)
 
 
 def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared):
     refuse_double_backward()
-    hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature = ctx.saved_tensors
+    hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support = ctx.saved_tensors
     backend, chunk_rows, vocab_shard = ctx.options
     c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
     use_entropy = grad_entropy is not None and entropy.numel() > 0
@@ -209,10 +220,10 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     d_hidden, d_weight, d_bias = linear_token_grad(
         hidden, weight, bias, row_labels, row_max, log_norm, entropy, c, e, temperature, backend, chunk_rows,
-        need_h, need_w, need_b, vocab_shard,
+        need_h, need_w, need_b, vocab_shard, support,
     )
     return (d_hidden if need_h else None, d_weight if need_w else None,
-            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None)
+            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None, None)
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)

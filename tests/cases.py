@@ -94,6 +94,9 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                                    "the kept-set gradient is an fp32 autograd composition (the entropy's p (log p + "
                                    "H) terms err by ~1e-6 relative) rounded once to bf16: near a rounding midpoint "
                                    "it and the rounded oracle land one ulp (2^-7) apart"),
+    ("sampler.dlogits", F16): Tol(ULP[F16], 1e-5,
+                                  "as the bf16 row: one fp16 ulp (2^-10) apart near a rounding midpoint; "
+                                  + _FP16_SUBNORMAL),
     ("dlogits", F16): Tol(max(2e-5, HALF_ULP[F16]), 1e-5,
                           "the fp32 row, then one more rounding to fp16 (half an ulp, 2^-11), which dominates; "
                           + _FP16_SUBNORMAL),

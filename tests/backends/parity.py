@@ -56,7 +56,7 @@ def check_against_reference(batch, mode, config, *, backend, device="cpu"):
     return out, expected
 
 
-def _label_column_floor(batch, config, ref_grad, temperature=None) -> float:
+def _label_column_floor(batch, config, ref_grad, temperature=None, support=None) -> float:
     """The label column's gradient is (c_t / T)(p_y - 1): in float32, p_y - 1 of a confident token (p_y
     near 1) carries the rounding of p_y (and of the row's log-normaliser), an absolute ~2^-23 that no
     scale of the gradient's own size covers (the row's entries are all ~|c_t|/T (1 - p_y)). This floor
@@ -69,6 +69,9 @@ def _label_column_floor(batch, config, ref_grad, temperature=None) -> float:
     t = config.temperature if temperature is None else torch.broadcast_to(
         torch.as_tensor(temperature, dtype=torch.float64), batch.labels.shape).reshape(-1)[valid, None]
     z = batch.logits.double().reshape(-1, V)[valid] / t
+    if support is not None:  # a kept set: p is renormalised over it
+        from rlkernels.sampler import kept_mask
+        z = z.masked_fill(~kept_mask(support.reshape(-1, support.shape[-1])[valid], V), float("-inf"))
     p_y = torch.softmax(z, -1).gather(1, labels[valid, None]).squeeze(1)
     g_y = ref_grad.reshape(-1, V)[valid].gather(1, labels[valid, None]).squeeze(1)
     finite = torch.isfinite(g_y) & (p_y < 1)
