@@ -81,6 +81,9 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
     ("trl", F64): Tol(1e-9, 1e-9, "TRL's _compute_loss vs rlkernels in float64: the same formulas summed in another "
                                   "order (TRL has no epsilon in a denominator); atol scales by the sum of the terms' "
                                   "magnitudes, in which terms of both signs cancel"),
+    ("trl.trainer", F32): Tol(1e-5, 1e-6, "TRL's trainer (its fused LM head, float32 tiles) against rlkernels' "
+                                          "fused-linear loss on the same float32 model and batch: the same math, "
+                                          "other summation orders over V and H"),
     ("trl.sapo", F64): Tol(1e-6, 1e-6, "TRL builds SAPO's temperatures with torch.where(A > 0, tau_pos, tau_neg) "
                                        "of two Python floats: a float32 tensor, so tau_neg = 1.05 carries a "
                                        "relative 2^-24 ~ 6e-8 error that the gate and 4 / tau amplify a few times"),

@@ -1,0 +1,117 @@
+"""rlkernels inside TRL 1.16: `GRPOTrainer`, a drop-in for `trl.GRPOTrainer`.
+
+    from rlkernels.integrations.trl import GRPOTrainer   # instead of: from trl import GRPOTrainer
+
+Same constructor, plus `rollout_correction=` (a `RolloutCorrection` applied against the sampler's
+log-probs, in place of TRL's vLLM importance sampling). The loss is computed by
+`rlkernels.linear_decoupled_ppo_loss` from the policy's last hidden states and its LM head: the [B, C, V]
+logits of the completions are never formed (TRL's own path patches the model's forward with a fused
+head). Everything else (generation, rewards, advantages, old / reference log-probs, logging) is TRL's.
+
+The configuration comes from `PolicyLossConfig.from_trl(args)`: TRL's loss type as its loss and
+aggregation, epsilons, delta, beta with TRL's (bias-corrected) k3, importance-sampling level, OPSM,
+SAPO / VESPO parameters, the sampling temperature; unsupported options raise naming the option. The
+normalisers are TRL's: the grpo-like types divide by the gradient-accumulation steps, dapo / cispo /
+vespo by `num_items_in_batch` over the processes and the accumulation window; the entropy bonus is a
+token mean divided by the accumulation steps. TRL's vLLM importance-sampling ratios (already computed,
+NaN log-probs turned into ratio 1) are passed as `is_weights`.
+
+Limits (each raises): vision-language inputs, MoE auxiliary losses, `top_entropy_quantile < 1`,
+adaptive entropy. The decoder is called through `get_decoder()` of the unwrapped model: under DDP /
+FSDP wrappers use the logits-free path only if your wrapper tolerates calls to submodules (single
+process and DeepSpeed ZeRO-1/2 do).
+"""
+
+from typing import Optional
+
+import torch
+
+try:
+    from trl import GRPOTrainer as _TRLGRPOTrainer
+except ImportError as exc:  # pragma: no cover - the message says what to install
+    raise ImportError("rlkernels.integrations.trl needs TRL 1.16: pip install 'rlkernels[trl]'") from exc
+
+from .. import api
+from ..config import PolicyLossConfig, RolloutCorrection
+
+# TRL loss types whose normaliser is the window's token count (`num_items_in_batch`), not the
+# gradient-accumulation steps
+_TOKEN_COUNT_LOSSES = ("dapo", "cispo", "vespo")
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
+                "num_tiles", "image_position_ids", "mm_token_type_ids", "token_type_ids")
+
+
+class GRPOTrainer(_TRLGRPOTrainer):
+    """`trl.GRPOTrainer` with rlkernels computing the loss (see the module docstring)."""
+
+    def __init__(self, *args, rollout_correction: Optional[RolloutCorrection] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if rollout_correction is not None and not isinstance(rollout_correction, RolloutCorrection):
+            raise TypeError(f"rollout_correction: expected a RolloutCorrection or None, got "
+                            f"{type(rollout_correction).__name__}")
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError("model: MoE router auxiliary losses are not supported by rlkernels' GRPOTrainer")
+        config = PolicyLossConfig.from_trl(self.args)
+        # TRL's own vLLM weights arrive as `importance_sampling_ratio` and go in as is_weights; a
+        # RolloutCorrection given here replaces them (computed from the sampler's log-probs)
+        self.rlkernels_config = config.with_overrides(rollout_correction=rollout_correction)
+        self.rlkernels_uses_own_correction = rollout_correction is not None
+
+    def _compute_loss(self, model, inputs):
+        for key in _VISION_KEYS:
+            if inputs.get(key) is not None:
+                raise ValueError(f"inputs: {key!r} (vision-language models) is not supported by rlkernels' "
+                                 "GRPOTrainer; use trl.GRPOTrainer")
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        P, C = prompt_ids.size(1), completion_ids.size(1)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+
+        # hidden state t predicts token t + 1: positions P - 1 .. P + C - 2 predict the completion
+        unwrapped = self.accelerator.unwrap_model(model)
+        head = unwrapped.get_output_embeddings()
+        with self.accelerator.autocast():
+            hidden = unwrapped.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = hidden[:, P - 1:P + C - 1].to(head.weight.dtype)
+
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        config = self.rlkernels_config
+        overrides = {}
+        if self.loss_type in _TOKEN_COUNT_LOSSES:
+            normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normaliser = normaliser * accumulation / self.args.steps_per_generation
+            # a host read of one scalar (TRL's normaliser is a tensor; the config takes a float)
+            overrides.update(global_num_tokens=float(normaliser), entropy_coeff=config.entropy_coeff / accumulation)
+        old = inputs.get("old_per_token_logps")
+        sampling = inputs.get("sampling_per_token_logps")
+        is_weights = None
+        if sampling is not None and old is not None:  # TRL: a token vLLM could not score gets ratio 1
+            sampling = torch.where(torch.isnan(sampling), old, sampling)
+        if not self.rlkernels_uses_own_correction and "importance_sampling_ratio" in inputs:
+            ratio = inputs["importance_sampling_ratio"]
+            is_weights = ratio.expand_as(completion_ids).to(torch.float32) if ratio.dim() == 2 else ratio
+        use_sampling = self.rlkernels_uses_own_correction or config.off_policy_mask_threshold is not None
+        out = api.linear_decoupled_ppo_loss(
+            hidden, head.weight, completion_ids, inputs["advantages"], mask.bool(), bias=head.bias,
+            old_logprobs=old, rollout_logprobs=sampling if (use_sampling and sampling is not None) else None,
+            ref_logprobs=inputs.get("ref_per_token_logps") if config.kl_coef else None,
+            is_weights=is_weights, config=config, validate=False, **overrides,
+        )
+        loss = out.loss if self.loss_type in _TOKEN_COUNT_LOSSES else out.loss / accumulation
+        self._log_rlkernels_metrics(mode, out.metrics)
+        return loss
+
+    def _log_rlkernels_metrics(self, mode, metrics):
+        """rlkernels' metrics under their names, plus TRL's where they mean the same, gathered across
+        processes and averaged as TRL averages its own."""
+        names = {"actor/pg_clipfrac": "clip_ratio/region_mean", "actor/entropy": "entropy"}
+        values = api.metrics_to_floats(metrics)  # one synchronisation
+        for name, value in values.items():
+            gathered = self.accelerator.gather(torch.tensor(value, device=self.accelerator.device)).nanmean().item()
+            self._metrics[mode][name].append(gathered)
+            if name in names:
+                self._metrics[mode][names[name]].append(gathered)

@@ -1,0 +1,210 @@
+"""rlkernels.integrations.trl.GRPOTrainer against TRL 1.16's own GRPOTrainer, on a tiny randomly
+initialised Qwen2 and a word-level tokenizer built in code (nothing downloaded).
+
+Same batch, same weights: TRL's `_compute_loss` (its fused LM head) and ours (hidden states and the LM
+head through `linear_decoupled_ppo_loss`) give the same loss and the same gradient of every parameter,
+to 1e-5 relative in float32 (TOL "trl.trainer"), for every TRL loss type with its options; then three
+real training steps (generation, rewards, the optimizer) with the drop-in trainer.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from ..cases import tol
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    trl = pytest.importorskip("trl", reason="TRL 1.16 is not installed (pip install 'rlkernels[trl]')")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    from rlkernels import PolicyLossConfig, RolloutCorrection
+    from rlkernels.integrations.trl import GRPOTrainer
+
+VOCAB = 300
+
+
+def _tokenizer():
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(VOCAB - len(specials))])}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.padding_side = "left"
+    return tok
+
+
+def _model(tok, seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.eos_token_id)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 8.0  # completions of different lengths
+    return model
+
+
+def _dataset(n=8):
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(2, 5, (n,), generator=g).tolist()
+    prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 3, (k,), generator=g)) for k in lengths]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def _reward(completions, **kwargs):
+    return [sum(w.startswith("w") and int(w[1:]) < 75 for w in c.split()) / max(len(c.split()), 1)
+            for c in completions]
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=4,
+                num_generations=4, max_completion_length=6, logging_steps=1, save_strategy="no", seed=0)
+    base.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trl.GRPOConfig(**base)
+
+
+def _batch(tok, model, beta, vllm, seed=0):
+    """A batch as TRL's `_generate_and_score_completions` hands it to `_compute_loss`."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, C = 4, 4, 6
+    prompt_ids = torch.randint(3, VOCAB, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # left padding
+    prompt_ids[0, :2] = tok.pad_token_id
+    completion_ids = torch.randint(3, VOCAB, (B, C), generator=g)
+    completion_mask = torch.ones(B, C, dtype=torch.long)
+    completion_mask[1, 4:] = 0  # an early <eos>
+    completion_mask[2, 2:] = 0
+    old = -torch.rand(B, C, generator=g) * 6 - 5  # about the toy model's log-probs, ratios far from 1
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": torch.randn(B, generator=g),
+              "old_per_token_logps": old, "num_items_in_batch": completion_mask.sum().float()}
+    with torch.no_grad():
+        logits = model(torch.cat([prompt_ids, completion_ids], 1),
+                       attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits[:, P - 1:-1]
+        lp = torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    inputs["old_per_token_logps"] = lp + 0.3 * torch.randn(B, C, generator=g)  # both clip sides bind
+    if beta:
+        inputs["ref_per_token_logps"] = lp + 0.2 * torch.randn(B, C, generator=g)
+    if vllm:
+        sampling = inputs["old_per_token_logps"] + 0.1 * torch.randn(B, C, generator=g)
+        inputs["sampling_per_token_logps"] = sampling
+        diff = (inputs["old_per_token_logps"] - sampling) * completion_mask
+        ratio = torch.exp(diff.sum(-1, keepdim=True) if vllm.startswith("sequence") else diff)
+        inputs["importance_sampling_ratio"] = (ratio.clamp(max=3.0) if vllm.endswith("truncate")
+                                               else ratio.masked_fill(ratio > 3.0, 0.0))
+    return inputs
+
+
+CONFIGS = [
+    dict(loss_type="grpo"), dict(loss_type="bnpo"), dict(loss_type="dapo"), dict(loss_type="dr_grpo"),
+    dict(loss_type="luspo", importance_sampling_level="sequence"), dict(loss_type="sapo"),
+    dict(loss_type="cispo", epsilon_high=5.0), dict(loss_type="vespo"),
+    dict(loss_type="grpo", beta=0.04), dict(loss_type="dapo", beta=0.04, use_bias_correction_kl=False),
+    dict(loss_type="grpo", delta=1.6, epsilon_high=0.28), dict(loss_type="grpo", importance_sampling_level="sequence"),
+    dict(loss_type="dapo", off_policy_mask_threshold=0.1, vllm="token_truncate"),
+    dict(loss_type="grpo", entropy_coef=0.01, temperature=0.7),
+    dict(loss_type="bnpo", vllm="sequence_mask"),
+    dict(loss_type="dapo", vllm="token_mask", gradient_accumulation_steps=2),
+]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_loss_and_gradients_match_trls_trainer(tmp_path, kw):
+    kw = dict(kw)
+    vllm = kw.pop("vllm", None)
+    tok = _tokenizer()
+    args = _args(tmp_path, **kw)
+    # built with beta = 0 (a reference model would be loaded from the Hub by name), then given the real
+    # args: the reference log-probs come in the batch
+    built = _args(tmp_path, **{**kw, "beta": 0.0})
+    model_theirs, model_ours = _model(tok), _model(tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.GRPOTrainer(model=model_theirs, reward_funcs=_reward, args=built, train_dataset=_dataset(),
+                                 processing_class=tok)
+        ours = GRPOTrainer(model=model_ours, reward_funcs=_reward, args=built, train_dataset=_dataset(),
+                           processing_class=tok)
+    args.use_vllm = args.vllm_importance_sampling_correction = bool(vllm)  # what vLLM would switch on
+    args.vllm_importance_sampling_mode = vllm or "sequence_mask"
+    for trainer in (theirs, ours):
+        trainer.args, trainer.beta = args, args.beta
+        trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by the train loop
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = bool(vllm)
+    # TRL's own ratios arrive in the batch (importance_sampling_ratio) and go in as is_weights
+    ours.rlkernels_config = PolicyLossConfig.from_trl(args).with_overrides(rollout_correction=None)
+    inputs = _batch(tok, model_theirs, args.beta, vllm)
+    losses, grads = [], []
+    for trainer, model in ((theirs, model_theirs), (ours, model_ours)):
+        model.train()
+        model.zero_grad()
+        loss = trainer._compute_loss(model, copy.deepcopy(inputs))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    q = tol("trl.trainer", torch.float32, scale=max(1.0, float(losses[0].abs())))
+    assert abs(float(losses[1] - losses[0])) <= q["atol"] + q["rtol"] * abs(float(losses[0])), (losses, kw)
+    assert grads[0].keys() == grads[1].keys()
+    worst = max(float((grads[1][n] - grads[0][n]).abs().max()) / max(float(grads[0][n].abs().max()), 1e-30)
+                for n in grads[0])
+    assert worst <= tol("trl.trainer", torch.float32)["rtol"], f"max |d grad| / max |grad| = {worst:.2e}"
+    assert "clip_ratio/region_mean" in ours._metrics["train"] or kw.get("loss_type") in ("sapo", "cispo", "vespo")
+
+
+def test_drop_in_trainer_trains(tmp_path):
+    """Three real steps: TRL generates, scores and logs; rlkernels computes the loss."""
+    tok = _tokenizer()
+    args = _args(tmp_path, max_steps=3, loss_type="dapo", num_iterations=2, learning_rate=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(model=_model(tok), reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                              processing_class=tok)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+    assert trainer.state.global_step == 3
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert moved, "no parameter moved"
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all(torch.isfinite(torch.tensor(e["loss"])) for e in logged)
+    assert any("actor/pg_loss" in e for e in trainer.state.log_history)
+
+
+def test_unsupported_options_name_the_option(tmp_path):
+    tok = _tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"^top_entropy_quantile"):
+            GRPOTrainer(model=_model(tok), reward_funcs=_reward, args=_args(tmp_path, top_entropy_quantile=0.5),
+                        train_dataset=_dataset(), processing_class=tok)
+        with pytest.raises(TypeError, match=r"^rollout_correction: expected a RolloutCorrection"):
+            GRPOTrainer(model=_model(tok), reward_funcs=_reward, args=_args(tmp_path), train_dataset=_dataset(),
+                        processing_class=tok, rollout_correction="token")
+        trainer = GRPOTrainer(model=_model(tok), reward_funcs=_reward, args=_args(tmp_path), train_dataset=_dataset(),
+                              processing_class=tok, rollout_correction=RolloutCorrection.token_tis())
+    assert trainer.rlkernels_config.rollout_correction.is_level == "token"
+
+
+def test_the_example_runs_as_written(tmp_path):
+    """examples/trl_grpo.py, as a user runs it (two steps here)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "trl_grpo.py")
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = example.main(max_steps=2, output_dir=str(tmp_path))
+    assert trainer.state.global_step == 2
