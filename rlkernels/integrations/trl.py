@@ -33,6 +33,7 @@ except ImportError as exc:  # pragma: no cover - the message says what to instal
 
 from .. import api
 from ..config import PolicyLossConfig, RolloutCorrection
+from .hf import response_hidden_states
 
 # TRL loss types whose normaliser is the window's token count (`num_items_in_batch`), not the
 # gradient-accumulation steps
@@ -65,7 +66,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        P, C = prompt_ids.size(1), completion_ids.size(1)
+        P = prompt_ids.size(1)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
 
@@ -73,8 +74,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         head = unwrapped.get_output_embeddings()
         with self.accelerator.autocast():
-            hidden = unwrapped.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        hidden = hidden[:, P - 1:P + C - 1].to(head.weight.dtype)
+            hidden, _ = response_hidden_states(unwrapped, input_ids, attention_mask, P)
+        hidden = hidden.to(head.weight.dtype)
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
