@@ -541,6 +541,8 @@ class PolicyLossConfig:
 
         policy = get(actor, "policy_loss", {})
         mode = get(policy, "loss_mode", "vanilla")
+        if isinstance(mode, str) and (mode == "rlkernels" or mode.startswith("rlkernels_")):
+            mode = mode[len("rlkernels_"):] or "vanilla"  # rlkernels' own losses as verl names them (its plugin)
         if mode == "bypass_mode":
             mode = get(get(policy, "rollout_correction", {}), "loss_type", "ppo_clip")
             if mode not in ("ppo_clip", "reinforce"):
