@@ -467,6 +467,10 @@ def _sampler_inputs(temperature, sampling_support, token_shape, V, device, flat_
     per_token = isinstance(temperature, torch.Tensor)
     if per_token:
         check_tensor("temperature", temperature, kind="float", device=device)
+        if temperature.dim() not in (0, len(token_shape)):  # a [B] tensor would broadcast along T, not B
+            raise ValueError(f"temperature: expected a tensor with the labels' {len(token_shape)} dimensions "
+                             f"(per token {token_shape}" + (", or [B, 1] per sequence" if len(token_shape) == 2
+                                                            else "") + f"), got shape {tuple(temperature.shape)}")
         try:
             temperature = torch.broadcast_to(temperature, token_shape).reshape(-1).detach()
         except RuntimeError:
@@ -478,9 +482,10 @@ def _sampler_inputs(temperature, sampling_support, token_shape, V, device, flat_
     support = None
     if sampling_support is not None:
         check_tensor("sampling_support", sampling_support, kind="int", device=device)
-        if sampling_support.dim() != len(token_shape) + 1 or tuple(sampling_support.shape[:-1]) != token_shape:
-            raise ValueError(f"sampling_support: expected shape {token_shape + ('K',)} (the labels' shape and K kept "
-                             f"ids, -1 padding), got {tuple(sampling_support.shape)}")
+        if (sampling_support.dim() != len(token_shape) + 1 or tuple(sampling_support.shape[:-1]) != token_shape
+                or sampling_support.shape[-1] == 0):
+            raise ValueError(f"sampling_support: expected shape {token_shape + ('K',)} (the labels' shape and K >= 1 "
+                             f"kept ids, -1 padding), got {tuple(sampling_support.shape)}")
         support = sampling_support.reshape(-1, sampling_support.shape[-1]).long()
     if tp_group is not None and (per_token or support is not None):
         raise ValueError("temperature / sampling_support: a per-token temperature or a kept set is not supported with "

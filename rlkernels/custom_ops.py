@@ -28,8 +28,7 @@ def host_float(t: Tensor) -> float:
 
 def temperature_value(t: Tensor):
     """The temperature a backend takes: a float (0-d CPU tensor, read on the host), or the [N] per-row
-    temperatures themselves (a per-token temperature; only the torch backend takes one, see
-    backends.select)."""
+    temperatures themselves (a per-token temperature, which every backend takes)."""
     return host_float(t) if t.dim() == 0 else t
 
 

@@ -97,8 +97,14 @@ def kept_mask(support: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def logits_kept(rows: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
-    """[N, K] the logits of the kept ids, gathered (autograd scatters into zeros of [N, V])."""
-    return rows.gather(1, support.clamp_min(0))
+    """[N, K] the logits of the kept ids, gathered (autograd scatters into zeros of [N, V]). `rows` is
+    [N, V], or [B, T, V] when its rows are not one strided sequence (the causal-shift view): gathered
+    where they lie, along the vocabulary."""
+    ids = support.clamp_min(0)
+    if rows.dim() == 3:
+        B, T, _ = rows.shape
+        return rows.gather(2, ids.view(B, T, -1)).reshape(-1, ids.shape[1])
+    return rows.gather(1, ids)
 
 
 def linear_logits_kept(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -208,6 +208,9 @@ ERRORS = [
      r"^sampling_support: expected shape \(2, 3, 'K'\)"),
     (dict(sampling_support=torch.zeros(2, 3, 1)), TypeError, r"^sampling_support"),
     (dict(temperature=torch.ones(3, 2)), ValueError, r"^temperature: expected a float or a tensor broadcastable"),
+    (dict(temperature=torch.ones(2)), ValueError, r"^temperature: expected a tensor with the labels' 2 dimensions"),
+    (dict(sampling_support=torch.zeros(2, 3, 0, dtype=torch.long)), ValueError,
+     r"^sampling_support: expected shape \(2, 3, 'K'\)"),
     (dict(temperature=torch.zeros(2, 1)), ValueError, r"^temperature: expected finite values > 0"),
 ]
 
@@ -327,3 +330,19 @@ def test_linear_loss_with_sampler_inputs_matches_the_oracle(path, data):
     for name, g, r in zip(("d_hidden", "d_weight", "d_bias"), torch.autograd.grad(out.loss, leaves),
                           torch.autograd.grad(expected.loss, ref)):
         assert_close(g, r, **tol("value", F64, scale=_scale(r)), name=name)
+
+
+@pytest.mark.parametrize("path", ["gather", "masked"])
+def test_kept_set_on_the_causal_shift_view(path):
+    """model_out[:, :-1] (rows that are not one strided sequence) with a kept set, read where it lies."""
+    gen = torch.Generator().manual_seed(7)
+    out = torch.randn(2, 6, 40, generator=gen, dtype=F64)
+    labels = torch.randint(0, 40, (2, 5), generator=gen)
+    support = make_support(labels, 40, 2, seed=8)
+    t = torch.tensor([[0.6], [1.4]], dtype=F64)
+    shifted = out[:, :-1]
+    with _path(path):
+        got = rlkernels.token_logprobs(shifted, labels, temperature=t, sampling_support=support, compute_entropy=True)
+    lp, H, _ = _oracle_stats(shifted, labels, t, support)
+    assert_close(got.logprobs, lp, **tol("value", F64), name="logprobs")
+    assert_close(got.entropy, H, **tol("value", F64), name="entropy")

@@ -16,6 +16,12 @@ vespo by `num_items_in_batch` over the processes and the accumulation window; th
 token mean divided by the accumulation steps. TRL's vLLM importance-sampling ratios (already computed,
 NaN log-probs turned into ratio 1) are passed as `is_weights`.
 
+Without old log-probs (TRL's `num_iterations = 1`) but with the sampler's (OPSM, or a
+`rollout_correction`), the old log-probs are the current ones, detached, as in TRL: computed here
+without autograd from the same hidden states. A sampler log-prob that is NaN stands for the old one
+(ratio 1, as TRL's IS weights); for OPSM that token then adds old - current to its sequence's mean
+(TRL: 0), which differs only when old != current (`num_iterations > 1`).
+
 Limits (each raises): vision-language inputs, MoE auxiliary losses, `top_entropy_quantile < 1`,
 adaptive entropy. The decoder is called through `get_decoder()` of the unwrapped model: under DDP /
 FSDP wrappers use the logits-free path only if your wrapper tolerates calls to submodules (single
@@ -81,38 +87,52 @@ class GRPOTrainer(_TRLGRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         config = self.rlkernels_config
         overrides = {}
+        entropy_scale = 1.0  # TRL's entropy bonus is this micro-batch's token mean, whatever the loss divides by
         if self.loss_type in _TOKEN_COUNT_LOSSES:
             normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normaliser = normaliser * accumulation / self.args.steps_per_generation
-            # a host read of one scalar (TRL's normaliser is a tensor; the config takes a float)
-            overrides.update(global_num_tokens=float(normaliser), entropy_coeff=config.entropy_coeff / accumulation)
+            # one host read (TRL's normaliser is a tensor; the config takes a float): the loss divides every
+            # token-mean by the normaliser, so the entropy's coefficient carries normaliser / local count
+            normaliser, local = torch.stack([normaliser.float(), mask.sum().float()]).tolist()
+            entropy_scale = normaliser / local if local > 0 else 0.0
+            overrides.update(global_num_tokens=normaliser,
+                             entropy_coeff=config.entropy_coeff * entropy_scale / accumulation)
         old = inputs.get("old_per_token_logps")
         sampling = inputs.get("sampling_per_token_logps")
+        use_sampling = sampling is not None and (self.rlkernels_uses_own_correction or
+                                                 config.off_policy_mask_threshold is not None)
+        if use_sampling and old is None:
+            # TRL's old log-probs are then the current ones, detached (ratio 1); computed here, since
+            # rollout log-probs without old ones would mean the bypass mode (a ratio against the sampler)
+            with torch.no_grad():
+                old = api.linear_token_logprobs(hidden, head.weight, completion_ids, bias=head.bias,
+                                                temperature=config.temperature, validate=False).logprobs
         is_weights = None
         if sampling is not None and old is not None:  # TRL: a token vLLM could not score gets ratio 1
             sampling = torch.where(torch.isnan(sampling), old, sampling)
         if not self.rlkernels_uses_own_correction and "importance_sampling_ratio" in inputs:
             ratio = inputs["importance_sampling_ratio"]
             is_weights = ratio.expand_as(completion_ids).to(torch.float32) if ratio.dim() == 2 else ratio
-        use_sampling = self.rlkernels_uses_own_correction or config.off_policy_mask_threshold is not None
         out = api.linear_decoupled_ppo_loss(
             hidden, head.weight, completion_ids, inputs["advantages"], mask.bool(), bias=head.bias,
-            old_logprobs=old, rollout_logprobs=sampling if (use_sampling and sampling is not None) else None,
+            old_logprobs=old, rollout_logprobs=sampling if use_sampling else None,
             ref_logprobs=inputs.get("ref_per_token_logps") if config.kl_coef else None,
             is_weights=is_weights, config=config, validate=False, **overrides,
         )
         loss = out.loss if self.loss_type in _TOKEN_COUNT_LOSSES else out.loss / accumulation
-        self._log_rlkernels_metrics(mode, out.metrics)
+        self._log_rlkernels_metrics(mode, out.metrics, entropy_scale)
         return loss
 
-    def _log_rlkernels_metrics(self, mode, metrics):
+    def _log_rlkernels_metrics(self, mode, metrics, entropy_scale: float):
         """rlkernels' metrics under their names, plus TRL's where they mean the same, gathered across
-        processes and averaged as TRL averages its own."""
-        names = {"actor/pg_clipfrac": "clip_ratio/region_mean", "actor/entropy": "entropy"}
+        processes and averaged as TRL averages its own. `entropy_scale` turns actor/entropy (divided
+        by the loss's normaliser) back into the micro-batch's token mean TRL logs as `entropy`."""
         values = api.metrics_to_floats(metrics)  # one synchronisation
+        if "actor/entropy" in values:
+            values["entropy"] = values["actor/entropy"] * entropy_scale
+        if "actor/pg_clipfrac" in values:
+            values["clip_ratio/region_mean"] = values["actor/pg_clipfrac"]
         for name, value in values.items():
             gathered = self.accelerator.gather(torch.tensor(value, device=self.accelerator.device)).nanmean().item()
             self._metrics[mode][name].append(gathered)
-            if name in names:
-                self._metrics[mode][names[name]].append(gathered)

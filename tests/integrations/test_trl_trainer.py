@@ -117,6 +117,10 @@ CONFIGS = [
     dict(loss_type="grpo", entropy_coef=0.01, temperature=0.7),
     dict(loss_type="bnpo", vllm="sequence_mask"),
     dict(loss_type="dapo", vllm="token_mask", gradient_accumulation_steps=2),
+    dict(loss_type="dapo", entropy_coef=0.01, gradient_accumulation_steps=2),
+    dict(loss_type="cispo", epsilon_high=5.0, entropy_coef=0.02, beta=0.04),
+    # no old log-probs (num_iterations = 1) but the sampler's, for OPSM: TRL's ratio is then 1
+    dict(loss_type="grpo", off_policy_mask_threshold=0.05, without_old=True),
 ]
 
 
@@ -124,6 +128,7 @@ CONFIGS = [
 def test_loss_and_gradients_match_trls_trainer(tmp_path, kw):
     kw = dict(kw)
     vllm = kw.pop("vllm", None)
+    without_old = kw.pop("without_old", False)
     tok = _tokenizer()
     args = _args(tmp_path, **kw)
     # built with beta = 0 (a reference model would be loaded from the Hub by name), then given the real
@@ -145,6 +150,9 @@ def test_loss_and_gradients_match_trls_trainer(tmp_path, kw):
     # TRL's own ratios arrive in the batch (importance_sampling_ratio) and go in as is_weights
     ours.rlkernels_config = PolicyLossConfig.from_trl(args).with_overrides(rollout_correction=None)
     inputs = _batch(tok, model_theirs, args.beta, vllm)
+    if without_old:
+        inputs["sampling_per_token_logps"] = inputs.pop("old_per_token_logps") + 0.05
+        inputs["sampling_per_token_logps"][0, 1] = float("nan")  # a token the sampler could not score
     losses, grads = [], []
     for trainer, model in ((theirs, model_theirs), (ours, model_ours)):
         model.train()
