@@ -122,17 +122,47 @@ class GRPOTrainer(_TRLGRPOTrainer):
         )
         loss = out.loss if self.loss_type in _TOKEN_COUNT_LOSSES else out.loss / accumulation
         self._log_rlkernels_metrics(mode, out.metrics, entropy_scale)
+        self._log_trl_clip_metrics(mode, out.logprobs, old, inputs["advantages"], mask)
         return loss
 
+    @torch.no_grad()
+    def _log_trl_clip_metrics(self, mode, logprobs, old, advantages, mask):
+        """TRL's clip metrics from its ratio (token, or the sequence's mean log-ratio): clip_ratio/*
+        for the PPO-clip types, cispo_clip_ratio for CISPO, as TRL's _compute_loss logs them."""
+        if old is None:
+            return  # ratio 1: nothing is clipped (TRL logs zeros)
+        m = mask.to(logprobs.dtype)
+        log_ratio = (logprobs - old.to(logprobs.dtype)) * m
+        if self.importance_sampling_level == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+        ratio = torch.exp(log_ratio)
+        adv = advantages if advantages.dim() == 2 else advantages[:, None]
+
+        def masked_mean(x):  # TRL's global_masked_mean
+            x = x.to(logprobs.dtype)
+            if x.shape[1] == 1:
+                totals = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+            else:
+                totals = torch.stack([(x * m).sum(), m.sum()])
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            low = (ratio < 1 - self.epsilon_low) & (adv < 0)
+            high = (ratio > 1 + self.epsilon_high) & (adv > 0)
+            self._metrics[mode]["clip_ratio/low_mean"].append(masked_mean(low))
+            self._metrics[mode]["clip_ratio/high_mean"].append(masked_mean(high))
+            self._metrics[mode]["clip_ratio/region_mean"].append(masked_mean(low | high))
+        elif self.loss_type == "cispo":
+            self._metrics[mode]["cispo_clip_ratio"].append(masked_mean((ratio > self.epsilon_high) & (adv > 0)))
+
     def _log_rlkernels_metrics(self, mode, metrics, entropy_scale: float):
-        """rlkernels' metrics under their names, plus TRL's where they mean the same, gathered across
-        processes and averaged as TRL averages its own. `entropy_scale` turns actor/entropy (divided
-        by the loss's normaliser) back into the micro-batch's token mean TRL logs as `entropy`."""
+        """rlkernels' metrics under their names, plus TRL's `entropy`, gathered across processes and
+        averaged as TRL averages its own. `entropy_scale` turns actor/entropy (divided by the loss's
+        normaliser) back into the micro-batch's token mean TRL logs."""
         values = api.metrics_to_floats(metrics)  # one synchronisation
         if "actor/entropy" in values:
             values["entropy"] = values["actor/entropy"] * entropy_scale
-        if "actor/pg_clipfrac" in values:
-            values["clip_ratio/region_mean"] = values["actor/pg_clipfrac"]
         for name, value in values.items():
             gathered = self.accelerator.gather(torch.tensor(value, device=self.accelerator.device)).nanmean().item()
             self._metrics[mode][name].append(gathered)
