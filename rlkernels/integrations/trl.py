@@ -61,7 +61,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
         config = PolicyLossConfig.from_trl(self.args)
         # TRL's own vLLM weights arrive as `importance_sampling_ratio` and go in as is_weights; a
         # RolloutCorrection given here replaces them (computed from the sampler's log-probs)
-        self.rlkernels_config = config.with_overrides(rollout_correction=rollout_correction)
+        # TRL always computes (and logs) the entropy
+        self.rlkernels_config = config.with_overrides(rollout_correction=rollout_correction, compute_entropy=True)
         self.rlkernels_uses_own_correction = rollout_correction is not None
 
     def _compute_loss(self, model, inputs):
@@ -122,39 +123,60 @@ class GRPOTrainer(_TRLGRPOTrainer):
         )
         loss = out.loss if self.loss_type in _TOKEN_COUNT_LOSSES else out.loss / accumulation
         self._log_rlkernels_metrics(mode, out.metrics, entropy_scale)
-        self._log_trl_clip_metrics(mode, out.logprobs, old, inputs["advantages"], mask)
+        self._log_trl_metrics(mode, out.logprobs, old, inputs, mask)
         return loss
 
     @torch.no_grad()
-    def _log_trl_clip_metrics(self, mode, logprobs, old, advantages, mask):
-        """TRL's clip metrics from its ratio (token, or the sequence's mean log-ratio): clip_ratio/*
-        for the PPO-clip types, cispo_clip_ratio for CISPO, as TRL's _compute_loss logs them."""
-        if old is None:
-            return  # ratio 1: nothing is clipped (TRL logs zeros)
+    def _log_trl_metrics(self, mode, logprobs, old, inputs, mask):
+        """The metrics TRL's _compute_loss logs under its names, from TRL's own definitions (its ratio at
+        the token or sequence level, its masked means reduced across processes): clip_ratio/* for the
+        PPO-clip types, cispo_clip_ratio, vespo/phi_seq_mean (TRL's get_gamma_weights), and kl."""
         m = mask.to(logprobs.dtype)
-        log_ratio = (logprobs - old.to(logprobs.dtype)) * m
+        old = logprobs if old is None else old.to(logprobs.dtype)
+        log_ratio = logprobs - old
         if self.importance_sampling_level == "sequence":
-            log_ratio = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
-        ratio = torch.exp(log_ratio)
+            log_iw = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        else:
+            log_iw = log_ratio
+        ratio = torch.exp(log_iw)
+        advantages = inputs["advantages"]
         adv = advantages if advantages.dim() == 2 else advantages[:, None]
 
         def masked_mean(x):  # TRL's global_masked_mean
             x = x.to(logprobs.dtype)
             if x.shape[1] == 1:
-                totals = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device)])
+                totals = torch.stack([x.sum(), torch.tensor(float(x.shape[0]), device=x.device, dtype=x.dtype)])
             else:
                 totals = torch.stack([(x * m).sum(), m.sum()])
             totals = self.accelerator.reduce(totals, reduction="sum")
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
+        def seq_mean(x):  # TRL's masked_seq_mean, gathered
+            x = x.to(logprobs.dtype)
+            return self.accelerator.gather(x.squeeze(1) if x.shape[1] == 1 else (x * m).sum(-1) / m.sum(-1))
+
+        log = self._metrics[mode]
+        if self.beta != 0.0 and inputs.get("ref_per_token_logps") is not None:
+            d = inputs["ref_per_token_logps"].to(logprobs.dtype) - logprobs
+            kl = torch.exp(d) - d - 1
+            log["kl"].append(masked_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
         if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
             low = (ratio < 1 - self.epsilon_low) & (adv < 0)
             high = (ratio > 1 + self.epsilon_high) & (adv > 0)
-            self._metrics[mode]["clip_ratio/low_mean"].append(masked_mean(low))
-            self._metrics[mode]["clip_ratio/high_mean"].append(masked_mean(high))
-            self._metrics[mode]["clip_ratio/region_mean"].append(masked_mean(low | high))
+            log["clip_ratio/low_mean"].append(masked_mean(low))
+            log["clip_ratio/high_mean"].append(masked_mean(high))
+            log["clip_ratio/region_mean"].append(masked_mean(low | high))
+            log["clip_ratio/low_min"].append(torch.nan_to_num(seq_mean(low), nan=float("inf")).min().item())
+            log["clip_ratio/high_max"].append(torch.nan_to_num(seq_mean(high), nan=float("-inf")).max().item())
         elif self.loss_type == "cispo":
-            self._metrics[mode]["cispo_clip_ratio"].append(masked_mean((ratio > self.epsilon_high) & (adv > 0)))
+            log["cispo_clip_ratio"].append(masked_mean((ratio > self.epsilon_high) & (adv > 0)))
+        elif self.loss_type == "vespo":
+            phi = self.get_gamma_weights(
+                advantages=adv, log_ratio_per_token=log_ratio, mask=mask,
+                importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+                k_pos=self.args.vespo_k_pos, lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg, lambda_neg=self.args.vespo_lambda_neg)
+            log["vespo/phi_seq_mean"].append(masked_mean(phi))
 
     def _log_rlkernels_metrics(self, mode, metrics, entropy_scale: float):
         """rlkernels' metrics under their names, plus TRL's `entropy`, gathered across processes and

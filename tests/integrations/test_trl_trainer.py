@@ -148,7 +148,8 @@ def test_loss_and_gradients_match_trls_trainer(tmp_path, kw):
         trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by the train loop
         trainer.use_vllm = trainer.vllm_importance_sampling_correction = bool(vllm)
     # TRL's own ratios arrive in the batch (importance_sampling_ratio) and go in as is_weights
-    ours.rlkernels_config = PolicyLossConfig.from_trl(args).with_overrides(rollout_correction=None)
+    ours.rlkernels_config = PolicyLossConfig.from_trl(args).with_overrides(rollout_correction=None,
+                                                                          compute_entropy=True)
     inputs = _batch(tok, model_theirs, args.beta, vllm)
     if without_old:
         inputs["sampling_per_token_logps"] = inputs.pop("old_per_token_logps") + 0.05
@@ -167,12 +168,11 @@ def test_loss_and_gradients_match_trls_trainer(tmp_path, kw):
     worst = max(float((grads[1][n] - grads[0][n]).abs().max()) / max(float(grads[0][n].abs().max()), 1e-30)
                 for n in grads[0])
     assert worst <= tol("trl.trainer", torch.float32)["rtol"], f"max |d grad| / max |grad| = {worst:.2e}"
-    # the metrics logged under TRL's names hold TRL's values (TRL logs "kl" and the min / max clip
-    # ratios, which the drop-in does not: it logs rlkernels' actor/kl_loss instead)
-    shared = set(theirs._metrics["train"]) & set(ours._metrics["train"])
-    expected = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
-    if kw["loss_type"] in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        assert expected <= shared, shared
+    # every metric TRL's _compute_loss logs is logged by the drop-in under that name, with TRL's value
+    # (TRL's "policy_loss" comes from its entropy branch: it is the loss itself, logged by the Trainer)
+    theirs_names = set(theirs._metrics["train"]) - {"policy_loss", "entropy_coef"}
+    shared = theirs_names & set(ours._metrics["train"])
+    assert shared == theirs_names, theirs_names - shared
     for name in shared:
         a, b = theirs._metrics["train"][name][-1], ours._metrics["train"][name][-1]
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, a, b)
