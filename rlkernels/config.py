@@ -580,14 +580,7 @@ class PolicyLossConfig:
         verl_names.update({k: f"actor.policy_loss.{k}" for k in kw if k in (
             "dro_beta", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
             "topr_negative_ratio_lower", "topr_negative_ratio_upper")})
-        try:
-            return cls(**kw).with_overrides(**overrides)
-        except (TypeError, ValueError) as exc:  # name verl's option, not this class's field
-            message = str(exc)
-            field_name = message.split(":", 1)[0]
-            if field_name in kw and field_name not in overrides:
-                message = verl_names.get(field_name, f"actor.{field_name}") + message[len(field_name):]
-            raise type(exc)(message) from None
+        return cls._built_from(kw, overrides, lambda name: verl_names.get(name, f"actor.{name}"))
 
     # TRL 1.16 loss_type -> (policy loss, aggregation, sequence means over every sequence)
     _TRL_LOSSES = {
@@ -658,13 +651,19 @@ class PolicyLossConfig:
                      "cispo_cap": "epsilon_high", "kl_coef": "beta", "tau_pos": "sapo_temperature_pos",
                      "tau_neg": "sapo_temperature_neg", "loss_scale_factor": "max_completion_length",
                      "ratio_level": "importance_sampling_level", "entropy_coeff": "entropy_coef"}
+        return cls._built_from(kw, overrides, lambda name: trl_names.get(name, name))
+
+    @classmethod
+    def _built_from(cls, kw: dict, overrides: dict, option_name) -> "PolicyLossConfig":
+        """cls(**kw) with `overrides`; an error about a field that came from a trainer's config names that
+        trainer's option (`option_name(field)`), not this class's field."""
         try:
             return cls(**kw).with_overrides(**overrides)
-        except (TypeError, ValueError) as exc:  # name TRL's option, not this class's field
+        except (TypeError, ValueError) as exc:
             message = str(exc)
             field_name = message.split(":", 1)[0]
             if field_name in kw and field_name not in overrides:
-                message = trl_names.get(field_name, field_name) + message[len(field_name):]
+                message = option_name(field_name) + message[len(field_name):]
             raise type(exc)(message) from None
 
     def with_overrides(self, **overrides) -> "PolicyLossConfig":

@@ -26,11 +26,10 @@ from ..api import metrics_to_floats, policy_loss, rollout_correction
 from ..config import LOSS_TYPES, PolicyLossConfig, RolloutCorrection
 
 _TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
-# verl's own driver-side correction, kept for comparison and for RLKERNELS_VERL_CORRECTION=0
-verl_compute_rollout_correction_and_add_to_batch = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
-if getattr(verl_compute_rollout_correction_and_add_to_batch, "__module__", "") == __name__:  # re-imported
-    verl_compute_rollout_correction_and_add_to_batch = rollout_corr_helper.__dict__.get(
-        "_verl_compute_rollout_correction_and_add_to_batch", verl_compute_rollout_correction_and_add_to_batch)
+# verl's own driver-side correction, kept for comparison (saved by install(), so a re-import finds it)
+verl_compute_rollout_correction_and_add_to_batch = getattr(
+    rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch",
+    rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
 
 
 def _global_counts(loss_agg_mode: str, info: dict) -> dict:

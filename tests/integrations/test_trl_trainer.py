@@ -8,6 +8,8 @@ real training steps (generation, rewards, the optimizer) with the drop-in traine
 """
 
 import copy
+import importlib.util
+import os
 import warnings
 
 import pytest
@@ -19,35 +21,27 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     trl = pytest.importorskip("trl", reason="TRL 1.16 is not installed (pip install 'rlkernels[trl]')")
     from datasets import Dataset
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     from rlkernels import PolicyLossConfig, RolloutCorrection
     from rlkernels.integrations.trl import GRPOTrainer
 
-VOCAB = 300
+
+def _load_example():
+    """examples/trl_grpo.py as a module: its tiny tokenizer and model serve these tests too."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "trl_grpo.py")
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _tokenizer():
-    specials = ["<pad>", "<eos>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + [f"w{i}" for i in range(VOCAB - len(specials))])}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    tok.padding_side = "left"
-    return tok
+example = _load_example()
+VOCAB = example.VOCAB
+_tokenizer = example.tiny_tokenizer
 
 
-def _model(tok, seed=0):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.eos_token_id)
-    model = Qwen2ForCausalLM(cfg)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
+def _model(tok):
+    model = example.tiny_model(tok)  # seeded
     with torch.no_grad():
         model.lm_head.weight[tok.eos_token_id] *= 8.0  # completions of different lengths
     return model
@@ -213,13 +207,6 @@ def test_unsupported_options_name_the_option(tmp_path):
 
 def test_the_example_runs_as_written(tmp_path):
     """examples/trl_grpo.py, as a user runs it (two steps here)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "trl_grpo.py")
-    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = example.main(max_steps=2, output_dir=str(tmp_path))

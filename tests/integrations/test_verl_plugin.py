@@ -6,27 +6,18 @@ terms' magnitudes (the issue asks for 1e-5). Two micro-batches share verl's glob
 (`global_batch_info`), so token-mean after a driver-side rejection is the whole batch's.
 """
 
-import os
-import sys
 from importlib.metadata import entry_points
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from ..verl_import import import_verl_or_skip
 
-try:
-    from benchmarks.providers import import_verl
+helper, core_algos, ActorConfig = import_verl_or_skip()
+from verl.protocol import DataProto  # noqa: E402
+from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
 
-    helper, core_algos, ActorConfig = import_verl()
-    from verl.protocol import DataProto
-    from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig
-
-    from rlkernels.integrations import verl as rlk_verl
-except ImportError as exc:  # pragma: no cover - reported by the skip
-    pytest.skip(f"verl 0.9.1 is not importable here ({exc})", allow_module_level=True)
+from rlkernels.integrations import verl as rlk_verl  # noqa: E402
 
 AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 

@@ -12,9 +12,6 @@ Needs verl (`pip install --no-deps verl==0.9.1` + packaging omegaconf codetiming
 ray and transformers are stood in for during the import only, as the benchmarks do).
 """
 
-import os
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,18 +21,10 @@ import rlkernels
 from rlkernels import PolicyLossConfig
 
 from ..cases import assert_close, scaled, tol
+from ..verl_import import import_verl_or_skip
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-try:
-    from benchmarks.providers import import_verl
-
-    _, core_algos, ActorConfig = import_verl()
-    from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig
-except ImportError as exc:  # pragma: no cover - reported by the skip
-    pytest.skip(f"verl 0.9.1 is not importable here ({exc}); see the module docstring", allow_module_level=True)
+_, core_algos, ActorConfig = import_verl_or_skip()
+from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
 
 LOSSES = ("vanilla", "gpg", "sapo", "gspo", "geo_mean", "cispo", "dro", "dppo_tv", "dppo_kl")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

@@ -8,11 +8,8 @@ documented difference that would otherwise touch most sequence metrics). k1 boun
 n + 1e-8, hence 1e-7 relative.
 """
 
-import os
 import re
-import sys
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,17 +18,9 @@ import rlkernels
 from rlkernels import RolloutCorrection
 
 from ..cases import scaled
+from ..verl_import import import_verl_or_skip
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-try:
-    from benchmarks.providers import import_verl
-
-    helper, _, _ = import_verl()
-except ImportError as exc:  # pragma: no cover - reported by the skip
-    pytest.skip(f"verl 0.9.1 is not importable here ({exc})", allow_module_level=True)
+helper, _, _ = import_verl_or_skip()
 
 RS_SPECS = {"token_k1": "0.5_2.0", "token_k2": "0.02", "token_k3": "0.05", "seq_sum_k1": "0.25_4.0",
             "seq_sum_k2": "0.5", "seq_sum_k3": "0.3", "seq_mean_k1": "0.8_1.25", "seq_mean_k2": "0.03",
