@@ -543,6 +543,8 @@ class PolicyLossConfig:
         mode = get(policy, "loss_mode", "vanilla")
         if isinstance(mode, str) and (mode == "rlkernels" or mode.startswith("rlkernels_")):
             mode = mode[len("rlkernels_"):] or "vanilla"  # rlkernels' own losses as verl names them (its plugin)
+            if mode == "logits" or mode.startswith("logits_"):  # the same losses on the plugin's logits route
+                mode = mode[len("logits_"):] or "vanilla"
         if mode == "bypass_mode":
             mode = get(get(policy, "rollout_correction", {}), "loss_type", "ppo_clip")
             if mode not in ("ppo_clip", "reinforce"):

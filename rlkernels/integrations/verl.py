@@ -6,6 +6,11 @@ which
   `rlkernels_<loss_type>` (any of rlkernels' loss types: `rlkernels_cispo`, `rlkernels_gspo`, ...),
   configured from the actor config by `PolicyLossConfig.from_verl_actor` and taking verl's
   `rollout_is_weights` and global batch counts;
+- with `loss_mode=rlkernels_logits` (or `rlkernels_logits_<loss_type>`), has verl's FSDP engine hand the
+  packed logits of each micro-batch to `decoupled_ppo_loss`, which computes the log-probs, entropy, policy
+  loss, entropy bonus and KL penalty in its fused passes with the backward written into the logits (the
+  "logits route", below); where the engine's settings rule that out it warns once, naming the setting, and
+  the same loss is computed from verl's log-probs;
 - replaces verl's driver-side rollout correction, `rollout_corr_helper.compute_rollout_correction_and_add_to_batch`,
   with `compute_rollout_correction_and_add_to_batch` below, built on `rlkernels.rollout_correction`: the
   rejection mask and IS weights are computed once on the driver, before micro-batching, so verl's global
@@ -17,12 +22,19 @@ bounds), metrics of empty rows, sequence-level metric weighting. The losses equa
 functions of the same name (tests/integrations/test_verl_plugin.py).
 """
 
+import functools
 import os
+import sys
+import warnings
 
+import torch
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos, rollout_corr_helper
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.utils import losses as verl_losses
 
-from ..api import metrics_to_floats, policy_loss, rollout_correction
+from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss, rollout_correction
 from ..config import LOSS_TYPES, PolicyLossConfig, RolloutCorrection
 
 _TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
@@ -30,6 +42,8 @@ _TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
 verl_compute_rollout_correction_and_add_to_batch = getattr(
     rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch",
     rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
+verl_ppo_loss = getattr(verl_losses, "_verl_ppo_loss", verl_losses.ppo_loss)  # verl's actor loss, as above
+LOGITS_MODE = "rlkernels_logits"
 
 
 def _global_counts(loss_agg_mode: str, info: dict) -> dict:
@@ -89,12 +103,194 @@ def compute_rollout_correction_and_add_to_batch(batch: DataProto, rollout_corr_c
     return batch, metrics_to_floats(out.metrics)
 
 
+# ---------------------------------------------------------------- the logits route
+# verl's FSDP engine turns the logits into log-probs (and entropy) in `prepare_model_outputs` and hands only
+# those to the actor loss. For a logits loss mode the engine's method (patched by install()) hands the packed
+# logits, their labels and temperatures instead, under _ROUTE, and the actor loss below computes everything
+# with decoupled_ppo_loss. _BLOCKER carries why a micro-batch could not take the route.
+_ROUTE, _BLOCKER = "rlkernels_logits_route", "rlkernels_logits_blocker"
+_warned = set()
+
+
+def _loss_mode(actor_config) -> str:
+    policy = getattr(actor_config, "policy_loss", None)
+    return "vanilla" if policy is None else policy.get("loss_mode", "vanilla")
+
+
+def _is_logits_mode(mode) -> bool:
+    return isinstance(mode, str) and (mode == LOGITS_MODE or mode.startswith(LOGITS_MODE + "_"))
+
+
+def _route_actor_config(loss_function):
+    """The actor config when `loss_function` is this module's actor loss as verl's engine worker binds it
+    (partial(ppo_loss, config=actor_config)) with a logits loss mode, else None."""
+    if not (isinstance(loss_function, functools.partial) and loss_function.func is ppo_loss):
+        return None
+    config = loss_function.keywords.get("config")
+    return config if config is not None and _is_logits_mode(_loss_mode(config)) else None
+
+
+def _route_blocker(engine, output, micro_batch):
+    """The verl setting that keeps this micro-batch off the logits route, or None."""
+    def get(key, default=False):
+        return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+
+    if not get("use_remove_padding", True):
+        return "use_remove_padding=False (the route takes verl's packed layout)"
+    if get("use_fused_kernels"):
+        return "use_fused_kernels=True (verl's fused LM head forms no logits)"
+    if getattr(engine, "use_ulysses_sp", False):
+        return "ulysses_sequence_parallel_size > 1 (each rank holds a padded slice of the packed sequence)"
+    if get("distillation_use_topk") or get("distillation_only"):
+        return "distillation (its loss consumes the logits)"
+    if get("calculate_sum_pi_squared"):
+        return "calculate_sum_pi_squared=True"
+    if getattr(output, "logits", None) is None:
+        return "a model output without logits"
+    return None
+
+
+def _prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+    """FSDPEngineWithLMHead.prepare_model_outputs: verl's, unless the actor loss takes the logits route."""
+    config = _route_actor_config(logits_processor_func) if torch.is_grad_enabled() else None
+    blocker = None if config is None else _route_blocker(self, output, micro_batch)
+    if config is None or blocker is not None:
+        model_output = type(self)._verl_prepare_model_outputs(self, output, output_args, micro_batch,
+                                                             logits_processor_func)
+        if blocker is not None:
+            model_output[_BLOCKER] = blocker
+        return model_output
+    logits = output.logits.squeeze(0)  # [packed tokens (+ pad_to_length's pad), V]
+    if hasattr(logits, "full_tensor"):  # a DTensor split over the vocabulary by tensor parallelism, as verl
+        logits = logits.full_tensor()
+    n = logits.shape[0] - int(output_args.get("pad_size") or 0)  # pad_to_length pads the end of the sequence
+    temperature = micro_batch["temperature"]  # one float, or one per sequence (verl: expanded to the tokens)
+    temperature = output_args["temperature_rmpad"][:n] if torch.is_tensor(temperature) else float(temperature)
+    return {_ROUTE: dict(logits=logits[:n], labels=output_args["input_ids_rmpad_rolled"][:n],
+                         temperature=temperature,
+                         entropy=bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy",
+                                                             default=False)))}
+
+
+def _response_rows(data, width):
+    """The packed row whose logits predict each [b, width] response slot (one before the token: verl's
+    shift) and whether the slot holds a token: the inverse of verl's `no_padding_2_padding`."""
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+    else:
+        attention_mask = data["attention_mask"]
+        prompt_lens = attention_mask[:, :prompts.shape[1]].sum(1)
+        response_lens = attention_mask[:, prompts.shape[1]:].sum(1)
+    ends = (prompt_lens + response_lens).cumsum(0)
+    j = torch.arange(width, device=ends.device)
+    return (ends - response_lens - 1)[:, None] + j, j < response_lens[:, None]
+
+
+def ppo_loss(config, model_output, data, dp_group=None):
+    """verl's actor loss (`verl.workers.utils.losses.ppo_loss`, replaced by install() before verl's engine
+    worker binds it): from the packed logits when the engine handed them over (the logits route), verl's
+    own otherwise."""
+    route, blocker = model_output.pop(_ROUTE, None), model_output.pop(_BLOCKER, None)
+    if route is None:
+        if torch.is_grad_enabled() and _is_logits_mode(_loss_mode(config)):
+            reason = blocker or ("the engine handed no logits (the route is wired into verl's FSDPEngineWithLMHead, "
+                                 "with the actor loss bound as verl's engine worker binds it: "
+                                 "partial(ppo_loss, config=actor_config))")
+            if reason not in _warned:
+                _warned.add(reason)
+                warnings.warn(f"actor.policy_loss.loss_mode={_loss_mode(config)}: {reason}; the loss is computed "
+                              "from verl's log-probs instead (the same loss, without the fused logits pass)",
+                              stacklevel=2)
+        return verl_ppo_loss(config, model_output, data, dp_group)
+    return _logits_route_loss(config, model_output, data, route)
+
+
+def _logits_route_loss(config, model_output, data, route):
+    """verl's ppo_loss (policy loss + entropy bonus + KL penalty, verl's global batch counts and metrics)
+    computed by decoupled_ppo_loss from the packed logits of one micro-batch."""
+    info = config.global_batch_info  # as verl's ppo_loss fills it
+    info.update(dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"],
+                global_batch_size=data["global_batch_size"], loss_scale_factor=config.loss_scale_factor)
+    summed = info["dp_size"] > 1 or any(info[k] is not None for k in (
+        "batch_num_tokens", "global_batch_size", "loss_scale_factor"))
+    aggregation = AggregationType.SUM if summed else AggregationType.MEAN  # verl's choice for its loss metrics
+
+    fields = [f for f in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")
+              if f in data.keys()]
+    padded = data.select(*fields).to_padded_tensor()
+    mask = padded["response_mask"].bool()
+    rows, valid = _response_rows(data, mask.shape[-1])
+    keep = mask & valid
+    logits = route["logits"]
+    index = (rows[keep],)
+
+    def packed(name):  # padded [b, R] response tensor -> [packed tokens], 0 off the loss's tokens
+        if name not in padded.keys():
+            return None
+        x = padded[name]
+        return x.new_zeros(logits.shape[0]).index_put_(index, x[keep])
+
+    agg = config.loss_agg_mode
+    counts = _global_counts(agg, info)
+    if agg == "seq-mean-token-sum-norm" and "loss_scale_factor" not in counts:
+        counts["loss_scale_factor"] = float(mask.shape[-1])  # verl's horizon: the padded response width
+    rl_config = PolicyLossConfig.from_verl_actor(
+        config, loss_agg_mode=agg, validate=False, compute_entropy=route["entropy"],
+        inplace_backward=True,  # nothing else reads the logits: the gradient overwrites them, as verl's path does
+        **counts)
+    if not route["entropy"]:  # verl adds the bonus only where the trainer asked for entropy
+        rl_config = rl_config.with_overrides(entropy_coeff=0.0)
+    use_kl = bool(config.get("use_kl_loss", False))
+    out = decoupled_ppo_loss(
+        logits, route["labels"], packed("advantages"), packed("response_mask").bool(),
+        old_logprobs=packed("old_log_probs"), ref_logprobs=packed("ref_log_prob") if use_kl else None,
+        is_weights=packed("rollout_is_weights"), cu_seqlens=data["input_ids"].offsets(), config=rl_config,
+        temperature=route["temperature"])
+    scale = info["dp_size"] if agg == "token-sum" else 1  # verl's token-sum is x dp_size
+    values = metrics_to_floats(out.metrics)  # one host sync; verl's Metric reads each value anyway
+    totals = {"actor/pg_loss": "actor/pg_loss", "actor/entropy": "actor/entropy_loss", "actor/kl_loss": "kl_loss"}
+    metrics = {k: Metric(AggregationType.MEAN, v) for k, v in values.items()
+               if k.startswith("actor/") and k not in totals}
+    metrics["actor/pg_loss"] = Metric(aggregation, values["actor/pg_loss"] * scale)
+    if route["entropy"]:
+        metrics["actor/entropy_loss"] = Metric(aggregation, values["actor/entropy"] * scale)
+    if use_kl:
+        metrics["kl_loss"] = Metric(aggregation, values["actor/kl_loss"] * scale)
+        metrics["kl_coef"] = config.kl_loss_coef
+    offsets = data["input_ids"].offsets()  # verl's nested outputs (log-probs of the loss's tokens, 0 elsewhere)
+    model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(out.logprobs.detach(), offsets)
+    if route["entropy"]:
+        model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy.detach(), offsets)
+    return out.loss * scale, metrics
+
+
+def _install_logits_route() -> None:
+    """Put ppo_loss in place of verl's where verl's engine worker will import it, and the logits hook into
+    verl's FSDP engine. Without the engine (its imports missing) the logits modes fall back, with a warning."""
+    verl_losses._verl_ppo_loss = verl_ppo_loss
+    verl_losses.ppo_loss = ppo_loss
+    workers = sys.modules.get("verl.workers.engine_workers")
+    if workers is not None and getattr(workers, "ppo_loss", None) is verl_ppo_loss:
+        workers.ppo_loss = ppo_loss  # imported before this plugin (VERL_USE_EXTERNAL_PLUGINS=none, then us)
+    try:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    except ImportError:
+        return
+    if "_verl_prepare_model_outputs" not in FSDPEngineWithLMHead.__dict__:
+        FSDPEngineWithLMHead._verl_prepare_model_outputs = FSDPEngineWithLMHead.prepare_model_outputs
+        FSDPEngineWithLMHead.prepare_model_outputs = _prepare_model_outputs
+
+
 def install() -> None:
-    """Register the losses (idempotent) and, unless RLKERNELS_VERL_CORRECTION=0, the driver-side correction."""
+    """Register the losses (idempotent), the logits route and, unless RLKERNELS_VERL_CORRECTION=0, the
+    driver-side correction."""
     for loss_type in _TYPES:
-        name = "rlkernels" if loss_type == "vanilla" else f"rlkernels_{loss_type}"
-        if name not in core_algos.POLICY_LOSS_REGISTRY:
-            core_algos.register_policy_loss(name)(make_policy_loss(loss_type))
+        for prefix in ("rlkernels", LOGITS_MODE):
+            name = prefix if loss_type == "vanilla" else f"{prefix}_{loss_type}"
+            if name not in core_algos.POLICY_LOSS_REGISTRY:  # the logits modes' loss where the route is off
+                core_algos.register_policy_loss(name)(make_policy_loss(loss_type))
+    _install_logits_route()
     if os.environ.get("RLKERNELS_VERL_CORRECTION", "1") != "0":
         rollout_corr_helper._verl_compute_rollout_correction_and_add_to_batch = (
             verl_compute_rollout_correction_and_add_to_batch)
