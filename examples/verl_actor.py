@@ -60,11 +60,11 @@ OVERRIDES = [
 VOCAB, PROMPT, RESPONSE = 96, 5, 9  # vocabulary; prompt width (left-padded) and response width (right-padded)
 
 
-def tiny_model():
+def tiny_model(vocab=VOCAB):
     torch.manual_seed(0)
     return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, attn_implementation="eager")).train()
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, attn_implementation="eager")).train()
 
 
 def cpu_engine(model, pad_to_length=0):
@@ -82,18 +82,18 @@ def cpu_engine(model, pad_to_length=0):
     return engine
 
 
-def rollout_batch(model, temperature, seed, batch_size=8):
+def rollout_batch(model, temperature, seed, batch_size=8, prompt=PROMPT, response=RESPONSE):
     """A verl driver batch as the rollout leaves it: left-padded prompts, right-padded responses, the
     trainer's old log-probs, the rollout engine's (perturbed: the mismatch the correction is for), the
     reference policy's, and GRPO-style advantages (one per sequence). `temperature` is the sampler's: one
     float, or one per sequence."""
     g = torch.Generator().manual_seed(seed)
-    B, P, R = batch_size, PROMPT, RESPONSE
+    B, P, R, V = batch_size, prompt, response, model.config.vocab_size
     plen, rlen = torch.randint(1, P + 1, (B,), generator=g), torch.randint(1, R + 1, (B,), generator=g)
     rlen[0] = R
     positions = torch.arange(P + R)
     attention_mask = ((positions >= P - plen[:, None]) & (positions < P + rlen[:, None])).long()
-    ids = torch.randint(3, VOCAB, (B, P + R), generator=g) * attention_mask
+    ids = torch.randint(3, V, (B, P + R), generator=g) * attention_mask
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     t = temperature[:, None, None] if torch.is_tensor(temperature) else temperature
     with torch.no_grad():

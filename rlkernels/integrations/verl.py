@@ -52,10 +52,12 @@ def _global_counts(loss_agg_mode: str, info: dict) -> dict:
     dividing by count / dp_size is the same."""
     dp = info.get("dp_size", 1) or 1
     out = {}
+    # a count of 0 means the rejection removed every token of the mini-batch: every sum is then 0, and any
+    # positive divisor gives the loss 0 with zero gradients (verl divides 0 by 0: NaN)
     if info.get("batch_num_tokens") is not None:
-        out["global_num_tokens"] = float(info["batch_num_tokens"]) / dp
+        out["global_num_tokens"] = float(info["batch_num_tokens"]) / dp or 1.0
     if info.get("global_batch_size") is not None:
-        out["global_num_seqs"] = float(info["global_batch_size"]) / dp
+        out["global_num_seqs"] = float(info["global_batch_size"]) / dp or 1.0
     if info.get("loss_scale_factor") is not None:
         out["loss_scale_factor"] = float(info["loss_scale_factor"])
     return out

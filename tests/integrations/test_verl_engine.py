@@ -153,6 +153,29 @@ def test_logits_route_matches_verl_on_two_data_parallel_ranks():
     spawn(2, _check_data_parallel)
 
 
+def _check_everything_rejected(rank, world):
+    """A rejection that removes every token: verl's token-mean divides 0 by a global count of 0 (NaN); the
+    route's loss is 0 with zero gradients (docs/spec.md)."""
+    model = example.tiny_model()
+    engine = example.cpu_engine(model)
+    fields = _corrected(_batch(model, 0.8, seed=0, rows=slice(None)),
+                        {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.9999999_1.0000001"})
+    assert not fields["response_mask"].any()
+    results = []
+    for mode, loss_fn in (("vanilla", rlk_verl.verl_ppo_loss), ("rlkernels_logits", rlk_verl.ppo_loss)):
+        actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B,
+                                ppo_micro_batch_size_per_gpu=B // 2, policy_loss=VerlPolicyLossConfig(loss_mode=mode))
+        td = example.actor_batch(fields, 0.8, False, global_batch_size=B, micro_batch_size=B // 2)
+        results.append(_run(engine, td, partial(loss_fn, config=actor)))
+    (verl_loss, _, _), (loss, grads, _) = results
+    assert verl_loss != verl_loss, verl_loss  # NaN
+    assert loss == 0.0 and not grads.any(), (loss, float(grads.abs().max()))
+
+
+def test_a_fully_rejected_mini_batch_gives_zero_loss_and_gradient():
+    spawn(1, _check_everything_rejected)
+
+
 def test_unsupported_engine_settings_fall_back_with_a_warning_naming_the_setting():
     """use_fused_kernels (verl's own fused head: no logits) keeps verl's log-prob path: the same loss,
     computed by the registered `rlkernels_logits` loss, and one warning saying why."""
@@ -201,3 +224,19 @@ def _run_example(rank, world):
 def test_the_example_runs_as_written():
     """examples/verl_actor.py, as a user runs it: three actor steps, every micro-batch through the route."""
     spawn(1, _run_example)
+
+
+def _run_benchmark(rank, world, out):
+    from benchmarks import verl_engine
+
+    results = verl_engine.main(["--V", "256", "--sequences", "4", "--prompt", "4", "--response", "6", "--reps", "1",
+                                "--json", out])["results"]
+    assert set(results) == {"verl", "route"} and results["verl"]["vs_verl"] == 1.0
+    assert all(r["ms"] > 0 for r in results.values())
+
+
+def test_the_benchmark_runs_both_paths(tmp_path):
+    """benchmarks/verl_engine.py at a tiny size: verl's actor step and the logits route's, each timed and
+    its peak memory taken (figures not checked: timing is not a unit test)."""
+    spawn(1, _run_benchmark, str(tmp_path / "verl_engine.json"))
+    assert (tmp_path / "verl_engine.json").exists()
