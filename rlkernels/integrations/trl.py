@@ -22,12 +22,17 @@ without autograd from the same hidden states. A sampler log-prob that is NaN sta
 (ratio 1, as TRL's IS weights); for OPSM that token then adds old - current to its sequence's mean
 (TRL: 0), which differs only when old != current (`num_iterations > 1`).
 
-Limits (each raises): vision-language inputs, MoE auxiliary losses, `top_entropy_quantile < 1`,
-adaptive entropy. The decoder is called through `get_decoder()` of the unwrapped model: under DDP /
-FSDP wrappers use the logits-free path only if your wrapper tolerates calls to submodules (single
-process and DeepSpeed ZeRO-1/2 do).
+The loss is computed inside the model's forward, as TRL's fused head is: the trainer calls the model it
+is handed (DDP- or FSDP-wrapped) with `rlkernels_loss=`, and the forward (patched on top of TRL's) runs
+the decoder and hands its last hidden states and the LM head's weight to the loss. So the wrappers' hooks
+run as for any forward (DDP's gradient reduction, FSDP's gathering of the head; an FSDP2 DTensor head is
+gathered as TRL gathers it). Limits (each raises): vision-language inputs, MoE auxiliary losses,
+`top_entropy_quantile < 1`, adaptive entropy, DeepSpeed ZeRO-3 (its partitioned head would have to be
+gathered again in the backward, which recomputes the logits from the weight).
 """
 
+import functools
+import types
 from typing import Optional
 
 import torch
@@ -39,13 +44,43 @@ except ImportError as exc:  # pragma: no cover - the message says what to instal
 
 from .. import api
 from ..config import PolicyLossConfig, RolloutCorrection
-from .hf import response_hidden_states
 
 # TRL loss types whose normaliser is the window's token count (`num_items_in_batch`), not the
 # gradient-accumulation steps
 _TOKEN_COUNT_LOSSES = ("dapo", "cispo", "vespo")
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "spatial_shapes",
                 "num_tiles", "image_position_ids", "mm_token_type_ids", "token_type_ids")
+
+
+def _zero_stage(accelerator) -> Optional[int]:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return None if plugin is None else getattr(plugin, "zero_stage", None)
+
+
+def _add_loss_forward(model) -> None:
+    """Patch `model.forward` (once; on top of TRL's fused-head patch) so that
+    `model(input_ids=..., attention_mask=..., rlkernels_loss=fn)` runs the decoder and returns
+    `fn(last_hidden_state, lm_head.weight, lm_head.bias)` from inside the forward; without `rlkernels_loss`
+    the forward is the one it replaces."""
+    if getattr(model.forward, "_rlkernels_loss_forward", False):
+        return
+    forward = model.forward
+
+    @functools.wraps(type(model).forward)  # the signature `generate` validates its kwargs against
+    def loss_forward(self, *args, rlkernels_loss=None, **kwargs):
+        if rlkernels_loss is None:
+            return forward(*args, **kwargs)
+        hidden = self.get_decoder()(*args, use_cache=False, **kwargs).last_hidden_state
+        head = self.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2 shards parameters as DTensors: gather the head, as TRL does
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        with torch.autocast(hidden.device.type, enabled=False):  # the loss casts to the head's dtype itself
+            return rlkernels_loss(hidden.to(weight.device), weight, bias)
+
+    loss_forward._rlkernels_loss_forward = True
+    model.forward = types.MethodType(loss_forward, model)
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -58,6 +93,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
                             f"{type(rollout_correction).__name__}")
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError("model: MoE router auxiliary losses are not supported by rlkernels' GRPOTrainer")
+        if getattr(self, "is_deepspeed_enabled", False) and _zero_stage(self.accelerator) == 3:
+            raise ValueError("args.deepspeed: ZeRO stage 3 is not supported by rlkernels' GRPOTrainer (the backward "
+                             "recomputes the logits from the partitioned LM head); use stage 1 or 2, FSDP, or "
+                             "trl.GRPOTrainer")
+        _add_loss_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
         config = PolicyLossConfig.from_trl(self.args)
         # TRL's own vLLM weights arrive as `importance_sampling_ratio` and go in as is_weights; a
         # RolloutCorrection given here replaces them (computed from the sampler's log-probs)
@@ -76,13 +116,6 @@ class GRPOTrainer(_TRLGRPOTrainer):
         P = prompt_ids.size(1)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-
-        # hidden state t predicts token t + 1: positions P - 1 .. P + C - 2 predict the completion
-        unwrapped = self.accelerator.unwrap_model(model)
-        head = unwrapped.get_output_embeddings()
-        with self.accelerator.autocast():
-            hidden, _ = response_hidden_states(unwrapped, input_ids, attention_mask, P)
-        hidden = hidden.to(head.weight.dtype)
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -103,24 +136,35 @@ class GRPOTrainer(_TRLGRPOTrainer):
         sampling = inputs.get("sampling_per_token_logps")
         use_sampling = sampling is not None and (self.rlkernels_uses_own_correction or
                                                  config.off_policy_mask_threshold is not None)
-        if use_sampling and old is None:
-            # TRL's old log-probs are then the current ones, detached (ratio 1); computed here, since
-            # rollout log-probs without old ones would mean the bypass mode (a ratio against the sampler)
-            with torch.no_grad():
-                old = api.linear_token_logprobs(hidden, head.weight, completion_ids, bias=head.bias,
-                                                temperature=config.temperature, validate=False).logprobs
         is_weights = None
-        if sampling is not None and old is not None:  # TRL: a token vLLM could not score gets ratio 1
-            sampling = torch.where(torch.isnan(sampling), old, sampling)
         if not self.rlkernels_uses_own_correction and "importance_sampling_ratio" in inputs:
             ratio = inputs["importance_sampling_ratio"]
             is_weights = ratio.expand_as(completion_ids).to(torch.float32) if ratio.dim() == 2 else ratio
-        out = api.linear_decoupled_ppo_loss(
-            hidden, head.weight, completion_ids, inputs["advantages"], mask.bool(), bias=head.bias,
-            old_logprobs=old, rollout_logprobs=sampling if use_sampling else None,
-            ref_logprobs=inputs.get("ref_per_token_logps") if config.kl_coef else None,
-            is_weights=is_weights, config=config, validate=False, **overrides,
-        )
+
+        def loss_of(hidden, weight, bias):  # run inside the model's forward (see the module docstring)
+            # hidden state t predicts token t + 1: positions P - 1 .. P + C - 2 predict the completion
+            hidden = hidden[:, P - 1:P + C - 1].to(weight.dtype)
+            old_logprobs, rollout = old, sampling
+            if use_sampling and old_logprobs is None:
+                # TRL's old log-probs are then the current ones, detached (ratio 1); computed here, since
+                # rollout log-probs without old ones would mean the bypass mode (a ratio against the sampler)
+                with torch.no_grad():
+                    old_logprobs = api.linear_token_logprobs(hidden, weight, completion_ids, bias=bias,
+                                                             temperature=config.temperature,
+                                                             validate=False).logprobs
+            if rollout is not None and old_logprobs is not None:  # TRL: a token vLLM could not score: ratio 1
+                rollout = torch.where(torch.isnan(rollout), old_logprobs, rollout)
+            out = api.linear_decoupled_ppo_loss(
+                hidden, weight, completion_ids, inputs["advantages"], mask.bool(), bias=bias,
+                old_logprobs=old_logprobs, rollout_logprobs=rollout if use_sampling else None,
+                ref_logprobs=inputs.get("ref_per_token_logps") if config.kl_coef else None,
+                is_weights=is_weights, config=config, validate=False, **overrides,
+            )
+            return out, old_logprobs
+
+        C = completion_ids.size(1)
+        with self.accelerator.autocast():
+            out, old = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_loss=loss_of)
         loss = out.loss if self.loss_type in _TOKEN_COUNT_LOSSES else out.loss / accumulation
         self._log_rlkernels_metrics(mode, out.metrics, entropy_scale)
         self._log_trl_metrics(mode, out.logprobs, old, inputs, mask)

@@ -211,3 +211,61 @@ def test_the_example_runs_as_written(tmp_path):
         warnings.simplefilter("ignore")
         trainer = example.main(max_steps=2, output_dir=str(tmp_path))
     assert trainer.state.global_step == 2
+
+
+def _check_ddp(rank, world, tmp_dir):
+    """On each of two gloo ranks (accelerate's MULTI_CPU, the model wrapped in DDP by the trainer's
+    accelerator), a different batch: TRL's trainer and the drop-in, each through its DDP-wrapped model,
+    give the same averaged gradient; it is the same on both ranks and differs from the local one."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+    tok = _tokenizer()
+    args = _args(tmp_dir, loss_type="dapo", beta=0.04, entropy_coef=0.01)
+    built = _args(tmp_dir, loss_type="dapo", beta=0.0, entropy_coef=0.01)  # a reference model would be downloaded
+    models = {"theirs": _model(tok), "ours": _model(tok)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainers = {"theirs": trl.GRPOTrainer(model=models["theirs"], reward_funcs=_reward, args=built,
+                                              train_dataset=_dataset(), processing_class=tok),
+                    "ours": GRPOTrainer(model=models["ours"], reward_funcs=_reward, args=built,
+                                        train_dataset=_dataset(), processing_class=tok)}
+    assert trainers["ours"].accelerator.num_processes == world
+    trainers["ours"].rlkernels_config = PolicyLossConfig.from_trl(args).with_overrides(compute_entropy=True)
+    inputs = _batch(tok, models["theirs"], args.beta, None, seed=rank)  # each rank its own batch
+    grads = {}
+    for name, trainer in trainers.items():
+        trainer.args, trainer.beta = args, args.beta
+        trainer.current_gradient_accumulation_steps = 1
+        wrapped = trainer.accelerator.prepare_model(models[name])
+        assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        wrapped.train()
+        loss = trainer._compute_loss(wrapped, copy.deepcopy(inputs))
+        loss.backward()
+        grads[name] = torch.cat([p.grad.reshape(-1) for p in models[name].parameters()])
+    worst = float((grads["ours"] - grads["theirs"]).abs().max()) / float(grads["theirs"].abs().max())
+    assert worst <= tol("trl.trainer", torch.float32)["rtol"], f"rank {rank}: max |d grad| / max |grad| = {worst:.2e}"
+    both = [torch.empty_like(grads["ours"]) for _ in range(world)]
+    dist.all_gather(both, grads["ours"])
+    assert torch.equal(both[0], both[1]), "the drop-in's gradients were not reduced across the ranks"
+    # and two real training steps under DDP: the replicas stay equal
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(model=_model(tok), reward_funcs=_reward, train_dataset=_dataset(), processing_class=tok,
+                              args=_args(tmp_dir, max_steps=2, loss_type="dapo", learning_rate=1e-2))
+        trainer.train()
+    assert trainer.state.global_step == 2
+    params = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+    both = [torch.empty_like(params) for _ in range(world)]
+    dist.all_gather(both, params)
+    assert torch.equal(both[0], both[1]), "the replicas diverged"
+
+
+def test_drop_in_trainer_under_ddp_matches_trls(tmp_path):
+    """Two gloo ranks: the loss runs inside the DDP-wrapped forward, so DDP reduces its gradients."""
+    from ..ranks import spawn
+
+    spawn(2, _check_ddp, str(tmp_path))
