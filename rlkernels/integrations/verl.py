@@ -31,8 +31,12 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos, rollout_corr_helper
 from verl.utils import tensordict_utils as tu
-from verl.utils.metric import AggregationType, Metric
-from verl.workers.utils import losses as verl_losses
+
+try:  # the logits route's side of verl (its actor-loss module imports verl's dataset stack: PIL, ...)
+    from verl.utils.metric import AggregationType, Metric
+    from verl.workers.utils import losses as verl_losses
+except ImportError:  # the registered losses and the driver-side correction work without it
+    verl_losses = None
 
 from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss, rollout_correction
 from ..config import LOSS_TYPES, PolicyLossConfig, RolloutCorrection
@@ -42,7 +46,7 @@ _TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
 verl_compute_rollout_correction_and_add_to_batch = getattr(
     rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch",
     rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
-verl_ppo_loss = getattr(verl_losses, "_verl_ppo_loss", verl_losses.ppo_loss)  # verl's actor loss, as above
+verl_ppo_loss = None if verl_losses is None else getattr(verl_losses, "_verl_ppo_loss", verl_losses.ppo_loss)
 LOGITS_MODE = "rlkernels_logits"
 
 
@@ -270,6 +274,8 @@ def _logits_route_loss(config, model_output, data, route):
 def _install_logits_route() -> None:
     """Put ppo_loss in place of verl's where verl's engine worker will import it, and the logits hook into
     verl's FSDP engine. Without the engine (its imports missing) the logits modes fall back, with a warning."""
+    if verl_losses is None:
+        return
     verl_losses._verl_ppo_loss = verl_ppo_loss
     verl_losses.ppo_loss = ppo_loss
     workers = sys.modules.get("verl.workers.engine_workers")
