@@ -162,6 +162,8 @@ def test_loss_and_gradients_match_trls_trainer(tmp_path, kw):
     worst = max(float((grads[1][n] - grads[0][n]).abs().max()) / max(float(grads[0][n].abs().max()), 1e-30)
                 for n in grads[0])
     assert worst <= tol("trl.trainer", torch.float32)["rtol"], f"max |d grad| / max |grad| = {worst:.2e}"
+    print(f"TRL agreement {kw}: loss {abs(float(losses[1] - losses[0])) / max(1.0, abs(float(losses[0]))):.1e}, "
+          f"grad {worst:.1e} (relative)")  # the figures the README quotes (pytest -s)
     # every metric TRL's _compute_loss logs is logged by the drop-in under that name, with TRL's value
     # (TRL's "policy_loss" comes from its entropy branch: it is the loss itself, logged by the Trainer)
     theirs_names = set(theirs._metrics["train"]) - {"policy_loss", "entropy_coef"}
@@ -248,6 +250,7 @@ def _check_ddp(rank, world, tmp_dir):
         grads[name] = torch.cat([p.grad.reshape(-1) for p in models[name].parameters()])
     worst = float((grads["ours"] - grads["theirs"]).abs().max()) / float(grads["theirs"].abs().max())
     assert worst <= tol("trl.trainer", torch.float32)["rtol"], f"rank {rank}: max |d grad| / max |grad| = {worst:.2e}"
+    print(f"TRL agreement under DDP, rank {rank}: grad {worst:.1e} (relative)")
     both = [torch.empty_like(grads["ours"]) for _ in range(world)]
     dist.all_gather(both, grads["ours"])
     assert torch.equal(both[0], both[1]), "the drop-in's gradients were not reduced across the ranks"
