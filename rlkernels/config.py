@@ -543,8 +543,9 @@ class PolicyLossConfig:
         mode = get(policy, "loss_mode", "vanilla")
         if isinstance(mode, str) and (mode == "rlkernels" or mode.startswith("rlkernels_")):
             mode = mode[len("rlkernels_"):] or "vanilla"  # rlkernels' own losses as verl names them (its plugin)
-            if mode == "logits" or mode.startswith("logits_"):  # the same losses on the plugin's logits route
-                mode = mode[len("logits_"):] or "vanilla"
+            for route in ("logits", "linear"):  # the same losses on the plugin's logits / linear routes
+                if mode == route or mode.startswith(route + "_"):
+                    mode = mode[len(route) + 1:] or "vanilla"
         if mode == "bypass_mode":
             mode = get(get(policy, "rollout_correction", {}), "loss_type", "ppo_clip")
             if mode not in ("ppo_clip", "reinforce"):

@@ -16,8 +16,14 @@ completion ids as labels:
 decoder's output (a view, no copy). Slicing full logits as `model(...).logits[:, P - 1:-1]` is correct
 but forms (and, for a contiguous result, copies) the whole sequence's logits; passing
 `model(...).logits[:, P:]` or unshifted logits gives a wrong loss with no error.
+
+`add_loss_forward(model)` lets a trainer compute a loss from the last hidden states and the LM head
+*inside* the model's forward (`model(..., rlkernels_loss=fn)`), through whatever wraps the model (DDP,
+FSDP): the trainer integrations use it, as TRL's and verl's own fused heads do.
 """
 
+import functools
+import types
 from typing import Tuple
 
 import torch
@@ -50,3 +56,31 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     P, C, labels = _completion(input_ids, prompt_length)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
     return hidden[:, P - 1:P + C - 1], labels
+
+
+def add_loss_forward(model) -> None:
+    """Patch `model.forward` (once, over whatever forward it has) so that `model(..., rlkernels_loss=fn)` runs
+    the decoder on the other arguments and returns `fn(last_hidden_state, lm_head.weight, lm_head.bias)`
+    from inside the forward, where a DDP / FSDP wrapper's hooks have run (an FSDP2 DTensor head is gathered
+    with `full_tensor()`); without `rlkernels_loss` the forward is the one it replaces. `fn` runs with
+    autocast off: it casts to the head's dtype itself."""
+    if getattr(model.forward, "_rlkernels_loss_forward", False):
+        return
+    forward = model.forward
+
+    @functools.wraps(type(model).forward)  # the signature `generate` validates its kwargs against
+    def loss_forward(self, *args, rlkernels_loss=None, **kwargs):
+        if rlkernels_loss is None:
+            return forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.get_decoder()(*args, **kwargs).last_hidden_state
+        head = self.get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):  # FSDP2 shards parameters as DTensors: gather the head (as TRL does)
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        with torch.autocast(hidden.device.type, enabled=False):
+            return rlkernels_loss(hidden.to(weight.device), weight, bias)
+
+    loss_forward._rlkernels_loss_forward = True
+    model.forward = types.MethodType(loss_forward, model)

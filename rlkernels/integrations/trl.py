@@ -31,8 +31,6 @@ gathered as TRL gathers it). Limits (each raises): vision-language inputs, MoE a
 gathered again in the backward, which recomputes the logits from the weight).
 """
 
-import functools
-import types
 from typing import Optional
 
 import torch
@@ -44,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - the message says what to instal
 
 from .. import api
 from ..config import PolicyLossConfig, RolloutCorrection
+from .hf import add_loss_forward
 
 # TRL loss types whose normaliser is the window's token count (`num_items_in_batch`), not the
 # gradient-accumulation steps
@@ -55,32 +54,6 @@ _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image
 def _zero_stage(accelerator) -> Optional[int]:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return None if plugin is None else getattr(plugin, "zero_stage", None)
-
-
-def _add_loss_forward(model) -> None:
-    """Patch `model.forward` (once; on top of TRL's fused-head patch) so that
-    `model(input_ids=..., attention_mask=..., rlkernels_loss=fn)` runs the decoder and returns
-    `fn(last_hidden_state, lm_head.weight, lm_head.bias)` from inside the forward; without `rlkernels_loss`
-    the forward is the one it replaces."""
-    if getattr(model.forward, "_rlkernels_loss_forward", False):
-        return
-    forward = model.forward
-
-    @functools.wraps(type(model).forward)  # the signature `generate` validates its kwargs against
-    def loss_forward(self, *args, rlkernels_loss=None, **kwargs):
-        if rlkernels_loss is None:
-            return forward(*args, **kwargs)
-        hidden = self.get_decoder()(*args, use_cache=False, **kwargs).last_hidden_state
-        head = self.get_output_embeddings()
-        weight, bias = head.weight, head.bias
-        if hasattr(weight, "full_tensor"):  # FSDP2 shards parameters as DTensors: gather the head, as TRL does
-            weight = weight.full_tensor()
-            bias = None if bias is None else bias.full_tensor()
-        with torch.autocast(hidden.device.type, enabled=False):  # the loss casts to the head's dtype itself
-            return rlkernels_loss(hidden.to(weight.device), weight, bias)
-
-    loss_forward._rlkernels_loss_forward = True
-    model.forward = types.MethodType(loss_forward, model)
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -97,7 +70,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             raise ValueError("args.deepspeed: ZeRO stage 3 is not supported by rlkernels' GRPOTrainer (the backward "
                              "recomputes the logits from the partitioned LM head); use stage 1 or 2, FSDP, or "
                              "trl.GRPOTrainer")
-        _add_loss_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
+        add_loss_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
         config = PolicyLossConfig.from_trl(self.args)
         # TRL's own vLLM weights arrive as `importance_sampling_ratio` and go in as is_weights; a
         # RolloutCorrection given here replaces them (computed from the sampler's log-probs)

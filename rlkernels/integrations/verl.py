@@ -26,6 +26,7 @@ import functools
 import os
 import sys
 import warnings
+from typing import Optional
 
 import torch
 from verl.protocol import DataProto
@@ -38,8 +39,9 @@ try:  # the logits route's side of verl (its actor-loss module imports verl's da
 except ImportError:  # the registered losses and the driver-side correction work without it
     verl_losses = None
 
-from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss, rollout_correction
+from ..api import decoupled_ppo_loss, linear_decoupled_ppo_loss, metrics_to_floats, policy_loss, rollout_correction
 from ..config import LOSS_TYPES, PolicyLossConfig, RolloutCorrection
+from .hf import add_loss_forward
 
 _TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
 # verl's own driver-side correction, kept for comparison (saved by install(), so a re-import finds it)
@@ -47,7 +49,7 @@ verl_compute_rollout_correction_and_add_to_batch = getattr(
     rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch",
     rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
 verl_ppo_loss = None if verl_losses is None else getattr(verl_losses, "_verl_ppo_loss", verl_losses.ppo_loss)
-LOGITS_MODE = "rlkernels_logits"
+LOGITS_MODE, LINEAR_MODE = "rlkernels_logits", "rlkernels_linear"
 
 
 def _global_counts(loss_agg_mode: str, info: dict) -> dict:
@@ -123,21 +125,29 @@ def _loss_mode(actor_config) -> str:
     return "vanilla" if policy is None else policy.get("loss_mode", "vanilla")
 
 
-def _is_logits_mode(mode) -> bool:
-    return isinstance(mode, str) and (mode == LOGITS_MODE or mode.startswith(LOGITS_MODE + "_"))
+def _route_kind(mode) -> Optional[str]:
+    """"logits" or "linear" for the route's loss modes, None for the others."""
+    for kind, prefix in (("logits", LOGITS_MODE), ("linear", LINEAR_MODE)):
+        if isinstance(mode, str) and (mode == prefix or mode.startswith(prefix + "_")):
+            return kind
+    return None
 
 
 def _route_actor_config(loss_function):
-    """The actor config when `loss_function` is this module's actor loss as verl's engine worker binds it
-    (partial(ppo_loss, config=actor_config)) with a logits loss mode, else None."""
-    if not (isinstance(loss_function, functools.partial) and loss_function.func is ppo_loss):
-        return None
+    """(actor config, route kind) when `loss_function` is this module's actor loss as verl's engine worker
+    binds it (partial(ppo_loss, config=actor_config)) with a route's loss mode and gradients are on, else
+    (None, None)."""
+    if not (torch.is_grad_enabled() and isinstance(loss_function, functools.partial)
+            and loss_function.func is ppo_loss):
+        return None, None
     config = loss_function.keywords.get("config")
-    return config if config is not None and _is_logits_mode(_loss_mode(config)) else None
+    kind = None if config is None else _route_kind(_loss_mode(config))
+    return (config, kind) if kind is not None else (None, None)
 
 
 def _route_blocker(engine, output, micro_batch):
-    """The verl setting that keeps this micro-batch off the logits route, or None."""
+    """The verl setting that keeps this micro-batch off the route, or None (`output` None: before the
+    forward)."""
     def get(key, default=False):
         return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
 
@@ -151,16 +161,67 @@ def _route_blocker(engine, output, micro_batch):
         return "distillation (its loss consumes the logits)"
     if get("calculate_sum_pi_squared"):
         return "calculate_sum_pi_squared=True"
-    if getattr(output, "logits", None) is None:
+    if output is not None and getattr(output, "logits", None) is None:
         return "a model output without logits"
     return None
 
 
+def _temperature(micro_batch, output_args, n):
+    """verl's temperature: one float, or its per-sequence tensor as verl expands it to the packed tokens."""
+    temperature = micro_batch["temperature"]
+    return output_args["temperature_rmpad"][:n] if torch.is_tensor(temperature) else float(temperature)
+
+
+def _wants_entropy(micro_batch) -> bool:
+    return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
+
+
+def _forward_step(self, micro_batch, loss_function, forward_only):
+    """FSDPEngineWithLMHead.forward_step: verl's, with the loss function in reach of prepare_model_inputs
+    (which verl does not hand it)."""
+    self._rlkernels_loss_function = loss_function
+    try:
+        return type(self)._verl_forward_step(self, micro_batch, loss_function, forward_only)
+    finally:
+        self._rlkernels_loss_function = None
+
+
+def _prepare_model_inputs(self, micro_batch):
+    """FSDPEngineWithLMHead.prepare_model_inputs: verl's, plus, on the linear route, `rlkernels_loss=`: the
+    model's forward (patched by `add_loss_forward`) then computes the whole actor loss from the last hidden
+    states and the LM head with linear_decoupled_ppo_loss, so the logits are never formed."""
+    model_inputs, output_args = type(self)._verl_prepare_model_inputs(self, micro_batch)
+    config, kind = _route_actor_config(getattr(self, "_rlkernels_loss_function", None))
+    if kind != "linear" or _route_blocker(self, None, micro_batch) is not None:
+        return model_inputs, output_args
+    model = getattr(self.module, "_fsdp_wrapped_module", self.module)  # FSDP1 wraps the HF model; FSDP2 does not
+    add_loss_forward(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    labels = output_args["input_ids_rmpad_rolled"]
+    n = labels.shape[0] - int(output_args.get("pad_size") or 0)
+    entropy = _wants_entropy(micro_batch)
+
+    def loss_of(hidden, weight, bias):  # inside the model's forward
+        hidden = hidden.reshape(-1, hidden.shape[-1])[:n].to(weight.dtype)
+        args, rl_config, scale = _route_inputs(config, micro_batch, n, entropy)
+        out = linear_decoupled_ppo_loss(hidden, weight, labels[:n], args.pop("advantages"), args.pop("response_mask"),
+                                        bias=bias, config=rl_config,
+                                        temperature=_temperature(micro_batch, output_args, n), **args)
+        return {_ROUTE: dict(out=out, scale=scale, entropy=entropy)}
+
+    model_inputs["rlkernels_loss"] = loss_of
+    return model_inputs, output_args
+
+
 def _prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
-    """FSDPEngineWithLMHead.prepare_model_outputs: verl's, unless the actor loss takes the logits route."""
-    config = _route_actor_config(logits_processor_func) if torch.is_grad_enabled() else None
-    blocker = None if config is None else _route_blocker(self, output, micro_batch)
-    if config is None or blocker is not None:
+    """FSDPEngineWithLMHead.prepare_model_outputs: verl's, unless the actor loss takes a route: the loss the
+    forward computed (linear), or the packed logits, labels and temperatures (logits)."""
+    config, kind = _route_actor_config(logits_processor_func)
+    if kind == "linear" and isinstance(output, dict) and _ROUTE in output:
+        return {_ROUTE: output[_ROUTE]}
+    blocker = None if kind is None else _route_blocker(self, output, micro_batch)
+    if kind == "linear" and blocker is None:
+        blocker = "the model's forward did not compute the loss"
+    if kind is None or blocker is not None:
         model_output = type(self)._verl_prepare_model_outputs(self, output, output_args, micro_batch,
                                                              logits_processor_func)
         if blocker is not None:
@@ -170,12 +231,8 @@ def _prepare_model_outputs(self, output, output_args, micro_batch, logits_proces
     if hasattr(logits, "full_tensor"):  # a DTensor split over the vocabulary by tensor parallelism, as verl
         logits = logits.full_tensor()
     n = logits.shape[0] - int(output_args.get("pad_size") or 0)  # pad_to_length pads the end of the sequence
-    temperature = micro_batch["temperature"]  # one float, or one per sequence (verl: expanded to the tokens)
-    temperature = output_args["temperature_rmpad"][:n] if torch.is_tensor(temperature) else float(temperature)
     return {_ROUTE: dict(logits=logits[:n], labels=output_args["input_ids_rmpad_rolled"][:n],
-                         temperature=temperature,
-                         entropy=bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy",
-                                                             default=False)))}
+                         temperature=_temperature(micro_batch, output_args, n), entropy=_wants_entropy(micro_batch))}
 
 
 def _response_rows(data, width):
@@ -199,74 +256,86 @@ def ppo_loss(config, model_output, data, dp_group=None):
     own otherwise."""
     route, blocker = model_output.pop(_ROUTE, None), model_output.pop(_BLOCKER, None)
     if route is None:
-        if torch.is_grad_enabled() and _is_logits_mode(_loss_mode(config)):
-            reason = blocker or ("the engine handed no logits (the route is wired into verl's FSDPEngineWithLMHead, "
-                                 "with the actor loss bound as verl's engine worker binds it: "
+        kind = _route_kind(_loss_mode(config))
+        if torch.is_grad_enabled() and kind is not None:
+            reason = blocker or ("the engine handed nothing to the loss (the routes are wired into verl's "
+                                 "FSDPEngineWithLMHead, with the actor loss bound as verl's engine worker binds it: "
                                  "partial(ppo_loss, config=actor_config))")
             if reason not in _warned:
                 _warned.add(reason)
                 warnings.warn(f"actor.policy_loss.loss_mode={_loss_mode(config)}: {reason}; the loss is computed "
-                              "from verl's log-probs instead (the same loss, without the fused logits pass)",
+                              f"from verl's log-probs instead (the same loss, without the fused {kind} pass)",
                               stacklevel=2)
         return verl_ppo_loss(config, model_output, data, dp_group)
-    return _logits_route_loss(config, model_output, data, route)
+    if "out" in route:  # the linear route: computed inside the model's forward
+        return _route_outputs(config, model_output, data, route["out"], route["entropy"], route["scale"])
+    logits = route["logits"]
+    args, rl_config, scale = _route_inputs(config, data, logits.shape[0], route["entropy"])
+    out = decoupled_ppo_loss(
+        logits, route["labels"], args.pop("advantages"), args.pop("response_mask"), config=rl_config,
+        inplace_backward=True,  # nothing else reads the logits: the gradient overwrites them, as verl's path does
+        temperature=route["temperature"], **args)
+    return _route_outputs(config, model_output, data, out, route["entropy"], scale)
 
 
-def _logits_route_loss(config, model_output, data, route):
-    """verl's ppo_loss (policy loss + entropy bonus + KL penalty, verl's global batch counts and metrics)
-    computed by decoupled_ppo_loss from the packed logits of one micro-batch."""
+def _route_inputs(config, data, n, entropy):
+    """verl's ppo_loss for one micro-batch of n packed tokens, in this library's terms: the per-token
+    arguments of the loss call (padded [b, R] response tensors placed on the packed rows that predict
+    them, 0 elsewhere), the PolicyLossConfig (from_verl_actor with verl's global batch counts), and the
+    factor of verl's token-sum (dp_size)."""
     info = config.global_batch_info  # as verl's ppo_loss fills it
     info.update(dp_size=data["dp_size"], batch_num_tokens=data["batch_num_tokens"],
                 global_batch_size=data["global_batch_size"], loss_scale_factor=config.loss_scale_factor)
-    summed = info["dp_size"] > 1 or any(info[k] is not None for k in (
-        "batch_num_tokens", "global_batch_size", "loss_scale_factor"))
-    aggregation = AggregationType.SUM if summed else AggregationType.MEAN  # verl's choice for its loss metrics
-
     fields = [f for f in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")
               if f in data.keys()]
     padded = data.select(*fields).to_padded_tensor()
     mask = padded["response_mask"].bool()
     rows, valid = _response_rows(data, mask.shape[-1])
     keep = mask & valid
-    logits = route["logits"]
     index = (rows[keep],)
 
-    def packed(name):  # padded [b, R] response tensor -> [packed tokens], 0 off the loss's tokens
+    def packed(name):
         if name not in padded.keys():
             return None
         x = padded[name]
-        return x.new_zeros(logits.shape[0]).index_put_(index, x[keep])
+        return x.new_zeros(n).index_put_(index, x[keep])
 
     agg = config.loss_agg_mode
     counts = _global_counts(agg, info)
     if agg == "seq-mean-token-sum-norm" and "loss_scale_factor" not in counts:
         counts["loss_scale_factor"] = float(mask.shape[-1])  # verl's horizon: the padded response width
-    rl_config = PolicyLossConfig.from_verl_actor(
-        config, loss_agg_mode=agg, validate=False, compute_entropy=route["entropy"],
-        inplace_backward=True,  # nothing else reads the logits: the gradient overwrites them, as verl's path does
-        **counts)
-    if not route["entropy"]:  # verl adds the bonus only where the trainer asked for entropy
+    rl_config = PolicyLossConfig.from_verl_actor(config, loss_agg_mode=agg, validate=False, compute_entropy=entropy,
+                                                 **counts)
+    if not entropy:  # verl adds the bonus only where the trainer asked for entropy
         rl_config = rl_config.with_overrides(entropy_coeff=0.0)
     use_kl = bool(config.get("use_kl_loss", False))
-    out = decoupled_ppo_loss(
-        logits, route["labels"], packed("advantages"), packed("response_mask").bool(),
-        old_logprobs=packed("old_log_probs"), ref_logprobs=packed("ref_log_prob") if use_kl else None,
-        is_weights=packed("rollout_is_weights"), cu_seqlens=data["input_ids"].offsets(), config=rl_config,
-        temperature=route["temperature"])
-    scale = info["dp_size"] if agg == "token-sum" else 1  # verl's token-sum is x dp_size
+    args = dict(advantages=packed("advantages"), response_mask=packed("response_mask").bool(),
+                old_logprobs=packed("old_log_probs"), ref_logprobs=packed("ref_log_prob") if use_kl else None,
+                is_weights=packed("rollout_is_weights"), cu_seqlens=data["input_ids"].offsets())
+    return args, rl_config, info["dp_size"] if agg == "token-sum" else 1  # verl's token-sum is x dp_size
+
+
+def _route_outputs(config, model_output, data, out, entropy, scale):
+    """verl's ppo_loss results from the library's output: the loss, verl's metrics under verl's names and
+    aggregations, and verl's nested log-probs (and entropy) in `model_output`."""
+    info = config.global_batch_info
+    summed = info["dp_size"] > 1 or any(info[k] is not None for k in (
+        "batch_num_tokens", "global_batch_size", "loss_scale_factor"))
+    aggregation = AggregationType.SUM if summed else AggregationType.MEAN  # verl's choice for its loss metrics
+    use_kl = bool(config.get("use_kl_loss", False))
     values = metrics_to_floats(out.metrics)  # one host sync; verl's Metric reads each value anyway
     totals = {"actor/pg_loss": "actor/pg_loss", "actor/entropy": "actor/entropy_loss", "actor/kl_loss": "kl_loss"}
     metrics = {k: Metric(AggregationType.MEAN, v) for k, v in values.items()
                if k.startswith("actor/") and k not in totals}
     metrics["actor/pg_loss"] = Metric(aggregation, values["actor/pg_loss"] * scale)
-    if route["entropy"]:
+    if entropy:
         metrics["actor/entropy_loss"] = Metric(aggregation, values["actor/entropy"] * scale)
     if use_kl:
         metrics["kl_loss"] = Metric(aggregation, values["actor/kl_loss"] * scale)
         metrics["kl_coef"] = config.kl_loss_coef
     offsets = data["input_ids"].offsets()  # verl's nested outputs (log-probs of the loss's tokens, 0 elsewhere)
     model_output["log_probs"] = torch.nested.nested_tensor_from_jagged(out.logprobs.detach(), offsets)
-    if route["entropy"]:
+    if entropy:
         model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy.detach(), offsets)
     return out.loss * scale, metrics
 
@@ -285,16 +354,18 @@ def _install_logits_route() -> None:
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     except ImportError:
         return
-    if "_verl_prepare_model_outputs" not in FSDPEngineWithLMHead.__dict__:
-        FSDPEngineWithLMHead._verl_prepare_model_outputs = FSDPEngineWithLMHead.prepare_model_outputs
-        FSDPEngineWithLMHead.prepare_model_outputs = _prepare_model_outputs
+    for name, hook in (("forward_step", _forward_step), ("prepare_model_inputs", _prepare_model_inputs),
+                       ("prepare_model_outputs", _prepare_model_outputs)):
+        if f"_verl_{name}" not in FSDPEngineWithLMHead.__dict__:
+            setattr(FSDPEngineWithLMHead, f"_verl_{name}", getattr(FSDPEngineWithLMHead, name))
+            setattr(FSDPEngineWithLMHead, name, hook)
 
 
 def install() -> None:
     """Register the losses (idempotent), the logits route and, unless RLKERNELS_VERL_CORRECTION=0, the
     driver-side correction."""
     for loss_type in _TYPES:
-        for prefix in ("rlkernels", LOGITS_MODE):
+        for prefix in ("rlkernels", LOGITS_MODE, LINEAR_MODE):
             name = prefix if loss_type == "vanilla" else f"{prefix}_{loss_type}"
             if name not in core_algos.POLICY_LOSS_REGISTRY:  # the logits modes' loss where the route is off
                 core_algos.register_policy_loss(name)(make_policy_loss(loss_type))

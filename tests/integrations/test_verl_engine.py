@@ -84,11 +84,21 @@ def _run(engine, td, loss_function):
     return float(loss), grads, out.get("metrics", {})
 
 
+def _counting(fn, calls, name):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return counted
+
+
 def _compare(rank, world, cases):
     """verl's own path against the logits route, and against the registered loss of the same type on
     verl's log-probs (`rlkernels_<type>`), on each case; returns the worst differences."""
     model = example.tiny_model()
-    worst = [0.0, 0.0]
+    worst = {path: [0.0, 0.0] for path in PATHS}
+    calls = {"decoupled_ppo_loss": 0, "linear_decoupled_ppo_loss": 0}  # which of the library's losses ran
+    for name in calls:
+        setattr(rlk_verl, name, _counting(getattr(rlk_verl, name), calls, name))
     for i, (loss_type, agg, temperature, correction, extras, pad) in enumerate(cases):
         engine = example.cpu_engine(model, pad)
         fields = _batch(model, temperature, seed=i, rows=slice(rank, None, world))
@@ -96,18 +106,23 @@ def _compare(rank, world, cases):
         entropy = bool(extras)
         results = []
         suffix = "" if loss_type == "vanilla" else f"_{loss_type}"
-        for mode, loss_fn in ((loss_type, rlk_verl.verl_ppo_loss), ("rlkernels_logits" + suffix, rlk_verl.ppo_loss),
-                              ("rlkernels" + suffix, rlk_verl.ppo_loss)):
+        for prefix, mode, loss_fn in [(None, loss_type, rlk_verl.verl_ppo_loss)] + [
+                (prefix, prefix + suffix, rlk_verl.ppo_loss) for prefix in PATHS.values()]:
             actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B,
                                     ppo_micro_batch_size_per_gpu=B // 2, loss_agg_mode=agg,
                                     policy_loss=VerlPolicyLossConfig(loss_mode=mode), **extras)
             td = example.actor_batch(fields, temperature, entropy, global_batch_size=B,
                                      micro_batch_size=B // world // 2)  # two micro-batches per rank
+            before = dict(calls)
             with warnings.catch_warnings():
                 warnings.simplefilter("error", UserWarning)  # a fallback to verl's log-probs fails the test
                 results.append(_run(engine, td, partial(loss_fn, config=actor)))
+            ran = {name: calls[name] - before[name] for name in calls}
+            expected = {"rlkernels_logits": {"decoupled_ppo_loss": 2, "linear_decoupled_ppo_loss": 0},
+                        "rlkernels_linear": {"decoupled_ppo_loss": 0, "linear_decoupled_ppo_loss": 2}}
+            assert ran == expected.get(prefix, {k: 0 for k in calls}), (mode, ran)  # two micro-batches
         (want, want_grad, want_metrics) = results[0]
-        for path, (got, got_grad, got_metrics) in zip(("logits route", "registered loss"), results[1:]):
+        for path, (got, got_grad, got_metrics) in zip(PATHS, results[1:]):
             dl = abs(got - want) / max(1.0, abs(want))
             dg = float((got_grad - want_grad).abs().max()) / max(float(want_grad.abs().max()), 1e-12)
             case = f"rank {rank}/{world} {path} {cases[i]}"
@@ -117,9 +132,12 @@ def _compare(rank, world, cases):
                     w, o = (m[key].aggregate() for m in (want_metrics, got_metrics))  # verl's Metric
                     assert want_metrics[key].aggregation == got_metrics[key].aggregation, f"{case}: {key}"
                     assert abs(w - o) <= TOL * max(1.0, abs(w)), f"{case}: metric {key} {o} vs verl {w}"
-            if path == "logits route":
-                worst = [max(worst[0], dl), max(worst[1], dg)]
+            worst[path] = [max(worst[path][0], dl), max(worst[path][1], dg)]
     return worst
+
+
+# the plugin's paths, each against verl's own: its loss mode prefix
+PATHS = {"logits route": "rlkernels_logits", "linear route": "rlkernels_linear", "registered loss": "rlkernels"}
 
 
 ENTROPY_KL = {"entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.05}
@@ -139,8 +157,8 @@ CASES += [("vanilla", "token-mean", PER_SEQUENCE_T, TIS_GEO_RS, ENTROPY_KL, 64)]
 
 
 def _check_product(rank, world):
-    worst = _compare(rank, world, CASES)
-    print(f"logits route vs verl, {len(CASES)} cases: worst loss {worst[0]:.1e}, grad {worst[1]:.1e} (relative)")
+    for path, (loss, grad) in _compare(rank, world, CASES).items():
+        print(f"{path} vs verl, {len(CASES)} cases: worst loss {loss:.1e}, grad {grad:.1e} (relative)")
 
 
 def _check_data_parallel(rank, world):
