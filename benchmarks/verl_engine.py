@@ -1,4 +1,4 @@
-"""verl 0.9.1's actor step with its own loss path against the plugin's logits route, on the CPU.
+"""verl 0.9.1's actor step with its own loss path against the plugin's logits and linear routes, on the CPU.
 
     python -m benchmarks.verl_engine                       # V = 32768, 16 sequences of 32 + 96 tokens, fp32
     python -m benchmarks.verl_engine --V 65536 --reps 5 --json out.json
@@ -8,8 +8,10 @@ examples/verl_actor.py with a large vocabulary, so that the logits dominate), te
 bonus and KL penalty on, token IS + geometric rejection from the driver:
     verl      loss_mode=vanilla: verl scales the logits by 1/T (a copy), takes log-probs and entropy from
               them (on the CPU: log_softmax + gather, and softmax for the entropy) and runs ppo_loss
-    route     loss_mode=rlkernels_logits: the packed logits go to decoupled_ppo_loss (one fused pass,
+    logits    loss_mode=rlkernels_logits: the packed logits go to decoupled_ppo_loss (one fused pass,
               gradient written into the logits)
+    linear    loss_mode=rlkernels_linear: the model's forward hands the last hidden states and the LM
+              head to linear_decoupled_ppo_loss (the logits are never formed)
 Each round runs both, in turn (interleaved, so drift lands on both alike); medians over the rounds, ratios
 against verl's from the same rounds. Peak memory is the step's rise of the process's peak RSS over its RSS
 before the step (VmHWM reset), which includes the model's activations common to both. verl's GPU path
@@ -72,12 +74,13 @@ def _steps(V: int, sequences: int, prompt: int, response: int):
                                      micro_batch_size=sequences)
             model.zero_grad(set_to_none=True)
             with warnings.catch_warnings():
-                warnings.simplefilter("error", UserWarning)  # the route must not fall back
+                warnings.simplefilter("error", UserWarning)  # the routes must not fall back
                 out = engine.forward_backward_batch(td, loss_function=loss_function, forward_only=False)
             return out["loss"]
         return step
 
-    return {"verl": step_of("vanilla"), "route": step_of("rlkernels_logits")}, tokens
+    return {"verl": step_of("vanilla"), "logits": step_of("rlkernels_logits"),
+            "linear": step_of("rlkernels_linear")}, tokens
 
 
 def measure(V: int, sequences: int, prompt: int, response: int, reps: int) -> dict:

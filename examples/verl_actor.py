@@ -1,20 +1,21 @@
-"""verl 0.9.1's actor update with the loss computed by rlkernels from the logits: the change is one config key.
+"""verl 0.9.1's actor update with the loss computed by rlkernels, no logits formed: the change is one config key.
 
 With rlkernels installed, `import verl` loads its plugin (the `verl.plugins` entry point). A verl run then
 takes these overrides (OVERRIDES below: verl's own command-line syntax):
 
-    actor_rollout_ref.actor.policy_loss.loss_mode=rlkernels_logits    # or rlkernels_logits_<loss type>
+    actor_rollout_ref.actor.policy_loss.loss_mode=rlkernels_linear    # or rlkernels_linear_<loss type>
     algorithm.rollout_correction.rollout_is=token ...                  # verl's keys, computed by rlkernels
 
 verl's trainer needs Ray, a rollout engine and accelerators, so this script runs, on a CPU in a few seconds,
 what the trainer does with one batch, through verl's own code: the driver-side rollout correction
 (`rollout_corr_helper.compute_rollout_correction_and_add_to_batch`, rlkernels' once the plugin is loaded),
 the conversion to verl's packed layout, and the FSDP engine's `forward_backward_batch` (global token count,
-two micro-batches, packing, rolled labels, per-token temperatures) whose actor loss, with this loss mode,
-receives the packed logits and calls `rlkernels.decoupled_ppo_loss`. The model is a tiny randomly
-initialised Qwen2 built in code (nothing is downloaded); the batch is synthetic (random prompts and
-responses, the rollout engine's log-probs a perturbation of the trainer's). Only the FSDP wrapping is
-skipped: it needs accelerators.
+two micro-batches, packing, rolled labels, per-token temperatures) in which, with this loss mode, the
+model's forward hands its last hidden states and LM head to `rlkernels.linear_decoupled_ppo_loss`: the
+logits are never formed (`rlkernels_logits` hands verl's logits to `decoupled_ppo_loss` instead). The
+model is a tiny randomly initialised Qwen2 built in code (nothing is downloaded); the batch is synthetic
+(random prompts and responses, the rollout engine's log-probs a perturbation of the trainer's). Only the
+FSDP wrapping is skipped: it needs accelerators.
 
     pip install 'rlkernels[verl]'
     python examples/verl_actor.py [--steps 3]
@@ -41,7 +42,7 @@ from verl.workers.utils import losses
 from verl.workers.utils.padding import left_right_2_no_padding
 
 OVERRIDES = [
-    "actor_rollout_ref.actor.policy_loss.loss_mode=rlkernels_logits",  # the one change; was: vanilla
+    "actor_rollout_ref.actor.policy_loss.loss_mode=rlkernels_linear",  # the one change; was: vanilla
     "actor_rollout_ref.actor.ppo_mini_batch_size=8",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
     "actor_rollout_ref.actor.loss_agg_mode=token-mean",

@@ -195,7 +195,10 @@ def _prepare_model_inputs(self, micro_batch):
     if kind != "linear" or _route_blocker(self, None, micro_batch) is not None:
         return model_inputs, output_args
     model = getattr(self.module, "_fsdp_wrapped_module", self.module)  # FSDP1 wraps the HF model; FSDP2 does not
-    add_loss_forward(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
+        return model_inputs, output_args  # not a Hugging Face causal LM: verl's path, with the warning
+    add_loss_forward(model)
     labels = output_args["input_ids_rmpad_rolled"]
     n = labels.shape[0] - int(output_args.get("pad_size") or 0)
     entropy = _wants_entropy(micro_batch)

@@ -231,12 +231,12 @@ def test_the_plugin_puts_its_actor_loss_and_engine_hook_in_place():
 
 def _run_example(rank, world):
     calls = []
-    route_loss = rlk_verl.decoupled_ppo_loss
-    rlk_verl.decoupled_ppo_loss = lambda *args, **kwargs: calls.append(1) or route_loss(*args, **kwargs)
+    route_loss = rlk_verl.linear_decoupled_ppo_loss
+    rlk_verl.linear_decoupled_ppo_loss = lambda *args, **kwargs: calls.append(1) or route_loss(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a fallback to verl's log-probs fails the test
         history = example.main(steps=3)
-    assert len(calls) == 3 * 2, calls  # every micro-batch of every step took the logits route
+    assert len(calls) == 3 * 2, calls  # every micro-batch of every step took the linear route
     losses = [loss for loss, _, _ in history]
     assert all(torch.isfinite(torch.tensor(losses))) and len(set(losses)) == 3, losses
     assert all(0 < m["actor/pg_clipfrac"] < 1 for _, m, _ in history)
@@ -253,12 +253,12 @@ def _run_benchmark(rank, world, out):
 
     results = verl_engine.main(["--V", "256", "--sequences", "4", "--prompt", "4", "--response", "6", "--reps", "1",
                                 "--json", out])["results"]
-    assert set(results) == {"verl", "route"} and results["verl"]["vs_verl"] == 1.0
+    assert set(results) == {"verl", "logits", "linear"} and results["verl"]["vs_verl"] == 1.0
     assert all(r["ms"] > 0 for r in results.values())
 
 
 def test_the_benchmark_runs_both_paths(tmp_path):
-    """benchmarks/verl_engine.py at a tiny size: verl's actor step and the logits route's, each timed and
+    """benchmarks/verl_engine.py at a tiny size: verl's actor step and the two routes', each timed and
     its peak memory taken (figures not checked: timing is not a unit test)."""
     spawn(1, _run_benchmark, str(tmp_path / "verl_engine.json"))
     assert (tmp_path / "verl_engine.json").exists()
