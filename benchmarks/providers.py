@@ -8,6 +8,8 @@ loss (op "ppo") or the per-token log-probs (op "logprobs"); the harness times an
 import contextlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import os
 import sys
 import types
 from typing import Callable, Optional
@@ -89,6 +91,17 @@ def _inert_ray_transformers():
 
 
 _VERL = None
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def load_example(filename: str):
+    """examples/<filename> as a module (the examples are scripts, not a package): their tiny models and
+    batches serve the tests and benchmarks too."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(filename)[0] + "_example",
+                                                  os.path.join(EXAMPLES, filename))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def import_verl():

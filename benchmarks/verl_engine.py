@@ -19,7 +19,6 @@ uses flash-attn's cross-entropy instead of log_softmax + gather: on a GPU the fi
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -30,19 +29,10 @@ from functools import partial
 import torch
 
 from .harness import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
-from .providers import import_verl
+from .providers import import_verl, load_example
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORRECTION = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1",
               "rollout_rs_threshold": "0.95_1.05"}
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("verl_actor_example", os.path.join(ROOT, "examples",
-                                                                                      "verl_actor.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _steps(V: int, sequences: int, prompt: int, response: int):
@@ -53,7 +43,7 @@ def _steps(V: int, sequences: int, prompt: int, response: int):
 
     from rlkernels.integrations import verl as rlk_verl
 
-    example = _example()
+    example = load_example("verl_actor.py")
     model = example.tiny_model(vocab=V)
     engine = example.cpu_engine(model)
     fields = example.rollout_batch(model, 0.8, seed=0, batch_size=sequences, prompt=prompt, response=response)

@@ -8,12 +8,13 @@ real training steps (generation, rewards, the optimizer) with the drop-in traine
 """
 
 import copy
-import importlib.util
 import os
 import warnings
 
 import pytest
 import torch
+
+from benchmarks.providers import load_example
 
 from ..cases import tol
 
@@ -26,16 +27,7 @@ with warnings.catch_warnings():
     from rlkernels.integrations.trl import GRPOTrainer
 
 
-def _load_example():
-    """examples/trl_grpo.py as a module: its tiny tokenizer and model serve these tests too."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "trl_grpo.py")
-    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
+example = load_example("trl_grpo.py")  # its tiny model (and batches) serve these tests too
 VOCAB = example.VOCAB
 _tokenizer = example.tiny_tokenizer
 
@@ -219,7 +211,6 @@ def _check_ddp(rank, world, tmp_dir):
     """On each of two gloo ranks (accelerate's MULTI_CPU, the model wrapped in DDP by the trainer's
     accelerator), a different batch: TRL's trainer and the drop-in, each through its DDP-wrapped model,
     give the same averaged gradient; it is the same on both ranks and differs from the local one."""
-    import os
 
     import torch.distributed as dist
 

@@ -16,9 +16,7 @@ Ranks are real gloo process groups (tests/ranks.py): one rank for the option pro
 data-parallel mapping (verl's dp_size and all-reduced token count).
 """
 
-import importlib.util
 import itertools
-import os
 import warnings
 from functools import partial
 from types import SimpleNamespace
@@ -42,19 +40,10 @@ from verl.workers.config import FSDPActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
 from verl.workers.utils import losses as verl_losses  # noqa: E402
 
+from benchmarks.providers import load_example  # noqa: E402
 from rlkernels.integrations import verl as rlk_verl  # noqa: E402
 
-
-def _load_example():
-    """examples/verl_actor.py as a module: its tiny model, CPU engine and batches serve these tests too."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verl_actor.py")
-    spec = importlib.util.spec_from_file_location("verl_actor_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load_example()
+example = load_example("verl_actor.py")  # its tiny model (and batches) serve these tests too
 B, TOL = 8, 1e-5
 
 
