@@ -186,18 +186,30 @@ def _forward_step(self, micro_batch, loss_function, forward_only):
         self._rlkernels_loss_function = None
 
 
+# what verl's prepare_model_inputs passes a text-only model (remove-padding layout); anything else goes to the
+# model's own forward (the linear route runs the decoder alone)
+_TEXT_INPUTS = {"input_ids", "attention_mask", "position_ids", "cu_seqlens", "cu_seqlens_cpu"}
+
+
 def _prepare_model_inputs(self, micro_batch):
     """FSDPEngineWithLMHead.prepare_model_inputs: verl's, plus, on the linear route, `rlkernels_loss=`: the
     model's forward (patched by `add_loss_forward`) then computes the whole actor loss from the last hidden
     states and the LM head with linear_decoupled_ppo_loss, so the logits are never formed."""
     model_inputs, output_args = type(self)._verl_prepare_model_inputs(self, micro_batch)
     config, kind = _route_actor_config(getattr(self, "_rlkernels_loss_function", None))
+    self._rlkernels_linear_blocker = None
     if kind != "linear" or _route_blocker(self, None, micro_batch) is not None:
         return model_inputs, output_args
     model = getattr(self.module, "_fsdp_wrapped_module", self.module)  # FSDP1 wraps the HF model; FSDP2 does not
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    extra = sorted(set(model_inputs) - _TEXT_INPUTS)
+    if extra:  # e.g. a vision-language model's pixel_values: its own forward merges them before the decoder
+        self._rlkernels_linear_blocker = f"model inputs the decoder alone does not take ({', '.join(extra)})"
+        return model_inputs, output_args
     if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
-        return model_inputs, output_args  # not a Hugging Face causal LM: verl's path, with the warning
+        self._rlkernels_linear_blocker = (f"a model without get_decoder() / get_output_embeddings() "
+                                          f"({type(model).__name__})")
+        return model_inputs, output_args
     add_loss_forward(model)
     labels = output_args["input_ids_rmpad_rolled"]
     n = labels.shape[0] - int(output_args.get("pad_size") or 0)
@@ -223,7 +235,7 @@ def _prepare_model_outputs(self, output, output_args, micro_batch, logits_proces
         return {_ROUTE: output[_ROUTE]}
     blocker = None if kind is None else _route_blocker(self, output, micro_batch)
     if kind == "linear" and blocker is None:
-        blocker = "the model's forward did not compute the loss"
+        blocker = getattr(self, "_rlkernels_linear_blocker", None) or "the model's forward did not compute the loss"
     if kind is None or blocker is not None:
         model_output = type(self)._verl_prepare_model_outputs(self, output, output_args, micro_batch,
                                                              logits_processor_func)

@@ -251,3 +251,25 @@ def test_the_benchmark_runs_both_paths(tmp_path):
     its peak memory taken (figures not checked: timing is not a unit test)."""
     spawn(1, _run_benchmark, str(tmp_path / "verl_engine.json"))
     assert (tmp_path / "verl_engine.json").exists()
+
+
+def test_linear_route_leaves_vision_inputs_to_the_models_own_forward(monkeypatch):
+    """A vision-language model's inputs (pixel_values, ...) are merged by its own forward before the decoder:
+    the linear route, which runs the decoder alone, is not taken, and the reason names the inputs."""
+    engine = example.cpu_engine(example.tiny_model())
+    actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B,
+                            policy_loss=VerlPolicyLossConfig(loss_mode="rlkernels_linear"))
+    engine._rlkernels_loss_function = partial(rlk_verl.ppo_loss, config=actor)
+    inputs = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.arange(4)[None],
+              "pixel_values": torch.zeros(1, 3)}
+    monkeypatch.setattr(ti.FSDPEngineWithLMHead, "_verl_prepare_model_inputs",
+                        lambda self, micro_batch: (dict(inputs), {}))
+    td = TensorDict({}, batch_size=[])
+    model_inputs, _ = rlk_verl._prepare_model_inputs(engine, td)
+    assert "rlkernels_loss" not in model_inputs
+    assert "pixel_values" in engine._rlkernels_linear_blocker
+    monkeypatch.setattr(ti.FSDPEngineWithLMHead, "_verl_prepare_model_inputs",
+                        lambda self, micro_batch: ({k: v for k, v in inputs.items() if k != "pixel_values"},
+                                                   {"input_ids_rmpad_rolled": torch.zeros(4, dtype=torch.long)}))
+    model_inputs, _ = rlk_verl._prepare_model_inputs(engine, td)
+    assert "rlkernels_loss" in model_inputs and engine._rlkernels_linear_blocker is None
