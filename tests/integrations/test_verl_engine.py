@@ -69,7 +69,8 @@ def _run(engine, td, loss_function):
     out = engine.forward_backward_batch(td, loss_function=loss_function, forward_only=False)
     loss = out["loss"]
     loss = sum(loss) if isinstance(loss, list) else loss
-    grads = torch.cat([p.grad.reshape(-1) for p in engine.module.parameters() if p.grad is not None])
+    grads = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).reshape(-1)
+                       for p in engine.module.parameters() if p.grad is not None])  # FSDP2: DTensor shards
     return float(loss), grads, out.get("metrics", {})
 
 
@@ -80,17 +81,35 @@ def _counting(fn, calls, name):
     return counted
 
 
-def _compare(rank, world, cases):
+def _fsdp2(model, world):
+    """The model sharded over the ranks as verl's FSDP2 strategy shards it: each decoder layer, then the root
+    (embeddings, final norm, LM head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _compare(rank, world, cases, fsdp2=False):
     """verl's own path against the logits route, and against the registered loss of the same type on
     verl's log-probs (`rlkernels_<type>`), on each case; returns the worst differences."""
     model = example.tiny_model()
+    batch_model = example.tiny_model()  # the same weights (seeded; nothing steps): the batches' log-probs
+    if fsdp2:
+        # FSDP2 leaves the root unsharded after a no-grad forward, and the next step's root gradients are then
+        # not reduced (verl's eval context reshards it, EngineEvalModeCtx): the batches come from the copy
+        model = _fsdp2(model, world)
     worst = {path: [0.0, 0.0] for path in PATHS}
     calls = {"decoupled_ppo_loss": 0, "linear_decoupled_ppo_loss": 0}  # which of the library's losses ran
     for name in calls:
         setattr(rlk_verl, name, _counting(getattr(rlk_verl, name), calls, name))
     for i, (loss_type, agg, temperature, correction, extras, pad) in enumerate(cases):
         engine = example.cpu_engine(model, pad)
-        fields = _batch(model, temperature, seed=i, rows=slice(rank, None, world))
+        fields = _batch(batch_model, temperature, seed=i, rows=slice(rank, None, world))
         fields = _corrected(fields, correction)
         entropy = bool(extras)
         results = []
@@ -153,6 +172,19 @@ def _check_product(rank, world):
 def _check_data_parallel(rank, world):
     cases = [("vanilla", agg, 0.8, TIS_GEO_RS, ENTROPY_KL, 0) for agg in AGG]
     _compare(rank, world, cases)
+
+
+def _check_fsdp2(rank, world):
+    cases = [("vanilla", "token-mean", t, TIS_GEO_RS, ENTROPY_KL, 0) for t in (0.8, PER_SEQUENCE_T)]
+    cases += [("vanilla", "seq-mean-token-sum", 1.0, SEQ_MIS, {}, 0)]
+    _compare(rank, world, cases, fsdp2=True)
+
+
+def test_routes_match_verl_under_fsdp2_on_two_ranks():
+    """The model sharded with FSDP2 (fully_shard, CPU mesh): the linear route's loss runs inside the sharded
+    root's forward, where the LM head is gathered, and its backward after FSDP's re-gather; gradients (the
+    reduced shards, gathered for the comparison) equal verl's own path's."""
+    spawn(2, _check_fsdp2)
 
 
 def test_logits_route_matches_verl_over_the_option_product():
