@@ -22,8 +22,10 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     trl = pytest.importorskip("trl", reason="TRL 1.16 is not installed (pip install 'rlkernels[trl]')")
     from datasets import Dataset
+    from trl.trainer.utils import add_fused_lm_head
 
     from rlkernels import PolicyLossConfig, RolloutCorrection
+    from rlkernels.integrations.hf import add_loss_forward
     from rlkernels.integrations.trl import GRPOTrainer
 
 
@@ -245,6 +247,28 @@ def _check_ddp(rank, world, tmp_dir):
     both = [torch.empty_like(grads["ours"]) for _ in range(world)]
     dist.all_gather(both, grads["ours"])
     assert torch.equal(both[0], both[1]), "the drop-in's gradients were not reduced across the ranks"
+    # the same with each model sharded by FSDP2 (each decoder layer, then the root with the LM head): the loss
+    # runs inside the sharded root's forward; the gradients are the reduced shards, gathered to compare
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for name, trainer in trainers.items():
+        model = _model(tok)
+        trainer.model = model
+        if name == "ours":
+            add_loss_forward(model)  # what the constructor does to the model it is given
+        else:
+            add_fused_lm_head(model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        loss = trainer._compute_loss(model, copy.deepcopy(inputs))
+        loss.backward()
+        grads[name] = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()])
+    worst = float((grads["ours"] - grads["theirs"]).abs().max()) / float(grads["theirs"].abs().max())
+    assert worst <= tol("trl.trainer", torch.float32)["rtol"], f"FSDP2, rank {rank}: |d grad| / |grad| {worst:.2e}"
+    print(f"TRL agreement under FSDP2, rank {rank}: grad {worst:.1e} (relative)")
     # and two real training steps under DDP: the replicas stay equal
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -258,8 +282,9 @@ def _check_ddp(rank, world, tmp_dir):
     assert torch.equal(both[0], both[1]), "the replicas diverged"
 
 
-def test_drop_in_trainer_under_ddp_matches_trls(tmp_path):
-    """Two gloo ranks: the loss runs inside the DDP-wrapped forward, so DDP reduces its gradients."""
+def test_drop_in_trainer_under_ddp_and_fsdp2_matches_trls(tmp_path):
+    """Two gloo ranks: the loss runs inside the DDP-wrapped (then FSDP2-sharded) forward, so the wrapper
+    reduces its gradients (and gathers the head) as for TRL's own fused head."""
     from ..ranks import spawn
 
     spawn(2, _check_ddp, str(tmp_path))
