@@ -18,13 +18,14 @@ but forms (and, for a contiguous result, copies) the whole sequence's logits; pa
 `model(...).logits[:, P:]` or unshifted logits gives a wrong loss with no error.
 
 `add_loss_forward(model)` lets a trainer compute a loss from the last hidden states and the LM head
-*inside* the model's forward (`model(..., rlkernels_loss=fn)`), through whatever wraps the model (DDP,
-FSDP): the trainer integrations use it, as TRL's and verl's own fused heads do.
+*inside* the model's forward (`model(..., rlkernels_loss=fn)`) and the head's own call, through whatever
+wraps the model (DDP, FSDP): the trainer integrations use it. `hidden_state_loss_blocker(model)` says
+when that loss would not be the loss on the model's logits.
 """
 
 import functools
 import types
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -58,12 +59,42 @@ def response_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
     return hidden[:, P - 1:P + C - 1], labels
 
 
+# config attributes with which a model transforms its logits after the LM head (Gemma-2's softcapping,
+# Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier, MiniCPM3's output
+# multiplier): a loss on hidden states and the head's weight would miss the transform
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                     "output_multiplier")
+
+
+def hidden_state_loss_blocker(model) -> Optional[str]:
+    """Why a loss on `model`'s last hidden states and LM head weight would not be the loss on its logits
+    (or could not run alike on every rank), or None: a vision-language model (its own forward runs the
+    vision tower, on every rank, before the decoder), a logit transform after the head, or an adapter on
+    the head (PEFT's LoRA wraps it; its weight is then the base weight)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "vision_config", None) is not None:
+        return "a vision-language model (its forward runs the vision tower before the decoder)"
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(text_config, name, None)
+        if value is not None and value != 1.0:
+            return f"config.{name}={value} (the model transforms its logits after the LM head)"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not hasattr(model, "get_decoder"):
+        return f"a model without get_decoder() / get_output_embeddings() ({type(model).__name__})"
+    if hasattr(head, "base_layer"):
+        return "an adapter on the LM head (PEFT)"
+    return None
+
+
 def add_loss_forward(model) -> None:
     """Patch `model.forward` (once, over whatever forward it has) so that `model(..., rlkernels_loss=fn)` runs
-    the decoder on the other arguments and returns `fn(last_hidden_state, lm_head.weight, lm_head.bias)`
-    from inside the forward, where a DDP / FSDP wrapper's hooks have run (an FSDP2 DTensor head is gathered
-    with `full_tensor()`); without `rlkernels_loss` the forward is the one it replaces. `fn` runs with
-    autocast off: it casts to the head's dtype itself."""
+    the decoder on the other arguments and returns `fn(last_hidden_state, lm_head.weight, lm_head.bias)`;
+    without `rlkernels_loss` the forward is the one it replaces. `fn` runs inside the LM head's own call
+    (its forward swapped for the call's duration), so a DDP / FSDP wrapper's hooks run as for the head's
+    matmul: FSDP gathers the head's weight (in its compute dtype) before `fn`, again before its backward,
+    and reduces its gradient after, whether the head is its own FSDP unit or part of the root's. `fn` runs
+    with autocast off: it casts to the head's dtype itself. Check `hidden_state_loss_blocker` first."""
     if getattr(model.forward, "_rlkernels_loss_forward", False):
         return
     forward = model.forward
@@ -74,13 +105,32 @@ def add_loss_forward(model) -> None:
             return forward(*args, **kwargs)
         kwargs["use_cache"] = False
         hidden = self.get_decoder()(*args, **kwargs).last_hidden_state
-        head = self.get_output_embeddings()
-        weight, bias = head.weight, head.bias
-        if hasattr(weight, "full_tensor"):  # FSDP2 shards parameters as DTensors: gather the head (as TRL does)
-            weight = weight.full_tensor()
-            bias = None if bias is None else bias.full_tensor()
-        with torch.autocast(hidden.device.type, enabled=False):
-            return rlkernels_loss(hidden.to(weight.device), weight, bias)
+        return _call_through_head(self.get_output_embeddings(), hidden, rlkernels_loss)
 
     loss_forward._rlkernels_loss_forward = True
     model.forward = types.MethodType(loss_forward, model)
+
+
+def _call_through_head(head, hidden, fn):
+    """fn(hidden, weight, bias) computed as the head module's forward (FSDP1 wraps the module: its inner
+    module's forward is swapped, so the wrapper's own forward still runs)."""
+    inner = getattr(head, "_fsdp_wrapped_module", head)
+
+    def head_forward(h):
+        weight, bias = inner.weight, inner.bias
+        if hasattr(weight, "full_tensor"):  # a DTensor the wrapper did not gather: gather it (as TRL does)
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        with torch.autocast(h.device.type, enabled=False):
+            return fn(h.to(weight.device), weight, bias)
+
+    had_own = "forward" in inner.__dict__
+    own = inner.__dict__.get("forward")
+    inner.forward = head_forward
+    try:
+        return head(hidden)
+    finally:
+        if had_own:
+            inner.forward = own
+        else:
+            del inner.forward

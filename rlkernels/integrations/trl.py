@@ -24,11 +24,12 @@ without autograd from the same hidden states. A sampler log-prob that is NaN sta
 
 The loss is computed inside the model's forward, as TRL's fused head is: the trainer calls the model it
 is handed (DDP- or FSDP-wrapped) with `rlkernels_loss=`, and the forward (patched on top of TRL's) runs
-the decoder and hands its last hidden states and the LM head's weight to the loss. So the wrappers' hooks
-run as for any forward (DDP's gradient reduction, FSDP's gathering of the head; an FSDP2 DTensor head is
-gathered as TRL gathers it). Limits (each raises): vision-language inputs, MoE auxiliary losses,
-`top_entropy_quantile < 1`, adaptive entropy, DeepSpeed ZeRO-3 (its partitioned head would have to be
-gathered again in the backward, which recomputes the logits from the weight).
+the decoder and computes the loss from its last hidden states within the LM head's own call
+(`integrations.hf.add_loss_forward`). So the wrappers' hooks run as for any forward: DDP reduces the
+gradients, FSDP gathers the head (its own unit or the root's) and reduces its gradient. Limits (each raises): vision-language models and inputs, models that
+transform their logits after the head (softcapping, logit scales) or carry an adapter on it, MoE
+auxiliary losses, `top_entropy_quantile < 1`, adaptive entropy, DeepSpeed ZeRO-3 (its partitioned head
+would have to be gathered again in the backward, which recomputes the logits from the weight).
 """
 
 from typing import Optional
@@ -42,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - the message says what to instal
 
 from .. import api
 from ..config import PolicyLossConfig, RolloutCorrection
-from .hf import add_loss_forward
+from .hf import add_loss_forward, hidden_state_loss_blocker
 
 # TRL loss types whose normaliser is the window's token count (`num_items_in_batch`), not the
 # gradient-accumulation steps
@@ -70,7 +71,12 @@ class GRPOTrainer(_TRLGRPOTrainer):
             raise ValueError("args.deepspeed: ZeRO stage 3 is not supported by rlkernels' GRPOTrainer (the backward "
                              "recomputes the logits from the partitioned LM head); use stage 1 or 2, FSDP, or "
                              "trl.GRPOTrainer")
-        add_loss_forward(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model)
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        blocker = hidden_state_loss_blocker(base)
+        if blocker is not None:
+            raise ValueError(f"model: {blocker} is not supported by rlkernels' GRPOTrainer, which computes the loss "
+                             "from the last hidden states and the LM head's weight; use trl.GRPOTrainer")
+        add_loss_forward(base)
         config = PolicyLossConfig.from_trl(self.args)
         # TRL's own vLLM weights arrive as `importance_sampling_ratio` and go in as is_weights; a
         # RolloutCorrection given here replaces them (computed from the sampler's log-probs)

@@ -22,7 +22,6 @@ bounds), metrics of empty rows, sequence-level metric weighting. The losses equa
 functions of the same name (tests/integrations/test_verl_plugin.py).
 """
 
-import functools
 import os
 import sys
 import warnings
@@ -41,7 +40,7 @@ except ImportError:  # the registered losses and the driver-side correction work
 
 from ..api import decoupled_ppo_loss, linear_decoupled_ppo_loss, metrics_to_floats, policy_loss, rollout_correction
 from ..config import LOSS_TYPES, PolicyLossConfig, RolloutCorrection
-from .hf import add_loss_forward
+from .hf import add_loss_forward, hidden_state_loss_blocker
 
 _TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
 # verl's own driver-side correction, kept for comparison (saved by install(), so a re-import finds it)
@@ -134,15 +133,17 @@ def _route_kind(mode) -> Optional[str]:
 
 
 def _route_actor_config(loss_function):
-    """(actor config, route kind) when `loss_function` is this module's actor loss as verl's engine worker
-    binds it (partial(ppo_loss, config=actor_config)) with a route's loss mode and gradients are on, else
-    (None, None)."""
-    if not (torch.is_grad_enabled() and isinstance(loss_function, functools.partial)
-            and loss_function.func is ppo_loss):
-        return None, None
-    config = loss_function.keywords.get("config")
+    """(actor config, route kind, blocker): the config and kind when `loss_function` binds a route's loss
+    mode and gradients are on, else None / None. The blocker is None when the function is this module's
+    actor loss as verl's engine worker binds it (partial(ppo_loss, config=actor_config)), else why not."""
+    config = getattr(loss_function, "keywords", {}).get("config") if torch.is_grad_enabled() else None
     kind = None if config is None else _route_kind(_loss_mode(config))
-    return (config, kind) if kind is not None else (None, None)
+    if kind is None:
+        return None, None, None
+    func = loss_function.func
+    if getattr(func, "_rlkernels_ppo_loss", False):  # an attribute, not identity: a re-imported module's too
+        return config, kind, None
+    return config, kind, f"the actor loss is {getattr(func, '__name__', func)!r} (distillation?), not verl's ppo_loss"
 
 
 def _route_blocker(engine, output, micro_batch):
@@ -161,6 +162,11 @@ def _route_blocker(engine, output, micro_batch):
         return "distillation (its loss consumes the logits)"
     if get("calculate_sum_pi_squared"):
         return "calculate_sum_pi_squared=True"
+    if get("return_model_output"):
+        return "return_model_output=True (the caller reads the log-probs of every position)"
+    engine_type = type(engine)
+    if engine_type.__module__.startswith("verl.") and engine_type.__name__ != "FSDPEngineWithLMHead":
+        return f"verl's {engine_type.__name__} (its own input handling; the routes are wired for FSDPEngineWithLMHead)"
     if output is not None and getattr(output, "logits", None) is None:
         return "a model output without logits"
     return None
@@ -196,19 +202,16 @@ def _prepare_model_inputs(self, micro_batch):
     model's forward (patched by `add_loss_forward`) then computes the whole actor loss from the last hidden
     states and the LM head with linear_decoupled_ppo_loss, so the logits are never formed."""
     model_inputs, output_args = type(self)._verl_prepare_model_inputs(self, micro_batch)
-    config, kind = _route_actor_config(getattr(self, "_rlkernels_loss_function", None))
+    config, kind, blocker = _route_actor_config(getattr(self, "_rlkernels_loss_function", None))
     self._rlkernels_linear_blocker = None
-    if kind != "linear" or _route_blocker(self, None, micro_batch) is not None:
+    if kind != "linear" or blocker is not None or _route_blocker(self, None, micro_batch) is not None:
         return model_inputs, output_args
     model = getattr(self.module, "_fsdp_wrapped_module", self.module)  # FSDP1 wraps the HF model; FSDP2 does not
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
     extra = sorted(set(model_inputs) - _TEXT_INPUTS)
-    if extra:  # e.g. a vision-language model's pixel_values: its own forward merges them before the decoder
-        self._rlkernels_linear_blocker = f"model inputs the decoder alone does not take ({', '.join(extra)})"
-        return model_inputs, output_args
-    if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
-        self._rlkernels_linear_blocker = (f"a model without get_decoder() / get_output_embeddings() "
-                                          f"({type(model).__name__})")
+    self._rlkernels_linear_blocker = hidden_state_loss_blocker(model) or (
+        f"model inputs the decoder alone does not take ({', '.join(extra)})" if extra else None)
+    if self._rlkernels_linear_blocker is not None:  # the same on every rank but for the inputs (text models)
         return model_inputs, output_args
     add_loss_forward(model)
     labels = output_args["input_ids_rmpad_rolled"]
@@ -230,10 +233,11 @@ def _prepare_model_inputs(self, micro_batch):
 def _prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
     """FSDPEngineWithLMHead.prepare_model_outputs: verl's, unless the actor loss takes a route: the loss the
     forward computed (linear), or the packed logits, labels and temperatures (logits)."""
-    config, kind = _route_actor_config(logits_processor_func)
+    config, kind, blocker = _route_actor_config(logits_processor_func)
     if kind == "linear" and isinstance(output, dict) and _ROUTE in output:
         return {_ROUTE: output[_ROUTE]}
-    blocker = None if kind is None else _route_blocker(self, output, micro_batch)
+    if kind is not None and blocker is None:
+        blocker = _route_blocker(self, output, micro_batch)
     if kind == "linear" and blocker is None:
         blocker = getattr(self, "_rlkernels_linear_blocker", None) or "the model's forward did not compute the loss"
     if kind is None or blocker is not None:
@@ -291,6 +295,9 @@ def ppo_loss(config, model_output, data, dp_group=None):
         inplace_backward=True,  # nothing else reads the logits: the gradient overwrites them, as verl's path does
         temperature=route["temperature"], **args)
     return _route_outputs(config, model_output, data, out, route["entropy"], scale)
+
+
+ppo_loss._rlkernels_ppo_loss = True
 
 
 def _route_inputs(config, data, n, entropy):

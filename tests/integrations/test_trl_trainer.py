@@ -193,6 +193,11 @@ def test_unsupported_options_name_the_option(tmp_path):
         with pytest.raises(ValueError, match=r"^top_entropy_quantile"):
             GRPOTrainer(model=_model(tok), reward_funcs=_reward, args=_args(tmp_path, top_entropy_quantile=0.5),
                         train_dataset=_dataset(), processing_class=tok)
+        softcapped = _model(tok)
+        softcapped.config.final_logit_softcapping = 30.0  # Gemma-2's: a loss on the head's weight would miss it
+        with pytest.raises(ValueError, match=r"^model: config.final_logit_softcapping=30.0"):
+            GRPOTrainer(model=softcapped, reward_funcs=_reward, args=_args(tmp_path), train_dataset=_dataset(),
+                        processing_class=tok)
         with pytest.raises(TypeError, match=r"^rollout_correction: expected a RolloutCorrection"):
             GRPOTrainer(model=_model(tok), reward_funcs=_reward, args=_args(tmp_path), train_dataset=_dataset(),
                         processing_class=tok, rollout_correction="token")

@@ -81,28 +81,31 @@ def _counting(fn, calls, name):
     return counted
 
 
-def _fsdp2(model, world):
-    """The model sharded over the ranks as verl's FSDP2 strategy shards it: each decoder layer, then the root
-    (embeddings, final norm, LM head)."""
+def _shard(model, world, wrapper):
+    """The model wrapped as verl's FSDP strategies wrap it, by verl's own functions: "fsdp2" is
+    `apply_fsdp2` (each decoder layer and, the embeddings being untied, the embeddings and the LM head as
+    their own units, then the root); "fsdp1" is FSDP with verl's `get_fsdp_wrap_policy`."""
+    import torch.distributed.fsdp as fsdp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from verl.utils.fsdp_utils import apply_fsdp2, get_fsdp_wrap_policy
 
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    if wrapper == "fsdp2":
+        apply_fsdp2(model, {"mesh": init_device_mesh("cpu", (world,))}, {})
+        return model
+    return fsdp.FullyShardedDataParallel(model, auto_wrap_policy=get_fsdp_wrap_policy(model, config={}, is_lora=False),
+                                         device_id=torch.device("cpu"), sync_module_states=False,
+                                         sharding_strategy=fsdp.ShardingStrategy.FULL_SHARD)
 
 
-def _compare(rank, world, cases, fsdp2=False):
+def _compare(rank, world, cases, wrapper=None):
     """verl's own path against the logits route, and against the registered loss of the same type on
     verl's log-probs (`rlkernels_<type>`), on each case; returns the worst differences."""
     model = example.tiny_model()
     batch_model = example.tiny_model()  # the same weights (seeded; nothing steps): the batches' log-probs
-    if fsdp2:
+    if wrapper is not None:
         # FSDP2 leaves the root unsharded after a no-grad forward, and the next step's root gradients are then
         # not reduced (verl's eval context reshards it, EngineEvalModeCtx): the batches come from the copy
-        model = _fsdp2(model, world)
+        model = _shard(model, world, wrapper)
     worst = {path: [0.0, 0.0] for path in PATHS}
     calls = {"decoupled_ppo_loss": 0, "linear_decoupled_ppo_loss": 0}  # which of the library's losses ran
     for name in calls:
@@ -174,17 +177,19 @@ def _check_data_parallel(rank, world):
     _compare(rank, world, cases)
 
 
-def _check_fsdp2(rank, world):
+def _check_sharded(rank, world, wrapper):
     cases = [("vanilla", "token-mean", t, TIS_GEO_RS, ENTROPY_KL, 0) for t in (0.8, PER_SEQUENCE_T)]
     cases += [("vanilla", "seq-mean-token-sum", 1.0, SEQ_MIS, {}, 0)]
-    _compare(rank, world, cases, fsdp2=True)
+    _compare(rank, world, cases, wrapper=wrapper)
 
 
-def test_routes_match_verl_under_fsdp2_on_two_ranks():
-    """The model sharded with FSDP2 (fully_shard, CPU mesh): the linear route's loss runs inside the sharded
-    root's forward, where the LM head is gathered, and its backward after FSDP's re-gather; gradients (the
-    reduced shards, gathered for the comparison) equal verl's own path's."""
-    spawn(2, _check_fsdp2)
+@pytest.mark.parametrize("wrapper", ["fsdp1", "fsdp2"])
+def test_routes_match_verl_with_the_model_sharded_as_verl_shards_it(wrapper):
+    """Two gloo ranks, the model wrapped by verl's own FSDP functions (FSDP2: the untied LM head is its own
+    unit). The linear route's loss runs inside the LM head's call, so FSDP gathers the head before it and
+    before its backward and reduces the head's gradient after; every gradient (the reduced shards,
+    gathered to compare) equals verl's own path's."""
+    spawn(2, _check_sharded, wrapper)
 
 
 def test_logits_route_matches_verl_over_the_option_product():
@@ -230,6 +235,16 @@ def test_unsupported_engine_settings_fall_back_with_a_warning_naming_the_setting
     output = SimpleNamespace(logits=torch.zeros(1, 3, example.VOCAB))
     engine = example.cpu_engine(None)
     assert "use_fused_kernels=True" in rlk_verl._route_blocker(engine, output, td)
+    plain = TensorDict({}, batch_size=[])
+    assert rlk_verl._route_blocker(engine, output, plain) is None
+    tu.assign_non_tensor(plain, return_model_output=True)  # verl's Tinker worker reads every position's log-prob
+    assert "return_model_output=True" in rlk_verl._route_blocker(engine, output, plain)
+
+    def distillation_ppo_loss(config, model_output, data, dp_group=None):  # another actor loss bound by verl
+        raise AssertionError("not called")
+    assert rlk_verl._route_actor_config(partial(rlk_verl.ppo_loss, config=actor)) == (actor, "logits", None)
+    _, kind, blocker = rlk_verl._route_actor_config(partial(distillation_ppo_loss, config=actor))
+    assert kind == "logits" and "'distillation_ppo_loss'" in blocker
     calls = []
     verl_ppo_loss = rlk_verl.verl_ppo_loss
     rlk_verl.verl_ppo_loss = lambda *args: calls.append(args) or (torch.zeros(()), {})
