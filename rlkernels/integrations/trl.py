@@ -26,10 +26,11 @@ The loss is computed inside the model's forward, as TRL's fused head is: the tra
 is handed (DDP- or FSDP-wrapped) with `rlkernels_loss=`, and the forward (patched on top of TRL's) runs
 the decoder and computes the loss from its last hidden states within the LM head's own call
 (`integrations.hf.add_loss_forward`). So the wrappers' hooks run as for any forward: DDP reduces the
-gradients, FSDP gathers the head (its own unit or the root's) and reduces its gradient. Limits (each raises): vision-language models and inputs, models that
-transform their logits after the head (softcapping, logit scales) or carry an adapter on it, MoE
-auxiliary losses, `top_entropy_quantile < 1`, adaptive entropy, DeepSpeed ZeRO-3 (its partitioned head
-would have to be gathered again in the backward, which recomputes the logits from the weight).
+gradients, FSDP gathers the head (its own unit or the root's) and reduces its gradient. Limits (each
+raises): vision-language models and inputs, models that transform their logits after the head
+(softcapping, logit scales) or carry an adapter on it, MoE auxiliary losses, `top_entropy_quantile < 1`,
+adaptive entropy, DeepSpeed ZeRO-3 (its partitioned head would have to be gathered again in the backward,
+which recomputes the logits from the weight).
 """
 
 from typing import Optional
