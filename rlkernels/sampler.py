@@ -22,16 +22,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .backends import statistics_dtype
+from .backends.base import inverse_temperature, statistics_dtype
 
 PAD = -1  # a support slot without an id
-
-
-def _inverse_temperature(temperature, rows: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """1/T as a [N, 1] tensor (per row) or a 0-d one (one temperature for every row)."""
-    if isinstance(temperature, torch.Tensor):
-        return (1.0 / temperature.to(acc)).reshape(-1, 1)
-    return torch.full((), 1.0 / temperature, dtype=acc, device=rows.device)
 
 
 def kept_set_stats(
@@ -52,7 +45,7 @@ def kept_set_stats(
     # (backends.base.RowStats): z - max is exact where it matters, z / T of a logit of 1e4 is not
     shift = z.detach().amax(1, keepdim=True)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    z = (z - shift) * _inverse_temperature(temperature, z, acc)
+    z = (z - shift) * inverse_temperature(temperature, acc)
     log_p = torch.log_softmax(torch.where(active[:, None], z, torch.zeros_like(z)), dim=-1)
     zero = torch.zeros((), dtype=acc, device=z.device)
     logprobs = torch.where(active, log_p.gather(1, label_slot.clamp_min(0)[:, None]).squeeze(1), zero)

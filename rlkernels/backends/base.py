@@ -27,6 +27,14 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def inverse_temperature(temperature, acc: torch.dtype):
+    """1/T for the torch code paths: a float for one temperature, an [N, 1] tensor in `acc` for a per-row
+    ([N]) one."""
+    if isinstance(temperature, torch.Tensor):
+        return (1.0 / temperature.to(acc)).reshape(-1, 1)
+    return 1.0 / temperature
+
+
 def rows_form_one_sequence(logits: torch.Tensor) -> bool:
     """Whether the rows of [N, V] or [B, T, V] logits are one strided sequence, i.e. view(-1, V)
     works without a copy. Decided from the strides: a view() tried inside try/except does not trace

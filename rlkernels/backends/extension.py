@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.temperature import row_temperature
 from .base import RowStats, paired_row_groups, row_groups
 
 
@@ -48,7 +49,7 @@ class ExtensionBackend:
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
         # logits: (N, V) or (B, T, V) with unit stride along V; labels: (N,) int64, -1 on skipped rows
         labels = _labels(labels)
-        scalar, inverse = _temperature(temperature)
+        scalar, inverse = row_temperature(temperature)
         pieces = [
             self._ops().token_stats_fwd(
                 rows, labels[start:start + rows.shape[0]], scalar, bool(compute_entropy),
@@ -75,7 +76,7 @@ class ExtensionBackend:
             _f32(coef_logprob), _f32(coef_entropy) if has_entropy else None,
         )
         out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        scalar, inverse = _temperature(temperature)
+        scalar, inverse = row_temperature(temperature)
         for start, rows, out_rows in paired_row_groups(logits, out):
             stop = start + rows.shape[0]
             args = (rows, *(None if v is None else v[start:stop] for v in vectors), scalar)
@@ -85,13 +86,6 @@ class ExtensionBackend:
             else:
                 self._ops().token_grad_bwd_out(*args, out_rows, inv)
         return out
-
-
-def _temperature(temperature):
-    """(T, None) for one temperature; (1.0, 1/T as contiguous float32 [N]) for a per-row one."""
-    if isinstance(temperature, torch.Tensor):
-        return 1.0, (1.0 / temperature.to(torch.float64)).to(torch.float32).contiguous()
-    return float(temperature), None
 
 
 def _labels(labels: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,15 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .base import FOREIGN_TARGET, RowStats, num_rows, paired_row_groups, row_groups, statistics_dtype
+from .base import (
+    FOREIGN_TARGET,
+    RowStats,
+    inverse_temperature,
+    num_rows,
+    paired_row_groups,
+    row_groups,
+    statistics_dtype,
+)
 
 # Rows per chunk: ~1 Mi elements (4 MiB in float32) keeps a chunk cache-resident, so the handful of
 # elementwise passes below cost about one read of the logits and one write of the gradient from
@@ -63,13 +71,6 @@ class TorchBackend:
         return (chunk.to(acc) - row_max[:, None]).mul_(inv_t)
 
     @staticmethod
-    def _inverse(temperature, acc):
-        """1/T: a float, or an [N, 1] tensor for a per-row temperature ([N])."""
-        if isinstance(temperature, torch.Tensor):
-            return (1.0 / temperature.to(acc)).reshape(-1, 1)
-        return 1.0 / temperature
-
-    @staticmethod
     def _rows(inv_t, s, e):
         return inv_t[s:e] if isinstance(inv_t, torch.Tensor) else inv_t
 
@@ -87,7 +88,7 @@ class TorchBackend:
         target = torch.zeros_like(row_max)
         # a row with a foreign target recovers log_norm from its largest log p (= -log_norm exactly)
         log_p_max = torch.zeros_like(row_max) if self.vocab_shard else None
-        inv_t = self._inverse(temperature, acc)
+        inv_t = inverse_temperature(temperature, acc)
         for s, e, chunk, _ in self._chunks(logits):
             target[s:e] = chunk.gather(1, safe_labels[s:e]).squeeze(1).to(acc)
             m = chunk.amax(1).to(acc)
@@ -135,7 +136,7 @@ class TorchBackend:
         has_coef = (coef_logprob != 0) | (coef_entropy != 0 if coef_entropy is not None else False)
         active = (valid | foreign) & has_coef
         zero = torch.zeros((), dtype=acc, device=device)
-        inv_t = self._inverse(temperature, acc)
+        inv_t = inverse_temperature(temperature, acc)
         inv_t_flat = inv_t.squeeze(1) if isinstance(inv_t, torch.Tensor) else inv_t
         # inactive rows have c = e = 0 and so come out exactly 0 from the products below
         c = torch.where(active, coef_logprob.to(acc), zero) * inv_t_flat

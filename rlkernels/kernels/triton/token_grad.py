@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..temperature import row_temperature
 from .aot_spec import AotSpec
 from .tl_math import TRITON_DTYPES, all_vocab_configs, vocab_config
-from .token_stats import device_guard, grouped_strides, row_temperature
+from .token_stats import device_guard, grouped_strides
 
 
 @triton.jit

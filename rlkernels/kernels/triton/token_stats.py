@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..temperature import row_temperature
 from .aot_spec import AotSpec
 from .tl_math import TRITON_DTYPES, all_vocab_configs, safe_shift, vocab_config
 
@@ -102,13 +103,6 @@ class TokenStatsResult(NamedTuple):
     logprobs: torch.Tensor
     entropy: Optional[torch.Tensor]
     sum_pi_squared: Optional[torch.Tensor]
-
-
-def row_temperature(temperature):
-    """(T, None) for one temperature; (1.0, contiguous float32 (N,) 1 / T) for a per-row one."""
-    if isinstance(temperature, torch.Tensor):
-        return 1.0, (1.0 / temperature.to(torch.float64)).to(torch.float32).contiguous()
-    return float(temperature), None
 
 
 def grouped_strides(logits: torch.Tensor):
