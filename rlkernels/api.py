@@ -477,8 +477,7 @@ def _sampler_inputs(temperature, sampling_support, token_shape, V, device, flat_
             raise ValueError(f"temperature: expected a float or a tensor broadcastable to the labels' shape "
                              f"{token_shape} (per token, or [B, 1] per sequence), got shape "
                              f"{tuple(temperature.shape)}") from None
-    else:
-        temperature = _check_finite_positive("temperature", temperature)
+    # a float was checked already (PolicyLossConfig, or _stats_tokens)
     support = None
     if sampling_support is not None:
         check_tensor("sampling_support", sampling_support, kind="int", device=device)

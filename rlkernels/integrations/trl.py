@@ -121,6 +121,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
             ratio = inputs["importance_sampling_ratio"]
             is_weights = ratio.expand_as(completion_ids).to(torch.float32) if ratio.dim() == 2 else ratio
 
+        C = completion_ids.size(1)
+
         def loss_of(hidden, weight, bias):  # run inside the model's forward (see the module docstring)
             # hidden state t predicts token t + 1: positions P - 1 .. P + C - 2 predict the completion
             hidden = hidden[:, P - 1:P + C - 1].to(weight.dtype)
@@ -142,7 +144,6 @@ class GRPOTrainer(_TRLGRPOTrainer):
             )
             return out, old_logprobs
 
-        C = completion_ids.size(1)
         with self.accelerator.autocast():
             out, old = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_loss=loss_of)
         loss = out.loss if self.loss_type in _TOKEN_COUNT_LOSSES else out.loss / accumulation
