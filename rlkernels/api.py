@@ -246,7 +246,7 @@ def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inpla
         inplace = True
     rows = _logit_rows(logits, inplace)
     per_row = isinstance(temperature, torch.Tensor)
-    name = backends.select(backend, rows, chunk_rows).name
+    name = backends.resolve(backend, rows)
     if tp_group is not None:
         return distributed.vocab_parallel_token_stats(
             rows, row_labels, float(temperature), entropy, sum_pi_squared, name, chunk_rows, tp_group
@@ -525,7 +525,7 @@ def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_
         return _linear_kept_set_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared,
                                       budget, support)
     per_row = isinstance(temperature, torch.Tensor)
-    name = backends.select(backend, hidden2d).name
+    name = backends.resolve(backend, hidden2d)
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden2d.dtype, hidden2d.device, budget)
     if tp_group is not None:
         return distributed.vocab_parallel_linear_token_stats(

@@ -208,7 +208,7 @@ def main(argv=None):
     cfg = PolicyLossConfig(rollout_correction=rc)
     rest = {k: v for k, v in batch.items() if k not in ("logits", "cu_seqlens")}
     logits = batch["logits"].detach().requires_grad_(True)  # shares the batch's storage: no copy
-    backend = rlkernels.backends.select("auto", logits).name
+    backend = rlkernels.backends.resolve("auto", logits)
     fused_name, naive_name = f"rlkernels ({backend} backend)", "naive PyTorch"
     sides = {
         naive_name: lambda: naive_decoupled_ppo(

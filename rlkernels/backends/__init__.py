@@ -1,9 +1,17 @@
-"""The one dispatch point: `select(name, logits)` returns the backend that runs the vocabulary passes,
-`select_stage(...)` how the single per-sequence stage runs (eager or compiled)."""
+"""The one dispatch point: `resolve(name, tensor)` says which backend runs the vocabulary passes on a
+tensor, `instance(name)` hands that backend out, `select_stage(...)` how the single per-sequence stage
+runs (eager or compiled).
+
+Whether a backend can run (the CPU kernels built and loaded, the CUDA extension importable, Triton
+importable) is probed once per process by `is_available`, and that answer is a constant to
+torch.compile (`torch.compiler.assume_constant_result`): Dynamo calls the probe itself while tracing
+-- the first call of a fresh process builds the CPU kernels there, outside the graph -- and never
+traces the file-system and import work inside it. The memo is a plain dict, not `functools.lru_cache`,
+which Dynamo warns about whenever it meets one.
+"""
 
 import os
-from functools import lru_cache
-from typing import Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -11,12 +19,13 @@ from .base import Backend, RowStats, statistics_dtype
 from .torch_backend import TorchBackend
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton and CUDA kernels read
+NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 
-__all__ = ["Backend", "RowStats", "available", "select", "select_stage", "statistics_dtype"]
+__all__ = ["Backend", "NAMES", "RowStats", "available", "instance", "is_available", "resolve", "select",
+           "select_stage", "statistics_dtype"]
 
 
-@lru_cache(maxsize=None)
-def _triton_backend():
+def _probe_triton():
     try:
         from .triton_backend import TritonBackend
     except ImportError:
@@ -24,8 +33,7 @@ def _triton_backend():
     return TritonBackend()
 
 
-@lru_cache(maxsize=None)
-def _cuda_backend():
+def _probe_cuda():
     try:
         from .cuda_backend import CudaBackend
     except ImportError:
@@ -34,23 +42,102 @@ def _cuda_backend():
     return backend if backend.is_built() else None
 
 
-@lru_cache(maxsize=None)
-def _cpu_backend():
+def _probe_cpu():
     from .cpu_backend import CpuBackend
 
     backend = CpuBackend()
     return backend if backend.is_built() else None  # builds on first use (cpu_backend.py)
 
 
+_PROBES: Dict[str, Callable] = {"cpu": _probe_cpu, "triton": _probe_triton, "cuda": _probe_cuda}
+_KERNEL_BACKENDS: Dict[str, Optional[object]] = {}  # name -> backend instance or None, probed once per process
+
+
+def _kernel_backend(name: str):
+    if name not in _KERNEL_BACKENDS:
+        _KERNEL_BACKENDS[name] = _PROBES[name]()
+    return _KERNEL_BACKENDS[name]
+
+
+@torch.compiler.assume_constant_result
+def is_available(name: str) -> bool:
+    """Whether backend `name` can run in this process (probed once; a constant under torch.compile)."""
+    return name == "torch" or _kernel_backend(name) is not None
+
+
+@torch.compiler.assume_constant_result
+def triton_interpreter() -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run on CPU tensors (the tests' interpreter)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available() -> dict:
     """Which backends can run in this process (for diagnostics and the benchmark harness)."""
-    return {"torch": True, "cpu": _cpu_backend() is not None, "triton": _triton_backend() is not None,
-            "cuda": _cuda_backend() is not None}
+    return {name: is_available(name) for name in NAMES[1:]}
 
 
-def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool = False) -> Backend:
-    """Pick the backend for these logits. "auto": Triton on CUDA tensors when importable; the CPU
-    kernels on CPU tensors of a kernel dtype when they build; else torch (float64 included).
+def _device_type(tensor) -> str:
+    return tensor.device.type
+
+
+def _supports(name: str, tensor) -> bool:
+    """Whether kernel backend `name` runs on this tensor's device and dtype (`tensor` may be anything
+    with .device and .dtype)."""
+    if tensor.dtype not in KERNEL_DTYPES:
+        return False
+    device = _device_type(tensor)
+    if name == "triton":
+        return device == "cuda" or (device == "cpu" and triton_interpreter())
+    return device == ("cuda" if name == "cuda" else "cpu")
+
+
+def resolve(name: str, tensor) -> str:
+    """The backend that runs on `tensor` for the user's `backend=` name. "auto": Triton on CUDA tensors
+    when importable; the CPU kernels on CPU tensors of a kernel dtype when they build; else torch
+    (float64 included). An explicit name that cannot run here raises, naming why.
+
+    Traceable by torch.compile with no graph break: availability is a constant (is_available), the
+    rest reads only the tensor's device and dtype."""
+    if name == "torch":
+        return "torch"
+    if name == "auto":
+        device = _device_type(tensor)
+        preferred = "triton" if device == "cuda" else "cpu" if device == "cpu" else None
+        if preferred is not None and is_available(preferred) and _supports(preferred, tensor):
+            return preferred
+        return "torch"
+    if name not in NAMES:
+        raise ValueError(f"backend: expected 'auto', 'torch', 'cpu', 'triton' or 'cuda', got {name!r}")
+    if tensor.dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"backend={name!r}: supports float16, bfloat16 and float32 logits, got {tensor.dtype}; "
+            "use backend='torch' (or 'auto') for float64"
+        )
+    if not is_available(name):
+        raise RuntimeError(_unavailable[name]())
+    if not _supports(name, tensor):
+        need = {"triton": "CUDA logits (or TRITON_INTERPRET=1 for CPU)", "cuda": "CUDA logits",
+                "cpu": "CPU logits"}[name]
+        raise ValueError(f"backend={name!r}: needs {need}, got device {tensor.device}")
+    return name
+
+
+def _cpu_unavailable() -> str:
+    if os.environ.get("RLKERNELS_CPU_KERNELS") == "0":
+        return "backend='cpu': the CPU kernels are turned off (RLKERNELS_CPU_KERNELS=0)"
+    return ("backend='cpu': the CPU kernels could not be built (see the warning above; backend='torch' runs "
+            "everywhere)")
+
+
+_unavailable = {
+    "triton": lambda: "backend='triton': Triton is not importable in this environment (pip install triton)",
+    "cuda": lambda: "backend='cuda': the rlkernels CUDA extension is not built (see README, 'CUDA backend')",
+    "cpu": _cpu_unavailable,
+}
+
+
+def instance(name: str, chunk_rows=None, vocab_shard: bool = False) -> Backend:
+    """The backend object of a resolved name (eager code: the custom ops' bodies).
 
     vocab_shard: the logits are one shard of a vocabulary-parallel head (rlkernels.distributed):
     rows may carry FOREIGN_TARGET, and the backward must form p from the given (row_max, log_norm),
@@ -59,59 +146,28 @@ def select(name: str, logits: torch.Tensor, chunk_rows=None, vocab_shard: bool =
     foreign-target work)."""
     if name == "torch":
         return TorchBackend(chunk_rows, vocab_shard)
-    if name in ("triton", "cuda", "cpu") and logits.dtype not in KERNEL_DTYPES:
-        raise ValueError(
-            f"backend={name!r}: supports float16, bfloat16 and float32 logits, got {logits.dtype}; "
-            "use backend='torch' (or 'auto') for float64"
-        )
-    if name == "triton":
-        backend = _triton_backend()
-        if backend is None:
-            raise RuntimeError("backend='triton': Triton is not importable in this environment (pip install triton)")
-        if not backend.supports(logits):
-            raise ValueError(
-                f"backend='triton': needs CUDA logits (or TRITON_INTERPRET=1 for CPU), got device {logits.device}"
-            )
-        return backend
-    if name == "cuda":
-        backend = _cuda_backend()
-        if backend is None:
-            raise RuntimeError(
-                "backend='cuda': the rlkernels CUDA extension is not built (see README, 'CUDA backend')"
-            )
-        if not backend.supports(logits):
-            raise ValueError(f"backend='cuda': needs CUDA logits, got device {logits.device}")
-        return backend
-    if name == "cpu":
-        backend = _cpu_backend()
-        if backend is None:
-            if os.environ.get("RLKERNELS_CPU_KERNELS") == "0":
-                raise RuntimeError("backend='cpu': the CPU kernels are turned off (RLKERNELS_CPU_KERNELS=0)")
-            raise RuntimeError("backend='cpu': the CPU kernels could not be built (see the warning above; "
-                               "backend='torch' runs everywhere)")
-        if not backend.supports(logits):
-            raise ValueError(f"backend='cpu': needs CPU logits, got device {logits.device}")
-        return backend
-    if name == "auto":
-        backend = _triton_backend() if logits.is_cuda else _cpu_backend() if logits.device.type == "cpu" else None
-        if backend is not None and backend.supports(logits):
-            return backend
-        return TorchBackend(chunk_rows, vocab_shard)
-    raise ValueError(f"backend: expected 'auto', 'torch', 'cpu', 'triton' or 'cuda', got {name!r}")
+    return _kernel_backend(name)
+
+
+def select(name: str, logits, chunk_rows=None, vocab_shard: bool = False) -> Backend:
+    """resolve() and instance() in one call: the backend object for these logits."""
+    return instance(resolve(name, logits), chunk_rows, vocab_shard)
 
 
 # Graphs the compiled stage may hold: Dynamo specialises sizes 0 and 1 even with dynamic=True, so one
 # option set can take ~5 graphs (padded B > 1, B = 1, T = 1, packed, one sequence); the default limit
 # of 8 would send a second option set back to eager without a word.
 STAGE_RECOMPILE_LIMIT = 64
+_COMPILED_STAGE: list = []  # the one compiled stage of this process, built on first use
 
 
-@lru_cache(maxsize=None)
 def _compiled_stage():
     """The torch stage under torch.compile(dynamic=True). Dynamo keeps one compiled graph per static
     option set (loss type, aggregation, IS level, rejection options, which inputs are present) and per
     size specialisation, guarded on those; every float hyperparameter stays a run-time input (see
     segments.hyper), so a new clip ratio, threshold, coefficient or global count reuses the graph."""
+    if _COMPILED_STAGE:
+        return _COMPILED_STAGE[0]
     from ..loss import sequence_stage
 
     compiled = torch.compile(sequence_stage, dynamic=True)
@@ -122,6 +178,7 @@ def _compiled_stage():
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=STAGE_RECOMPILE_LIMIT):
             return compiled(*args)
 
+    _COMPILED_STAGE.append(run)
     return run
 
 
@@ -135,5 +192,5 @@ def select_stage(tensor: torch.Tensor, compile_stage: Optional[bool]):
     if torch.compiler.is_compiling():
         return sequence_stage
     if compile_stage is None:  # Inductor generates Triton code for CUDA: without Triton, stay eager
-        compile_stage = tensor.is_cuda and _triton_backend() is not None
+        compile_stage = tensor.is_cuda and is_available("triton")
     return _compiled_stage() if compile_stage else sequence_stage

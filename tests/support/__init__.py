@@ -1,0 +1,1 @@
+"""Helpers that tests and benchmarks share (neither imports the other)."""

@@ -1,0 +1,56 @@
+"""A new user's first compiled step, in fresh interpreters: an in-process test cannot see this class of
+failure, since an earlier test has long since built and loaded the CPU kernels and imported Triton.
+
+The scenarios (tests/support/first_contact.py) compile a training step with per-step hyperparameters
+(fullgraph, aot_eager and Inductor), a one-sequence batch, the no-grad log-prob pass and the fused-linear
+loss, each compared with eager. They run with an empty kernel cache (the CPU kernels are built while
+Dynamo traces the first call) and with a warm one (loaded while tracing).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "support" / "first_contact.py"
+ALL = ("compiled_step", "one_sequence", "no_grad_logprobs", "fused_linear")
+BUILD_MESSAGE = "rlkernels: compiling the CPU kernels once"
+TIMEOUT_S = 600  # a busy 2-core machine; the three runs take ~15-25 s each when idle
+
+
+def _run(cache: Path, compile_backend: str, scenarios):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNELS_CPU_KERNELS")}
+    env["RLKERNELS_CACHE"] = str(cache)
+    run = subprocess.run([sys.executable, "-W", "always", str(SCRIPT), compile_backend, *scenarios],
+                         capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-6000:]}"
+    for name in scenarios:
+        assert f"ok {name} {compile_backend}" in run.stdout
+    # the probes are constants to Dynamo: it must never meet the lru_cache or the file system behind them
+    assert "lru_cache" not in run.stderr, run.stderr[-4000:]
+    assert "'cpu': True" in run.stdout, "the CPU kernels did not build or load: the scenarios ran the torch backend"
+    return run
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("rlkernels-cache")
+
+
+def test_first_compiled_calls_with_an_empty_kernel_cache(cache):
+    run = _run(cache, "aot_eager", ALL)
+    assert BUILD_MESSAGE in run.stderr  # the build really ran, inside the first traced call
+
+
+def test_first_inductor_step_with_an_empty_kernel_cache(tmp_path):
+    run = _run(tmp_path, "inductor", ("compiled_step",))
+    assert BUILD_MESSAGE in run.stderr
+
+
+def test_first_compiled_calls_with_a_warm_kernel_cache(cache):
+    if not any(cache.iterdir()):
+        _run(cache, "aot_eager", ("no_grad_logprobs",))  # run alone: build the cache first
+    run = _run(cache, "inductor", ALL)
+    assert BUILD_MESSAGE not in run.stderr
