@@ -28,8 +28,9 @@ from functools import partial
 
 import torch
 
+from tests.support.peers import import_verl, load_example
+
 from .harness import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
-from .providers import import_verl, load_example
 
 CORRECTION = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1",
               "rollout_rs_threshold": "0.95_1.05"}
@@ -43,6 +44,7 @@ def _steps(V: int, sequences: int, prompt: int, response: int):
 
     from rlkernels.integrations import verl as rlk_verl
 
+    rlk_verl.install_routes()  # the opt-in (RLKERNELS_VERL_ROUTES=1): the routes from the first (timed) step
     example = load_example("verl_actor.py")
     model = example.tiny_model(vocab=V)
     engine = example.cpu_engine(model)

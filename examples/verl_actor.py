@@ -1,15 +1,21 @@
 """verl 0.9.1's actor update with the loss computed by rlkernels, no logits formed: the change is one config key.
 
-With rlkernels installed, `import verl` loads its plugin (the `verl.plugins` entry point). A verl run then
-takes these overrides (OVERRIDES below: verl's own command-line syntax):
+With rlkernels installed, `import verl` loads its plugin (the `verl.plugins` entry point), which registers
+rlkernels' losses and changes nothing else. A verl run then takes these overrides (OVERRIDES below: verl's
+own command-line syntax):
 
     actor_rollout_ref.actor.policy_loss.loss_mode=rlkernels_linear    # or rlkernels_linear_<loss type>
-    algorithm.rollout_correction.rollout_is=token ...                  # verl's keys, computed by rlkernels
+    algorithm.rollout_correction.rollout_is=token ...                  # verl's keys
+
+and, so that the route is taken from the very first micro-batch, RLKERNELS_VERL_ROUTES=1 in the workers'
+environment (without it the route's engine hooks are installed when verl first looks the loss up, after
+the first micro-batch's forward). RLKERNELS_VERL_CORRECTION=1 in the driver's would also have rlkernels
+compute verl's rollout-correction keys; this script leaves them to verl.
 
 verl's trainer needs Ray, a rollout engine and accelerators, so this script runs, on a CPU in a few seconds,
 what the trainer does with one batch, through verl's own code: the driver-side rollout correction
-(`rollout_corr_helper.compute_rollout_correction_and_add_to_batch`, rlkernels' once the plugin is loaded),
-the conversion to verl's packed layout, and the FSDP engine's `forward_backward_batch` (global token count,
+(`rollout_corr_helper.compute_rollout_correction_and_add_to_batch`), the conversion to verl's packed layout,
+and the FSDP engine's `forward_backward_batch` (global token count,
 two micro-batches, packing, rolled labels, per-token temperatures) in which, with this loss mode, the
 model's forward hands its last hidden states and LM head to `rlkernels.linear_decoupled_ppo_loss`: the
 logits are never formed (`rlkernels_logits` hands verl's logits to `decoupled_ppo_loss` instead). The
@@ -26,20 +32,22 @@ import os
 from functools import partial
 from types import SimpleNamespace
 
-import torch
-import torch.distributed as dist
-import verl.utils.torch_functional as verl_F
-from omegaconf import OmegaConf
-from tensordict import TensorDict
-from transformers import Qwen2Config, Qwen2ForCausalLM
-from verl.protocol import DataProto
-from verl.trainer.ppo import rollout_corr_helper
-from verl.utils import tensordict_utils as tu
-from verl.utils.dataset.dataset_utils import DatasetPadMode
-from verl.workers.config import FSDPActorConfig, PolicyLossConfig
-from verl.workers.engine.fsdp import transformer_impl
-from verl.workers.utils import losses
-from verl.workers.utils.padding import left_right_2_no_padding
+os.environ.setdefault("RLKERNELS_VERL_ROUTES", "1")  # the workers' environment: the route from the first micro-batch
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import verl.utils.torch_functional as verl_F  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from verl.protocol import DataProto  # noqa: E402
+from verl.trainer.ppo import rollout_corr_helper  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.dataset.dataset_utils import DatasetPadMode  # noqa: E402
+from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
+from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
+from verl.workers.utils import losses  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 OVERRIDES = [
     "actor_rollout_ref.actor.policy_loss.loss_mode=rlkernels_linear",  # the one change; was: vanilla

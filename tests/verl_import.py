@@ -1,20 +1,13 @@
 """verl 0.9.1 for the tests that run verl's own code: imported once (ray and transformers stood in for
 during the import only, as the benchmarks do), or a module-level skip that says why."""
 
-import os
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def import_verl_or_skip():
     """(rollout_corr_helper, core_algos, ActorConfig); afterwards `verl.*` imports as usual."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
     try:
-        from benchmarks.providers import import_verl
+        from .support.peers import import_verl
 
         return import_verl()
     except ImportError as exc:  # pragma: no cover - reported by the skip

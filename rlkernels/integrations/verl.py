@@ -1,53 +1,74 @@
 """rlkernels inside verl 0.9.1, loaded by verl itself through its `verl.plugins` entry point.
 
 With rlkernels installed, `import verl` imports this module (pyproject: `[project.entry-points."verl.plugins"]`),
-which
-- registers rlkernels' policy losses with verl: `actor.policy_loss.loss_mode=rlkernels` (PPO clip) or
-  `rlkernels_<loss_type>` (any of rlkernels' loss types: `rlkernels_cispo`, `rlkernels_gspo`, ...),
-  configured from the actor config by `PolicyLossConfig.from_verl_actor` and taking verl's
-  `rollout_is_weights` and global batch counts;
-- with `loss_mode=rlkernels_logits` (or `rlkernels_logits_<loss_type>`), has verl's FSDP engine hand the
-  packed logits of each micro-batch to `decoupled_ppo_loss`, which computes the log-probs, entropy, policy
-  loss, entropy bonus and KL penalty in its fused passes with the backward written into the logits (the
-  "logits route", below); where the engine's settings rule that out it warns once, naming the setting, and
-  the same loss is computed from verl's log-probs;
-- replaces verl's driver-side rollout correction, `rollout_corr_helper.compute_rollout_correction_and_add_to_batch`,
-  with `compute_rollout_correction_and_add_to_batch` below, built on `rlkernels.rollout_correction`: the
-  rejection mask and IS weights are computed once on the driver, before micro-batching, so verl's global
-  token counts stay right. `RLKERNELS_VERL_CORRECTION=0` keeps verl's own.
+which registers rlkernels' policy losses with verl and does nothing else: a verl run that selects none of
+them is verl as shipped (same functions, same numbers). The names:
+- `actor.policy_loss.loss_mode=rlkernels` (PPO clip) or `rlkernels_<loss_type>` (any of rlkernels' loss
+  types: `rlkernels_cispo`, `rlkernels_gspo`, ...): the loss on verl's log-probs, configured from the actor
+  config by `PolicyLossConfig.from_verl_actor` and taking verl's `rollout_is_weights` and global counts;
+- `loss_mode=rlkernels_logits[_<loss_type>]` / `rlkernels_linear[_<loss_type>]`, the routes: verl's FSDP
+  engine hands the packed logits (logits route) or the model's last hidden states and LM head (linear
+  route, no logits formed) of each micro-batch to `decoupled_ppo_loss` / `linear_decoupled_ppo_loss`, which
+  compute the log-probs, entropy, policy loss, entropy bonus and KL penalty in their fused passes. Where
+  the engine's settings rule that out it warns once, naming the setting, and the same loss is computed
+  from verl's log-probs.
 
-Differences from verl's own correction are those of docs/spec.md ("Deliberate differences"): k1 bounds
-keep lo <= rho <= hi as verl's docs state (verl's code keeps 1/hi <= rho <= 1/lo; equal for symmetric
-bounds), metrics of empty rows, sequence-level metric weighting. The losses equal verl's registered
-functions of the same name (tests/integrations/test_verl_plugin.py).
+The routes need hooks in verl's engine (`install_routes`: three methods of `FSDPEngineWithLMHead`). They
+are installed when a run selects a route, at the moment verl first looks its loss up -- inside verl's
+`ppo_loss` after the first micro-batch's forward, which therefore runs verl's path (same loss; a warning
+says so) -- or, for the route from the first micro-batch, by the explicit opt-in `RLKERNELS_VERL_ROUTES=1`
+in the workers' environment (Ray: `ray_kwargs.ray_init.runtime_env.env_vars`), or a call of
+`install_routes()`.
+
+The driver-side rollout correction stays verl's unless asked for (`RLKERNELS_VERL_CORRECTION=1` in the
+driver's environment, or `install_correction()`): then `rollout_corr_helper.compute_rollout_correction_and_add_to_batch`
+is `compute_rollout_correction_and_add_to_batch` below, built on `rlkernels.rollout_correction`. Its
+differences from verl's are those of docs/spec.md ("Deliberate differences"): k1 bounds keep lo <= rho <= hi
+as verl's docs state (verl's code keeps 1/hi <= rho <= 1/lo; equal for symmetric bounds), metrics of empty
+rows, sequence-level metric weighting. The losses equal verl's registered functions of the same name
+(tests/integrations/test_verl_plugin.py).
 """
 
 import os
-import sys
 import warnings
+from functools import partial
 from typing import Optional
 
 import torch
-from verl.protocol import DataProto
-from verl.trainer.ppo import core_algos, rollout_corr_helper
-from verl.utils import tensordict_utils as tu
-
-try:  # the logits route's side of verl (its actor-loss module imports verl's dataset stack: PIL, ...)
-    from verl.utils.metric import AggregationType, Metric
-    from verl.workers.utils import losses as verl_losses
-except ImportError:  # the registered losses and the driver-side correction work without it
-    verl_losses = None
+from verl.trainer.ppo import core_algos
 
 from ..api import decoupled_ppo_loss, linear_decoupled_ppo_loss, metrics_to_floats, policy_loss, rollout_correction
 from ..config import LOSS_TYPES, PolicyLossConfig, RolloutCorrection
 from .hf import add_loss_forward, hidden_state_loss_blocker
 
+ROUTES_ENV, CORRECTION_ENV = "RLKERNELS_VERL_ROUTES", "RLKERNELS_VERL_CORRECTION"  # the explicit opt-ins ("1")
+
+
+def _verl_losses():
+    """verl's actor-loss module (it imports verl's dataset stack: PIL, ...), or None where it does not import:
+    the registered losses and the driver-side correction work without it."""
+    try:
+        from verl.workers.utils import losses
+    except ImportError:
+        return None
+    return losses
+
+
+def verl_ppo_loss(config, model_output, data, dp_group=None):
+    """verl's own actor loss (`verl.workers.utils.losses.ppo_loss`, looked up at each call)."""
+    return _verl_losses().ppo_loss(config, model_output, data, dp_group)
+
+
+def verl_compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
+    """verl's own driver-side correction, whether or not `install_correction()` replaced it."""
+    from verl.trainer.ppo import rollout_corr_helper
+
+    verl_fn = getattr(rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch",
+                      rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
+    return verl_fn(batch, rollout_corr_config)
+
+
 _TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
-# verl's own driver-side correction, kept for comparison (saved by install(), so a re-import finds it)
-verl_compute_rollout_correction_and_add_to_batch = getattr(
-    rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch",
-    rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
-verl_ppo_loss = None if verl_losses is None else getattr(verl_losses, "_verl_ppo_loss", verl_losses.ppo_loss)
 LOGITS_MODE, LINEAR_MODE = "rlkernels_logits", "rlkernels_linear"
 
 
@@ -68,13 +89,17 @@ def _global_counts(loss_agg_mode: str, info: dict) -> dict:
     return out
 
 
-def make_policy_loss(loss_type: str):
-    """verl's registered-loss signature around `rlkernels.policy_loss` with this loss type."""
+def make_policy_loss(loss_type: str, route: Optional[str] = None):
+    """verl's registered-loss signature around `rlkernels.policy_loss` with this loss type. `route`: the
+    function registered under a route's name ("logits" / "linear"), which verl calls where the route was not
+    taken; its first call installs the routes (see the module docstring)."""
 
     def compute_policy_loss_rlkernels(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                                       config=None, rollout_is_weights=None):
         if config is None:
             raise ValueError("config: verl's actor config is required by the rlkernels policy loss")
+        if route is not None and not routes_installed():
+            _install_routes_on_first_lookup(config)
         info = dict(getattr(config, "global_batch_info", None) or {})
         dp = info.get("dp_size", 1) or 1
         overrides = dict(loss_type=loss_type, loss_agg_mode=loss_agg_mode, validate=False,
@@ -92,10 +117,28 @@ def make_policy_loss(loss_type: str):
     return compute_policy_loss_rlkernels
 
 
-def compute_rollout_correction_and_add_to_batch(batch: DataProto, rollout_corr_config):
+def _install_routes_on_first_lookup(config) -> None:
+    """A run selected a route: verl looked its loss up for the first time, inside its own ppo_loss, after
+    this micro-batch's forward on verl's path. Install the hooks for the next micro-batches, and say so."""
+    installed = install_routes()
+    mode = _loss_mode(config)
+    if installed and torch.is_grad_enabled():
+        warnings.warn(f"actor.policy_loss.loss_mode={mode}: rlkernels' engine hooks are installed now, at the first "
+                      "lookup of the loss; this micro-batch ran verl's path (the same loss), the next ones take the "
+                      f"route. Set {ROUTES_ENV}=1 in the workers' environment to take it from the first micro-batch",
+                      stacklevel=3)
+    elif not installed:
+        _warn_once(f"actor.policy_loss.loss_mode={mode}: verl's FSDP engine (verl.workers.engine.fsdp) does not "
+                   "import here, so the route cannot be taken; the loss is computed from verl's log-probs")
+
+
+def compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
     """verl's driver-side rollout correction (same signature and effect: the batch's response_mask with
     the rejection applied, `rollout_is_weights` added when an IS level is set, rollout_corr/* metrics as
-    floats), computed by `rlkernels.rollout_correction`."""
+    floats), computed by `rlkernels.rollout_correction`. In place of verl's only after `install_correction()`
+    (or RLKERNELS_VERL_CORRECTION=1)."""
+    from verl.protocol import DataProto
+
     get = rollout_corr_config.get
     rc = RolloutCorrection.from_verl(get("rollout_is", None), get("rollout_is_threshold", 2.0),
                                      get("rollout_rs", None), get("rollout_rs_threshold", None),
@@ -117,6 +160,12 @@ def compute_rollout_correction_and_add_to_batch(batch: DataProto, rollout_corr_c
 # with decoupled_ppo_loss. _BLOCKER carries why a micro-batch could not take the route.
 _ROUTE, _BLOCKER = "rlkernels_logits_route", "rlkernels_logits_blocker"
 _warned = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _loss_mode(actor_config) -> str:
@@ -146,9 +195,29 @@ def _route_actor_config(loss_function):
     return config, kind, f"the actor loss is {getattr(func, '__name__', func)!r} (distillation?), not verl's ppo_loss"
 
 
+def _is_verl_ppo_loss(func) -> bool:
+    """verl's own actor loss, recognised by name (a test or a re-import may have rebound the module attribute)."""
+    return (getattr(func, "__module__", None) == "verl.workers.utils.losses"
+            and getattr(func, "__name__", "") == "ppo_loss")
+
+
+def _route_loss_function(loss_function):
+    """The loss function the engine runs: verl's ppo_loss bound for a route's loss mode (as verl's engine
+    worker binds it, partial(ppo_loss, config=actor_config)) becomes this module's `ppo_loss` with the same
+    arguments; anything else is returned as it is."""
+    if not (isinstance(loss_function, partial) and _is_verl_ppo_loss(loss_function.func) and torch.is_grad_enabled()):
+        return loss_function
+    config = loss_function.keywords.get("config")
+    if config is None or _route_kind(_loss_mode(config)) is None:
+        return loss_function
+    return partial(ppo_loss, *loss_function.args, **loss_function.keywords)
+
+
 def _route_blocker(engine, output, micro_batch):
     """The verl setting that keeps this micro-batch off the route, or None (`output` None: before the
     forward)."""
+    from verl.utils import tensordict_utils as tu
+
     def get(key, default=False):
         return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
 
@@ -179,12 +248,15 @@ def _temperature(micro_batch, output_args, n):
 
 
 def _wants_entropy(micro_batch) -> bool:
+    from verl.utils import tensordict_utils as tu
+
     return bool(tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False))
 
 
 def _forward_step(self, micro_batch, loss_function, forward_only):
-    """FSDPEngineWithLMHead.forward_step: verl's, with the loss function in reach of prepare_model_inputs
-    (which verl does not hand it)."""
+    """FSDPEngineWithLMHead.forward_step: verl's, with a route's actor loss in place of verl's ppo_loss
+    (_route_loss_function) and in reach of prepare_model_inputs (which verl does not hand it)."""
+    loss_function = _route_loss_function(loss_function)
     self._rlkernels_loss_function = loss_function
     try:
         return type(self)._verl_forward_step(self, micro_batch, loss_function, forward_only)
@@ -270,9 +342,9 @@ def _response_rows(data, width):
 
 
 def ppo_loss(config, model_output, data, dp_group=None):
-    """verl's actor loss (`verl.workers.utils.losses.ppo_loss`, replaced by install() before verl's engine
-    worker binds it): from the packed logits when the engine handed them over (the logits route), verl's
-    own otherwise."""
+    """A route's actor loss, run by the engine hook in place of verl's `ppo_loss` for the routes' loss modes:
+    from what the engine handed over (the logits, or the loss the linear route computed in the model's
+    forward), verl's own where the route was not taken."""
     route, blocker = model_output.pop(_ROUTE, None), model_output.pop(_BLOCKER, None)
     if route is None:
         kind = _route_kind(_loss_mode(config))
@@ -280,11 +352,8 @@ def ppo_loss(config, model_output, data, dp_group=None):
             reason = blocker or ("the engine handed nothing to the loss (the routes are wired into verl's "
                                  "FSDPEngineWithLMHead, with the actor loss bound as verl's engine worker binds it: "
                                  "partial(ppo_loss, config=actor_config))")
-            if reason not in _warned:
-                _warned.add(reason)
-                warnings.warn(f"actor.policy_loss.loss_mode={_loss_mode(config)}: {reason}; the loss is computed "
-                              f"from verl's log-probs instead (the same loss, without the fused {kind} pass)",
-                              stacklevel=2)
+            _warn_once(f"actor.policy_loss.loss_mode={_loss_mode(config)}: {reason}; the loss is computed from "
+                       f"verl's log-probs instead (the same loss, without the fused {kind} pass)")
         return verl_ppo_loss(config, model_output, data, dp_group)
     if "out" in route:  # the linear route: computed inside the model's forward
         return _route_outputs(config, model_output, data, route["out"], route["entropy"], route["scale"])
@@ -340,6 +409,8 @@ def _route_inputs(config, data, n, entropy):
 def _route_outputs(config, model_output, data, out, entropy, scale):
     """verl's ppo_loss results from the library's output: the loss, verl's metrics under verl's names and
     aggregations, and verl's nested log-probs (and entropy) in `model_output`."""
+    from verl.utils.metric import AggregationType, Metric
+
     info = config.global_batch_info
     summed = info["dp_size"] > 1 or any(info[k] is not None for k in (
         "batch_num_tokens", "global_batch_size", "loss_scale_factor"))
@@ -362,40 +433,80 @@ def _route_outputs(config, model_output, data, out, entropy, scale):
     return out.loss * scale, metrics
 
 
-def _install_logits_route() -> None:
-    """Put ppo_loss in place of verl's where verl's engine worker will import it, and the logits hook into
-    verl's FSDP engine. Without the engine (its imports missing) the logits modes fall back, with a warning."""
-    if verl_losses is None:
-        return
-    verl_losses._verl_ppo_loss = verl_ppo_loss
-    verl_losses.ppo_loss = ppo_loss
-    workers = sys.modules.get("verl.workers.engine_workers")
-    if workers is not None and getattr(workers, "ppo_loss", None) is verl_ppo_loss:
-        workers.ppo_loss = ppo_loss  # imported before this plugin (VERL_USE_EXTERNAL_PLUGINS=none, then us)
+_ENGINE_HOOKS = (("forward_step", _forward_step), ("prepare_model_inputs", _prepare_model_inputs),
+                 ("prepare_model_outputs", _prepare_model_outputs))
+
+
+def _engine_class():
     try:
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     except ImportError:
-        return
-    for name, hook in (("forward_step", _forward_step), ("prepare_model_inputs", _prepare_model_inputs),
-                       ("prepare_model_outputs", _prepare_model_outputs)):
-        if f"_verl_{name}" not in FSDPEngineWithLMHead.__dict__:
-            setattr(FSDPEngineWithLMHead, f"_verl_{name}", getattr(FSDPEngineWithLMHead, name))
-            setattr(FSDPEngineWithLMHead, name, hook)
+        return None
+    return FSDPEngineWithLMHead if _verl_losses() is not None else None
 
 
-def install() -> None:
-    """Register the losses (idempotent), the logits route and, unless RLKERNELS_VERL_CORRECTION=0, the
-    driver-side correction."""
-    for loss_type in _TYPES:
-        for prefix in ("rlkernels", LOGITS_MODE, LINEAR_MODE):
-            name = prefix if loss_type == "vanilla" else f"{prefix}_{loss_type}"
-            if name not in core_algos.POLICY_LOSS_REGISTRY:  # the logits modes' loss where the route is off
-                core_algos.register_policy_loss(name)(make_policy_loss(loss_type))
-    _install_logits_route()
-    if os.environ.get("RLKERNELS_VERL_CORRECTION", "1") != "0":
+def routes_installed() -> bool:
+    engine = _engine_class()
+    return engine is not None and all(f"_verl_{name}" in engine.__dict__ for name, _ in _ENGINE_HOOKS)
+
+
+def install_routes() -> bool:
+    """Wrap verl's FSDPEngineWithLMHead.forward_step, prepare_model_inputs and prepare_model_outputs with the
+    routes' hooks (idempotent). The hooks act only on a micro-batch whose actor loss is bound for a route's
+    loss mode; verl's methods run unchanged for every other one. False when verl's engine does not import."""
+    engine = _engine_class()
+    if engine is None:
+        return False
+    for name, hook in _ENGINE_HOOKS:
+        if f"_verl_{name}" not in engine.__dict__:
+            setattr(engine, f"_verl_{name}", getattr(engine, name))
+            setattr(engine, name, hook)
+    return True
+
+
+def uninstall_routes() -> None:
+    """verl's own engine methods back (tests, or a process that runs other verl jobs after an rlkernels one)."""
+    engine = _engine_class()
+    for name, _ in _ENGINE_HOOKS if engine is not None else ():
+        if f"_verl_{name}" in engine.__dict__:
+            setattr(engine, name, engine.__dict__[f"_verl_{name}"])
+            delattr(engine, f"_verl_{name}")
+
+
+def install_correction() -> None:
+    """The explicit opt-in (also RLKERNELS_VERL_CORRECTION=1): verl's driver-side
+    `compute_rollout_correction_and_add_to_batch` replaced by this module's (idempotent)."""
+    from verl.trainer.ppo import rollout_corr_helper
+
+    if not hasattr(rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch"):
         rollout_corr_helper._verl_compute_rollout_correction_and_add_to_batch = (
-            verl_compute_rollout_correction_and_add_to_batch)
-        rollout_corr_helper.compute_rollout_correction_and_add_to_batch = compute_rollout_correction_and_add_to_batch
+            rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
+    rollout_corr_helper.compute_rollout_correction_and_add_to_batch = compute_rollout_correction_and_add_to_batch
 
 
-install()
+def uninstall_correction() -> None:
+    from verl.trainer.ppo import rollout_corr_helper
+
+    original = rollout_corr_helper.__dict__.pop("_verl_compute_rollout_correction_and_add_to_batch", None)
+    if original is not None:
+        rollout_corr_helper.compute_rollout_correction_and_add_to_batch = original
+
+
+def register_losses() -> None:
+    """rlkernels' names in verl's policy-loss registry (idempotent); nothing else of verl is touched."""
+    for loss_type in _TYPES:
+        for prefix, route in (("rlkernels", None), (LOGITS_MODE, "logits"), (LINEAR_MODE, "linear")):
+            name = prefix if loss_type == "vanilla" else f"{prefix}_{loss_type}"
+            if name not in core_algos.POLICY_LOSS_REGISTRY:
+                core_algos.register_policy_loss(name)(make_policy_loss(loss_type, route))
+
+
+def _opted_in(variable: str) -> bool:
+    return os.environ.get(variable, "0").strip().lower() in ("1", "true", "yes")
+
+
+register_losses()
+if _opted_in(ROUTES_ENV):
+    install_routes()
+if _opted_in(CORRECTION_ENV):
+    install_correction()

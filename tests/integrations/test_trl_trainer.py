@@ -14,9 +14,8 @@ import warnings
 import pytest
 import torch
 
-from benchmarks.providers import load_example
-
 from ..cases import tol
+from ..support.peers import load_example
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

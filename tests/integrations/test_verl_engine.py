@@ -40,10 +40,14 @@ from verl.workers.config import FSDPActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  # noqa: E402
 from verl.workers.utils import losses as verl_losses  # noqa: E402
 
-from benchmarks.providers import load_example  # noqa: E402
 from rlkernels.integrations import verl as rlk_verl  # noqa: E402
 
+from ..support.peers import load_example  # noqa: E402
+
 example = load_example("verl_actor.py")  # its tiny model (and batches) serve these tests too
+# these tests drive the routes: the explicit opt-in (a run that selects a route without it installs the hooks at the
+# first lookup of its loss; tests/integrations/test_verl_first_contact.py drives that in a fresh process)
+rlk_verl.install_routes()
 B, TOL = 8, 1e-5
 
 
@@ -52,7 +56,8 @@ def _batch(model, temperature, seed, rows):
 
 
 def _corrected(fields, correction):
-    """The driver-side rollout correction (the plugin's, installed over verl's): mask and IS weights."""
+    """The driver-side rollout correction (the plugin's, the opt-in RLKERNELS_VERL_CORRECTION=1): mask and IS
+    weights."""
     if correction is None:
         return dict(fields)
     batch = DataProto.from_dict(tensors={k: fields[k] for k in ("old_log_probs", "rollout_log_probs",
@@ -117,8 +122,10 @@ def _compare(rank, world, cases, wrapper=None):
         entropy = bool(extras)
         results = []
         suffix = "" if loss_type == "vanilla" else f"_{loss_type}"
-        for prefix, mode, loss_fn in [(None, loss_type, rlk_verl.verl_ppo_loss)] + [
-                (prefix, prefix + suffix, rlk_verl.ppo_loss) for prefix in PATHS.values()]:
+        # every path binds verl's own ppo_loss, as verl's engine worker does; the engine hook runs the route's
+        # actor loss in its place for the routes' loss modes
+        for prefix, mode in [(None, loss_type)] + [(prefix, prefix + suffix) for prefix in PATHS.values()]:
+            loss_fn = verl_losses.ppo_loss
             actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B,
                                     ppo_micro_batch_size_per_gpu=B // 2, loss_agg_mode=agg,
                                     policy_loss=VerlPolicyLossConfig(loss_mode=mode), **extras)
@@ -246,22 +253,31 @@ def test_unsupported_engine_settings_fall_back_with_a_warning_naming_the_setting
     _, kind, blocker = rlk_verl._route_actor_config(partial(distillation_ppo_loss, config=actor))
     assert kind == "logits" and "'distillation_ppo_loss'" in blocker
     calls = []
-    verl_ppo_loss = rlk_verl.verl_ppo_loss
-    rlk_verl.verl_ppo_loss = lambda *args: calls.append(args) or (torch.zeros(()), {})
+    verl_ppo_loss = verl_losses.ppo_loss
+    verl_losses.ppo_loss = lambda *args: calls.append(args) or (torch.zeros(()), {})
     try:
         with pytest.warns(UserWarning, match="use_fused_kernels=True"):
             rlk_verl.ppo_loss(actor, {rlk_verl._BLOCKER: rlk_verl._route_blocker(engine, output, td)}, td)
     finally:
-        rlk_verl.verl_ppo_loss = verl_ppo_loss
+        verl_losses.ppo_loss = verl_ppo_loss
     assert len(calls) == 1 and rlk_verl._BLOCKER not in calls[0][1]
 
 
-def test_the_plugin_puts_its_actor_loss_and_engine_hook_in_place():
-    assert verl_losses.ppo_loss is rlk_verl.ppo_loss
+def test_installed_routes_wrap_the_engine_and_leave_verls_actor_loss():
+    """install_routes() wraps the engine's three methods; verl's ppo_loss stays verl's: the forward_step hook runs
+    the route's actor loss in its place for the routes' loss modes only."""
+    assert verl_losses.ppo_loss.__module__ == "verl.workers.utils.losses"
     assert ti.FSDPEngineWithLMHead.prepare_model_outputs is rlk_verl._prepare_model_outputs
+    actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B,
+                            policy_loss=VerlPolicyLossConfig(loss_mode="rlkernels_linear_cispo"))
+    swapped = rlk_verl._route_loss_function(partial(verl_losses.ppo_loss, config=actor))
+    assert swapped.func is rlk_verl.ppo_loss and swapped.keywords == {"config": actor}
+    plain = partial(verl_losses.ppo_loss, config=FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B,
+                                                                  ppo_micro_batch_size_per_gpu=B))
+    assert rlk_verl._route_loss_function(plain) is plain  # verl's own loss mode: verl's function
     from verl.trainer.ppo import core_algos
 
-    for name in ("rlkernels_logits", "rlkernels_logits_cispo", "rlkernels_logits_gspo"):
+    for name in ("rlkernels_logits", "rlkernels_logits_cispo", "rlkernels_linear_gspo"):
         assert name in core_algos.POLICY_LOSS_REGISTRY
 
 

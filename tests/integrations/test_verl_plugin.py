@@ -27,7 +27,8 @@ def test_the_plugin_is_an_entry_point_and_registers_the_losses():
     assert names == ["rlkernels.integrations.verl"], "pip install -e . declares the verl.plugins entry point"
     for name in ("rlkernels", "rlkernels_cispo", "rlkernels_gspo", "rlkernels_geo_mean", "rlkernels_clip_cov"):
         assert name in core_algos.POLICY_LOSS_REGISTRY
-    assert helper.compute_rollout_correction_and_add_to_batch is rlk_verl.compute_rollout_correction_and_add_to_batch
+    # the driver-side correction is replaced only on the explicit opt-in (tests/integrations/test_verl_first_contact.py)
+    assert helper.compute_rollout_correction_and_add_to_batch.__module__ == "verl.trainer.ppo.rollout_corr_helper"
 
 
 def _batch(seed, B=6, T=7):

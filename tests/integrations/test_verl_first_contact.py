@@ -1,0 +1,101 @@
+"""Installing rlkernels leaves verl as shipped, in fresh interpreters with the `verl.plugins` entry point installed
+(`pip install -e .`): an in-process suite has long since loaded the plugin and cannot see what `import verl` alone
+does. tests/support/verl_first_contact.py runs each scenario and prints what it saw.
+
+- `import verl`: every function, class and method of the verl modules rlkernels touches is verl's own, compared
+  with a process where verl loads no plugin (VERL_USE_EXTERNAL_PLUGINS=none); the registries differ by
+  rlkernels' names only.
+- verl's driver-side rollout correction, on asymmetric k1 bounds (where rlkernels' convention differs from
+  verl's code), gives verl's values unless RLKERNELS_VERL_CORRECTION=1 asks for rlkernels'.
+- Selecting a route installs its engine hooks at the first lookup of the loss (that micro-batch on verl's path,
+  with a warning), or from the first micro-batch with RLKERNELS_VERL_ROUTES=1; verl's own loss modes and
+  `rlkernels` on verl's log-probs leave the engine as it is. Losses agree with verl's within the engine tests'
+  1e-5 (float32, tests/integrations/test_verl_engine.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..verl_import import import_verl_or_skip
+
+import_verl_or_skip()
+
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "verl_first_contact.py"
+TOL = 1e-5
+
+
+def _run(*args, **env):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RLKERNELS_VERL_", "VERL_USE_EXTERNAL"))}
+    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
+                         env={**base, **env}, cwd=str(SCRIPT.parents[2]))
+    assert run.returncode == 0, run.stderr[-4000:]
+    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_import_verl_adds_rlkernels_names_to_verls_registries_and_nothing_else():
+    plain = _run("snapshot", VERL_USE_EXTERNAL_PLUGINS="none")
+    with_plugin = _run("snapshot")
+    assert not plain["plugin"] and with_plugin["plugin"], "the entry point did not load the plugin"
+    assert with_plugin["modules"] == plain["modules"]
+    for name, keys in with_plugin["registries"].items():
+        added = set(keys) - set(plain["registries"][name])
+        assert set(plain["registries"][name]) <= set(keys) and all(k.startswith("rlkernels") for k in added), name
+    assert {"rlkernels", "rlkernels_linear", "rlkernels_logits_cispo"} <= set(with_plugin["registries"]
+                                                                             ["POLICY_LOSS_REGISTRY"])
+
+
+def test_verls_rollout_correction_stays_verls_unless_asked_for():
+    plain = _run("correction", VERL_USE_EXTERNAL_PLUGINS="none")
+    installed = _run("correction")
+    assert installed == plain  # the same function, the same mask and weights
+    assert plain["function"] == ["verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch"]
+    opted_in = _run("correction", RLKERNELS_VERL_CORRECTION="1")
+    assert opted_in["function"][0] == "rlkernels.integrations.verl"
+    # asymmetric k1 bounds: rlkernels keeps lo <= rho <= hi (verl's docs), verl's code 1/hi <= rho <= 1/lo
+    assert opted_in["mask"] != plain["mask"] and opted_in["weights"] == pytest.approx(plain["weights"])
+
+
+_VERL_LOSSES = []
+
+
+def _verl_losses():
+    """verl's own path's losses of the two steps (run once)."""
+    if not _VERL_LOSSES:
+        _VERL_LOSSES.extend(s["loss"] for s in _run("routes", "vanilla")["steps"])
+    return _VERL_LOSSES
+
+
+def test_verls_own_loss_modes_leave_the_engine_as_shipped():
+    for mode, ran in (("vanilla", []), ("rlkernels", ["policy_loss", "policy_loss"])):
+        result = _run("routes", mode)
+        assert [s["calls"] for s in result["steps"]] == [ran, ran] and not result["installed"]
+        assert all(module.startswith("verl.") for module, _ in result["engine"].values())
+        assert result["ppo_loss"] == ["verl.workers.utils.losses", "ppo_loss"]
+
+
+def test_a_route_installs_its_hooks_when_verl_first_looks_its_loss_up():
+    result = _run("routes", "rlkernels_linear")
+    first, second = result["steps"]
+    # the first micro-batch ran verl's path (the registered loss on verl's log-probs), the route took the rest
+    assert first["calls"] == ["policy_loss", "linear_decoupled_ppo_loss"]
+    assert second["calls"] == ["linear_decoupled_ppo_loss"] * 2 and not second["warnings"]
+    assert len(first["warnings"]) == 1 and "RLKERNELS_VERL_ROUTES=1" in first["warnings"][0]
+    assert result["installed"] and all(module == "rlkernels.integrations.verl" for module, _ in
+                                       result["engine"].values())
+    assert result["ppo_loss"] == ["verl.workers.utils.losses", "ppo_loss"]  # replaced per call, not in verl
+    for got, want in zip((s["loss"] for s in result["steps"]), _verl_losses()):
+        assert abs(got - want) <= TOL * max(1.0, abs(want))
+
+
+def test_the_routes_opt_in_takes_the_route_from_the_first_micro_batch():
+    result = _run("routes", "rlkernels_logits", RLKERNELS_VERL_ROUTES="1")
+    assert [s["calls"] for s in result["steps"]] == [["decoupled_ppo_loss"] * 2] * 2
+    assert not any(s["warnings"] for s in result["steps"])
+    for got, want in zip((s["loss"] for s in result["steps"]), _verl_losses()):
+        assert abs(got - want) <= TOL * max(1.0, abs(want))
