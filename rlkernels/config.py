@@ -32,6 +32,8 @@ SEQUENCE_RATIO_LOSSES = ("vanilla", "ppo_clip", "cispo", "sapo", "luspo", "vespo
 # losses whose selection is batch-global (a host sync, as in verl; no split batches)
 COVARIANCE_LOSSES = ("clip_cov", "kl_cov")
 IS_MODES = ("truncate", "mask")
+# verl 0.9.1 losses whose registered function ignores the actor's loss_agg_mode for one of its own
+VERL_FIXED_AGGREGATION = {"sapo": "seq-mean-token-mean"}
 SEQ_MEAN_OVER = ("nonempty", "all")
 LOSS_AGG_MODES = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
@@ -207,21 +209,37 @@ class RolloutCorrection:
     @classmethod
     def from_verl(
         cls,
-        rollout_is: Optional[str] = None,
+        rollout_is=None,
         rollout_is_threshold: Union[float, str, None] = 2.0,
         rollout_rs: Optional[str] = None,
         rollout_rs_threshold: Union[float, str, None] = None,
         rollout_is_batch_normalize: bool = False,
     ) -> "RolloutCorrection":
-        """Build from verl's ``algorithm.rollout_correction`` strings.
+        """Build from verl's ``algorithm.rollout_correction`` strings, or from that config node itself (a dict,
+        an OmegaConf node or verl's ``RolloutCorrectionConfig``, read as verl's loss functions read it:
+        ``get(key, default)`` with the defaults of this signature; its other keys, such as ``loss_type``, are
+        the actor's business).
 
         ``rollout_is_threshold`` is a float C or "lo_hi" (IcePop); ``rollout_rs`` is a comma list
         ("seq_mean_k1,token_k3") and ``rollout_rs_threshold`` one spec shared by all options or one per
         option ("0.999_1.001,0.01"). k1 bounds keep lo <= rho <= hi as verl's docs state (verl's code
         keeps 1/hi <= rho <= 1/lo; the two agree for symmetric bounds such as (1/h, h)).
-        ``rollout_is_threshold=None`` means no weights, as in verl, whatever ``rollout_is`` says. Every
-        error names the argument of this function that caused it.
+        ``rollout_is_threshold=None`` means no weights, as in verl, whatever ``rollout_is`` says. Types are
+        checked whether or not an option is in use (a bool threshold raises in every form). Every error
+        names the argument of this function that caused it.
         """
+        if rollout_is is not None and not isinstance(rollout_is, str):  # verl's config node
+            node = rollout_is
+            if not (isinstance(node, Mapping) or hasattr(node, "get")):
+                raise TypeError(f"rollout_is: expected None, 'token', 'sequence' or verl's rollout_correction config "
+                                f"(a mapping), got {node!r}")
+            return cls.from_verl(node.get("rollout_is", None), node.get("rollout_is_threshold", 2.0),
+                                 node.get("rollout_rs", None), node.get("rollout_rs_threshold", None),
+                                 node.get("rollout_is_batch_normalize", False))
+        for name, value in (("rollout_is_threshold", rollout_is_threshold), ("rollout_rs_threshold",
+                                                                               rollout_rs_threshold)):
+            if isinstance(value, bool) or not (value is None or _is_number(value) or isinstance(value, str)):
+                raise TypeError(f"{name}: expected a number, a 'lo_hi' string or None, got {value!r}")
         if isinstance(rollout_is, str) and rollout_is.strip() in ("", "none", "None"):
             rollout_is = None
         if rollout_is not in IS_LEVELS:
@@ -523,14 +541,21 @@ class PolicyLossConfig:
     @classmethod
     def from_verl_actor(cls, actor, rollout_correction: Optional[RolloutCorrection] = None,
                         **overrides) -> "PolicyLossConfig":
-        """Build from a verl 0.9.1 ``ActorConfig`` (or its dict / OmegaConf node): the policy loss
-        (``policy_loss.loss_mode`` and its parameters ``dro_beta``; ``tau_pos``, ``tau_neg``), the clip
-        ratios (``clip_ratio_low`` / ``clip_ratio_high``, falling back to ``clip_ratio``, and
-        ``clip_ratio_c``), ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff`` and the KL loss
-        (``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type``). ``bypass_mode`` maps to its
-        ``policy_loss.rollout_correction.loss_type``. Rollout correction comes separately (verl keeps
-        it under ``algorithm.rollout_correction``: see ``RolloutCorrection.from_verl``). Anything this
-        library does not compute raises an error naming verl's option."""
+        """Build from a verl 0.9.1 ``ActorConfig`` (or its dict / OmegaConf node) so that the loss is the one
+        verl's registered function of that ``policy_loss.loss_mode`` computes: the policy loss and its
+        parameters (``dro_beta``, ``tau_pos``, ``tau_neg``, the Clip-Cov / KL-Cov ones), the clip ratios
+        (``clip_ratio_low`` / ``clip_ratio_high``, falling back to ``clip_ratio``, and ``clip_ratio_c``),
+        ``loss_agg_mode`` (where verl's function overrides it, its choice: sapo is seq-mean-token-mean),
+        ``loss_scale_factor``, ``entropy_coeff`` and the KL loss (``use_kl_loss``, ``kl_loss_coef``,
+        ``kl_loss_type``).
+
+        ``bypass_mode`` (verl's ``apply_bypass_mode``): the loss type of ``policy_loss.rollout_correction``
+        and its IS level, threshold, rejection options and batch normalisation, as verl's bypass loss reads
+        them; call the loss with verl's ``old_log_prob`` (the rollout's, in bypass mode) as
+        ``rollout_logprobs`` and no ``old_logprobs``. Otherwise the rollout correction comes separately
+        (verl keeps it under ``algorithm.rollout_correction``: see ``RolloutCorrection.from_verl``). An
+        explicit ``rollout_correction=`` wins, and so do keyword overrides. Anything this library does not
+        compute raises an error naming verl's option."""
 
         def get(node, key, default=None):
             if node is None:
@@ -546,11 +571,20 @@ class PolicyLossConfig:
             for route in ("logits", "linear"):  # the same losses on the plugin's logits / linear routes
                 if mode == route or mode.startswith(route + "_"):
                     mode = mode[len(route) + 1:] or "vanilla"
-        if mode == "bypass_mode":
-            mode = get(get(policy, "rollout_correction", {}), "loss_type", "ppo_clip")
+        if mode == "bypass_mode":  # verl's apply_bypass_mode puts the correction under policy_loss.rollout_correction
+            node = get(policy, "rollout_correction", None)
+            if node is None:
+                raise ValueError("actor.policy_loss.rollout_correction: required with loss_mode='bypass_mode' (verl's "
+                                 "apply_bypass_mode sets it), got None")
+            mode = get(node, "loss_type", "ppo_clip")
             if mode not in ("ppo_clip", "reinforce"):
                 raise ValueError(f"actor.policy_loss.rollout_correction.loss_type: expected 'ppo_clip' or "
                                  f"'reinforce', got {mode!r}")
+            if rollout_correction is None:  # an explicit argument wins
+                try:
+                    rollout_correction = RolloutCorrection.from_verl(node)
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"actor.policy_loss.rollout_correction.{exc}") from None
         elif mode not in LOSS_TYPES:
             raise ValueError(f"actor.policy_loss.loss_mode: {mode!r} is not computed by rlkernels; supported: "
                              f"{tuple(t for t in LOSS_TYPES if t != 'ppo_clip') + ('bypass_mode',)}")
@@ -561,7 +595,9 @@ class PolicyLossConfig:
             clip_ratio_low=clip if low is None else low,
             clip_ratio_high=clip if high is None else high,
             clip_ratio_c=get(actor, "clip_ratio_c", 3.0),
-            loss_agg_mode=get(actor, "loss_agg_mode", "token-mean"),
+            # verl 0.9.1's sapo aggregates seq-mean-token-mean whatever loss_agg_mode says (an explicit override
+            # still wins); geo_mean's own mean ignores it here as in verl
+            loss_agg_mode=VERL_FIXED_AGGREGATION.get(mode, get(actor, "loss_agg_mode", "token-mean")),
             loss_scale_factor=get(actor, "loss_scale_factor", None),
             entropy_coeff=float(get(actor, "entropy_coeff", 0.0)),
             tau_pos=get(actor, "tau_pos", 1.0),

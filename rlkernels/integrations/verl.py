@@ -72,7 +72,7 @@ _TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
 LOGITS_MODE, LINEAR_MODE = "rlkernels_logits", "rlkernels_linear"
 
 
-def _global_counts(loss_agg_mode: str, info: dict) -> dict:
+def _global_counts(info: dict) -> dict:
     """verl's global batch info -> this library's global counts. verl divides by the whole batch's
     count and multiplies by dp_size (so that DDP's mean of the ranks' gradients is the whole batch's);
     dividing by count / dp_size is the same."""
@@ -102,13 +102,14 @@ def make_policy_loss(loss_type: str, route: Optional[str] = None):
             _install_routes_on_first_lookup(config)
         info = dict(getattr(config, "global_batch_info", None) or {})
         dp = info.get("dp_size", 1) or 1
-        overrides = dict(loss_type=loss_type, loss_agg_mode=loss_agg_mode, validate=False,
-                         **_global_counts(loss_agg_mode, info))
-        rl_config = PolicyLossConfig.from_verl_actor(config, **overrides).with_overrides(
+        # the aggregation is the actor's (verl passes config.loss_agg_mode), or the one verl's function of this
+        # loss type fixes (from_verl_actor)
+        rl_config = PolicyLossConfig.from_verl_actor(config, loss_type=loss_type, validate=False,
+                                                     **_global_counts(info)).with_overrides(
             kl_coef=0.0, entropy_coeff=0.0)  # verl adds its KL and entropy terms outside the policy loss
         out = policy_loss(log_prob, advantages, response_mask.bool(), old_logprobs=old_log_prob,
                           is_weights=rollout_is_weights, config=rl_config)
-        loss = out.loss * dp if loss_agg_mode == "token-sum" else out.loss  # verl's token-sum is x dp_size
+        loss = out.loss * dp if rl_config.loss_agg_mode == "token-sum" else out.loss  # verl's token-sum is x dp_size
         metrics = {k: v for k, v in metrics_to_floats(out.metrics).items() if k.startswith("actor/")}
         metrics.pop("actor/pg_loss", None)  # verl logs the loss it returns itself
         return loss, metrics
@@ -391,19 +392,17 @@ def _route_inputs(config, data, n, entropy):
         x = padded[name]
         return x.new_zeros(n).index_put_(index, x[keep])
 
-    agg = config.loss_agg_mode
-    counts = _global_counts(agg, info)
-    if agg == "seq-mean-token-sum-norm" and "loss_scale_factor" not in counts:
+    counts = _global_counts(info)
+    if "loss_scale_factor" not in counts:  # read by seq-mean-token-sum-norm only
         counts["loss_scale_factor"] = float(mask.shape[-1])  # verl's horizon: the padded response width
-    rl_config = PolicyLossConfig.from_verl_actor(config, loss_agg_mode=agg, validate=False, compute_entropy=entropy,
-                                                 **counts)
+    rl_config = PolicyLossConfig.from_verl_actor(config, validate=False, compute_entropy=entropy, **counts)
     if not entropy:  # verl adds the bonus only where the trainer asked for entropy
         rl_config = rl_config.with_overrides(entropy_coeff=0.0)
     use_kl = bool(config.get("use_kl_loss", False))
     args = dict(advantages=packed("advantages"), response_mask=packed("response_mask").bool(),
                 old_logprobs=packed("old_log_probs"), ref_logprobs=packed("ref_log_prob") if use_kl else None,
                 is_weights=packed("rollout_is_weights"), cu_seqlens=data["input_ids"].offsets())
-    return args, rl_config, info["dp_size"] if agg == "token-sum" else 1  # verl's token-sum is x dp_size
+    return args, rl_config, info["dp_size"] if rl_config.loss_agg_mode == "token-sum" else 1  # verl's token-sum x dp
 
 
 def _route_outputs(config, model_output, data, out, entropy, scale):
