@@ -1,7 +1,7 @@
 // Shared by the two vocabulary passes (SPEC §2).
 //
 // The first part is plain C++ (no CUDA types): the launcher entry points that bindings.cpp calls,
-// so that bindings.cpp needs no CUDA header and each .cu needs no torch header (PEERS.md: a file
+// so that bindings.cpp needs no CUDA header and each .cu needs no torch header (measured: a file
 // including <torch/extension.h> takes about a minute to compile). The second part, compiled only
 // by nvcc, holds the device helpers: 16-byte vector loads/stores, the online-softmax row state and
 // its warp/block reductions.

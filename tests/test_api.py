@@ -56,7 +56,7 @@ def test_empty_and_all_masked_give_zero_loss_and_gradient(case, mode, rc):
 
 
 def test_rejecting_everything_gives_zero_not_nan():
-    # verl returns NaN here (PEERS.md); SPEC §7: nothing to average -> 0
+    # verl returns NaN here (0/0); SPEC §7: nothing to average -> 0
     batch = make_batch("padded", [4, 4], 5, dtype=torch.float32)
     logits = batch.logits.requires_grad_(True)
     old = batch.old_logprobs  # every token's ratio is e, far outside the bounds
@@ -70,7 +70,7 @@ def test_rejecting_everything_gives_zero_not_nan():
 
 
 def test_icepop_zeroing_every_weight_gives_finite_ess():
-    # verl raises ZeroDivisionError in its ESS here (PEERS.md); this project reports 0
+    # verl raises ZeroDivisionError in its ESS here; this project reports 0 (docs/spec.md, SPEC §8)
     old = torch.zeros(1, 3)
     out = rlkernels.rollout_correction(old, old - 5.0, torch.ones(1, 3), config=RolloutCorrection.icepop())
     assert out.weights.abs().sum().item() == 0.0

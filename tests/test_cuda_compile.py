@@ -5,7 +5,7 @@ of setup.py, torch's ABI define) plus `-Xptxas -v`, whose per-kernel resource re
 compiles bindings.cpp against the installed torch headers, and `nm` checks that every launcher it
 calls is defined by the .cu objects (a prototype drifting from its definition would otherwise only
 fail at import time on a GPU machine). `torch.utils.cpp_extension` refuses CUDA sources on a CPU
-torch (PEERS.md), so the compilers are called directly. All compiles run in parallel, once per
+torch (it raises before compiling), so the compilers are called directly. All compiles run in parallel, once per
 module (~30 s on 2 cores).
 """
 

@@ -1,5 +1,6 @@
 """The contract is in the repository: every "SPEC §n" cited in code, tests and docs resolves to a
-heading of docs/spec.md, and the README links it. The README's distributed example runs as written."""
+heading of docs/spec.md, every document cited by file name (`*.md`) is one of the repository's, and the
+README links the spec. The README's distributed example runs as written."""
 
 import os
 import re
@@ -29,6 +30,30 @@ def test_every_spec_citation_resolves_to_a_heading():
     assert cited, "no citation found: the pattern is wrong"
     missing = {n: files[:3] for n, files in cited.items() if n not in headings}
     assert not missing, f"SPEC sections cited but not in docs/spec.md: {missing}"
+
+
+DOCUMENT = re.compile(r"(?<![\w/.-])([\w./-]*[\w-]+\.md)\b")
+
+
+def test_every_cited_document_is_in_the_repository():
+    """A citation of a Markdown file by name (or a path to one) must name a file of this repository, by its path
+    from the root or from the citing file, or by its base name where only one file has it: nothing outside (a
+    notes folder beside the checkout, a style guide) that a reader of the repository cannot open."""
+    files = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.md") if ".venv" not in p.parts
+             and ".git" not in p.parts}
+    names = {}
+    for f in files:
+        names.setdefault(f.rsplit("/", 1)[-1], []).append(f)
+    unresolved = {}
+    for path in [*_sources(), *(ROOT / "examples").rglob("*.py"), ROOT / "setup.py", ROOT / "pyproject.toml"]:
+        here = path.parent.relative_to(ROOT).as_posix()
+        for cited in DOCUMENT.findall(path.read_text(errors="ignore")):
+            local = os.path.normpath(os.path.join(here, cited)).replace(os.sep, "/")
+            if cited in files or local in files or len(names.get(cited, [])) == 1:
+                continue
+            unresolved.setdefault(cited, []).append(str(path.relative_to(ROOT)))
+    assert len(files) >= 3, "the pattern or the walk is wrong"
+    assert not unresolved, f"documents cited but not in the repository: {unresolved}"
 
 
 def test_readme_links_the_contract():

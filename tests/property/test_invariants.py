@@ -1,4 +1,4 @@
-"""Hypothesis invariants that hold for any input (STYLE.md §5), on the default backend."""
+"""Hypothesis invariants that hold for any input, on the default backend."""
 
 import torch
 from hypothesis import assume, given, settings

@@ -1,4 +1,4 @@
-"""The oracle (and the public API) against values computed by hand from SPEC.md."""
+"""The oracle (and the public API) against values computed by hand from docs/spec.md."""
 
 import math
 

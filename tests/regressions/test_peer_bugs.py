@@ -1,4 +1,5 @@
-"""One named test per bug class that peers shipped (PEERS.md), so none comes back here."""
+"""One named test per bug class that peers shipped (each names the peer's issue or pull request), so none comes
+back here."""
 
 import math
 
