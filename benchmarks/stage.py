@@ -27,8 +27,9 @@ import torch._dynamo
 import torch._inductor.metrics as inductor_metrics
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
-from rlkernels.loss import sequence_stage
-from rlkernels.segments import Segments
+from rlkernels import stage as rk_stage
+from rlkernels.stage.segments import Segments
+from tests.support.stage import run_stage
 
 CASES = {
     "seq_mis+kl+entropy": lambda: PolicyLossConfig(
@@ -71,9 +72,9 @@ def measure(case: str, num_tokens: int, num_seqs: int, device: str, reps: int) -
     inputs = stage_inputs(num_tokens, num_seqs, device)
     torch._dynamo.reset()
     inductor_metrics.reset()
-    compiled = torch.compile(sequence_stage, dynamic=True)
+    compiled = torch.compile(rk_stage.run, dynamic=True)
     t0 = time.perf_counter()
-    compiled(*inputs, base)
+    run_stage(*inputs, base, fn=compiled)
     _sync(device)
     compile_s = time.perf_counter() - t0
     kernels = inductor_metrics.generated_kernel_count
@@ -82,13 +83,13 @@ def measure(case: str, num_tokens: int, num_seqs: int, device: str, reps: int) -
     with torch._dynamo.config.patch(error_on_recompile=True):  # a new hyperparameter must not recompile
         for i in range(reps):
             config = base.with_overrides(clip_ratio_high=0.2 + 0.01 * (i % 7), global_num_tokens=float(num_tokens + i))
-            for fn, times in ((sequence_stage, eager_s), (compiled, compiled_s)):
+            for fn, times in ((rk_stage.run, eager_s), (compiled, compiled_s)):
                 _sync(device)
                 t = time.perf_counter()
-                out = fn(*inputs, config)
+                out = run_stage(*inputs, config, fn=fn)
                 _sync(device)
                 times.append(time.perf_counter() - t)
-                if fn is sequence_stage:
+                if fn is rk_stage.run:
                     want = out.loss
                 else:
                     max_rel = max(max_rel, float((out.loss - want).abs() / want.abs().clamp_min(1e-30)))
@@ -104,8 +105,7 @@ def measure_split(case: str, num_tokens: int, num_seqs: int, device: str, reps: 
 
     import torch.distributed as dist
 
-    from rlkernels.backends import select_stage
-    from rlkernels.split import LOCAL, BatchSplit
+    from rlkernels.stage.split import LOCAL, BatchSplit
 
     if not dist.is_initialized():
         init = os.path.join(tempfile.mkdtemp(), "rendezvous")
@@ -116,15 +116,15 @@ def measure_split(case: str, num_tokens: int, num_seqs: int, device: str, reps: 
     inputs = stage_inputs(num_tokens, num_seqs, device)
     runs = {}
     for compiled in (False, True):
-        stage = select_stage(inputs[0], compiled)
+        stage = rk_stage.select(inputs[0], compiled)
         for name, s in (("local", LOCAL), ("split", split)):
-            stage(*inputs, config, s)  # compile / warm up
+            run_stage(*inputs, config, s, fn=stage)  # compile / warm up
             runs[(compiled, name)] = (stage, s, [])
     for _ in range(reps):
         for stage, s, times in runs.values():
             _sync(device)
             t = time.perf_counter()
-            stage(*inputs, config, s)
+            run_stage(*inputs, config, s, fn=stage)
             _sync(device)
             times.append(time.perf_counter() - t)
     ms = {key: statistics.median(times) * 1e3 for key, (_, _, times) in runs.items()}

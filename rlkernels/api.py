@@ -1,30 +1,29 @@
-"""Public functions: validate -> pick a backend -> run the fused passes -> return named outputs.
+"""The public functions, each the same four steps: inputs.prepare_*() -> ops.* -> stage.run() -> output.
 
-Only this module reads `backend=`. Inputs are never modified (unless `inplace_backward=True`, which
-writes dlogits into the logits' storage and bumps their version counter).
+Only `ops` reads `backend=`. Inputs are never modified (unless `inplace_backward=True`, which writes
+dlogits into the logits' storage and bumps their version counter).
 """
 
 from typing import Dict, NamedTuple, Optional, Union
 
 import torch
-import torch.distributed as dist
 
-from . import backends, correction, custom_ops, distributed, linear, sampler
-from .autograd import CoefficientLossFunction
-from .backends.base import rows_form_one_sequence
-from .config import (
-    BACKENDS,
-    PolicyLossConfig,
-    RolloutCorrection,
-    _check_finite_positive,
-    check_memory_budget,
+from . import ops, stage
+from .backends import statistics_dtype
+from .config import PolicyLossConfig, RolloutCorrection, check_memory_budget
+from .inputs import (
+    Arguments,
+    PreparedBatch,
+    check_head,
+    check_logits,
+    prepare_correction,
+    prepare_loss,
+    prepare_policy,
+    prepare_stats,
     resolve_config,
 )
-from .loss import check_split_options
-from .metrics import Metrics
-from .segments import Segments
-from .split import BatchSplit, context_layout
-from .validation import check_cu_seqlens, check_head, check_logits, check_tensor, value_checks
+from .stage import correction
+from .stage.metrics import Metrics
 
 
 class PolicyLossOutput(NamedTuple):
@@ -48,248 +47,21 @@ class CorrectionOutput(NamedTuple):
     metrics: Dict[str, torch.Tensor]
 
 
-def _segments(token_shape, cu_seqlens, device) -> Segments:
-    if len(token_shape) == 2:
-        return Segments.padded(token_shape[0], token_shape[1], device)
-    return Segments.packed(cu_seqlens, token_shape[0], device)
+def _policy_output(stats: ops.Statistics, batch: PreparedBatch, config: PolicyLossConfig) -> PolicyLossOutput:
+    """The current policy's statistics (carrying autograd) -> the per-sequence stage -> PolicyLossOutput."""
+    lp, entropy = stats.logprobs, stats.entropy
+    dt = statistics_dtype(lp.dtype)
+    detached = TokenStats(lp.detach().to(dt), None if entropy is None else entropy.detach().to(dt), None)
+    out = stage.select(lp, config.compile_stage)(detached, batch, config)
+    loss = ops.CoefficientLossFunction.apply(out.loss, lp, entropy, out.coef_logprob, out.coef_entropy)
+    shape = lambda t: None if t is None else t.reshape(batch.token_shape)  # noqa: E731
+    logprobs = torch.where(batch.mask, detached.logprobs, torch.zeros_like(detached.logprobs))
+    return PolicyLossOutput(loss, shape(logprobs), shape(detached.entropy), shape(out.is_weights), shape(out.mask),
+                            out.metrics)
 
 
-def _check_group(name: str, group) -> None:
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{name}: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-
-
-class _BatchLayout(NamedTuple):
-    split: BatchSplit
-    segments: Segments
-    num_tokens: Union[int, torch.Tensor, None]  # what cu_seqlens[-1] must be (None: unchecked)
-    positions: Union[int, torch.Tensor, None]  # token_index values lie in [0, positions)
-
-
-def _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index):
-    """The data/context-parallel split of the batch, this rank's sequence segments, and what the value
-    checks compare cu_seqlens[-1] with (None: nothing) and token_index's positions with."""
-    _check_group("dp_group", dp_group)
-    _check_group("cp_group", cp_group)
-    split = BatchSplit(dp_group, cp_group)
-    if cp_group is None:
-        if token_index is not None:
-            raise ValueError("token_index: only used with cp_group (the global positions of this rank's tokens); "
-                             "pass cp_group or token_index=None")
-        return _BatchLayout(split, _segments(token_shape, cu_seqlens, device), token_shape[0], None)
-    if token_index is not None:
-        check_tensor("token_index", token_index, kind="int", shape=(token_shape[-1],), device=device)
-    layout = context_layout(token_shape, cu_seqlens, token_index, cp_group, device)
-    end = layout.total if (len(token_shape) == 2 or cu_seqlens is None) else cu_seqlens[-1]
-    return _BatchLayout(split, layout.segments, layout.total, end)
-
-
-def _layout_and_advantages(token_shape, cu_seqlens, device, advantages, dp_group, cp_group, token_index):
-    """The batch layout, and the advantages per token (broadcast to the sequences' tokens when given
-    one per sequence: the sequences are known only once the layout is)."""
-    per_sequence = _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group)
-    layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
-    if per_sequence:
-        advantages = layout.segments.expand(advantages.reshape(-1)).reshape(token_shape)
-    return layout, advantages
-
-
-def _sequence_advantages(advantages, token_shape, cu_seqlens, device, cp_group=None) -> bool:
-    """True when `advantages` holds one value per sequence ([S] or [S, 1]: GRPO-style outcome
-    advantages), to be broadcast to the tokens once the sequences are known; False when per token.
-    Raises naming the argument when the shape is neither."""
-    check_tensor("advantages", advantages, kind="float", device=device)
-    if tuple(advantages.shape) == tuple(token_shape):
-        return False
-    S = token_shape[0] if len(token_shape) == 2 else (1 if cu_seqlens is None else cu_seqlens.numel() - 1)
-    if tuple(advantages.shape) == (S,) and cp_group is not None:
-        # a rank whose slice holds S tokens would read the same tensor per token
-        raise ValueError(f"advantages: with cp_group pass one value per sequence as [{S}, 1], not [{S}]")
-    if tuple(advantages.shape) in ((S,), (S, 1)):
-        return True
-    raise ValueError(f"advantages: expected shape {tuple(token_shape)} (per token) or ({S},) / ({S}, 1) (one per "
-                     f"sequence), got {tuple(advantages.shape)}")
-
-
-def _check_per_token(shape, device, **tensors) -> None:
-    for name, x in tensors.items():
-        if x is not None:
-            check_tensor(name, x, kind="mask" if name == "response_mask" else "float", shape=shape, device=device)
-
-
-def _temperature_override(config, overrides):
-    """(temperature, config): a tensor `temperature=` (per token) is taken out of the overrides and
-    stands for the config's float, which must then be left at 1."""
-    temperature = overrides.get("temperature")
-    if isinstance(temperature, torch.Tensor):
-        overrides = {k: v for k, v in overrides.items() if k != "temperature"}
-        config = resolve_config(config, overrides)
-        if config.temperature != 1.0:
-            raise ValueError(f"temperature: given as a tensor while config.temperature={config.temperature}; pass "
-                             "one or the other")
-        return temperature, config
-    config = resolve_config(config, overrides)
-    return config.temperature, config
-
-
-def _check_call(config: PolicyLossConfig, old_logprobs, rollout_logprobs, ref_logprobs, is_weights=None,
-                dp_group=None, cp_group=None) -> None:
-    check_split_options(config, dp_group, cp_group)
-    if config.loss_type == "reinforce" and old_logprobs is not None:
-        raise ValueError(
-            "old_logprobs: expected None with loss_type='reinforce' (the bypass-mode loss of SPEC §6); "
-            "pass rollout_logprobs only, or use loss_type='ppo_clip'"
-        )
-    if config.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"ref_logprobs: expected a tensor since kl_coef={config.kl_coef} > 0, got None")
-    rc = config.rollout_correction
-    if is_weights is not None and rc is not None and rc.is_level is not None:
-        raise ValueError(f"is_weights: given while rollout_correction computes IS weights too (is_level="
-                         f"{rc.is_level!r}); pass one or the other")
-    if rc is not None and rc.enabled and rollout_logprobs is None:
-        raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
-
-
-def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if t is None else t.reshape(-1)
-
-
-def _row_labels(flat_labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Labels for the vocabulary passes: -1 on every row that takes no part (such rows are never read)."""
-    return torch.where(keep, flat_labels, torch.full_like(flat_labels, -1))
-
-
-def _elements_may_share_memory(t: torch.Tensor) -> bool:
-    """False when no two elements of `t` can share memory: with its dimensions sorted by stride, each
-    stride reaches past everything the smaller ones span. (torch's own internal-overlap check answers
-    "too hard" for the causal-shift view and for partly overlapping views alike.)"""
-    extent = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
-        if stride < extent:
-            return True
-        extent = stride * size
-    return False
-
-
-def _logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
-    """The logits as the vocabulary passes take them: [N, V], or [B, T, V] when the rows do not form
-    one strided sequence (the causal shift `model_out[:, :-1]`): read where they lie, never copied.
-
-    Only a non-unit stride along V is copied (the kernels stream rows), and only rank > 3 is
-    flattened with a possible copy."""
-    if inplace_backward and _elements_may_share_memory(logits):
-        raise ValueError(
-            f"logits: inplace_backward=True needs logits whose elements do not share memory, got strides "
-            f"{logits.stride()} for shape {tuple(logits.shape)} (an expand()ed or overlapping view); pass "
-            "inplace_backward=False"
-        )
-    if logits.stride(-1) != 1:
-        if inplace_backward:
-            raise ValueError(f"logits: inplace_backward=True needs unit stride along V, got strides {logits.stride()}")
-        logits = logits.contiguous()
-    V = logits.shape[-1]
-    if logits.dim() == 2:
-        return logits
-    if logits.dim() == 3:
-        return logits.view(-1, V) if rows_form_one_sequence(logits) else logits
-    if inplace_backward:
-        raise ValueError(
-            f"logits: inplace_backward=True needs [N, V] or [B, T, V] rows, got shape {tuple(logits.shape)}"
-        )
-    return logits.reshape(-1, V)
-
-
-def _policy_output(
-    lp, entropy, advantages, mask, old, rollout, ref, layout, token_shape, config, is_weights=None
-) -> PolicyLossOutput:
-    """Flat statistics carrying autograd -> the per-sequence stage -> PolicyLossOutput (both entry points)."""
-    dt = backends.statistics_dtype(lp.dtype)
-    stat_lp = lp.detach().to(dt)
-    stat_ent = None if entropy is None else entropy.detach().to(dt)
-    stage = backends.select_stage(lp, config.compile_stage)(
-        stat_lp, stat_ent, _flat(advantages), mask, _flat(old), _flat(rollout), _flat(ref), layout.segments, config,
-        layout.split, None if is_weights is None else _flat(is_weights).detach(),
-    )
-    loss = CoefficientLossFunction.apply(stage.loss, lp, entropy, stage.coef_logprob, stage.coef_entropy)
-    shape = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
-    return PolicyLossOutput(
-        loss, shape(torch.where(mask, stat_lp, torch.zeros_like(stat_lp))), shape(stat_ent), shape(stage.is_weights),
-        shape(stage.mask), stage.metrics,
-    )
-
-
-def _vocab_size(local_vocab: int, device, tp_group, inplace: bool = False) -> int:
-    """The vocabulary the labels index: this rank's V, or the whole of a vocabulary-parallel group's."""
-    _check_group("tp_group", tp_group)
-    if tp_group is None:
-        return local_vocab
-    if inplace:
-        raise ValueError("inplace_backward: not supported with tp_group (pass inplace_backward=False)")
-    return distributed.shard_offset(tp_group, local_vocab, device)[1]
-
-
-def _token_stats(logits, row_labels, temperature, entropy, sum_pi_squared, inplace, backend, chunk_rows,
-                 tp_group=None, support=None):
-    """The fused forward as a custom op (or, with tp_group, the vocabulary-parallel function). The
-    backend is chosen here, once per call (the one place that reads backend=), and the forward and
-    its backward run that choice by name. With a sampling support: the kept set's statistics from
-    the gathered kept logits (sampler.py), no pass over the vocabulary."""
-    if support is not None:
-        rows = _logit_rows(logits, False)
-        if sampler.gathers(support.shape[1], rows.shape[-1]):
-            return sampler.kept_set_stats(sampler.logits_kept(rows, support), support >= 0,
-                                          sampler.label_slots(support, row_labels), temperature, entropy,
-                                          sum_pi_squared)
-        # a large kept set: the vocabulary pass over logits masked to -inf outside it (a temporary of
-        # ours, so its gradient may overwrite it in place)
-        logits = rows.masked_fill(~sampler.kept_mask(support, rows.shape[-1]).reshape(rows.shape), float("-inf"))
-        inplace = True
-    rows = _logit_rows(logits, inplace)
-    per_row = isinstance(temperature, torch.Tensor)
-    name = backends.resolve(backend, rows)
-    if tp_group is not None:
-        return distributed.vocab_parallel_token_stats(
-            rows, row_labels, float(temperature), entropy, sum_pi_squared, name, chunk_rows, tp_group
-        )
-    _, _, lp, ent, s2 = custom_ops.token_stats(
-        rows, row_labels, temperature if per_row else custom_ops.temperature_tensor(temperature), entropy,
-        sum_pi_squared, inplace, name, chunk_rows or 0,
-    )
-    return lp, ent if entropy else None, s2 if sum_pi_squared else None
-
-
-def _loss_tokens(
-    source: str, token_shape, V: int, device, labels, advantages, response_mask, old_logprobs, rollout_logprobs,
-    ref_logprobs, cu_seqlens, config: PolicyLossConfig, ignore_index: int, dp_group, cp_group, token_index,
-    is_weights=None,
-):
-    """The checks every loss entry point makes on its per-token inputs, then the flat int64 labels,
-    the mask m -- the response mask minus ignored tokens and (with validate=False) out-of-range labels,
-    which are treated as masked so that nothing is ever read out of bounds -- and the batch layout."""
-    check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
-    _check_per_token(
-        token_shape, device, response_mask=response_mask, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, is_weights=is_weights,
-    )
-    if cu_seqlens is not None and len(token_shape) == 2:
-        raise ValueError(f"cu_seqlens: must be None with padded [B, T, ...] {source}; pass [N, ...] {source} to pack "
-                         "sequences")
-    check_cu_seqlens(cu_seqlens, token_shape, device)
-    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights, dp_group, cp_group)
-    layout, advantages = _layout_and_advantages(token_shape, cu_seqlens, device, advantages, dp_group, cp_group,
-                                                token_index)
-    flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
-    in_mask = response_mask.reshape(-1).bool()
-    if config.validate:
-        value_checks(
-            valid=in_mask, labels=flat_labels, vocab=V, ignore_index=ignore_index, cu_seqlens=cu_seqlens,
-            num_tokens=layout.num_tokens, token_index=token_index, positions=layout.positions,
-            finite=[("advantages", advantages.reshape(-1)), ("is_weights", _flat(is_weights))],
-            not_nan=[("old_logprobs", _flat(old_logprobs)), ("rollout_logprobs", _flat(rollout_logprobs)),
-                     ("ref_logprobs", _flat(ref_logprobs))],
-        )
-    mask = in_mask & (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
-    return flat_labels, mask, layout, advantages
+def _shaped(stats: ops.Statistics, token_shape) -> TokenStats:
+    return TokenStats(*(None if t is None else t.reshape(token_shape) for t in stats))
 
 
 def decoupled_ppo_loss(
@@ -338,24 +110,15 @@ def decoupled_ppo_loss(
     Raises:
         TypeError / ValueError naming the argument, before any kernel runs (SPEC §11).
     """
-    temperature, config = _temperature_override(config, overrides)
+    config, temperature = resolve_config(config, overrides)
     check_logits(logits)
-    token_shape = tuple(logits.shape[:-1])
-    V = _vocab_size(logits.shape[-1], logits.device, tp_group, config.inplace_backward)
-    flat_labels, mask, layout, advantages = _loss_tokens(
-        "logits", token_shape, V, logits.device, labels, advantages, response_mask, old_logprobs,
-        rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index, dp_group, cp_group, token_index, is_weights,
-    )
-    temperature, support = _sampler_inputs(temperature, sampling_support, token_shape, V, logits.device, flat_labels,
-                                           mask, config.validate, tp_group)
-    lp, entropy, _ = _token_stats(
-        logits, _row_labels(flat_labels, mask), temperature, config.needs_entropy, False,
-        config.inplace_backward, config.backend, config.chunk_rows, tp_group, support,
-    )
-    return _policy_output(
-        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config,
-        is_weights,
-    )
+    args = Arguments(labels, advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, is_weights,
+                     None, cu_seqlens, token_index, tp_group, dp_group, cp_group, temperature, sampling_support,
+                     ignore_index)
+    batch = prepare_loss("logits", tuple(logits.shape[:-1]), logits.shape[-1], logits.device, args, config)
+    options = ops.PassOptions(entropy=config.needs_entropy, backend=config.backend, chunk_rows=config.chunk_rows,
+                              inplace_backward=config.inplace_backward)
+    return _policy_output(ops.token_stats(logits, batch, options), batch, config)
 
 
 def policy_loss(
@@ -376,33 +139,12 @@ def policy_loss(
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. logprobs and entropy.
     """
-    config = resolve_config(config, overrides)
-    check_tensor("logprobs", logprobs, kind="float")
-    if logprobs.dim() not in (1, 2):
-        raise ValueError(f"logprobs: expected [B, T] (padded) or [N] (packed), got shape {tuple(logprobs.shape)}")
-    device, token_shape = logprobs.device, tuple(logprobs.shape)
-    _check_per_token(
-        token_shape, device, response_mask=response_mask, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
-    )
-    check_cu_seqlens(cu_seqlens, token_shape, device)
-    _check_call(config, old_logprobs, rollout_logprobs, ref_logprobs, is_weights, dp_group, cp_group)
-    if config.entropy_coeff != 0 and entropy is None:
-        raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
-    layout, advantages = _layout_and_advantages(token_shape, cu_seqlens, device, advantages, dp_group, cp_group,
-                                                token_index)
-    mask = response_mask.reshape(-1).bool()
-    if config.validate:
-        value_checks(
-            valid=mask, cu_seqlens=cu_seqlens, num_tokens=layout.num_tokens, token_index=token_index,
-            positions=layout.positions, finite=[("advantages", _flat(advantages)), ("is_weights", _flat(is_weights))],
-            not_nan=[("logprobs", _flat(logprobs)), ("old_logprobs", _flat(old_logprobs)),
-                     ("rollout_logprobs", _flat(rollout_logprobs)), ("ref_logprobs", _flat(ref_logprobs))],
-        )
-    return _policy_output(
-        _flat(logprobs), _flat(entropy), advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout,
-        token_shape, config, is_weights,
-    )
+    config, _ = resolve_config(config, overrides)
+    args = Arguments(None, advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, is_weights,
+                     entropy, cu_seqlens, token_index, None, dp_group, cp_group)
+    batch = prepare_policy(logprobs, args, config)
+    return _policy_output(ops.Statistics(logprobs.reshape(-1), None if entropy is None else entropy.reshape(-1),
+                                         None), batch, config)
 
 
 def token_logprobs(
@@ -427,133 +169,12 @@ def token_logprobs(
         to logits from logprobs and entropy.
     """
     check_logits(logits, allow_any_rank=True)
+    args = Arguments(labels, cu_seqlens=None, tp_group=tp_group, dp_group=dp_group, cp_group=cp_group,
+                     temperature=temperature, sampling_support=sampling_support, ignore_index=ignore_index)
     token_shape = tuple(logits.shape[:-1])
-    temperature, row_labels = _stats_tokens(
-        token_shape, logits.shape[-1], logits.device, labels, temperature, backend, validate, ignore_index, tp_group,
-        dp_group, cp_group, inplace_backward,
-    )
-    temperature, support = _sampler_inputs(temperature, sampling_support, token_shape, logits.shape[-1],
-                                           logits.device, labels.reshape(-1).long(), row_labels >= 0, validate,
-                                           tp_group)
-    stats = _token_stats(logits, row_labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward,
-                         backend, None, tp_group, support)
-    return _shaped_stats(stats, token_shape)
-
-
-def _stats_tokens(token_shape, local_vocab, device, labels, temperature, backend, validate, ignore_index, tp_group,
-                  dp_group, cp_group, inplace=False):
-    """The checks of the two token-statistics entry points, then the checked temperature and the row
-    labels (-1 on ignored rows and, with validate=False, out-of-range labels)."""
-    check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
-    _check_group("dp_group", dp_group)  # accepted and unused: per-token statistics combine nothing
-    _check_group("cp_group", cp_group)
-    if not isinstance(temperature, torch.Tensor):
-        temperature = _check_finite_positive("temperature", temperature)  # the checks PolicyLossConfig makes
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    V = _vocab_size(local_vocab, device, tp_group, inplace)
-    flat_labels = labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
-    if validate:
-        value_checks(valid=flat_labels != ignore_index, labels=flat_labels, vocab=V, ignore_index=ignore_index,
-                     where="tokens whose label is not ignore_index")
-    keep = (flat_labels >= 0) & (flat_labels < V) & (flat_labels != ignore_index)
-    return temperature, _row_labels(flat_labels, keep)
-
-
-def _sampler_inputs(temperature, sampling_support, token_shape, V, device, flat_labels, keep, validate, tp_group):
-    """The temperature (a float, or a per-token [N] tensor) and the sampler's kept ids ([N, K] int64, or
-    None), checked: types, shapes and devices always; with validate, in one sync, positive finite
-    temperatures, ids in [-1, V), no id twice in a row, and every label in the loss among its row's ids."""
-    per_token = isinstance(temperature, torch.Tensor)
-    if per_token:
-        check_tensor("temperature", temperature, kind="float", device=device)
-        if temperature.dim() not in (0, len(token_shape)):  # a [B] tensor would broadcast along T, not B
-            raise ValueError(f"temperature: expected a tensor with the labels' {len(token_shape)} dimensions "
-                             f"(per token {token_shape}" + (", or [B, 1] per sequence" if len(token_shape) == 2
-                                                            else "") + f"), got shape {tuple(temperature.shape)}")
-        try:
-            temperature = torch.broadcast_to(temperature, token_shape).reshape(-1).detach()
-        except RuntimeError:
-            raise ValueError(f"temperature: expected a float or a tensor broadcastable to the labels' shape "
-                             f"{token_shape} (per token, or [B, 1] per sequence), got shape "
-                             f"{tuple(temperature.shape)}") from None
-    # a float was checked already (PolicyLossConfig, or _stats_tokens)
-    support = None
-    if sampling_support is not None:
-        check_tensor("sampling_support", sampling_support, kind="int", device=device)
-        if (sampling_support.dim() != len(token_shape) + 1 or tuple(sampling_support.shape[:-1]) != token_shape
-                or sampling_support.shape[-1] == 0):
-            raise ValueError(f"sampling_support: expected shape {token_shape + ('K',)} (the labels' shape and K >= 1 "
-                             f"kept ids, -1 padding), got {tuple(sampling_support.shape)}")
-        support = sampling_support.reshape(-1, sampling_support.shape[-1]).long()
-    if tp_group is not None and (per_token or support is not None):
-        raise ValueError("temperature / sampling_support: a per-token temperature or a kept set is not supported with "
-                         "tp_group yet")
-    if validate and (per_token or support is not None):
-        zero = torch.zeros((), dtype=torch.bool, device=device)
-        bad_t = (~torch.isfinite(temperature) | (temperature <= 0)).any() if per_token else zero
-        bad_id = missing = twice = zero
-        if support is not None and support.numel():
-            bad_id = ((support < -1) | (support >= V)).any()
-            ordered = support.sort(1).values
-            twice = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()
-            missing = (keep & ~(support == flat_labels[:, None]).any(1)).any()
-        elif support is not None:
-            missing = keep.any()
-        flags = torch.stack([bad_t, bad_id, twice, missing]).tolist()  # the one sync of these checks
-        for flag, message in zip(flags, (
-                "temperature: expected finite values > 0",
-                f"sampling_support: expected token ids in [0, {V}) or -1 (padding)",
-                "sampling_support: an id appears twice in a row (the kept set is a set)",
-                "sampling_support: a label in the loss is not among its row's kept ids (the sampler cannot have "
-                "drawn it)")):
-            if flag:
-                raise ValueError(message)
-    return temperature, support
-
-
-def _shaped_stats(stats, token_shape) -> TokenStats:
-    return TokenStats(*(None if t is None else t.reshape(token_shape) for t in stats))
-
-
-def _linear_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, backend, budget,
-                  tp_group=None, support=None):
-    """The fused-linear forward as a custom op (or, with tp_group, its vocabulary-parallel form); the
-    backend is chosen here, once per call. With a sampling support: only the kept ids' logits, from
-    the K gathered rows of the head (sampler.py), for the rows in the loss."""
-    if support is not None and sampler.gathers(support.shape[1], weight.shape[0]):
-        return _linear_kept_set_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared,
-                                      budget, support)
-    per_row = isinstance(temperature, torch.Tensor)
-    name = backends.resolve(backend, hidden2d)
-    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden2d.dtype, hidden2d.device, budget)
-    if tp_group is not None:
-        return distributed.vocab_parallel_linear_token_stats(
-            hidden2d, weight, bias, row_labels, float(temperature), entropy, sum_pi_squared, name,
-            chunk_rows, tp_group,
-        )
-    _, _, lp, ent, s2 = linear.linear_token_stats(
-        hidden2d, weight, bias, row_labels, temperature if per_row else custom_ops.temperature_tensor(temperature),
-        entropy, sum_pi_squared, name, chunk_rows, False, support,  # a large kept set: masked chunks of logits
-    )
-    return lp, ent if entropy else None, s2 if sum_pi_squared else None
-
-
-def _linear_kept_set_stats(hidden2d, weight, bias, row_labels, temperature, entropy, sum_pi_squared, budget, support):
-    """The kept-set statistics of the rows in the loss (the others stay 0 and never touch the head)."""
-    N = hidden2d.shape[0]
-    rows = torch.nonzero(row_labels >= 0).squeeze(1)  # a sync, as the fused-linear path's own row selection
-    budget = budget or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden2d.is_cuda else "cpu"]
-    kept = sampler.linear_logits_kept(hidden2d.index_select(0, rows), weight, bias, support.index_select(0, rows),
-                                      budget)
-    t_rows = temperature.index_select(0, rows) if isinstance(temperature, torch.Tensor) else temperature
-    sub = support.index_select(0, rows)
-    stats = sampler.kept_set_stats(kept, sub >= 0, sampler.label_slots(sub, row_labels.index_select(0, rows)),
-                                   t_rows, entropy, sum_pi_squared)
-    acc = backends.statistics_dtype(hidden2d.dtype)
-    full = lambda t: None if t is None else torch.zeros(N, dtype=acc, device=hidden2d.device).index_copy(  # noqa: E731
-        0, rows, t)
-    return tuple(full(t) for t in stats)
+    batch = prepare_stats(token_shape, logits.shape[-1], logits.device, args, backend, validate, inplace_backward)
+    options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, inplace_backward=inplace_backward)
+    return _shaped(ops.token_stats(logits, batch, options), token_shape)
 
 
 def linear_decoupled_ppo_loss(
@@ -584,25 +205,16 @@ def linear_decoupled_ppo_loss(
     Raises:
         TypeError / ValueError naming the argument, before any kernel runs (SPEC §11).
     """
-    temperature, config = _temperature_override(config, overrides)
+    config, temperature = resolve_config(config, overrides)
     check_head(hidden, weight, bias)
-    token_shape = tuple(hidden.shape[:-1])
-    V = _vocab_size(weight.shape[0], hidden.device, tp_group)
-    flat_labels, mask, layout, advantages = _loss_tokens(
-        "hidden", token_shape, V, hidden.device, labels,
-        advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, cu_seqlens, config, ignore_index,
-        dp_group, cp_group, token_index, is_weights,
-    )
-    temperature, support = _sampler_inputs(temperature, sampling_support, token_shape, V, hidden.device, flat_labels,
-                                           mask, config.validate, tp_group)
-    lp, entropy, _ = _linear_stats(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, _row_labels(flat_labels, mask), temperature,
-        config.needs_entropy, False, config.backend, config.memory_budget_bytes, tp_group, support,
-    )
-    return _policy_output(
-        lp, entropy, advantages, mask, old_logprobs, rollout_logprobs, ref_logprobs, layout, token_shape, config,
-        is_weights,
-    )
+    args = Arguments(labels, advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, is_weights,
+                     None, cu_seqlens, token_index, tp_group, dp_group, cp_group, temperature, sampling_support,
+                     ignore_index)
+    batch = prepare_loss("hidden", tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, args, config)
+    options = ops.PassOptions(entropy=config.needs_entropy, backend=config.backend,
+                              memory_budget_bytes=config.memory_budget_bytes)
+    stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
+    return _policy_output(stats, batch, config)
 
 
 def linear_token_logprobs(
@@ -626,17 +238,14 @@ def linear_token_logprobs(
     """
     check_head(hidden, weight, bias, allow_any_rank=True)
     check_memory_budget(memory_budget_bytes)
+    args = Arguments(labels, tp_group=tp_group, dp_group=dp_group, cp_group=cp_group, temperature=temperature,
+                     sampling_support=sampling_support, ignore_index=ignore_index)
     token_shape = tuple(hidden.shape[:-1])
-    temperature, row_labels = _stats_tokens(
-        token_shape, weight.shape[0], hidden.device, labels, temperature, backend, validate, ignore_index, tp_group,
-        dp_group, cp_group,
-    )
-    temperature, support = _sampler_inputs(temperature, sampling_support, token_shape, weight.shape[0],
-                                           hidden.device, labels.reshape(-1).long(), row_labels >= 0, validate,
-                                           tp_group)
-    stats = _linear_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, row_labels, temperature,
-                          compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes, tp_group, support)
-    return _shaped_stats(stats, token_shape)
+    batch = prepare_stats(token_shape, weight.shape[0], hidden.device, args, backend, validate)
+    options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend,
+                              memory_budget_bytes=memory_budget_bytes)
+    stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
+    return _shaped(stats, token_shape)
 
 
 def rollout_correction(
@@ -656,31 +265,20 @@ def rollout_correction(
     Returns:
         CorrectionOutput(weights or None, mask, metrics); nothing carries autograd.
     """
-    if not isinstance(config, RolloutCorrection):
-        raise TypeError(f"config: expected a RolloutCorrection, got {type(config).__name__}")
-    check_tensor("train_logprobs", train_logprobs, kind="float")
-    if train_logprobs.dim() not in (1, 2):
-        raise ValueError(f"train_logprobs: expected [B, T] or [N], got shape {tuple(train_logprobs.shape)}")
-    device, token_shape = train_logprobs.device, tuple(train_logprobs.shape)
-    _check_per_token(token_shape, device, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
-    check_cu_seqlens(cu_seqlens, token_shape, device)
-    layout = _batch_layout(token_shape, cu_seqlens, device, dp_group, cp_group, token_index)
-    mask = response_mask.reshape(-1).bool()
-    tr, ro = train_logprobs.reshape(-1), rollout_logprobs.reshape(-1)
-    if validate:
-        value_checks(valid=mask, cu_seqlens=cu_seqlens, num_tokens=layout.num_tokens, token_index=token_index,
-                     positions=layout.positions, not_nan=[("train_logprobs", tr), ("rollout_logprobs", ro)])
-    dt = backends.statistics_dtype(train_logprobs.dtype)
-    zero = torch.zeros((), dtype=dt, device=device)
-    tr = torch.where(mask, tr.detach().to(dt), zero)
-    ro = torch.where(mask, ro.detach().to(dt), zero)
-    terms, table, decisions, norms, weights = correction.correct(tr, ro, mask, layout.segments, config, layout.split)
+    args = Arguments(rollout_logprobs=rollout_logprobs, response_mask=response_mask, cu_seqlens=cu_seqlens,
+                     token_index=token_index, dp_group=dp_group, cp_group=cp_group)
+    batch = prepare_correction(train_logprobs, args, config, validate)
+    dt = statistics_dtype(train_logprobs.dtype)
+    zero = torch.zeros((), dtype=dt, device=train_logprobs.device)
+    train = torch.where(batch.mask, train_logprobs.reshape(-1).detach().to(dt), zero)
+    rollout = torch.where(batch.mask, batch.rollout_logprobs.detach().to(dt), zero)
+    terms, table, decisions, norms, weights = correction.correct(train, rollout, batch.mask, batch.segments, config,
+                                                                 batch.split)
     metrics = Metrics()
-    correction.record_metrics(metrics, terms, mask, table, decisions, norms, config, weights)
-    final_mask, metrics = decisions.mask, metrics.finish(layout.split)
-    return CorrectionOutput(
-        None if weights is None else weights.weights.reshape(token_shape), final_mask.reshape(token_shape), metrics
-    )
+    correction.record_metrics(metrics, terms, batch.mask, table, decisions, norms, config, weights)
+    shape = batch.token_shape
+    return CorrectionOutput(None if weights is None else weights.weights.reshape(shape),
+                            decisions.mask.reshape(shape), metrics.finish(batch.split))
 
 
 def metrics_to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:

@@ -14,6 +14,8 @@ from typing import Mapping, Optional, Tuple, Union
 
 import torch
 
+from .stage.policy_terms import LOSS_TERMS
+
 # Option names of SPEC §5. k1 options take ratio bounds (lo, hi); k2/k3 options an upper bound.
 TOKEN_RS_OPTIONS = ("token_k1", "token_k2", "token_k3")
 SEQ_RS_OPTIONS = (
@@ -23,14 +25,14 @@ SEQ_RS_OPTIONS = (
 )
 RS_OPTIONS = TOKEN_RS_OPTIONS + SEQ_RS_OPTIONS
 IS_LEVELS = (None, "token", "sequence")
-# policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla")
-LOSS_TYPES = ("vanilla", "ppo_clip", "reinforce", "gpg", "sapo", "gspo", "geo_mean", "cispo", "dro", "dppo_tv",
-              "dppo_kl", "clip_cov", "kl_cov", "topr", "luspo", "vespo")
+# policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla"), read
+# off the stage's table (rlkernels/stage/policy_terms.py: one function per loss type)
+LOSS_TYPES = tuple(LOSS_TERMS)
 # losses whose ratio may be taken per sequence (TRL's importance_sampling_level="sequence"; VESPO's own
 # weight is per sequence anyway, there the level sets the ratio of a bias-corrected KL, as in TRL)
-SEQUENCE_RATIO_LOSSES = ("vanilla", "ppo_clip", "cispo", "sapo", "luspo", "vespo")
+SEQUENCE_RATIO_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.ratio_levels)
 # losses whose selection is batch-global (a host sync, as in verl; no split batches)
-COVARIANCE_LOSSES = ("clip_cov", "kl_cov")
+COVARIANCE_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.batch_global)
 IS_MODES = ("truncate", "mask")
 # verl 0.9.1 losses whose registered function ignores the actor's loss_agg_mode for one of its own
 VERL_FIXED_AGGREGATION = {"sapo": "seq-mean-token-mean"}
@@ -60,7 +62,7 @@ def _checking_values() -> bool:
     return not torch.compiler.is_compiling()
 
 
-def _check_finite_positive(name: str, value, *, allow_zero: bool = False) -> float:
+def check_finite_positive(name: str, value, *, allow_zero: bool = False) -> float:
     if not _is_number(value):
         raise TypeError(f"{name}: expected a number, got {value!r} ({type(value).__name__})")
     if not _checking_values():
@@ -77,18 +79,18 @@ def _ratio_bounds(name: str, value, open_ends: bool = False) -> Tuple[float, flo
     """A k1 / IcePop bound: (lo, hi) with 0 < lo <= hi, or a single hi meaning (1/hi, hi).
     `open_ends` (IS thresholds): lo may be 0 and hi may be inf (TRL's unset C_min / C_max)."""
     if _is_number(value):
-        hi = _check_finite_positive(name, value)
+        hi = check_finite_positive(name, value)
         if not _checking_values():
             return (1.0 / hi, hi)
         if hi < 1.0:
             raise ValueError(f"{name}: expected hi >= 1 (a single ratio bound hi means (1/hi, hi)), got {hi!r}")
         return (1.0 / hi, hi)
     if isinstance(value, (tuple, list)) and len(value) == 2:
-        lo = _check_finite_positive(f"{name}[0] (lo)", value[0], allow_zero=open_ends)
+        lo = check_finite_positive(f"{name}[0] (lo)", value[0], allow_zero=open_ends)
         if open_ends and _is_number(value[1]) and value[1] == math.inf:
             hi = math.inf
         else:
-            hi = _check_finite_positive(f"{name}[1] (hi)", value[1])
+            hi = check_finite_positive(f"{name}[1] (hi)", value[1])
         if _checking_values() and lo > hi:
             raise ValueError(f"{name}: expected lo <= hi, got lo={lo!r} > hi={hi!r}")
         return (lo, hi)
@@ -121,7 +123,7 @@ class RolloutCorrection:
         if self.is_level not in IS_LEVELS:
             raise ValueError(f"is_level: expected one of {IS_LEVELS}, got {self.is_level!r}")
         if _is_number(self.is_threshold):
-            threshold: Threshold = _check_finite_positive("is_threshold", self.is_threshold)
+            threshold: Threshold = check_finite_positive("is_threshold", self.is_threshold)
         else:
             threshold = _ratio_bounds("is_threshold", self.is_threshold, open_ends=True)
         object.__setattr__(self, "is_threshold", threshold)
@@ -149,7 +151,7 @@ class RolloutCorrection:
             else:
                 if not _is_number(bound):
                     raise TypeError(f"{name}: expected one upper bound u (keep stat <= u) for {option}, got {bound!r}")
-                normalized.append((option, _check_finite_positive(name, bound)))
+                normalized.append((option, check_finite_positive(name, bound)))
         object.__setattr__(self, "rs", tuple(normalized))
 
     # -- derived views ---------------------------------------------------------------------------
@@ -439,18 +441,18 @@ class PolicyLossConfig:
             raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
         self._check_family()
         for name in ("tau_pos", "tau_neg"):
-            object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name)))
+            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name)))
         if self.dro_beta is not None:
-            object.__setattr__(self, "dro_beta", _check_finite_positive("dro_beta", self.dro_beta))
+            object.__setattr__(self, "dro_beta", check_finite_positive("dro_beta", self.dro_beta))
         elif self.loss_type == "dro":
             raise ValueError("dro_beta: expected a number > 0 with loss_type='dro' (verl's policy_loss.dro_beta), "
                              "got None")
         for name in ("clip_ratio_low", "clip_ratio_high"):
-            object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name), allow_zero=True))
+            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name), allow_zero=True))
         if _checking_values() and self.clip_ratio_low >= 1.0:
             raise ValueError(f"clip_ratio_low: expected eps_lo < 1 so that 1 - eps_lo > 0, got {self.clip_ratio_low!r}")
         if self.clip_ratio_c is not None:
-            c = _check_finite_positive("clip_ratio_c", self.clip_ratio_c)
+            c = check_finite_positive("clip_ratio_c", self.clip_ratio_c)
             if _checking_values() and c <= 1.0:
                 raise ValueError(f"clip_ratio_c: expected c > 1 (or None to disable dual clip), got {c!r}")
             object.__setattr__(self, "clip_ratio_c", c)
@@ -459,15 +461,15 @@ class PolicyLossConfig:
         for name in ("loss_scale_factor", "global_num_tokens", "global_num_seqs"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, _check_finite_positive(name, value))
-        object.__setattr__(self, "temperature", _check_finite_positive("temperature", self.temperature))
+                object.__setattr__(self, name, check_finite_positive(name, value))
+        object.__setattr__(self, "temperature", check_finite_positive("temperature", self.temperature))
         if not _is_number(self.entropy_coeff):
             raise TypeError(f"entropy_coeff: expected a number, got {self.entropy_coeff!r}")
         if _checking_values():
             if not math.isfinite(self.entropy_coeff):
                 raise ValueError(f"entropy_coeff: expected a finite number, got {self.entropy_coeff!r}")
             object.__setattr__(self, "entropy_coeff", float(self.entropy_coeff))
-        object.__setattr__(self, "kl_coef", _check_finite_positive("kl_coef", self.kl_coef, allow_zero=True))
+        object.__setattr__(self, "kl_coef", check_finite_positive("kl_coef", self.kl_coef, allow_zero=True))
         if self.kl_type not in KL_TYPES:
             raise ValueError(f"kl_type: expected one of {KL_TYPES}, got {self.kl_type!r}")
         base, plus = self.kl_type.rstrip("+"), "+" if self.kl_type.endswith("+") else ""
@@ -507,7 +509,7 @@ class PolicyLossConfig:
                              f"got {self.entropy_agg_mode!r}")
         for name in ("log_ratio_clamp", "cispo_cap", "m2po_threshold"):
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name)))
+                object.__setattr__(self, name, check_finite_positive(name, getattr(self, name)))
         if self.off_policy_mask_threshold is not None:
             if not _is_number(self.off_policy_mask_threshold):
                 raise TypeError(f"off_policy_mask_threshold: expected a number or None, got "
@@ -517,12 +519,12 @@ class PolicyLossConfig:
             if not _is_number(getattr(self, name)):
                 raise TypeError(f"{name}: expected a number, got {getattr(self, name)!r}")
         for name in ("vespo_lambda_pos", "vespo_lambda_neg", "clip_cov_ratio", "kl_cov_ratio"):
-            object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name)))
+            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name)))
         for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
             if not _is_number(getattr(self, name)):
                 raise TypeError(f"{name}: expected a number, got {getattr(self, name)!r}")
         for name in ("topr_negative_ratio_lower", "topr_negative_ratio_upper"):
-            object.__setattr__(self, name, _check_finite_positive(name, getattr(self, name), allow_zero=True))
+            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name), allow_zero=True))
         if _checking_values() and self.topr_negative_ratio_lower > self.topr_negative_ratio_upper:
             raise ValueError("topr_negative_ratio_lower: expected <= topr_negative_ratio_upper, got "
                              f"{self.topr_negative_ratio_lower!r} > {self.topr_negative_ratio_upper!r}")
@@ -721,11 +723,3 @@ class PolicyLossConfig:
 def check_memory_budget(budget) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"memory_budget_bytes: expected a positive int or None, got {budget!r}")
-
-
-def resolve_config(config: Optional[PolicyLossConfig], overrides: dict) -> PolicyLossConfig:
-    if config is None:
-        config = PolicyLossConfig()
-    elif not isinstance(config, PolicyLossConfig):
-        raise TypeError(f"config: expected a PolicyLossConfig or None, got {type(config).__name__}")
-    return config.with_overrides(**overrides)

@@ -104,7 +104,7 @@ def test_no_host_sync_with_validation_off(monkeypatch):
     import sys
 
     def forbidden(*_a, **_k):
-        # the temperature travels as a 0-d CPU tensor by design (see rlkernels/custom_ops.py) and is
+        # the temperature travels as a 0-d CPU tensor by design (see rlkernels/ops/vocab.py) and is
         # read on the host by host_float(); every other read is a sync on a GPU
         if sys._getframe(1).f_code.co_name == "host_float":
             return host_read(*_a)

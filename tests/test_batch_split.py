@@ -149,7 +149,7 @@ class _Share:
 
 def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs):
     import rlkernels
-    from rlkernels.metrics import KINDS  # noqa: F401  (imported to fail early if the module moved)
+    from rlkernels.stage.metrics import KINDS  # noqa: F401  (imported to fail early if the module moved)
 
     from .cases import assert_close, make_batch, tol
 

@@ -6,7 +6,8 @@ shapes -- what torch.compile relies on. Inputs include the causal-shift [B, T, V
 import pytest
 import torch
 
-from rlkernels import custom_ops, linear
+from rlkernels.ops import linear
+from rlkernels.ops import vocab as custom_ops
 
 T = custom_ops.temperature_tensor(0.7)
 LABELS = torch.tensor([0, 3, -1, 10, 2, 5])

@@ -14,8 +14,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
 from rlkernels.config import IS_LEVELS, LOSS_AGG_MODES, RS_OPTIONS
-from rlkernels.loss import sequence_stage
-from rlkernels.segments import Segments
+from rlkernels.stage.segments import Segments
+
+from .support.stage import run_stage
 
 ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
               "index_put", "index_put_", "_index_put_impl_", "put_", "index_reduce", "index_reduce_"}
@@ -47,7 +48,7 @@ def test_stage_uses_no_atomic_reduction(layout, is_level, agg):
         else:
             cu = torch.tensor([0, 5, 5, 12]) if layout == "packed" else None
             seg = Segments.packed(cu, N, lp.device)
-        out = sequence_stage(lp, ent, adv, mask, old, roll, ref, seg, config)
+        out = run_stage(lp, ent, adv, mask, old, roll, ref, seg, config)
         return out.loss, out.coef_logprob, out.coef_entropy, out.metrics
 
     traced = make_fx(stage)(lp, ent, adv, mask, old, roll, ref)

@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 
-from rlkernels import backends
-from rlkernels.loss import sequence_stage
+from rlkernels import backends, stage
 
 
 class CudaLike:
@@ -64,12 +63,12 @@ def test_triton_serves_float32_on_cpu_interpreter():
 
 
 def test_one_stage_eager_on_cpu_compiled_on_cuda_or_on_request():
-    eager = sequence_stage
-    assert backends.select_stage(torch.zeros(3), None) is eager
-    assert backends.select_stage(torch.zeros(3), False) is eager
-    assert backends.select_stage(CudaLike(), False) is eager
-    compiled = backends.select_stage(CudaLike(), None)
-    assert compiled is not eager and compiled is backends.select_stage(torch.zeros(3), True)
+    eager = stage.run
+    assert stage.select(torch.zeros(3), None) is eager
+    assert stage.select(torch.zeros(3), False) is eager
+    assert stage.select(CudaLike(), False) is eager
+    compiled = stage.select(CudaLike(), None)
+    assert compiled is not eager and compiled is stage.select(torch.zeros(3), True)
 
 
 @pytest.mark.parametrize("name", ["triton", "cuda"])

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlkernels
-import rlkernels.linear as linear_module
+import rlkernels.ops.linear as linear_module
 from rlkernels import PolicyLossConfig, RolloutCorrection, backends, reference
 
 from .cases import BF16, F16, F32, F64, assert_close, make_batch, problems, scaled, tol

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlkernels
-from rlkernels import PolicyLossConfig, RolloutCorrection, reference, sampler
+from rlkernels import PolicyLossConfig, RolloutCorrection, reference
+from rlkernels.ops import kept_set as sampler
 
 from .backends.parity import _label_column_floor
 from .cases import F32, F64, MODES, assert_close, batches, configs, make_batch, scaled, tol
@@ -173,7 +174,7 @@ def test_loss_with_sampler_inputs_matches_the_oracle(path, data, dtype):
 def test_a_kept_set_never_runs_the_vocabulary_pass(monkeypatch):
     """With a support the statistics come from the K gathered logits alone: the vocabulary-wide op is
     never called (its cost would scale with V)."""
-    from rlkernels import custom_ops
+    from rlkernels.ops import vocab as custom_ops
 
     def refuse(*args, **kwargs):
         raise AssertionError("the vocabulary-wide pass ran")

@@ -1,6 +1,5 @@
-"""The one dispatch point: `resolve(name, tensor)` says which backend runs the vocabulary passes on a
-tensor, `instance(name)` hands that backend out, `select_stage(...)` how the single per-sequence stage
-runs (eager or compiled).
+"""The one dispatch point of the vocabulary passes: `resolve(name, tensor)` says which backend runs them on
+a tensor, `instance(name)` hands that backend out.
 
 Whether a backend can run (the CPU kernels built and loaded, the CUDA extension importable, Triton
 importable) is probed once per process by `is_available`, and that answer is a constant to
@@ -22,7 +21,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Trito
 NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 
 __all__ = ["Backend", "NAMES", "RowStats", "available", "instance", "is_available", "resolve", "select",
-           "select_stage", "statistics_dtype"]
+           "statistics_dtype"]
 
 
 def _probe_triton():
@@ -152,45 +151,3 @@ def instance(name: str, chunk_rows=None, vocab_shard: bool = False) -> Backend:
 def select(name: str, logits, chunk_rows=None, vocab_shard: bool = False) -> Backend:
     """resolve() and instance() in one call: the backend object for these logits."""
     return instance(resolve(name, logits), chunk_rows, vocab_shard)
-
-
-# Graphs the compiled stage may hold: Dynamo specialises sizes 0 and 1 even with dynamic=True, so one
-# option set can take ~5 graphs (padded B > 1, B = 1, T = 1, packed, one sequence); the default limit
-# of 8 would send a second option set back to eager without a word.
-STAGE_RECOMPILE_LIMIT = 64
-_COMPILED_STAGE: list = []  # the one compiled stage of this process, built on first use
-
-
-def _compiled_stage():
-    """The torch stage under torch.compile(dynamic=True). Dynamo keeps one compiled graph per static
-    option set (loss type, aggregation, IS level, rejection options, which inputs are present) and per
-    size specialisation, guarded on those; every float hyperparameter stays a run-time input (see
-    segments.hyper), so a new clip ratio, threshold, coefficient or global count reuses the graph."""
-    if _COMPILED_STAGE:
-        return _COMPILED_STAGE[0]
-    from ..loss import sequence_stage
-
-    compiled = torch.compile(sequence_stage, dynamic=True)
-
-    def run(*args):
-        # no_grad: the stage's inputs are detached anyway, and Dynamo guards on grad mode (one graph
-        # for training steps and one for evaluation otherwise)
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=STAGE_RECOMPILE_LIMIT):
-            return compiled(*args)
-
-    _COMPILED_STAGE.append(run)
-    return run
-
-
-def select_stage(tensor: torch.Tensor, compile_stage: Optional[bool]):
-    """The per-sequence stage (SPEC §4-§8 on [N] scalars): one torch implementation, run eagerly or
-    compiled. `compile_stage=None` compiles on CUDA, where its ~100 small ops would otherwise be as
-    many kernel launches; on the CPU they cost less than compilation saves. Inside a caller's
-    torch.compile region the eager function is returned, to be traced into the caller's graph."""
-    from ..loss import sequence_stage
-
-    if torch.compiler.is_compiling():
-        return sequence_stage
-    if compile_stage is None:  # Inductor generates Triton code for CUDA: without Triton, stay eager
-        compile_stage = tensor.is_cuda and is_available("triton")
-    return _compiled_stage() if compile_stage else sequence_stage

@@ -70,7 +70,7 @@ def _label_column_floor(batch, config, ref_grad, temperature=None, support=None)
         torch.as_tensor(temperature, dtype=torch.float64), batch.labels.shape).reshape(-1)[valid, None]
     z = batch.logits.double().reshape(-1, V)[valid] / t
     if support is not None:  # a kept set: p is renormalised over it
-        from rlkernels.sampler import kept_mask
+        from rlkernels.ops.kept_set import kept_mask
         z = z.masked_fill(~kept_mask(support.reshape(-1, support.shape[-1])[valid], V), float("-inf"))
     p_y = torch.softmax(z, -1).gather(1, labels[valid, None]).squeeze(1)
     g_y = ref_grad.reshape(-1, V)[valid].gather(1, labels[valid, None]).squeeze(1)

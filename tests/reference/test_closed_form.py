@@ -8,8 +8,8 @@ import torch
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection, reference
 from rlkernels.config import LOSS_AGG_MODES
-from rlkernels.loss import aggregation_weights
-from rlkernels.segments import Segments
+from rlkernels.stage.loss import aggregation_weights
+from rlkernels.stage.segments import Segments
 
 from ..cases import approx, assert_close, tol
 

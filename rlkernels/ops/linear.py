@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backends
-from .custom_ops import refuse_double_backward, temperature_value
-from .sampler import kept_mask
+from .. import backends
+from .kept_set import kept_mask
+from .vocab import refuse_double_backward, temperature_value
 
 # Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
 # thousand rows to run at full rate (512 MiB is ~1,700 rows at V = 151,936 in bf16, a fifth of the

@@ -18,7 +18,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from . import backends
+from .. import backends
 
 
 def host_float(t: Tensor) -> float:
@@ -48,8 +48,8 @@ def _backend(name: str, logits: Tensor, chunk_rows: int):
 
 
 def temperature_tensor(temperature) -> Tensor:
-    """The temperature as the ops take it: built by arithmetic, so that torch.compile keeps a
-    per-step float a run-time input (see segments.hyper)."""
+    """One temperature as the ops take it (a 0-d float64 CPU tensor): built by arithmetic, so that
+    torch.compile keeps a per-step float a run-time input (see stage.segments.hyper)."""
     return torch.zeros((), dtype=torch.float64) + temperature
 
 

@@ -9,7 +9,7 @@ hands g * (c_t, e_t) back to whatever produced the statistics.
 
 import torch
 
-from .custom_ops import refuse_double_backward
+from .vocab import refuse_double_backward
 
 
 class CoefficientLossFunction(torch.autograd.Function):

@@ -27,9 +27,10 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import backends, linear
-from .backends.base import FOREIGN_TARGET, RowStats
-from .custom_ops import refuse_double_backward, temperature_tensor
+from .. import backends
+from ..backends.base import FOREIGN_TARGET, RowStats
+from . import linear
+from .vocab import refuse_double_backward, temperature_tensor
 
 _SHARDS: Dict[Tuple[int, int, str], Tuple[int, int]] = {}
 

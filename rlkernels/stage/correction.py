@@ -10,14 +10,18 @@ It runs in the stage's three steps, each ending where a split batch must communi
   3. `weights` and `record_metrics` with those global normalisers.
 """
 
+from __future__ import annotations
+
 import math
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .config import RolloutCorrection
 from .metrics import Metrics, sample_std, std
 from .segments import Segments, SequenceTable, hyper, log_hyper
+
+if TYPE_CHECKING:  # duck-typed: rlkernels.config reads the stage's loss table, so the stage imports no config
+    from ..config import RolloutCorrection
 
 CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp
 

@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .backends.base import inverse_temperature, statistics_dtype
+from ..backends.base import inverse_temperature, statistics_dtype
 
 PAD = -1  # a support slot without an id
 

@@ -1,0 +1,523 @@
+"""Every argument check and layout step of the public functions (SPEC §11), ending in one `PreparedBatch`.
+
+One message format: `<argument>: expected <what>, got <what>`. Structural checks (type, dtype, rank,
+shape, device, option combinations) are free and always run, before any kernel. Value checks (label
+range, cu_seqlens contents, NaN / inf, per-token temperatures, the sampler's kept ids) look at device
+memory: they are gathered into one flag tensor and read with a single host synchronisation per call, and
+`validate=False` skips them for sync-free steps.
+
+The steps, in the order a call takes them: `resolve_config` (the config and a per-token temperature
+override) -> the tensor checks -> `_layout` (the data- / context-parallel split and the sequences) ->
+the value checks -> `PreparedBatch` (flat [N] tensors, the mask m, row labels, one temperature form).
+"""
+
+from dataclasses import dataclass
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .config import BACKENDS, PolicyLossConfig, RolloutCorrection, check_finite_positive
+from .ops.vocab import temperature_tensor
+from .ops.vocab_parallel import shard_offset
+from .stage.loss import check_split_options
+from .stage.segments import Segments
+from .stage.split import BatchSplit, context_layout
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+# Label dtypes: compared with ignore_index and [0, V) after a cast to int64, so that -100 never wraps
+# in a narrow or unsigned dtype. uint16/32/64 lack the CPU kernels that cast needs in every torch.
+LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """One call's checked inputs, flattened to the token axis: what the ops and the stage read.
+
+    Per-token tensors are [N] (N = this rank's tokens) in the caller's dtype; off `mask` they may hold
+    anything (padding), and nothing reads them there."""
+    token_shape: Tuple[int, ...]  # the labels' shape: (B, T) padded, (N,) packed
+    mask: torch.Tensor  # [N] bool m: the response mask minus ignored and out-of-range labels
+    segments: Optional[Segments] = None  # the sequences (None for per-token statistics, which need none)
+    split: Optional[BatchSplit] = None  # the data- / context-parallel split (None: as segments)
+    row_labels: Optional[torch.Tensor] = None  # [N] int64 label of each row, -1 on rows that take no part
+    vocab_size: int = 0  # V of the labels (the whole vocabulary under tp_group)
+    tp_group: Any = None  # the vocabulary-parallel group, or None
+    # one temperature as a 0-d float64 CPU tensor (a run-time input of a compiled graph, read on the host
+    # without a device sync), or the [N] per-token temperatures (detached, on the device)
+    temperature: Optional[torch.Tensor] = None
+    support: Optional[torch.Tensor] = None  # [N, K] int64 kept ids of the sampler (-1 pads), or None
+    advantages: Optional[torch.Tensor] = None  # [N], per token
+    old_logprobs: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    is_weights: Optional[torch.Tensor] = None  # a trainer's own IS weights, detached
+
+
+class Arguments(NamedTuple):
+    """A public call's tensor and layout arguments, as the caller passed them (unchecked)."""
+    labels: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    response_mask: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    is_weights: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    token_index: Optional[torch.Tensor] = None
+    tp_group: Any = None
+    dp_group: Any = None
+    cp_group: Any = None
+    temperature: Union[float, torch.Tensor] = 1.0
+    sampling_support: Optional[torch.Tensor] = None
+    ignore_index: int = -100
+
+
+# ---------------------------------------------------------------- tensor checks
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
+    return f"{type(x).__name__}"
+
+
+def check_tensor(name: str, x, *, kind: str, shape: Optional[Tuple[int, ...]] = None, device=None) -> None:
+    """kind: 'float' (fp16/bf16/fp32/fp64), 'int' (LABEL_DTYPES), 'mask' (bool, int or float)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {_describe(x)}")
+    if kind == "float" and x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
+    if kind == "int" and x.dtype not in LABEL_DTYPES:
+        raise TypeError(f"{name}: expected an integer dtype (int64, int32, int16, int8 or uint8), got {x.dtype}")
+    if kind == "mask" and x.dtype.is_complex:
+        raise TypeError(f"{name}: expected a bool, integer or float 0/1 mask, got {x.dtype}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of the inputs), got {x.device}")
+
+
+def check_logits(logits, *, allow_any_rank: bool = False) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits: expected a torch.Tensor, got {_describe(logits)}")
+    if logits.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"logits: expected float16, bfloat16, float32 or float64, got {logits.dtype}")
+    if allow_any_rank:
+        if logits.dim() < 1:
+            raise ValueError("logits: expected shape [..., V], got a 0-d tensor")
+    elif logits.dim() not in (2, 3):
+        raise ValueError(f"logits: expected [B, T, V] (padded) or [N, V] (packed), got shape {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"logits: expected a vocabulary of at least 1 entry, got V = {logits.shape[-1]}")
+
+
+def check_head(hidden, weight, bias, *, allow_any_rank: bool = False) -> None:
+    """The fused-linear inputs: hidden [..., H] (or [B, T, H] / [N, H]), weight [V, H], bias [V] or None,
+    one float dtype and one device."""
+    check_tensor("hidden", hidden, kind="float")
+    if allow_any_rank:
+        if hidden.dim() < 1:
+            raise ValueError("hidden: expected shape [..., H], got a 0-d tensor")
+    elif hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden: expected [B, T, H] (padded) or [N, H] (packed), got shape {tuple(hidden.shape)}")
+    check_tensor("weight", weight, kind="float", device=hidden.device)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(f"weight: expected [V, H] with H = {hidden.shape[-1]} (the nn.Linear layout) and V >= 1, "
+                         f"got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, kind="float", shape=(weight.shape[0],), device=hidden.device)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias: expected the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
+
+
+def check_cu_seqlens(cu_seqlens, token_shape: Tuple[int, ...], device) -> None:
+    if cu_seqlens is None:
+        return
+    if len(token_shape) != 1:
+        raise ValueError(
+            f"cu_seqlens: only valid with the packed layout ([N, V] logits, [N] per-token tensors); "
+            f"got per-token shape {tuple(token_shape)} — pass cu_seqlens=None for padded [B, T, V] inputs"
+        )
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected an int32/int64 torch.Tensor, got {_describe(cu_seqlens)}")
+    if cu_seqlens.dtype not in INDEX_DTYPES:
+        raise TypeError(f"cu_seqlens: expected dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor [S + 1] with S >= 0, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens: expected a tensor on {device} (the device of logits), got {cu_seqlens.device}")
+
+
+def _check_group(name: str, group) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+
+
+def _check_per_token(shape, device, **tensors) -> None:
+    for name, x in tensors.items():
+        if x is not None:
+            check_tensor(name, x, kind="mask" if name == "response_mask" else "float", shape=shape, device=device)
+
+
+# ---------------------------------------------------------------- value checks (one sync)
+def _read_flags_eagerly(flags: torch.Tensor) -> List[bool]:
+    return flags.tolist()  # the one host synchronisation
+
+
+# Kept out of torch.compile: a graph break where the caller allows one, and under fullgraph=True an
+# error whose text says what to do instead of a bare "unsupported .tolist()".
+_read_flags = torch.compiler.disable(
+    _read_flags_eagerly,
+    reason="rlkernels: validate=True reads the value checks back to the host (one synchronisation); "
+    "pass validate=False inside torch.compile(fullgraph=True) or a sync-free step",
+)
+
+
+class ValueChecks:
+    """Collects device-side boolean failure flags and raises for the first one, with one sync."""
+
+    def __init__(self):
+        self._flags: List[torch.Tensor] = []
+        self._messages: List[str] = []
+
+    def add(self, failed: torch.Tensor, message: str) -> None:
+        self._flags.append(failed.reshape(()))
+        self._messages.append(message)
+
+    def labels(self, valid: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int, where: str) -> None:
+        out_of_range = valid & (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+        self.add(out_of_range.any(), f"labels: expected values in [0, {vocab}) or ignore_index={ignore_index} on "
+                 f"{where}, got a label outside that range")
+
+    def values(self, valid: torch.Tensor, where: str, finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
+               not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = ()) -> None:
+        for name, x in not_nan:
+            if x is not None:
+                self.add((valid & torch.isnan(x)).any(), f"{name}: expected no NaN on {where}, got NaN")
+        for name, x in finite:
+            if x is not None:
+                self.add((valid & ~torch.isfinite(x)).any(),
+                         f"{name}: expected finite values (no NaN/inf) on {where}, got NaN or inf")
+
+    def layout(self, cu_seqlens: Optional[torch.Tensor], num_tokens, token_index: Optional[torch.Tensor],
+               positions) -> None:
+        """cu_seqlens[-1] must be `num_tokens` (a device tensor for a context-parallel split, None:
+        unchecked); `token_index` must lie in [0, positions)."""
+        if cu_seqlens is not None:
+            cu = cu_seqlens.long()
+            self.add(cu[0] != 0, "cu_seqlens: expected cu_seqlens[0] == 0")
+            if cu.numel() > 1:
+                self.add((cu[1:] < cu[:-1]).any(), "cu_seqlens: expected non-decreasing offsets")
+            if isinstance(num_tokens, torch.Tensor):
+                self.add(cu[-1] != num_tokens, "cu_seqlens: expected cu_seqlens[-1] == the number of tokens on all "
+                         "ranks of cp_group (cu_seqlens is the global one)")
+            elif num_tokens is not None:
+                self.add(cu[-1] != num_tokens, f"cu_seqlens: expected cu_seqlens[-1] == N = {num_tokens} (the number "
+                         "of rows)")
+        if token_index is not None:
+            ti = token_index.long()
+            self.add(((ti < 0) | (ti >= positions)).any(),
+                     "token_index: expected global positions in [0, the length of the split axis on all ranks)")
+
+    def run(self) -> None:
+        if not self._flags:
+            return
+        failed = _read_flags(torch.stack(self._flags))
+        for bad, message in zip(failed, self._messages):
+            if bad:
+                raise ValueError(message)
+
+
+# ---------------------------------------------------------------- configuration and temperature
+def resolve_config(config: Optional[PolicyLossConfig], overrides: dict) -> Tuple[PolicyLossConfig, Any]:
+    """(config with the keyword overrides, temperature): a tensor `temperature=` (per token) is taken out of
+    the overrides and stands for the config's float, which must then be left at 1."""
+    if config is None:
+        config = PolicyLossConfig()
+    elif not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"config: expected a PolicyLossConfig or None, got {type(config).__name__}")
+    temperature = overrides.get("temperature")
+    if not isinstance(temperature, torch.Tensor):
+        config = config.with_overrides(**overrides)
+        return config, config.temperature
+    config = config.with_overrides(**{k: v for k, v in overrides.items() if k != "temperature"})
+    if config.temperature != 1.0:
+        raise ValueError(f"temperature: given as a tensor while config.temperature={config.temperature}; pass "
+                         "one or the other")
+    return config, temperature
+
+
+def _per_token_temperature(temperature: torch.Tensor, token_shape, device) -> torch.Tensor:
+    """[N] temperatures from a tensor broadcastable to the labels' shape (per token, or [B, 1] per sequence)."""
+    check_tensor("temperature", temperature, kind="float", device=device)
+    if temperature.dim() not in (0, len(token_shape)):  # a [B] tensor would broadcast along T, not B
+        per_sequence = ", or [B, 1] per sequence" if len(token_shape) == 2 else ""
+        raise ValueError(f"temperature: expected a tensor with the labels' {len(token_shape)} dimensions (per token "
+                         f"{token_shape}{per_sequence}), got shape {tuple(temperature.shape)}")
+    try:
+        return torch.broadcast_to(temperature, token_shape).reshape(-1).detach()
+    except RuntimeError:
+        raise ValueError(f"temperature: expected a float or a tensor broadcastable to the labels' shape {token_shape} "
+                         f"(per token, or [B, 1] per sequence), got shape {tuple(temperature.shape)}") from None
+
+
+# ---------------------------------------------------------------- layout
+class _Layout(NamedTuple):
+    split: BatchSplit
+    segments: Segments
+    num_tokens: Union[int, torch.Tensor, None]  # what cu_seqlens[-1] must be (None: unchecked)
+    positions: Union[int, torch.Tensor, None]  # token_index values lie in [0, positions)
+    advantages: Optional[torch.Tensor]  # [N] per token (broadcast from one per sequence), or None
+
+
+def _layout(token_shape, device, args: Arguments) -> _Layout:
+    """The data/context-parallel split of the batch, this rank's sequence segments, what the value checks
+    compare cu_seqlens[-1] and token_index with, and the advantages per token (broadcast to the sequences'
+    tokens when given one per sequence: the sequences are known only once the layout is)."""
+    per_sequence = args.advantages is not None and _sequence_advantages(args, token_shape, device)
+    _check_group("dp_group", args.dp_group)
+    _check_group("cp_group", args.cp_group)
+    split = BatchSplit(args.dp_group, args.cp_group)
+    cu_seqlens, token_index = args.cu_seqlens, args.token_index
+    if args.cp_group is None:
+        if token_index is not None:
+            raise ValueError("token_index: only used with cp_group (the global positions of this rank's tokens); "
+                             "pass cp_group or token_index=None")
+        segments = (Segments.padded(token_shape[0], token_shape[1], device) if len(token_shape) == 2
+                    else Segments.packed(cu_seqlens, token_shape[0], device))
+        num_tokens, positions = token_shape[0], None
+    else:
+        if token_index is not None:
+            check_tensor("token_index", token_index, kind="int", shape=(token_shape[-1],), device=device)
+        layout = context_layout(token_shape, cu_seqlens, token_index, args.cp_group, device)
+        segments, num_tokens = layout.segments, layout.total
+        positions = layout.total if (len(token_shape) == 2 or cu_seqlens is None) else cu_seqlens[-1]
+    advantages = args.advantages
+    if per_sequence:
+        advantages = segments.expand(advantages.reshape(-1)).reshape(token_shape)
+    return _Layout(split, segments, num_tokens, positions, _flat(advantages))
+
+
+def _sequence_advantages(args: Arguments, token_shape, device) -> bool:
+    """True when `advantages` holds one value per sequence ([S] or [S, 1]: GRPO-style outcome
+    advantages), to be broadcast to the tokens once the sequences are known; False when per token.
+    Raises naming the argument when the shape is neither."""
+    advantages = args.advantages
+    check_tensor("advantages", advantages, kind="float", device=device)
+    if tuple(advantages.shape) == tuple(token_shape):
+        return False
+    S = token_shape[0] if len(token_shape) == 2 else (1 if args.cu_seqlens is None else args.cu_seqlens.numel() - 1)
+    if tuple(advantages.shape) == (S,) and args.cp_group is not None:
+        # a rank whose slice holds S tokens would read the same tensor per token
+        raise ValueError(f"advantages: with cp_group pass one value per sequence as [{S}, 1], not [{S}]")
+    if tuple(advantages.shape) in ((S,), (S, 1)):
+        return True
+    raise ValueError(f"advantages: expected shape {tuple(token_shape)} (per token) or ({S},) / ({S}, 1) (one per "
+                     f"sequence), got {tuple(advantages.shape)}")
+
+
+def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.reshape(-1)
+
+
+def vocab_size(local_vocab: int, device, tp_group, inplace: bool = False) -> int:
+    """The vocabulary the labels index: this rank's V, or the whole of a vocabulary-parallel group's."""
+    _check_group("tp_group", tp_group)
+    if tp_group is None:
+        return local_vocab
+    if inplace:
+        raise ValueError("inplace_backward: not supported with tp_group (pass inplace_backward=False)")
+    return shard_offset(tp_group, local_vocab, device)[1]
+
+
+# ---------------------------------------------------------------- the sampler's inputs
+def _sampler(args: Arguments, token_shape, vocab: int, device, labels: torch.Tensor, keep: torch.Tensor,
+             checks: Optional[ValueChecks]):
+    """The temperature (0-d CPU tensor, or [N]) and the sampler's kept ids ([N, K] int64, or None), checked:
+    types, shapes and devices always; with `checks`, positive finite temperatures, ids in [-1, V), no id twice
+    in a row, and every label in the loss among its row's ids. A float temperature was checked already
+    (PolicyLossConfig, or prepare_stats)."""
+    temperature = args.temperature
+    per_token = isinstance(temperature, torch.Tensor)
+    temperature = (_per_token_temperature(temperature, token_shape, device) if per_token
+                   else temperature_tensor(temperature))
+    support = None
+    if args.sampling_support is not None:
+        given = args.sampling_support
+        check_tensor("sampling_support", given, kind="int", device=device)
+        if given.dim() != len(token_shape) + 1 or tuple(given.shape[:-1]) != token_shape or given.shape[-1] == 0:
+            raise ValueError(f"sampling_support: expected shape {token_shape + ('K',)} (the labels' shape and K >= 1 "
+                             f"kept ids, -1 padding), got {tuple(given.shape)}")
+        support = given.reshape(-1, given.shape[-1]).long()
+    if args.tp_group is not None and (per_token or support is not None):
+        raise ValueError("temperature / sampling_support: a per-token temperature or a kept set is not supported with "
+                         "tp_group yet")
+    if checks is not None:
+        if per_token:
+            checks.add((~torch.isfinite(temperature) | (temperature <= 0)).any(),
+                       "temperature: expected finite values > 0")
+        if support is not None:
+            _check_support(checks, support, vocab, labels, keep)
+    return temperature, support
+
+
+def _check_support(checks: ValueChecks, support: torch.Tensor, vocab: int, labels: torch.Tensor,
+                   keep: torch.Tensor) -> None:
+    if not support.numel():
+        checks.add(keep.any(), _MISSING_LABEL)
+        return
+    checks.add(((support < -1) | (support >= vocab)).any(),
+               f"sampling_support: expected token ids in [0, {vocab}) or -1 (padding)")
+    ordered = support.sort(1).values
+    checks.add(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
+               "sampling_support: an id appears twice in a row (the kept set is a set)")
+    checks.add((keep & ~(support == labels[:, None]).any(1)).any(), _MISSING_LABEL)
+
+
+_MISSING_LABEL = ("sampling_support: a label in the loss is not among its row's kept ids (the sampler cannot have "
+                  "drawn it)")
+
+
+# ---------------------------------------------------------------- the prepared batches
+def _check_options(config: PolicyLossConfig, args: Arguments) -> None:
+    """Combinations of the config and the per-token inputs that have no meaning."""
+    check_split_options(config, args.dp_group, args.cp_group)
+    if config.loss_type == "reinforce" and args.old_logprobs is not None:
+        raise ValueError(
+            "old_logprobs: expected None with loss_type='reinforce' (the bypass-mode loss of SPEC §6); "
+            "pass rollout_logprobs only, or use loss_type='ppo_clip'"
+        )
+    if config.kl_coef > 0 and args.ref_logprobs is None:
+        raise ValueError(f"ref_logprobs: expected a tensor since kl_coef={config.kl_coef} > 0, got None")
+    rc = config.rollout_correction
+    if args.is_weights is not None and rc is not None and rc.is_level is not None:
+        raise ValueError(f"is_weights: given while rollout_correction computes IS weights too (is_level="
+                         f"{rc.is_level!r}); pass one or the other")
+    if rc is not None and rc.enabled and args.rollout_logprobs is None:
+        raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
+
+
+def _batch(token_shape, mask, layout: _Layout, args: Arguments, **fields) -> PreparedBatch:
+    return PreparedBatch(
+        token_shape=token_shape, mask=mask, segments=layout.segments, split=layout.split, tp_group=args.tp_group,
+        advantages=layout.advantages, old_logprobs=_flat(args.old_logprobs),
+        rollout_logprobs=_flat(args.rollout_logprobs), ref_logprobs=_flat(args.ref_logprobs),
+        is_weights=None if args.is_weights is None else _flat(args.is_weights).detach(), **fields)
+
+
+def prepare_loss(source: str, token_shape, local_vocab: int, device, args: Arguments,
+                 config: PolicyLossConfig) -> PreparedBatch:
+    """The checks every loss entry point makes on its per-token inputs (`source`: "logits" or "hidden", for
+    the messages), then the batch: flat int64 row labels, and the mask m -- the response mask minus ignored
+    tokens and (with validate=False) out-of-range labels, treated as masked so that nothing is ever read
+    out of bounds."""
+    V = vocab_size(local_vocab, device, args.tp_group, config.inplace_backward)
+    check_tensor("labels", args.labels, kind="int", shape=token_shape, device=device)
+    _check_per_token(token_shape, device, response_mask=args.response_mask, old_logprobs=args.old_logprobs,
+                     rollout_logprobs=args.rollout_logprobs, ref_logprobs=args.ref_logprobs, is_weights=args.is_weights)
+    if args.cu_seqlens is not None and len(token_shape) == 2:
+        raise ValueError(f"cu_seqlens: must be None with padded [B, T, ...] {source}; pass [N, ...] {source} to pack "
+                         "sequences")
+    check_cu_seqlens(args.cu_seqlens, token_shape, device)
+    _check_options(config, args)
+    layout = _layout(token_shape, device, args)
+    labels = args.labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
+    in_mask = args.response_mask.reshape(-1).bool()
+    checks = ValueChecks() if config.validate else None
+    if checks is not None:
+        checks.layout(args.cu_seqlens, layout.num_tokens, args.token_index, layout.positions)
+        checks.labels(in_mask, labels, V, args.ignore_index, "tokens of the response mask")
+        checks.values(in_mask, "tokens of the response mask",
+                      finite=[("advantages", layout.advantages), ("is_weights", _flat(args.is_weights))],
+                      not_nan=[("old_logprobs", _flat(args.old_logprobs)),
+                               ("rollout_logprobs", _flat(args.rollout_logprobs)),
+                               ("ref_logprobs", _flat(args.ref_logprobs))])
+    mask = in_mask & (labels >= 0) & (labels < V) & (labels != args.ignore_index)
+    temperature, support = _sampler(args, token_shape, V, device, labels, mask, checks)
+    if checks is not None:
+        checks.run()
+    return _batch(token_shape, mask, layout, args, row_labels=_row_labels(labels, mask), vocab_size=V,
+                  temperature=temperature, support=support)
+
+
+def _row_labels(labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Labels for the vocabulary passes: -1 on every row that takes no part (such rows are never read)."""
+    return torch.where(keep, labels, torch.full_like(labels, -1))
+
+
+def prepare_stats(token_shape, local_vocab: int, device, args: Arguments, backend: str, validate: bool,
+                  inplace: bool = False) -> PreparedBatch:
+    """The checks of the two token-statistics entry points; the batch of row labels (-1 on ignored rows
+    and, with validate=False, out-of-range labels), the temperature and the kept ids."""
+    check_tensor("labels", args.labels, kind="int", shape=token_shape, device=device)
+    _check_group("dp_group", args.dp_group)  # accepted and unused: per-token statistics combine nothing
+    _check_group("cp_group", args.cp_group)
+    if not isinstance(args.temperature, torch.Tensor):
+        check_finite_positive("temperature", args.temperature)  # the checks PolicyLossConfig makes
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    V = vocab_size(local_vocab, device, args.tp_group, inplace)
+    labels = args.labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
+    keep = (labels >= 0) & (labels < V) & (labels != args.ignore_index)
+    checks = ValueChecks() if validate else None
+    if checks is not None:
+        checks.labels(labels != args.ignore_index, labels, V, args.ignore_index,
+                      "tokens whose label is not ignore_index")
+    temperature, support = _sampler(args, token_shape, V, device, labels, keep, checks)
+    if checks is not None:
+        checks.run()
+    return PreparedBatch(token_shape=token_shape, mask=keep, row_labels=_row_labels(labels, keep), vocab_size=V,
+                         tp_group=args.tp_group, temperature=temperature, support=support)
+
+
+def prepare_policy(logprobs, args: Arguments, config: PolicyLossConfig) -> PreparedBatch:
+    """`policy_loss`'s checks: log-probs (and entropy) from elsewhere, the same per-token inputs as the
+    losses on logits."""
+    check_tensor("logprobs", logprobs, kind="float")
+    if logprobs.dim() not in (1, 2):
+        raise ValueError(f"logprobs: expected [B, T] (padded) or [N] (packed), got shape {tuple(logprobs.shape)}")
+    device, token_shape = logprobs.device, tuple(logprobs.shape)
+    _check_per_token(token_shape, device, response_mask=args.response_mask, old_logprobs=args.old_logprobs,
+                     rollout_logprobs=args.rollout_logprobs, ref_logprobs=args.ref_logprobs, entropy=args.entropy,
+                     is_weights=args.is_weights)
+    check_cu_seqlens(args.cu_seqlens, token_shape, device)
+    _check_options(config, args)
+    if config.entropy_coeff != 0 and args.entropy is None:
+        raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
+    layout = _layout(token_shape, device, args)
+    mask = args.response_mask.reshape(-1).bool()
+    if config.validate:
+        checks = ValueChecks()
+        checks.layout(args.cu_seqlens, layout.num_tokens, args.token_index, layout.positions)
+        checks.values(mask, "tokens of the response mask",
+                      finite=[("advantages", layout.advantages), ("is_weights", _flat(args.is_weights))],
+                      not_nan=[("logprobs", _flat(logprobs)), ("old_logprobs", _flat(args.old_logprobs)),
+                               ("rollout_logprobs", _flat(args.rollout_logprobs)),
+                               ("ref_logprobs", _flat(args.ref_logprobs))])
+        checks.run()
+    return _batch(token_shape, mask, layout, args)
+
+
+def prepare_correction(train_logprobs, args: Arguments, config: RolloutCorrection, validate: bool) -> PreparedBatch:
+    """`rollout_correction`'s checks: the training policy's and the sampler's log-probs and the mask."""
+    if not isinstance(config, RolloutCorrection):
+        raise TypeError(f"config: expected a RolloutCorrection, got {type(config).__name__}")
+    check_tensor("train_logprobs", train_logprobs, kind="float")
+    if train_logprobs.dim() not in (1, 2):
+        raise ValueError(f"train_logprobs: expected [B, T] or [N], got shape {tuple(train_logprobs.shape)}")
+    device, token_shape = train_logprobs.device, tuple(train_logprobs.shape)
+    _check_per_token(token_shape, device, rollout_logprobs=args.rollout_logprobs, response_mask=args.response_mask)
+    check_cu_seqlens(args.cu_seqlens, token_shape, device)
+    layout = _layout(token_shape, device, args)
+    mask = args.response_mask.reshape(-1).bool()
+    if validate:
+        checks = ValueChecks()
+        checks.layout(args.cu_seqlens, layout.num_tokens, args.token_index, layout.positions)
+        checks.values(mask, "tokens of the response mask",
+                      not_nan=[("train_logprobs", _flat(train_logprobs)),
+                               ("rollout_logprobs", _flat(args.rollout_logprobs))])
+        checks.run()
+    return _batch(token_shape, mask, layout, args)

@@ -1,0 +1,152 @@
+"""Autograd around the vocabulary passes: the one place that resolves `backend=` and picks the route.
+
+A call's statistics of the current policy (log-prob, entropy, sum p^2 per row, SPEC §2) come from one of
+these routes, chosen here from the prepared batch:
+
+    logits                        vocab.token_stats          the custom op (its backward: token_grad)
+    logits, tp_group              vocab_parallel             one all_gather forward (SPEC §2.2)
+    logits, a small kept set      kept_set                   the K kept logits gathered (SPEC §2.3)
+    logits, a large kept set      vocab.token_stats          on logits masked to -inf outside the set
+    hidden + head                 linear.linear_token_stats  logits a chunk of rows at a time (SPEC §2.1)
+    hidden + head, tp_group       vocab_parallel             its fused-linear form
+    hidden + head, small kept set kept_set                   the K kept rows of the head
+
+`coefficients.CoefficientLossFunction` carries the stage's closed-form (c_t, e_t) back to whichever
+produced the statistics. Modules: vocab.py (the custom ops over logits), linear.py (the fused-linear
+custom ops), kept_set.py (sampler replay), vocab_parallel.py (tensor parallelism), coefficients.py.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import backends
+from ..backends.base import rows_form_one_sequence
+from . import kept_set, linear, vocab, vocab_parallel
+from .coefficients import CoefficientLossFunction
+
+__all__ = ["CoefficientLossFunction", "PassOptions", "Statistics", "linear_token_stats", "token_stats"]
+
+
+class PassOptions(NamedTuple):
+    """What a vocabulary pass computes and how (the call's options, not the data)."""
+    entropy: bool = False
+    sum_pi_squared: bool = False
+    backend: str = "auto"
+    chunk_rows: Optional[int] = None  # the torch backend's rows per chunk (logits)
+    memory_budget_bytes: Optional[int] = None  # the fused-linear path's chunk of logits (hidden + head)
+    inplace_backward: bool = False  # the gradient may overwrite the logits' storage
+
+
+class Statistics(NamedTuple):
+    logprobs: torch.Tensor  # [N] float32 (float64 for float64 inputs); autograd to the logits (hidden, head)
+    entropy: Optional[torch.Tensor]  # [N], with autograd, or None
+    sum_pi_squared: Optional[torch.Tensor]  # [N], no autograd, or None
+
+
+def _elements_may_share_memory(t: torch.Tensor) -> bool:
+    """False when no two elements of `t` can share memory: with its dimensions sorted by stride, each
+    stride reaches past everything the smaller ones span. (torch's own internal-overlap check answers
+    "too hard" for the causal-shift view and for partly overlapping views alike.)"""
+    extent = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
+def logit_rows(logits: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
+    """The logits as the vocabulary passes take them: [N, V], or [B, T, V] when the rows do not form
+    one strided sequence (the causal shift `model_out[:, :-1]`): read where they lie, never copied.
+
+    Only a non-unit stride along V is copied (the kernels stream rows), and only rank > 3 is
+    flattened with a possible copy."""
+    if inplace_backward and _elements_may_share_memory(logits):
+        raise ValueError(
+            f"logits: inplace_backward=True needs logits whose elements do not share memory, got strides "
+            f"{logits.stride()} for shape {tuple(logits.shape)} (an expand()ed or overlapping view); pass "
+            "inplace_backward=False"
+        )
+    if logits.stride(-1) != 1:
+        if inplace_backward:
+            raise ValueError(f"logits: inplace_backward=True needs unit stride along V, got strides {logits.stride()}")
+        logits = logits.contiguous()
+    V = logits.shape[-1]
+    if logits.dim() == 2:
+        return logits
+    if logits.dim() == 3:
+        return logits.view(-1, V) if rows_form_one_sequence(logits) else logits
+    if inplace_backward:
+        raise ValueError(
+            f"logits: inplace_backward=True needs [N, V] or [B, T, V] rows, got shape {tuple(logits.shape)}"
+        )
+    return logits.reshape(-1, V)
+
+
+def _present(stats, options: PassOptions) -> Statistics:
+    lp, ent, s2 = stats[-3:]
+    return Statistics(lp, ent if options.entropy else None, s2 if options.sum_pi_squared else None)
+
+
+def token_stats(logits: torch.Tensor, batch, options: PassOptions) -> Statistics:
+    """The current policy's statistics from logits [..., V] for `batch` (an inputs.PreparedBatch). The
+    backend is chosen here, once per call, and the forward and its backward run that choice by name."""
+    inplace = options.inplace_backward
+    if batch.support is not None:
+        rows = logit_rows(logits, False)
+        if kept_set.gathers(batch.support.shape[1], rows.shape[-1]):
+            return Statistics(*kept_set.kept_set_stats(
+                kept_set.logits_kept(rows, batch.support), batch.support >= 0,
+                kept_set.label_slots(batch.support, batch.row_labels), vocab.temperature_value(batch.temperature),
+                options.entropy, options.sum_pi_squared))
+        # a large kept set: the vocabulary pass over logits masked to -inf outside it (a temporary of
+        # ours, so its gradient may overwrite it in place)
+        logits = rows.masked_fill(~kept_set.kept_mask(batch.support, rows.shape[-1]).reshape(rows.shape),
+                                  float("-inf"))
+        inplace = True
+    rows = logit_rows(logits, inplace)
+    name = backends.resolve(options.backend, rows)
+    if batch.tp_group is not None:
+        return Statistics(*vocab_parallel.vocab_parallel_token_stats(
+            rows, batch.row_labels, vocab.host_float(batch.temperature), options.entropy, options.sum_pi_squared,
+            name, options.chunk_rows, batch.tp_group))
+    return _present(vocab.token_stats(rows, batch.row_labels, batch.temperature, options.entropy,
+                                      options.sum_pi_squared, inplace, name, options.chunk_rows or 0), options)
+
+
+def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch,
+                       options: PassOptions) -> Statistics:
+    """The statistics of logits = hidden @ weight.T + bias ([N, H] hidden), never forming [N, V]; the backend
+    is chosen here, once per call. With a small kept set only the kept ids' logits, from the K gathered rows
+    of the head, for the rows in the loss."""
+    if batch.support is not None and kept_set.gathers(batch.support.shape[1], weight.shape[0]):
+        return _linear_kept_set_stats(hidden, weight, bias, batch, options)
+    name = backends.resolve(options.backend, hidden)
+    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
+    if batch.tp_group is not None:
+        return Statistics(*vocab_parallel.vocab_parallel_linear_token_stats(
+            hidden, weight, bias, batch.row_labels, vocab.host_float(batch.temperature), options.entropy,
+            options.sum_pi_squared, name, chunk_rows, batch.tp_group))
+    return _present(linear.linear_token_stats(
+        hidden, weight, bias, batch.row_labels, batch.temperature, options.entropy, options.sum_pi_squared, name,
+        chunk_rows, False, batch.support), options)  # a large kept set: masked chunks of logits
+
+
+def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) -> Statistics:
+    """The kept-set statistics of the rows in the loss (the others stay 0 and never touch the head)."""
+    N = hidden.shape[0]
+    row_labels, support, temperature = batch.row_labels, batch.support, vocab.temperature_value(batch.temperature)
+    rows = torch.nonzero(row_labels >= 0).squeeze(1)  # a sync, as the fused-linear path's own row selection
+    budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
+    sub = support.index_select(0, rows)
+    kept = kept_set.linear_logits_kept(hidden.index_select(0, rows), weight, bias, sub, budget)
+    t_rows = temperature.index_select(0, rows) if isinstance(temperature, torch.Tensor) else temperature
+    stats = kept_set.kept_set_stats(kept, sub >= 0, kept_set.label_slots(sub, row_labels.index_select(0, rows)),
+                                    t_rows, options.entropy, options.sum_pi_squared)
+    acc = backends.statistics_dtype(hidden.dtype)
+
+    def full(t):
+        return None if t is None else torch.zeros(N, dtype=acc, device=hidden.device).index_copy(0, rows, t)
+
+    return Statistics(*(full(t) for t in stats))

@@ -1,0 +1,54 @@
+"""The per-sequence stage on [N] scalars (SPEC §4-§8): `run(stats, batch, config)` -> `StageOutput`.
+
+One torch implementation, run eagerly or compiled (`select`). Layout: loss.py builds the loss
+(inputs -> correction -> ratio -> the loss type's term -> weights and masks -> aggregation -> KL ->
+entropy -> scale); policy_terms.py holds one function per loss type behind the LOSS_TERMS table;
+correction.py the IS weights, rejection and rollout_corr/* metrics; segments.py the sequence structure;
+split.py the data- and context-parallel combines; metrics.py the combinable metric records.
+"""
+
+from typing import Optional
+
+import torch
+
+from .loss import StageOutput, run
+
+__all__ = ["StageOutput", "run", "select"]
+
+# Graphs the compiled stage may hold: Dynamo specialises sizes 0 and 1 even with dynamic=True, so one
+# option set can take ~5 graphs (padded B > 1, B = 1, T = 1, packed, one sequence); the default limit
+# of 8 would send a second option set back to eager without a word.
+STAGE_RECOMPILE_LIMIT = 64
+_COMPILED: list = []  # the one compiled stage of this process, built on first use
+
+
+def _compiled():
+    """`run` under torch.compile(dynamic=True). Dynamo keeps one compiled graph per static option set
+    (loss type, aggregation, IS level, rejection options, which inputs are present) and per size
+    specialisation, guarded on those; every float hyperparameter stays a run-time input (see
+    segments.hyper), so a new clip ratio, threshold, coefficient or global count reuses the graph."""
+    if _COMPILED:
+        return _COMPILED[0]
+    compiled = torch.compile(run, dynamic=True)
+
+    def compiled_run(stats, batch, config):
+        # no_grad: the stage's inputs are detached anyway, and Dynamo guards on grad mode (one graph
+        # for training steps and one for evaluation otherwise)
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=STAGE_RECOMPILE_LIMIT):
+            return compiled(stats, batch, config)
+
+    _COMPILED.append(compiled_run)
+    return compiled_run
+
+
+def select(tensor: torch.Tensor, compile_stage: Optional[bool]):
+    """`run`, eager or compiled. `compile_stage=None` compiles on CUDA, where its ~100 small ops would
+    otherwise be as many kernel launches; on the CPU they cost less than compilation saves. Inside a
+    caller's torch.compile region the eager function is returned, to be traced into the caller's graph."""
+    if torch.compiler.is_compiling():
+        return run
+    if compile_stage is None:  # Inductor generates Triton code for CUDA: without Triton, stay eager
+        from .. import backends
+
+        compile_stage = tensor.is_cuda and backends.is_available("triton")
+    return _compiled() if compile_stage else run

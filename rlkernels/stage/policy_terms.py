@@ -1,0 +1,381 @@
+"""The policy losses, one function per loss type, behind one table (SPEC §6, docs/losses.md).
+
+Each loss is a per-token term L_t with its derivative written in closed form, in two parts: `direct`,
+through the log-prob itself, and `through_ratio`, through the log-ratio log r (chained per token, or
+through a sequence's mean log-ratio with ratio_level="sequence"). The stage (stage/loss.py) does
+everything that is not the loss's own: IS weights and masks, aggregation, the KL and entropy terms,
+and the chain rule to (c_t, e_t). `rlkernels/reference/policy_terms.py` is the oracle's table, written
+with autograd instead of closed forms, to be read side by side with this one.
+
+A loss type is registered with `@loss_term(name, ...)`:
+- the function takes a `TermContext` and returns a `PolicyTerm`;
+- `sums`: the per-token values the loss needs summed per sequence (over the tokens no token-level
+  rejection drops); they come back in `ctx.sums`, whole over a context-parallel split;
+- `weights_itself`: the loss applies the IS weights itself (else the stage multiplies the term by them);
+- `ratio_levels`: the loss is written on a ratio r that may be taken per sequence (ratio_level="sequence");
+- `batch_global`: the loss selects tokens over the whole batch (no split batches);
+- `aggregation`: the (loss_agg_mode, seq_mean_over) the loss defines for itself, in place of the config's.
+`LOSS_TYPES` and the option tuples of rlkernels.config are read off this table.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .segments import hyper
+
+CLAMP = 20.0  # SPEC §4: every log-ratio is clamped before exp
+
+
+class TermContext(NamedTuple):
+    """What a loss term may read. Per-token tensors are [N] in the statistics' dtype, 0 off the mask."""
+    lp: Tensor  # current log-probs
+    advantages: Tensor
+    log_ratio: Tensor  # lp - l_old, unclamped
+    ratio: Tensor  # r: exp of the (clamped) token or sequence log-ratio
+    l_old: Tensor  # the proximal log-probs of SPEC §1's mode
+    config: "PolicyLossConfig"  # noqa: F821 (duck-typed: the stage imports no config)
+    sequences: "SequenceContext"
+    weights: "WeightContext"
+    metrics: "Metrics"  # noqa: F821 (loss-specific metrics are recorded here)
+
+
+class SequenceContext(NamedTuple):
+    segments: "Segments"  # noqa: F821
+    sums: Callable[[str], Tensor]  # name -> [S] per-sequence sum of a column the loss asked for
+    lengths: Tensor  # [S] tokens of each sequence in the final mask, at least 1
+    final_lengths: Tensor  # [S] the same, 0 for an empty sequence
+    final_mask: Tensor  # [N] bool, m' after rejection
+    kept_tokens: Tensor  # 0-d |m'| of the (whole) batch
+    all_seqs: Tensor  # 0-d, every sequence of the (whole) batch, empty ones included
+
+
+class WeightContext(NamedTuple):
+    is_weights: Optional[Tensor]  # [N] the applied IS weights (computed or the trainer's), or None
+    norm_factor: Optional[Tensor]  # 0-d batch normalisation factor of computed weights
+    weighted: bool  # the stage applies IS weights to the policy term (decoupled mode, or given weights)
+    token_level: bool  # per-token weights exist: the trainer's own (is_weights=), or computed at is_level="token"
+    sequence_weights: Optional[Tensor]  # [S] truncated sequence weights (is_level="sequence")
+
+
+class SumInputs(NamedTuple):
+    """What a loss's `sums` hook may read (before rejection and IS weights are decided)."""
+    lp: Tensor
+    advantages: Tensor
+    log_ratio: Tensor
+    given_weights: Optional[Tensor]
+    config: "PolicyLossConfig"  # noqa: F821
+
+
+class PolicyTerm(NamedTuple):
+    value: Tensor  # [N] L_t
+    direct: Tensor  # [N] dL_t / dlp through the log-prob itself
+    through_ratio: Optional[Tensor]  # [N] dL_t / dlog r, or None
+    clipped: Tensor  # [N] bool, reported as actor/pg_clipfrac
+    dual: Tensor  # [N] bool, reported as actor/pg_clipfrac_lower
+    kl_metric: Optional[Tensor] = None  # [N] actor/ppo_kl's per-token value (None: -log r, clamped as r is)
+    applied_weights: Optional[Tensor] = None  # [N] the weights a `weights_itself` loss applied, or None
+    own_mean: Optional[Tuple[Tensor, Tensor]] = None  # (loss, [N] coefficients) of a loss with its own mean
+
+
+@dataclass(frozen=True)
+class LossType:
+    term: Callable[[TermContext], PolicyTerm]
+    sums: Optional[Callable[[SumInputs], Dict[str, object]]] = None
+    weights_itself: bool = False
+    ratio_levels: bool = False
+    batch_global: bool = False
+    aggregation: Optional[Tuple[str, str]] = None
+
+
+LOSS_TERMS: Dict[str, LossType] = {}
+
+
+def loss_term(*names: str, sums=None, weights_itself: bool = False, ratio_levels: bool = False,
+              batch_global: bool = False, aggregation: Optional[Tuple[str, str]] = None):
+    """Register the decorated function as the term of loss type(s) `names` (see the module docstring)."""
+    def register(fn):
+        for name in names:
+            LOSS_TERMS[name] = LossType(fn, sums, weights_itself, ratio_levels, batch_global, aggregation)
+        return fn
+    return register
+
+
+def _none(like: Tensor) -> Tensor:
+    return torch.zeros_like(like, dtype=torch.bool)
+
+
+def _ppo_clip(r: Tensor, A: Tensor, config, dual_clip: bool = True) -> PolicyTerm:
+    """max(-A r, -A clip(r, 1 - eps_lo, 1 + eps_hi)), with dual clip -A c for A < 0; d/dlog r = -A r
+    where the unclipped branch is active."""
+    L1 = -A * r
+    # clip bounds as tensors: a clip-ratio schedule must not recompile a compiled step
+    L2 = -A * torch.clamp(r, hyper(r, 1 - config.clip_ratio_low), hyper(r, 1 + config.clip_ratio_high))
+    clipped = L2 > L1
+    L = torch.where(clipped, L2, L1)
+    dual = torch.zeros_like(clipped)
+    if dual_clip and config.clip_ratio_c is not None:
+        L3 = -A * config.clip_ratio_c
+        dual = (A < 0) & (L3 < L)
+        L = torch.where(dual, L3, L)
+    g = torch.where(~clipped & ~dual, -A * r, torch.zeros_like(r))
+    return PolicyTerm(L, torch.zeros_like(L), g, clipped, dual)
+
+
+@loss_term("vanilla", "ppo_clip", ratio_levels=True)
+def ppo_clip(ctx: TermContext) -> PolicyTerm:
+    """PPO clip with dual clip (verl's vanilla)."""
+    return _ppo_clip(ctx.ratio, ctx.advantages, ctx.config)
+
+
+@loss_term("reinforce", weights_itself=True)
+def reinforce(ctx: TermContext) -> PolicyTerm:
+    """-A sg(w) lp: bypass mode's REINFORCE with the IS weights (1 without)."""
+    w = ctx.weights.is_weights
+    wv = w if w is not None else torch.ones_like(ctx.lp)
+    none = _none(ctx.lp)
+    return PolicyTerm(-ctx.advantages * wv * ctx.lp, -ctx.advantages * wv, None, none, none, applied_weights=w)
+
+
+@loss_term("gpg")
+def gpg(ctx: TermContext) -> PolicyTerm:
+    """Plain policy gradient on the log-prob."""
+    none = _none(ctx.lp)
+    return PolicyTerm(-ctx.advantages * ctx.lp, -ctx.advantages, None, none, none)
+
+
+@loss_term("sapo", ratio_levels=True)
+def sapo(ctx: TermContext) -> PolicyTerm:
+    """Soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau, tau by the advantage's sign."""
+    r, A, config = ctx.ratio, ctx.advantages, ctx.config
+    tau = torch.where(A > 0, hyper(r, config.tau_pos), hyper(r, config.tau_neg))
+    gate = torch.sigmoid(tau * (r - 1))
+    none = _none(A)
+    return PolicyTerm(-A * gate * 4 / tau, torch.zeros_like(r), -A * 4 * gate * (1 - gate) * r, none, none)
+
+
+def _sequence_log_ratio(s: SumInputs) -> Dict[str, object]:
+    return {"pg_delta": s.log_ratio}
+
+
+@loss_term("gspo", sums=_sequence_log_ratio)
+def gspo(ctx: TermContext) -> PolicyTerm:
+    """s = exp(sg[mean log-ratio of the sequence] + lp - sg[lp]), clipped as PPO (the token form)."""
+    A, config, seq = ctx.advantages, ctx.config, ctx.sequences
+    log_s = seq.segments.expand(seq.sums("pg_delta") / seq.lengths)
+    s_ratio = torch.exp(log_s.clamp(max=10.0))
+    L1 = -A * s_ratio
+    lo, hi = hyper(s_ratio, 1 - config.clip_ratio_low), hyper(s_ratio, 1 + config.clip_ratio_high)
+    L2 = -A * torch.clamp(s_ratio, lo, hi)
+    clipped = L2 > L1
+    # d s / d lp = s (the lp - sg[lp] term), per token
+    dL = torch.where(~clipped & (log_s <= 10.0), -A * s_ratio, torch.zeros_like(s_ratio))
+    return PolicyTerm(torch.where(clipped, L2, L1), dL, None, clipped, _none(A),
+                      kl_metric=-ctx.log_ratio)  # verl's GSPO reports the unclamped log-ratio
+
+
+def _geo_clipped(s) -> Tuple[Tensor, Tensor, Tensor]:
+    """GMPO's token-level clip toward the advantage's sign, in log space: (sign, clipped d, d_min)."""
+    sign = torch.sign(s.advantages)
+    d_clip = torch.clamp(s.log_ratio, hyper(s.lp, -s.config.clip_ratio_low), hyper(s.lp, s.config.clip_ratio_high))
+    return sign, d_clip, sign * torch.minimum(sign * s.log_ratio, sign * d_clip)
+
+
+def _geo_sums(s: SumInputs) -> Dict[str, object]:
+    _, _, d_min = _geo_clipped(s)
+    # "log_weights": a callable is applied to the log of the token IS weights computed in the stage
+    log_weights = (lambda lw: lw) if s.given_weights is None else torch.log(s.given_weights)
+    return {"gm_delta": d_min, "gm_adv": s.advantages, "log_weights": log_weights}
+
+
+@loss_term("geo_mean", sums=_geo_sums, weights_itself=True)
+def geo_mean(ctx: TermContext) -> PolicyTerm:
+    """GMPO: -mean_i(A_i exp(mean_t d_min)) over every sequence of the batch (its own mean, as verl's)."""
+    seq, w = ctx.sequences, ctx.weights
+    sign, d_clip, _ = _geo_clipped(ctx)
+    zero = torch.zeros_like(ctx.lp)
+    seq_ratio = torch.exp(seq.sums("gm_delta") / seq.lengths)
+    seq_adv = seq.sums("gm_adv") / seq.lengths
+    seq_w, applied = torch.ones_like(seq_ratio), None
+    if w.weighted:  # the geometric mean of each sequence's weights
+        if w.token_level:
+            seq_w = torch.exp(seq.sums("log_weights") / seq.lengths) / w.norm_factor
+        else:
+            seq_w = w.sequence_weights / w.norm_factor
+        applied = torch.where(seq.final_mask, seq.segments.expand(seq_w), zero)
+    seq_coef = torch.where(seq.final_lengths > 0, -seq_adv * seq_ratio * seq_w, torch.zeros_like(seq.lengths))
+    per_token = seq.segments.expand(seq_coef / seq.lengths) / seq.all_seqs.clamp_min(1)
+    # each token carries 1/n of its sequence's term, so that context-parallel ranks' losses add up
+    live = (sign != 0) & (sign * ctx.log_ratio <= sign * d_clip)  # d d_min / d lp: 1 unclipped, else 0
+    own_mean = (torch.where(seq.final_mask, per_token, zero).sum(), torch.where(live, per_token, zero))
+    outside = ctx.log_ratio != d_clip
+    A = ctx.advantages
+    return PolicyTerm(zero, zero, None, outside & (A > 0), outside & (A < 0), kl_metric=-ctx.log_ratio,
+                      applied_weights=applied, own_mean=own_mean)
+
+
+@loss_term("cispo", ratio_levels=True)
+def cispo(ctx: TermContext) -> PolicyTerm:
+    """-sg(c) A lp, c the clipped (verl) or capped (TRL's cispo_cap) ratio."""
+    r, A, config = ctx.ratio, ctx.advantages, ctx.config
+    if config.cispo_cap is None:
+        c = torch.clamp(r, hyper(r, 1 - config.clip_ratio_low), hyper(r, 1 + config.clip_ratio_high))
+        clipped = r != c
+    else:
+        c = torch.minimum(r, hyper(r, config.cispo_cap))
+        clipped = (r > c) & (A > 0)  # TRL's cispo_clip_ratio
+    return PolicyTerm(-c * A * ctx.lp, -c * A, None, clipped, torch.zeros_like(clipped))
+
+
+@loss_term("dro")
+def dro(ctx: TermContext) -> PolicyTerm:
+    """-(lp A - beta/2 (lp - l_old)^2), the log-ratio unclamped."""
+    d, A = ctx.log_ratio, ctx.advantages
+    beta = hyper(ctx.lp, ctx.config.dro_beta)
+    none = _none(A)
+    return PolicyTerm(-(ctx.lp * A - 0.5 * beta * d * d), -A + beta * d, None, none, none, kl_metric=-d)
+
+
+def _dppo_inside(ctx: TermContext, kind: str) -> Tensor:
+    """DPPO's trust region on the sampled token's probability (bool per token): the total variation
+    p - p_old (dppo_tv) or the binary KL between Bernoulli(p_old) and Bernoulli(p) (dppo_kl) within
+    eps_hi (A > 0) or eps_lo (A <= 0); the binary KL only limits moves toward the advantage."""
+    lp, l_old, A, config = ctx.lp, ctx.l_old, ctx.advantages, ctx.config
+    p, p_old = torch.exp(lp), torch.exp(l_old)
+    hi, lo = hyper(lp, config.clip_ratio_high), hyper(lp, config.clip_ratio_low)
+    if kind == "tv":
+        return torch.where(A > 0, p - p_old <= hi, p - p_old >= -lo)
+    bkl = p_old * (l_old - lp) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))  # verl's guards
+    return torch.where(A > 0, (bkl <= hi) | (p <= p_old), (bkl <= lo) | (p >= p_old))
+
+
+def _dppo(ctx: TermContext, kind: str) -> PolicyTerm:
+    """-A sg(min(r, c)) lp on the tokens inside the divergence region."""
+    r, A, config = ctx.ratio, ctx.advantages, ctx.config
+    cap = hyper(r, 20.0 if config.clip_ratio_c is None else config.clip_ratio_c)
+    truncated = torch.minimum(r, cap)
+    inside = _dppo_inside(ctx, kind)
+    zero = torch.zeros_like(r)
+    return PolicyTerm(torch.where(inside, -A * truncated * ctx.lp, zero), torch.where(inside, -A * truncated, zero),
+                      None, ~inside, (r > cap) & inside)
+
+
+@loss_term("dppo_tv")
+def dppo_tv(ctx: TermContext) -> PolicyTerm:
+    return _dppo(ctx, "tv")
+
+
+@loss_term("dppo_kl")
+def dppo_kl(ctx: TermContext) -> PolicyTerm:
+    return _dppo(ctx, "kl")
+
+
+@torch.compiler.disable
+def _covariance_selection(loss_type: str, lp: Tensor, A: Tensor, mask: Tensor, candidates: Tensor,
+                          config) -> Tensor:
+    """verl's Clip-Cov / KL-Cov token selection ([N] bool), on the covariance of the advantage and the
+    log-prob over the mask. It needs counts on the host, as verl's does (one sync; a graph break under
+    torch.compile), and Clip-Cov's draw is torch.randperm on the default CPU generator over the
+    candidates in token order, as verl's: the same tokens under the same torch.manual_seed."""
+    n = int(mask.sum())
+    chosen = torch.zeros_like(mask)
+    if n == 0:
+        return chosen
+    m = mask.to(lp.dtype)
+    # Clip-Cov's means divide by n + 1e-8 (verl's masked_mean), KL-Cov's by n (a plain mean), as verl's:
+    # at a threshold of 0 the difference decides whether a one-token batch's covariance is 0 or 4e-16
+    count = n + 1e-8 if loss_type == "clip_cov" else n
+    cov = (A - (A * m).sum() / count) * (lp - (lp * m).sum() / count)
+    if loss_type == "clip_cov":
+        idx = torch.nonzero(candidates & mask & (cov > config.clip_cov_lb) & (cov < config.clip_cov_ub)).flatten()
+        if idx.numel():
+            pick = torch.randperm(idx.numel())[: max(int(config.clip_cov_ratio * n), 1)]
+            chosen[idx[pick.to(idx.device)]] = True
+        return chosen
+    valid = torch.nonzero(mask).flatten()
+    top = torch.topk(cov[valid], max(1, int(n * config.kl_cov_ratio)), largest=True).indices
+    chosen[valid[top]] = True
+    return chosen
+
+
+@loss_term("clip_cov", batch_global=True)
+def clip_cov(ctx: TermContext) -> PolicyTerm:
+    """PPO clip (no dual clip) on the unclamped ratio; a random few high-covariance tokens get no gradient."""
+    A, lp, d = ctx.advantages, ctx.lp, ctx.log_ratio
+    base = _ppo_clip(torch.exp(d), A, ctx.config, dual_clip=False)
+    chosen = _covariance_selection("clip_cov", lp, A, ctx.sequences.final_mask, ~base.clipped, ctx.config)
+    keep = (~chosen).to(lp.dtype)
+    return PolicyTerm(base.value * keep, base.direct, base.through_ratio * keep, chosen, _none(A), kl_metric=-d)
+
+
+@loss_term("kl_cov", batch_global=True)
+def kl_cov(ctx: TermContext) -> PolicyTerm:
+    """The top-covariance tokens get a |log-ratio| penalty, the rest the unclipped -A r (unclamped)."""
+    A, lp, d = ctx.advantages, ctx.lp, ctx.log_ratio
+    r_raw = torch.exp(d)
+    final_mask = ctx.sequences.final_mask
+    chosen = _covariance_selection("kl_cov", lp, A, final_mask, final_mask, ctx.config)
+    coef = hyper(lp, ctx.config.ppo_kl_coef)
+    zero = torch.zeros_like(lp)
+    penalty = torch.where(chosen, coef * d.abs(), zero)
+    d_penalty = torch.where(chosen, coef * torch.sign(d), zero)
+    return PolicyTerm(-A * r_raw + penalty, d_penalty, -A * r_raw, chosen, _none(A), kl_metric=d.abs())
+
+
+
+def _topr_sums(s: SumInputs) -> Dict[str, object]:
+    return {"pg_delta": s.log_ratio, "adv": s.advantages}
+
+
+@loss_term("topr", sums=_topr_sums)
+def topr(ctx: TermContext) -> PolicyTerm:
+    """-A sg(tau_i) lp; tau_i = clip(exp(mean log-ratio), lo, hi) if the sequence's mean A < 0, else 1."""
+    seq, config = ctx.sequences, ctx.config
+    w_seq = torch.exp((seq.sums("pg_delta") / seq.lengths).clamp(max=10.0))
+    # a sequence that rejection emptied has no advantage left (verl sees it through response_mask)
+    negative = (seq.sums("adv") / seq.lengths < 0) & (seq.final_lengths > 0)
+    lo, hi = hyper(w_seq, config.topr_negative_ratio_lower), hyper(w_seq, config.topr_negative_ratio_upper)
+    taper = torch.where(negative, torch.minimum(torch.maximum(w_seq, lo), hi), torch.ones_like(w_seq))
+    tau = seq.segments.expand(taper)
+    everyone = torch.ones_like(negative)
+    ctx.metrics.mean("actor/topr_negative_seq_frac", negative.to(w_seq.dtype), everyone, seq.all_seqs, True)
+    ctx.metrics.mean("actor/topr_taper_weight_mean", taper, everyone, seq.all_seqs, True)
+    A = ctx.advantages
+    none = _none(A)
+    return PolicyTerm(-A * ctx.lp * tau, -A * tau, None, none, none, kl_metric=-ctx.log_ratio)
+
+
+# LUSPO (TRL): PPO clip's term under its own length-unbiased aggregation (a token sum per sequence, averaged over
+# every sequence), which stands for loss_agg_mode wherever that applies (policy term, KL, and the entropy unless
+# entropy_agg_mode names another)
+loss_term("luspo", ratio_levels=True, aggregation=("seq-mean-token-sum", "all"))(ppo_clip)
+
+
+def _vespo_sums(s: SumInputs) -> Dict[str, object]:
+    """TRL's get_gamma_weights: a sequence sum of clamped log-ratios (and of the token IS weights' logs)."""
+    floor = math.log(1e-8)
+    clamp_log_w = lambda lw: lw.clamp(floor, CLAMP)  # noqa: E731
+    log_weights = clamp_log_w if s.given_weights is None else clamp_log_w(torch.log(s.given_weights))
+    return {"vespo_delta": s.log_ratio.clamp(-CLAMP, CLAMP), "log_weights": log_weights}
+
+
+@loss_term("vespo", sums=_vespo_sums, weights_itself=True, ratio_levels=True)
+def vespo(ctx: TermContext) -> PolicyTerm:
+    """-sg(phi) A lp, phi = e^lambda w^k e^(-lambda w) of the sequence ratio w (token IS weights folded in)."""
+    seq, config, lp = ctx.sequences, ctx.config, ctx.lp
+    log_w = seq.sums("vespo_delta")
+    if ctx.weights.token_level:
+        log_w = log_w + seq.sums("log_weights")
+    log_w = seq.segments.expand(log_w.clamp(math.log(1e-8), CLAMP))
+    nonneg = ctx.advantages >= 0
+    k = torch.where(nonneg, hyper(lp, config.vespo_k_pos), hyper(lp, config.vespo_k_neg))
+    lam = torch.where(nonneg, hyper(lp, config.vespo_lambda_pos), hyper(lp, config.vespo_lambda_neg))
+    lam = lam.clamp_min(1e-4)  # TRL's floor
+    phi = torch.nan_to_num(torch.exp(lam + k * log_w - lam * torch.exp(log_w)), nan=0.0, posinf=0.0, neginf=0.0)
+    ctx.metrics.mean("actor/vespo_phi_seq_mean", phi, seq.final_mask, seq.kept_tokens)
+    A = ctx.advantages
+    none = _none(A)
+    return PolicyTerm(-phi * A * lp, -phi * A, None, none, none, kl_metric=-ctx.log_ratio)
