@@ -34,8 +34,6 @@ SEQUENCE_RATIO_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entr
 # losses whose selection is batch-global (a host sync, as in verl; no split batches)
 COVARIANCE_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.batch_global)
 IS_MODES = ("truncate", "mask")
-# verl 0.9.1 losses whose registered function ignores the actor's loss_agg_mode for one of its own
-VERL_FIXED_AGGREGATION = {"sapo": "seq-mean-token-mean"}
 SEQ_MEAN_OVER = ("nonempty", "all")
 LOSS_AGG_MODES = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
@@ -50,7 +48,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 Threshold = Union[float, Tuple[float, float]]
 
 
-def _is_number(x) -> bool:
+def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -63,7 +61,7 @@ def _checking_values() -> bool:
 
 
 def check_finite_positive(name: str, value, *, allow_zero: bool = False) -> float:
-    if not _is_number(value):
+    if not is_number(value):
         raise TypeError(f"{name}: expected a number, got {value!r} ({type(value).__name__})")
     if not _checking_values():
         return value
@@ -78,7 +76,7 @@ def check_finite_positive(name: str, value, *, allow_zero: bool = False) -> floa
 def _ratio_bounds(name: str, value, open_ends: bool = False) -> Tuple[float, float]:
     """A k1 / IcePop bound: (lo, hi) with 0 < lo <= hi, or a single hi meaning (1/hi, hi).
     `open_ends` (IS thresholds): lo may be 0 and hi may be inf (TRL's unset C_min / C_max)."""
-    if _is_number(value):
+    if is_number(value):
         hi = check_finite_positive(name, value)
         if not _checking_values():
             return (1.0 / hi, hi)
@@ -87,7 +85,7 @@ def _ratio_bounds(name: str, value, open_ends: bool = False) -> Tuple[float, flo
         return (1.0 / hi, hi)
     if isinstance(value, (tuple, list)) and len(value) == 2:
         lo = check_finite_positive(f"{name}[0] (lo)", value[0], allow_zero=open_ends)
-        if open_ends and _is_number(value[1]) and value[1] == math.inf:
+        if open_ends and is_number(value[1]) and value[1] == math.inf:
             hi = math.inf
         else:
             hi = check_finite_positive(f"{name}[1] (hi)", value[1])
@@ -122,7 +120,7 @@ class RolloutCorrection:
     def __post_init__(self):
         if self.is_level not in IS_LEVELS:
             raise ValueError(f"is_level: expected one of {IS_LEVELS}, got {self.is_level!r}")
-        if _is_number(self.is_threshold):
+        if is_number(self.is_threshold):
             threshold: Threshold = check_finite_positive("is_threshold", self.is_threshold)
         else:
             threshold = _ratio_bounds("is_threshold", self.is_threshold, open_ends=True)
@@ -149,7 +147,7 @@ class RolloutCorrection:
             if option.endswith("k1"):
                 normalized.append((option, _ratio_bounds(name, bound)))
             else:
-                if not _is_number(bound):
+                if not is_number(bound):
                     raise TypeError(f"{name}: expected one upper bound u (keep stat <= u) for {option}, got {bound!r}")
                 normalized.append((option, check_finite_positive(name, bound)))
         object.__setattr__(self, "rs", tuple(normalized))
@@ -209,14 +207,9 @@ class RolloutCorrection:
         return cls(**{"is_level": "token", "is_threshold": tuple(bounds), **kw})
 
     @classmethod
-    def from_verl(
-        cls,
-        rollout_is=None,
-        rollout_is_threshold: Union[float, str, None] = 2.0,
-        rollout_rs: Optional[str] = None,
-        rollout_rs_threshold: Union[float, str, None] = None,
-        rollout_is_batch_normalize: bool = False,
-    ) -> "RolloutCorrection":
+    def from_verl(cls, rollout_is=None, rollout_is_threshold: Union[float, str, None] = 2.0,
+                  rollout_rs: Optional[str] = None, rollout_rs_threshold: Union[float, str, None] = None,
+                  rollout_is_batch_normalize: bool = False) -> "RolloutCorrection":
         """Build from verl's ``algorithm.rollout_correction`` strings, or from that config node itself (a dict,
         an OmegaConf node or verl's ``RolloutCorrectionConfig``, read as verl's loss functions read it:
         ``get(key, default)`` with the defaults of this signature; its other keys, such as ``loss_type``, are
@@ -230,62 +223,10 @@ class RolloutCorrection:
         checked whether or not an option is in use (a bool threshold raises in every form). Every error
         names the argument of this function that caused it.
         """
-        if rollout_is is not None and not isinstance(rollout_is, str):  # verl's config node
-            node = rollout_is
-            if not (isinstance(node, Mapping) or hasattr(node, "get")):
-                raise TypeError(f"rollout_is: expected None, 'token', 'sequence' or verl's rollout_correction config "
-                                f"(a mapping), got {node!r}")
-            return cls.from_verl(node.get("rollout_is", None), node.get("rollout_is_threshold", 2.0),
-                                 node.get("rollout_rs", None), node.get("rollout_rs_threshold", None),
-                                 node.get("rollout_is_batch_normalize", False))
-        for name, value in (("rollout_is_threshold", rollout_is_threshold), ("rollout_rs_threshold",
-                                                                               rollout_rs_threshold)):
-            if isinstance(value, bool) or not (value is None or _is_number(value) or isinstance(value, str)):
-                raise TypeError(f"{name}: expected a number, a 'lo_hi' string or None, got {value!r}")
-        if isinstance(rollout_is, str) and rollout_is.strip() in ("", "none", "None"):
-            rollout_is = None
-        if rollout_is not in IS_LEVELS:
-            raise ValueError(f"rollout_is: expected None, 'token' or 'sequence', got {rollout_is!r}")
-        if not isinstance(rollout_is_batch_normalize, bool):
-            raise TypeError(f"rollout_is_batch_normalize: expected a bool, got {rollout_is_batch_normalize!r}")
-        # verl computes no weights when the threshold is None, whatever rollout_is says
-        is_level = rollout_is if rollout_is_threshold is not None else None
-        is_threshold: Threshold = 2.0
-        if is_level is not None:
-            is_threshold = _parse_verl_bound("rollout_is_threshold", rollout_is_threshold)
-            _renamed(lambda: cls(is_threshold=is_threshold), "is_threshold", "rollout_is_threshold")
-        rs: Tuple[Tuple[str, Threshold], ...] = ()
-        if rollout_rs not in (None, "", "none", "None"):
-            if not isinstance(rollout_rs, str):
-                raise TypeError(f"rollout_rs: expected a comma-separated string of options, got {rollout_rs!r}")
-            options = [o.strip() for o in rollout_rs.split(",") if o.strip()]
-            unknown = [o for o in options if o not in RS_OPTIONS]
-            if unknown:
-                raise ValueError(f"rollout_rs: unknown option(s) {unknown}; expected some of {RS_OPTIONS}")
-            if rollout_rs_threshold is None:
-                raise ValueError("rollout_rs_threshold: required when rollout_rs is set")
-            specs = (
-                [rollout_rs_threshold]
-                if _is_number(rollout_rs_threshold) or isinstance(rollout_rs_threshold, bool)
-                else [s.strip() for s in str(rollout_rs_threshold).split(",") if s.strip()]
-            )
-            if len(specs) == 1:
-                specs = specs * len(options)
-            if len(specs) != len(options):
-                raise ValueError(
-                    f"rollout_rs_threshold: expected 1 or {len(options)} comma-separated thresholds "
-                    f"for rollout_rs={rollout_rs!r}, got {rollout_rs_threshold!r}"
-                )
-            rs = tuple(
-                (opt, _parse_verl_bound(f"rollout_rs_threshold ({opt})", spec)) for opt, spec in zip(options, specs)
-            )
-            for pair in rs:
-                _renamed(lambda pair=pair: cls(rs=(pair,)), f"rs[{pair[0]!r}]", f"rollout_rs_threshold ({pair[0]})")
-            _renamed(lambda: cls(rs=rs), "rs", "rollout_rs")
-        return cls(
-            is_level=is_level, is_threshold=is_threshold, is_batch_normalize=rollout_is_batch_normalize, rs=rs
-        )
+        from .integrations.configs import rollout_correction_from_verl
 
+        return rollout_correction_from_verl(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold,
+                                            rollout_is_batch_normalize)
 
     @classmethod
     def from_trl(cls, vllm_importance_sampling_mode: str = "sequence_mask",
@@ -294,46 +235,10 @@ class RolloutCorrection:
         """Build from TRL 1.16's ``GRPOConfig`` vLLM importance-sampling options: token_ / sequence_
         level (a sequence weight is the product of its tokens' ratios, as in TRL), *_truncate
         (clamp to [C_min, C_max]) or *_mask (0 outside [C_min, C_max]); an unset bound is open."""
-        level, _, mode = str(vllm_importance_sampling_mode).partition("_")
-        if level not in ("token", "sequence") or mode not in IS_MODES:
-            raise ValueError("vllm_importance_sampling_mode: expected 'token_truncate', 'token_mask', "
-                             f"'sequence_truncate' or 'sequence_mask', got {vllm_importance_sampling_mode!r}")
-        lo = 0.0 if vllm_importance_sampling_clip_min is None else vllm_importance_sampling_clip_min
-        hi = math.inf if vllm_importance_sampling_clip_max is None else vllm_importance_sampling_clip_max
-        try:
-            return cls(is_level=level, is_threshold=(lo, hi), is_mode=mode)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(str(exc).replace("is_threshold[0] (lo)", "vllm_importance_sampling_clip_min")
-                            .replace("is_threshold[1] (hi)", "vllm_importance_sampling_clip_max")
-                            .replace("is_threshold", "vllm_importance_sampling_clip_min/max")) from None
+        from .integrations.configs import rollout_correction_from_trl
 
-
-def _renamed(build, field_name: str, argument: str) -> None:
-    """Run a constructor check and re-raise its error under the name the caller of from_verl used."""
-    try:
-        build()
-    except (TypeError, ValueError) as exc:
-        message = str(exc)
-        if message.startswith(field_name):
-            message = argument + message[len(field_name):]
-        raise type(exc)(message) from None
-
-
-def _parse_verl_bound(name: str, spec) -> Threshold:
-    if isinstance(spec, bool):
-        raise TypeError(f"{name}: expected a number or a 'lo_hi' string, got {spec!r}")
-    if _is_number(spec):
-        return float(spec)
-    if isinstance(spec, str):
-        text = spec.strip()
-        try:
-            if "_" in text:
-                lo, hi = text.split("_", 1)
-                return (float(lo), float(hi))
-            return float(text)
-        except ValueError:
-            pass
-    raise ValueError(f"{name}: expected a number or a 'lo_hi' string, got {spec!r}")
+        return rollout_correction_from_trl(vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+                                           vllm_importance_sampling_clip_max)
 
 
 @dataclass(frozen=True)
@@ -463,7 +368,7 @@ class PolicyLossConfig:
             if value is not None:
                 object.__setattr__(self, name, check_finite_positive(name, value))
         object.__setattr__(self, "temperature", check_finite_positive("temperature", self.temperature))
-        if not _is_number(self.entropy_coeff):
+        if not is_number(self.entropy_coeff):
             raise TypeError(f"entropy_coeff: expected a number, got {self.entropy_coeff!r}")
         if _checking_values():
             if not math.isfinite(self.entropy_coeff):
@@ -511,17 +416,17 @@ class PolicyLossConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, check_finite_positive(name, getattr(self, name)))
         if self.off_policy_mask_threshold is not None:
-            if not _is_number(self.off_policy_mask_threshold):
+            if not is_number(self.off_policy_mask_threshold):
                 raise TypeError(f"off_policy_mask_threshold: expected a number or None, got "
                                 f"{self.off_policy_mask_threshold!r}")
             object.__setattr__(self, "off_policy_mask_threshold", float(self.off_policy_mask_threshold))
         for name in ("vespo_k_pos", "vespo_k_neg"):
-            if not _is_number(getattr(self, name)):
+            if not is_number(getattr(self, name)):
                 raise TypeError(f"{name}: expected a number, got {getattr(self, name)!r}")
         for name in ("vespo_lambda_pos", "vespo_lambda_neg", "clip_cov_ratio", "kl_cov_ratio"):
             object.__setattr__(self, name, check_finite_positive(name, getattr(self, name)))
         for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
-            if not _is_number(getattr(self, name)):
+            if not is_number(getattr(self, name)):
                 raise TypeError(f"{name}: expected a number, got {getattr(self, name)!r}")
         for name in ("topr_negative_ratio_lower", "topr_negative_ratio_upper"):
             object.__setattr__(self, name, check_finite_positive(name, getattr(self, name), allow_zero=True))
@@ -558,78 +463,9 @@ class PolicyLossConfig:
         (verl keeps it under ``algorithm.rollout_correction``: see ``RolloutCorrection.from_verl``). An
         explicit ``rollout_correction=`` wins, and so do keyword overrides. Anything this library does not
         compute raises an error naming verl's option."""
+        from .integrations.configs import policy_loss_config_from_verl_actor
 
-        def get(node, key, default=None):
-            if node is None:
-                return default
-            if isinstance(node, dict) or hasattr(node, "keys"):
-                return node.get(key, default)
-            return getattr(node, key, default)
-
-        policy = get(actor, "policy_loss", {})
-        mode = get(policy, "loss_mode", "vanilla")
-        if isinstance(mode, str) and (mode == "rlkernels" or mode.startswith("rlkernels_")):
-            mode = mode[len("rlkernels_"):] or "vanilla"  # rlkernels' own losses as verl names them (its plugin)
-            for route in ("logits", "linear"):  # the same losses on the plugin's logits / linear routes
-                if mode == route or mode.startswith(route + "_"):
-                    mode = mode[len(route) + 1:] or "vanilla"
-        if mode == "bypass_mode":  # verl's apply_bypass_mode puts the correction under policy_loss.rollout_correction
-            node = get(policy, "rollout_correction", None)
-            if node is None:
-                raise ValueError("actor.policy_loss.rollout_correction: required with loss_mode='bypass_mode' (verl's "
-                                 "apply_bypass_mode sets it), got None")
-            mode = get(node, "loss_type", "ppo_clip")
-            if mode not in ("ppo_clip", "reinforce"):
-                raise ValueError(f"actor.policy_loss.rollout_correction.loss_type: expected 'ppo_clip' or "
-                                 f"'reinforce', got {mode!r}")
-            if rollout_correction is None:  # an explicit argument wins
-                try:
-                    rollout_correction = RolloutCorrection.from_verl(node)
-                except (TypeError, ValueError) as exc:
-                    raise type(exc)(f"actor.policy_loss.rollout_correction.{exc}") from None
-        elif mode not in LOSS_TYPES:
-            raise ValueError(f"actor.policy_loss.loss_mode: {mode!r} is not computed by rlkernels; supported: "
-                             f"{tuple(t for t in LOSS_TYPES if t != 'ppo_clip') + ('bypass_mode',)}")
-        clip = get(actor, "clip_ratio", 0.2)
-        low, high = get(actor, "clip_ratio_low", None), get(actor, "clip_ratio_high", None)
-        kw = dict(
-            loss_type=mode,
-            clip_ratio_low=clip if low is None else low,
-            clip_ratio_high=clip if high is None else high,
-            clip_ratio_c=get(actor, "clip_ratio_c", 3.0),
-            # verl 0.9.1's sapo aggregates seq-mean-token-mean whatever loss_agg_mode says (an explicit override
-            # still wins); geo_mean's own mean ignores it here as in verl
-            loss_agg_mode=VERL_FIXED_AGGREGATION.get(mode, get(actor, "loss_agg_mode", "token-mean")),
-            loss_scale_factor=get(actor, "loss_scale_factor", None),
-            entropy_coeff=float(get(actor, "entropy_coeff", 0.0)),
-            tau_pos=get(actor, "tau_pos", 1.0),
-            tau_neg=get(actor, "tau_neg", 1.05),
-            dro_beta=get(policy, "dro_beta", None),
-            rollout_correction=rollout_correction,
-        )
-        for key in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
-                    "topr_negative_ratio_lower", "topr_negative_ratio_upper"):
-            if get(policy, key, None) is not None:  # verl's None means its default, which is ours
-                kw[key] = get(policy, key)
-        if get(actor, "use_kl_loss", False):
-            kl_type = get(actor, "kl_loss_type", "low_var_kl")
-            if kl_type not in KL_TYPES:
-                raise ValueError(f"actor.kl_loss_type: {kl_type!r} is not computed by rlkernels; supported: "
-                                 f"{KL_TYPES}")
-            kw.update(kl_coef=float(get(actor, "kl_loss_coef", 0.001)), kl_type=kl_type)
-        verl_names = {"loss_type": "actor.policy_loss.loss_mode", "kl_coef": "actor.kl_loss_coef"}
-        verl_names.update({k: f"actor.policy_loss.{k}" for k in kw if k in (
-            "dro_beta", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
-            "topr_negative_ratio_lower", "topr_negative_ratio_upper")})
-        return cls._built_from(kw, overrides, lambda name: verl_names.get(name, f"actor.{name}"))
-
-    # TRL 1.16 loss_type -> (policy loss, aggregation, sequence means over every sequence)
-    _TRL_LOSSES = {
-        "grpo": ("vanilla", "seq-mean-token-mean", True), "sapo": ("sapo", "seq-mean-token-mean", True),
-        "bnpo": ("vanilla", "token-mean", False), "dapo": ("vanilla", "token-mean", False),
-        "dr_grpo": ("vanilla", "seq-mean-token-sum-norm", True), "cispo": ("cispo", "token-mean", False),
-        "vespo": ("vespo", "token-mean", False), "luspo": ("luspo", "seq-mean-token-sum", True),
-    }
+        return policy_loss_config_from_verl_actor(actor, rollout_correction, **overrides)
 
     @classmethod
     def from_trl(cls, args, **overrides) -> "PolicyLossConfig":
@@ -642,70 +478,9 @@ class PolicyLossConfig:
         and VESPO parameters, ``entropy_coef`` (a token mean, as TRL's bonus) and, with ``use_vllm`` and
         ``vllm_importance_sampling_correction``, the sampler correction (`RolloutCorrection.from_trl`).
         TRL exponentiates log-ratios unclamped (log_ratio_clamp=None). Errors name TRL's option."""
+        from .integrations.configs import policy_loss_config_from_trl
 
-        def get(key, default=None):
-            if isinstance(args, dict) or hasattr(args, "keys"):
-                return args.get(key, default)
-            return getattr(args, key, default)
-
-        trl_loss = get("loss_type", "dapo")
-        if trl_loss not in cls._TRL_LOSSES:
-            raise ValueError(f"loss_type: TRL's {trl_loss!r} is not computed by rlkernels; supported: "
-                             f"{tuple(cls._TRL_LOSSES)}")
-        loss_type, agg, over_all = cls._TRL_LOSSES[trl_loss]
-        for key, unsupported in (("top_entropy_quantile", lambda v: v is not None and v < 1.0),
-                                 ("use_adaptive_entropy", bool)):
-            if unsupported(get(key)):
-                raise ValueError(f"{key}: {get(key)!r} is not supported by PolicyLossConfig.from_trl (TRL's "
-                                 "trainer state decides it per step); compute it in the trainer")
-        eps_lo = get("epsilon", 0.2)
-        eps_hi = get("epsilon_high", None)
-        eps_hi = eps_lo if eps_hi is None else eps_hi
-        delta = get("delta", None)
-        ppo_clip = loss_type in ("vanilla", "luspo")
-        if delta is not None and ppo_clip and delta <= 1 + eps_hi:
-            raise ValueError(f"delta: expected > 1 + epsilon_high = {1 + eps_hi} (TRL's two-sided clip then equals "
-                             f"the dual clip c = delta), got {delta!r}")
-        level = get("importance_sampling_level", "token")
-        kw = dict(
-            loss_type=loss_type, loss_agg_mode=agg, seq_mean_over="all" if over_all else "nonempty",
-            clip_ratio_low=eps_lo, clip_ratio_high=eps_hi if loss_type != "cispo" else 0.2,
-            clip_ratio_c=delta if ppo_clip else None,
-            cispo_cap=eps_hi if loss_type == "cispo" else None,
-            ratio_level=level if loss_type in SEQUENCE_RATIO_LOSSES else "token", log_ratio_clamp=None,
-            kl_coef=float(get("beta", 0.0)), kl_type="k3_unclamped",
-            kl_bias_correction=bool(get("use_bias_correction_kl", False)),
-            off_policy_mask_threshold=get("off_policy_mask_threshold", None),
-            tau_pos=get("sapo_temperature_pos", 1.0), tau_neg=get("sapo_temperature_neg", 1.05),
-            vespo_k_pos=get("vespo_k_pos", 2.0), vespo_lambda_pos=get("vespo_lambda_pos", 3.0),
-            vespo_k_neg=get("vespo_k_neg", 3.0), vespo_lambda_neg=get("vespo_lambda_neg", 2.0),
-            entropy_coeff=float(get("entropy_coef", 0.0) or 0.0), entropy_agg_mode="token-mean",
-            temperature=get("temperature", 1.0),
-        )
-        if trl_loss == "dr_grpo":
-            kw["loss_scale_factor"] = get("max_completion_length", None)
-        if get("use_vllm", False) and get("vllm_importance_sampling_correction", True):
-            kw["rollout_correction"] = RolloutCorrection.from_trl(
-                get("vllm_importance_sampling_mode", "sequence_mask"), get("vllm_importance_sampling_clip_min"),
-                get("vllm_importance_sampling_clip_max", 3.0))
-        trl_names = {"clip_ratio_low": "epsilon", "clip_ratio_high": "epsilon_high", "clip_ratio_c": "delta",
-                     "cispo_cap": "epsilon_high", "kl_coef": "beta", "tau_pos": "sapo_temperature_pos",
-                     "tau_neg": "sapo_temperature_neg", "loss_scale_factor": "max_completion_length",
-                     "ratio_level": "importance_sampling_level", "entropy_coeff": "entropy_coef"}
-        return cls._built_from(kw, overrides, lambda name: trl_names.get(name, name))
-
-    @classmethod
-    def _built_from(cls, kw: dict, overrides: dict, option_name) -> "PolicyLossConfig":
-        """cls(**kw) with `overrides`; an error about a field that came from a trainer's config names that
-        trainer's option (`option_name(field)`), not this class's field."""
-        try:
-            return cls(**kw).with_overrides(**overrides)
-        except (TypeError, ValueError) as exc:
-            message = str(exc)
-            field_name = message.split(":", 1)[0]
-            if field_name in kw and field_name not in overrides:
-                message = option_name(field_name) + message[len(field_name):]
-            raise type(exc)(message) from None
+        return policy_loss_config_from_trl(args, **overrides)
 
     def with_overrides(self, **overrides) -> "PolicyLossConfig":
         unknown = set(overrides) - set(self.__dataclass_fields__)

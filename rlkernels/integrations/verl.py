@@ -38,7 +38,8 @@ import torch
 from verl.trainer.ppo import core_algos
 
 from ..api import decoupled_ppo_loss, linear_decoupled_ppo_loss, metrics_to_floats, policy_loss, rollout_correction
-from ..config import LOSS_TYPES, PolicyLossConfig, RolloutCorrection
+from ..config import PolicyLossConfig, RolloutCorrection
+from .configs import parse_loss_mode, plugin_loss_modes
 from .hf import add_loss_forward, hidden_state_loss_blocker
 
 ROUTES_ENV, CORRECTION_ENV = "RLKERNELS_VERL_ROUTES", "RLKERNELS_VERL_CORRECTION"  # the explicit opt-ins ("1")
@@ -66,10 +67,6 @@ def verl_compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config)
     verl_fn = getattr(rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch",
                       rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
     return verl_fn(batch, rollout_corr_config)
-
-
-_TYPES = tuple(t for t in LOSS_TYPES if t not in ("ppo_clip", "reinforce"))
-LOGITS_MODE, LINEAR_MODE = "rlkernels_logits", "rlkernels_linear"
 
 
 def _global_counts(info: dict) -> dict:
@@ -175,11 +172,8 @@ def _loss_mode(actor_config) -> str:
 
 
 def _route_kind(mode) -> Optional[str]:
-    """"logits" or "linear" for the route's loss modes, None for the others."""
-    for kind, prefix in (("logits", LOGITS_MODE), ("linear", LINEAR_MODE)):
-        if isinstance(mode, str) and (mode == prefix or mode.startswith(prefix + "_")):
-            return kind
-    return None
+    """"logits" or "linear" for the routes' loss modes, None for the others (integrations/configs.py's names)."""
+    return parse_loss_mode(mode)[0]
 
 
 def _route_actor_config(loss_function):
@@ -493,11 +487,9 @@ def uninstall_correction() -> None:
 
 def register_losses() -> None:
     """rlkernels' names in verl's policy-loss registry (idempotent); nothing else of verl is touched."""
-    for loss_type in _TYPES:
-        for prefix, route in (("rlkernels", None), (LOGITS_MODE, "logits"), (LINEAR_MODE, "linear")):
-            name = prefix if loss_type == "vanilla" else f"{prefix}_{loss_type}"
-            if name not in core_algos.POLICY_LOSS_REGISTRY:
-                core_algos.register_policy_loss(name)(make_policy_loss(loss_type, route))
+    for name, route, loss_type in plugin_loss_modes():
+        if name not in core_algos.POLICY_LOSS_REGISTRY:
+            core_algos.register_policy_loss(name)(make_policy_loss(loss_type, route))
 
 
 def _opted_in(variable: str) -> bool:
