@@ -18,7 +18,7 @@ import functools
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
@@ -81,8 +81,11 @@ def synthetic_batch(num_seqs: int, vocab: int, device, seed: int = 0, dtype=torc
 
 
 def naive_decoupled_ppo(logits, labels, advantages, response_mask, old_logprobs, rollout_logprobs,
-                        clip_low=0.2, clip_high=0.2, clip_c=3.0, C=2.0):
-    """What a trainer writes today: fp32 log-softmax over [N, V], gather, token TIS, dual-clip PPO, token mean."""
+                        config: PolicyLossConfig):
+    """What a trainer writes today: fp32 log-softmax over [N, V], gather, token TIS, dual-clip PPO, token mean
+    (the clip ratios, dual clip and truncation C of `config`)."""
+    clip_low, clip_high, clip_c = config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c
+    C = config.rollout_correction.is_threshold
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     w = torch.exp((old_logprobs - rollout_logprobs).clamp(-20, 20)).clamp(max=C).detach()
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20, 20))
@@ -181,7 +184,7 @@ def _speed_in_words(t_naive: float, t_fused: float) -> str:
     return f"rlkernels is {t_fused / t_naive:.1f}\u00d7 slower than naive PyTorch"
 
 
-def main(argv=None):
+def _arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=128, help="responses in the batch (default 128)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
@@ -194,43 +197,26 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    device = torch.device(args.device)
-    batch = synthetic_batch(args.sequences, args.vocab, device, dtype=getattr(torch, args.dtype))
-    N = batch["labels"].numel()
-    logits_bytes = batch["logits"].numel() * batch["logits"].element_size()
-    logits_size = _size(logits_bytes)
-    print(f"rlkernels {rlkernels.__version__} demo: {args.sequences} responses, {N} tokens, vocab {args.vocab}, "
-          f"{batch['logits'].dtype} logits on {device} ({logits_size})\n")
+    return args
 
-    # The timed comparison: the fused token-TIS loss vs the naive composition of the same loss, both
-    # forward + backward into the gradient of the same logits, which is reset to None before every call.
-    rc = RolloutCorrection.token_tis()
-    cfg = PolicyLossConfig(rollout_correction=rc)
-    rest = {k: v for k, v in batch.items() if k not in ("logits", "cu_seqlens")}
-    logits = batch["logits"].detach().requires_grad_(True)  # shares the batch's storage: no copy
-    backend = rlkernels.backends.resolve("auto", logits)
-    fused_name, naive_name = f"rlkernels ({backend} backend)", "naive PyTorch"
-    sides = {
-        naive_name: lambda: naive_decoupled_ppo(
-            logits, **rest, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
-            clip_c=cfg.clip_ratio_c, C=rc.is_threshold),
-        fused_name: lambda: rlkernels.decoupled_ppo_loss(
-            logits, cu_seqlens=batch["cu_seqlens"], config=cfg, **rest).loss,
-    }
 
-    # First calls, before anything else runs the loss (so they include every one-time start-up
-    # cost: kernel compilation, allocator growth); also the check that both sides agree.
+def _first_calls(sides, logits, device):
+    """First calls, before anything else runs the loss (so they include every one-time start-up cost: kernel
+    compilation, allocator growth); also the check that both sides agree. ({side: seconds}, (loss naive,
+    loss fused), largest gradient difference, largest gradient entry)."""
     first, results = {}, {}
     for name, loss_fn in sides.items():
         logits.grad = None
         first[name], loss = _timed(functools.partial(_fwd_bwd, loss_fn), device)
         results[name] = (loss.item(), logits.grad)
     logits.grad = None
-    (loss_naive, grad_naive), (loss_fused, grad_fused) = results[naive_name], results[fused_name]
+    (loss_naive, grad_naive), (loss_fused, grad_fused) = results.values()
     grad_diff = (grad_fused.float() - grad_naive.float()).abs().max().item()
-    grad_scale = grad_naive.float().abs().max().item()
-    del results, grad_naive, grad_fused
+    return first, (loss_naive, loss_fused), grad_diff, grad_naive.float().abs().max().item()
 
+
+def _print_presets(batch) -> None:
+    """The table: each preset's loss, kept tokens and diagnostics, with a health verdict."""
     rows = []
     with torch.no_grad():  # the table needs the forward only (the loss, its mask and its metrics)
         for name, preset in PRESETS.items():
@@ -243,7 +229,6 @@ def main(argv=None):
                          m["rollout_corr/chi2_token"], m["actor/pg_clipfrac"],
                          "healthy" if not failed else "check " + ", ".join(failed)))
             del out
-
     header = (f"{'preset':<20} {'loss':>9} {'kept':>6} {'IS mean':>8} {'ESS':>6} {'kl':>8} {'chi2_tok':>9} "
               f"{'clipfrac':>8}  verdict")
     print(header)
@@ -254,11 +239,17 @@ def main(argv=None):
               f"{chi2:>9.4f} {clipfrac:>8.3f}  {verdict}")
     print("\nhealth thresholds: " + "; ".join(f"{label} {rule}" for label, _, rule in HEALTH.values()))
 
-    # Second warm-up call of each side (after the presets), which also measures peak memory; then
-    # the timed calls, interleaved (naive, fused, naive, fused, ...) so that drift in the machine's
-    # speed (clocks, other processes) hits both sides alike.
-    # (on the CPU the measure is the resident set, coarse by a few MiB: left out for small batches)
-    measure_peak = device.type != "cpu" or logits_bytes >= 64 * 2**20
+
+class _Timing(NamedTuple):
+    times: Dict[str, list]  # seconds of each timed call, per side
+    peak: Dict[str, Optional[int]]  # bytes above the inputs, per side (None: not measured)
+    contended: Optional[float]  # the share of the timed runs' wall time tasks waited for a CPU
+
+
+def _time_sides(sides, logits, device, repeats: int, measure_peak: bool) -> _Timing:
+    """A second warm-up call of each side (after the presets), which also measures peak memory; then the timed
+    calls, interleaved (naive, fused, naive, fused, ...) so that drift in the machine's speed (clocks, other
+    processes) hits both sides alike."""
     peak = {}
     for name, loss_fn in sides.items():
         logits.grad = None
@@ -270,19 +261,24 @@ def main(argv=None):
             peak[name] = None
     times = {name: [] for name in sides}
     stall_start, wall_start = _cpu_pressure_us(), time.perf_counter()
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name, loss_fn in sides.items():
             logits.grad = None
             times[name].append(_timed(functools.partial(_fwd_bwd, loss_fn), device)[0])
     stall_end, wall = _cpu_pressure_us(), time.perf_counter() - wall_start
     contended = None if stall_start is None or stall_end is None else (stall_end - stall_start) / 1e6 / wall
     logits.grad = None
-    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return _Timing(times, peak, contended)
 
+
+def _print_timing(timing: _Timing, first, repeats: int, logits_size: str) -> None:
+    times, peak, contended = timing
+    sides = list(times)
+    median = {name: statistics.median(ts) for name, ts in times.items()}
     notable_first = any(first[name] > 1.5 * median[name] for name in sides)
     show_peak = all(v is not None for v in peak.values())
     print(f"\ntiming: forward + backward of the token-TIS loss on this batch, the gradient reset before "
-          f"every call;\n{args.repeats} run{'s' if args.repeats > 1 else ''} of each side, interleaved, "
+          f"every call;\n{repeats} run{'s' if repeats > 1 else ''} of each side, interleaved, "
           "after 2 warm-up runs of each")
     columns = {name: [f"{median[name] * 1e3:.1f} ms", f"{min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f} ms"]
                for name, ts in times.items()}
@@ -300,7 +296,7 @@ def main(argv=None):
     print(f"  {'':<{width}}" + "".join(f"  {title:>{w}}" for title, w in zip(titles, widths)))
     for name in sides:
         print(f"  {name:<{width}}" + "".join(f"  {cell:>{w}}" for cell, w in zip(columns[name], widths)))
-    verdict = _speed_in_words(median[naive_name], median[fused_name])
+    verdict = _speed_in_words(median[sides[0]], median[sides[1]])
     if contended is not None and contended > 0.2:
         verdict += " on a busy machine (unreliable: see the note below)"
     print(f"  => {verdict}")
@@ -316,6 +312,35 @@ def main(argv=None):
         notes.append("the run times varied by over 50%: the machine is busy or throttling; rerun, or raise --repeats")
     for note in notes:
         print(f"  ({note})")
+
+
+def main(argv=None):
+    args = _arguments(argv)
+    device = torch.device(args.device)
+    batch = synthetic_batch(args.sequences, args.vocab, device, dtype=getattr(torch, args.dtype))
+    N = batch["labels"].numel()
+    logits_bytes = batch["logits"].numel() * batch["logits"].element_size()
+    logits_size = _size(logits_bytes)
+    print(f"rlkernels {rlkernels.__version__} demo: {args.sequences} responses, {N} tokens, vocab {args.vocab}, "
+          f"{batch['logits'].dtype} logits on {device} ({logits_size})\n")
+
+    # The timed comparison: the fused token-TIS loss vs the naive composition of the same loss, both
+    # forward + backward into the gradient of the same logits, which is reset to None before every call.
+    cfg = PolicyLossConfig(rollout_correction=RolloutCorrection.token_tis())
+    rest = {k: v for k, v in batch.items() if k not in ("logits", "cu_seqlens")}
+    logits = batch["logits"].detach().requires_grad_(True)  # shares the batch's storage: no copy
+    backend = rlkernels.backends.resolve("auto", logits)
+    fused_name, naive_name = f"rlkernels ({backend} backend)", "naive PyTorch"
+    sides = {  # naive first: _print_timing compares the first side with the second
+        naive_name: lambda: naive_decoupled_ppo(logits, **rest, config=cfg),
+        fused_name: lambda: rlkernels.decoupled_ppo_loss(logits, cu_seqlens=batch["cu_seqlens"], config=cfg,
+                                                         **rest).loss,
+    }
+    first, (loss_naive, loss_fused), grad_diff, grad_scale = _first_calls(sides, logits, device)
+    _print_presets(batch)
+    # (on the CPU the peak is the resident set, coarse by a few MiB: left out for small batches)
+    timing = _time_sides(sides, logits, device, args.repeats, device.type != "cpu" or logits_bytes >= 64 * 2**20)
+    _print_timing(timing, first, args.repeats, logits_size)
     print(f"  same loss ({loss_fused:.6f} vs {loss_naive:.6f}) and gradient (largest difference "
           f"{grad_diff:.1e}, {grad_diff / max(grad_scale, 1e-30):.1e} of the largest entry)")
 

@@ -438,7 +438,7 @@ def rollout_corrections(draw):
 def configs(draw, mode: str, **fixed):
     """A PolicyLossConfig over the whole option product, consistent with the mode."""
     # REINFORCE is a bypass-mode loss (no old log-probs to form a PPO ratio against)
-    # clip_cov / kl_cov select tokens by rank or at random: tests/test_loss_family.py holds them to the
+    # clip_cov / kl_cov select tokens by rank or at random: tests/stage/test_loss_family.py holds them to the
     # reference in float64 with the generator seeded alike, not across dtypes here
     loss_type = fixed.get("loss_type") or draw(st.sampled_from(
         [t for t in LOSS_TYPES if (t != "reinforce" or mode == "bypass") and t not in COVARIANCE_LOSSES]))

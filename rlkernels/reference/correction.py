@@ -132,6 +132,8 @@ def diagnostics(
     """The rollout_corr/* metrics of SPEC §8, on the original mask.
 
     `w` are the IS weights before batch normalisation (what verl reports as well)."""
+    # Long on purpose: the oracle reads top to bottom in the spec's order, so that it can be checked against
+    # docs/spec.md line by line; helpers would hide the order the steps run in.
     device = train_lp.device
     delta = torch.where(mask, train_lp - rollout_lp, torch.zeros_like(train_lp))
     delta_hat = delta.clamp(-CLAMP, CLAMP)

@@ -198,34 +198,55 @@ def weights(decisions: Decisions, norms: Normalisers) -> Optional[ISWeights]:
     return ISWeights(w / factor, w, factor)
 
 
+class _Sets(NamedTuple):
+    """The sets the rollout_corr/* means run over (the original mask, SPEC §8) and their whole-batch sizes."""
+    mask: torch.Tensor  # [N] tokens of m
+    n_tok: torch.Tensor  # |m|
+    lengths: torch.Tensor  # [S] tokens of each sequence in m
+    nonempty: torch.Tensor  # [S] sequences with a token in m
+    n_seq: torch.Tensor  # their number
+    table: SequenceTable
+    dt: torch.dtype
+
+
 def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, table: SequenceTable,
                    decisions: Decisions, norms: Normalisers, rc: Optional[RolloutCorrection],
                    weights: Optional[ISWeights]) -> None:
     """The rollout_rs_* metrics of every rejection option and the rollout_corr/* diagnostics of SPEC
     §8, on the original mask."""
-    dt = terms.delta.dtype
-    n_tok, n_seq = norms.tokens, norms.seqs
     lengths = table.sum("len")
-    nonempty = lengths > 0
+    sets = _Sets(mask, norms.tokens, lengths, lengths > 0, norms.seqs, table, terms.delta.dtype)
+    _rejection_metrics(metrics, decisions, sets)
+    _mismatch_metrics(metrics, terms, sets)
+    if weights is not None:
+        _weight_metrics(metrics, weights, decisions, rc, sets)
+
+
+def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> None:
+    mask, n_tok, dt = sets.mask, sets.n_tok, sets.dt
     for option in decisions.options:
         prefix = f"rollout_corr/rollout_rs_{option.name}"
-        valid, n = (nonempty, n_seq) if option.per_sequence else (mask, n_tok)
+        valid, n = (sets.nonempty, sets.n_seq) if option.per_sequence else (mask, n_tok)
         metrics.mean(f"{prefix}_mean", option.values, valid, n, option.per_sequence)
         metrics.extreme(f"{prefix}_max", option.values, valid, n, largest=True)
         metrics.extreme(f"{prefix}_min", option.values, valid, n, largest=False)
         metrics.mean(f"{prefix}_masked_fraction", (~option.keep).to(dt), mask, n_tok)
-        _option_spread(metrics, prefix, option, valid, n, nonempty, n_seq, lengths, table, dt)
+        _option_spread(metrics, prefix, option, valid, n, sets)
     if decisions.options:
         metrics.mean("rollout_corr/rollout_rs_masked_fraction", (mask & ~decisions.mask).to(dt), mask, n_tok)
-        seq_rejected = (decisions.final_lengths < lengths).to(dt)
-        metrics.mean("rollout_corr/rollout_rs_seq_masked_fraction", seq_rejected, nonempty, n_seq, True)
+        seq_rejected = (decisions.final_lengths < sets.lengths).to(dt)
+        metrics.mean("rollout_corr/rollout_rs_seq_masked_fraction", seq_rejected, sets.nonempty, sets.n_seq, True)
 
+
+def _mismatch_metrics(metrics: Metrics, terms: TokenTerms, sets: _Sets) -> None:
+    """The training-vs-rollout divergences and perplexities (SPEC §8)."""
     name = lambda k: f"rollout_corr/{k}"  # noqa: E731
+    mask, n_tok, nonempty, n_seq, table = sets.mask, sets.n_tok, sets.nonempty, sets.n_seq, sets.table
     delta = terms.delta
     delta_hat = delta.clamp(-CLAMP, CLAMP)
     rho = torch.exp(delta_hat)
-    mean_tr = table.sum("train") / lengths.clamp_min(1)
-    mean_ro = table.sum("rollout") / lengths.clamp_min(1)
+    mean_tr = table.sum("train") / sets.lengths.clamp_min(1)
+    mean_ro = table.sum("rollout") / sets.lengths.clamp_min(1)
     diff = mean_ro - mean_tr
     rho_seq_sq = torch.exp(2 * table.sum("delta").clamp(-CLAMP, CLAMP))
     metrics.mean(name("kl"), -delta, mask, n_tok)
@@ -247,8 +268,13 @@ def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, tabl
     # float32 when every rho_seq is tiny, E[rho^2] itself does not
     metrics.mean("_rho_seq_sq", rho_seq_sq, nonempty, n_seq, True)
     metrics.derive(name("c_star"), lambda m: torch.sqrt(2 * m), "_rho_seq_sq")
-    if weights is None:
-        return
+
+
+def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, rc: RolloutCorrection,
+                    sets: _Sets) -> None:
+    """The rollout_is_* metrics of the truncated IS weights (before batch normalisation)."""
+    name = lambda k: f"rollout_corr/{k}"  # noqa: E731
+    mask, n_tok, nonempty, n_seq, table, dt = sets.mask, sets.n_tok, sets.nonempty, sets.n_seq, sets.table, sets.dt
     lo, hi = rc.is_bounds
     w = weights.truncated
     x = torch.minimum(w.clamp_min(0), hyper(w, hi))
@@ -275,8 +301,8 @@ def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, tabl
     if per_sequence:
         seq_w, seq_raw = decisions.sequence_weights, torch.exp(log_ratio)
     else:
-        seq_w = table.sum("weights") / lengths.clamp_min(1)
-        seq_raw = table.sum("raw_weights") / lengths.clamp_min(1)
+        seq_w = table.sum("weights") / sets.lengths.clamp_min(1)
+        seq_raw = table.sum("raw_weights") / sets.lengths.clamp_min(1)
     _sequence_spread(metrics, name("rollout_is_seq"), seq_w, nonempty, n_seq, centre=1.0)
     metrics.mean(name("rollout_is_seq_fraction_high"), (seq_raw > hyper(seq_raw, hi)).to(dt), nonempty, n_seq, True)
     metrics.mean(name("rollout_is_seq_fraction_low"), (seq_raw < hyper(seq_raw, lo)).to(dt), nonempty, n_seq, True)
@@ -294,14 +320,13 @@ def _sequence_spread(metrics: Metrics, prefix: str, values: torch.Tensor, valid:
     metrics.extreme(f"{prefix}_max_deviation", (values - centre).abs(), valid, n, largest=True)
 
 
-def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, nonempty, n_seq, lengths,
-                   table: SequenceTable, dt) -> None:
+def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, sets: _Sets) -> None:
     """verl's further per-option metrics: fractions beyond the kept range, the spread of the statistic
     clamped to it, and the same over each sequence's value (the sequence statistic, or the mean of a
     token statistic over the sequence)."""
     lo, hi = option.bounds
     k1 = option.name.endswith("k1")
-    values = option.values
+    values, nonempty, n_seq, dt = option.values, sets.nonempty, sets.n_seq, sets.dt
     metrics.mean(f"{prefix}_fraction_high", (values > hyper(values, hi)).to(dt), valid, n, option.per_sequence)
     low = (values < hyper(values, lo)) if k1 else torch.zeros_like(values, dtype=torch.bool)
     metrics.mean(f"{prefix}_fraction_low", low.to(dt), valid, n, option.per_sequence)
@@ -309,13 +334,13 @@ def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, no
     metrics.moments(f"_{prefix}_clamped", clamped, valid, option.per_sequence)
     metrics.derive(f"{prefix}_std", std, f"_{prefix}_clamped")
     kind = option.name[-2:]
-    seq_values = values if option.per_sequence else table.sum(kind) / lengths.clamp_min(1)
+    seq_values = values if option.per_sequence else sets.table.sum(kind) / sets.lengths.clamp_min(1)
     _sequence_spread(metrics, f"{prefix}_seq", seq_values, nonempty, n_seq, centre=0.0)
     metrics.mean(f"{prefix}_seq_fraction_high", (seq_values > hyper(seq_values, hi)).to(dt), nonempty, n_seq, True)
     if k1:
         metrics.mean(f"{prefix}_seq_fraction_low", (seq_values < hyper(seq_values, lo)).to(dt), nonempty, n_seq,
                      True)
-    rejected = ~option.seq_keep if option.per_sequence else table.sum(f"rejected_{option.name}") > 0
+    rejected = ~option.seq_keep if option.per_sequence else sets.table.sum(f"rejected_{option.name}") > 0
     metrics.mean(f"{prefix}_seq_masked_fraction", rejected.to(dt), nonempty, n_seq, True)
 
 

@@ -1,5 +1,5 @@
-"""The CPU kernels (csrc/cpu/token_passes.cpp) against the float64 oracle, over the option product of
-the torch backend's tests, through the public API; and the dispatch that picks them.
+"""The CPU kernels (csrc/cpu/token_passes.cpp) at the kernel level against the float64 oracle (the option
+product through the public API is tests/backends/test_parity.py), and the dispatch that picks them.
 
 Tolerances: the "value" and "dlogits" rows of cases.TOL. The kernels sum in float32 over blocks of
 1,024 elements (16 lanes each) and add the block totals in float64, and their exponential is within
@@ -8,33 +8,15 @@ about one ulp of the true value, so they carry the same fp32 summation error the
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import rlkernels
 from rlkernels import backends
 from rlkernels.backends.base import FOREIGN_TARGET
 from rlkernels.reference import token_stats
 
-from ..cases import LOGIT_KINDS, assert_close, make_coefficients, make_logits, problems, scaled, tol
-from .parity import check_against_reference
+from ..cases import LOGIT_KINDS, assert_close, make_coefficients, make_logits, tol
 
 pytestmark = pytest.mark.skipif(not backends.available()["cpu"], reason="the CPU kernels could not be built here")
-
-
-@settings(max_examples=scaled(150))
-@given(problems(torch.float32))
-def test_cpu_kernels_match_reference_float32(problem):
-    batch, mode, config = problem
-    check_against_reference(batch, mode, config, backend="cpu")
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@settings(max_examples=scaled(40))
-@given(data=st.data())
-def test_cpu_kernels_half_inputs(dtype, data):
-    batch, mode, config = data.draw(problems(dtype))
-    check_against_reference(batch, mode, config, backend="cpu")
 
 
 @pytest.mark.parametrize("kind", LOGIT_KINDS)

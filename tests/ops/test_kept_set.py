@@ -17,8 +17,8 @@ import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection, reference
 from rlkernels.ops import kept_set as sampler
 
-from .backends.parity import _label_column_floor
-from .cases import F32, F64, MODES, assert_close, batches, configs, make_batch, scaled, tol
+from ..backends.parity import _label_column_floor
+from ..cases import F32, F64, MODES, assert_close, batches, configs, make_batch, scaled, tol
 from .test_linear import make_head
 
 

@@ -6,7 +6,7 @@ import torch
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection, reference
 
-from .cases import make_batch, tol
+from ..cases import make_batch, tol
 
 B, T, V = 2, 3, 5
 GRADCHECK = dict(eps=1e-6, **tol("gradcheck", torch.float64))

@@ -16,7 +16,7 @@ import rlkernels
 import rlkernels.ops.linear as linear_module
 from rlkernels import PolicyLossConfig, RolloutCorrection, backends, reference
 
-from .cases import BF16, F16, F32, F64, assert_close, make_batch, problems, scaled, tol
+from ..cases import BF16, F16, F32, F64, assert_close, make_batch, problems, scaled, tol
 
 HAS_TRITON_CPU = backends.available()["triton"] and os.environ.get("TRITON_INTERPRET") == "1"
 # chunk budgets: 1 byte = one row per chunk; ~1 KiB = a few rows; the default = everything at once

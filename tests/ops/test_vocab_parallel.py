@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .ranks import Collectives, spawn
+from ..ranks import Collectives, spawn
 
 
 def _shards(V: int, world: int):
@@ -32,7 +32,7 @@ def _check_rank(rank, world, dtype, backend):
     import rlkernels
     from rlkernels import PolicyLossConfig, RolloutCorrection
 
-    from .cases import assert_close, make_batch, tol
+    from ..cases import assert_close, make_batch, tol
 
     V = 13  # odd: shards of 7/6 (world 2) and 5/4/4 (world 3)
     sizes, offsets = _shards(V, world)
@@ -103,7 +103,7 @@ def _check_rank_linear(rank, world, dtype, backend):
     import rlkernels
     from rlkernels import PolicyLossConfig, RolloutCorrection
 
-    from .cases import assert_close, make_batch, tol
+    from ..cases import assert_close, make_batch, tol
 
     V, H = 13, 5
     sizes, offsets = _shards(V, world)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 import rlkernels
 
-from .cases import F32, assert_close, problems, scaled, tol
+from ..cases import F32, assert_close, problems, scaled, tol
 
 
 @settings(max_examples=scaled(10))

@@ -15,7 +15,7 @@ import torch
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection, reference
 
-from .cases import assert_close, make_batch, tol
+from ..cases import assert_close, make_batch, tol
 
 
 @pytest.mark.parametrize("loss_type", ["clip_cov", "kl_cov"])

@@ -1,0 +1,144 @@
+"""The package's layers and seams, checked on the source (docs/development.md, "Layout").
+
+- Each layer imports only the layers below it (module-level and function-level imports alike):
+  kernels (nothing of rlkernels) < backends < ops; the stage stands apart from the passes (it may ask
+  `backends` whether Triton exists, to decide whether to compile itself); config reads the stage's loss
+  table; inputs and api sit on top; integrations use the public layer; reference imports nothing else.
+- No function outside kernels/, backends/ and reference/ takes more than 8 parameters, except the public
+  entry points, torch.library op schemas (and their fake implementations) and autograd forward/backward.
+- No function body is over 80 lines without a comment that starts "# Long on purpose" and says why.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "rlkernels"
+
+# layer -> the rlkernels layers it may import (its own always)
+ALLOWED = {
+    "kernels": set(),
+    "backends": {"kernels", "_C"},  # _C: the compiled CUDA extension
+    "ops": {"backends", "kernels"},
+    "stage": {"backends"},
+    "reference": set(),
+    "config": {"stage", "integrations"},  # the loss table; the trainer constructors delegate to integrations
+    "inputs": {"config", "stage", "ops", "backends"},
+    "api": {"config", "stage", "ops", "backends", "inputs"},
+    "integrations": {"api", "config", "integrations"},
+    "__init__": {"api", "config"},
+    "demo": {"__init__", "api", "config", "backends"},
+}
+PUBLIC = {"decoupled_ppo_loss", "linear_decoupled_ppo_loss", "policy_loss", "token_logprobs", "linear_token_logprobs",
+          "rollout_correction"}
+LONG_LINES = 80
+
+
+def _layer(path: Path) -> str:
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else Path(parts[0]).stem
+
+
+def _type_checking_only(tree):
+    """Nodes under `if TYPE_CHECKING:` (imports for annotations only, never executed)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            skipped.update(id(n) for child in node.body for n in ast.walk(child))
+    return skipped
+
+
+def _module_layer(name: str) -> str:
+    """The layer of `rlkernels.<name>`: a subpackage or module, else a name of the package root."""
+    return name if (ROOT / name).is_dir() or (ROOT / f"{name}.py").exists() or name == "_C" else "__init__"
+
+
+def _imported_layers(path: Path, tree):
+    """(line, layer) of every rlkernels module this file imports."""
+    package = path.relative_to(ROOT.parent).with_suffix("").parts[:-1]  # e.g. ("rlkernels", "stage")
+    skipped = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = list(base) + (node.module.split(".") if node.module else [])
+            elif (node.module or "").startswith("rlkernels"):
+                target = node.module.split(".")
+            else:
+                continue
+            names = [target[1]] if len(target) > 1 else [a.name for a in node.names]
+            for name in names:
+                yield node.lineno, _module_layer(name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("rlkernels."):
+                    yield node.lineno, alias.name.split(".")[1]
+
+
+def _sources():
+    for path in sorted(ROOT.rglob("*.py")):
+        yield path, ast.parse(path.read_text())
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    offenders = []
+    for path, tree in _sources():
+        layer = _layer(path)
+        for line, imported in _imported_layers(path, tree):
+            if imported != layer and imported not in ALLOWED[layer]:
+                offenders.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {imported}")
+    assert not offenders, "\n".join(offenders)
+
+
+def _exempt_from_parameter_count(node, parents) -> bool:
+    decorators = [ast.unparse(d) for d in node.decorator_list]
+    if any("custom_op" in d or "register_fake" in d or d.endswith(".register_fake") for d in decorators):
+        return True
+    if node.name in ("forward", "backward") and any(isinstance(p, ast.ClassDef) for p in parents):
+        return True  # torch.autograd.Function
+    return node.name in PUBLIC and not parents
+
+
+def _functions(tree):
+    """(function node, enclosing nodes) of every def in the module."""
+    stack = [(tree, [])]
+    while stack:
+        node, parents = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield child, parents
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                stack.append((child, parents + [child]))
+
+
+def test_seams_take_at_most_eight_parameters():
+    offenders = []
+    for path, tree in _sources():
+        if _layer(path) in ("kernels", "backends", "reference"):
+            continue
+        for fn, parents in _functions(tree):
+            a = fn.args
+            n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+            n -= bool(a.args) and a.args[0].arg in ("self", "cls", "ctx")
+            if n > 8 and not _exempt_from_parameter_count(fn, parents):
+                offenders.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name} takes {n}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_long_functions_say_why():
+    offenders = []
+    for path, tree in _sources():
+        lines = path.read_text().splitlines()
+        for fn, _ in _functions(tree):
+            body = lines[fn.lineno - 1:fn.end_lineno]
+            if len(body) > LONG_LINES and not any(line.strip().startswith("# Long on purpose") for line in body):
+                offenders.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name} ({len(body)} lines)")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_checks_see_the_package():
+    """The walks above found the layers and the seams they check (a wrong root would pass them all)."""
+    layers = {_layer(p) for p, _ in _sources()}
+    assert {"kernels", "backends", "ops", "stage", "reference", "inputs", "api", "integrations"} <= layers
+    assert sum(1 for p, t in _sources() for _ in _functions(t)) > 200
