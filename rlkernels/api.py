@@ -102,13 +102,18 @@ def decoupled_ppo_loss(
         is_weights: per-token IS weights a trainer computed itself (verl's `rollout_is_weights`),
             detached; they multiply the policy term in every mode, in place of computed ones (the
             config's rollout correction must then have no IS level; its rejection still applies).
+        ignore_index: the label of tokens outside the loss.
         sampling_support: [..., K] the ids the sampler kept at each position (-1 pads): log-probs and
             entropy of the softmax renormalised over them (as `token_logprobs`).
-        temperature=: a tensor here (per token, or [B, 1] per sequence) stands for the config's float.
+        **overrides: fields of `config` to replace; `temperature=` may be a tensor here (per token, or
+            [B, 1] per sequence), standing for the config's float.
+
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics).
+
     Raises:
-        TypeError / ValueError naming the argument, before any kernel runs (SPEC §11).
+        TypeError: an argument of the wrong type, named, before any kernel runs (SPEC §11).
+        ValueError: an argument of the wrong shape, device or value, named, before any kernel runs.
     """
     config, temperature = resolve_config(config, overrides)
     check_logits(logits)
@@ -131,11 +136,15 @@ def policy_loss(
 ) -> PolicyLossOutput:
     """The same loss as `decoupled_ppo_loss` when log-probs (and entropy) come from elsewhere.
 
+    The arguments not listed here (`advantages`, `response_mask`, the log-probs, `cu_seqlens`, `config`,
+    the groups, `token_index`, `is_weights`, overrides) are those of `decoupled_ppo_loss`.
+
     Args:
         logprobs: [B, T] or [N] float current-policy log-probs of the sampled tokens (with autograd).
+        advantages: as in `decoupled_ppo_loss`.
+        response_mask: as in `decoupled_ppo_loss`.
         entropy: like logprobs, needed when entropy_coeff != 0 (with autograd).
-        The other arguments (dp_group, cp_group, token_index, is_weights included) are those of
-        `decoupled_ppo_loss`.
+
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. logprobs and entropy.
     """
@@ -156,14 +165,23 @@ def token_logprobs(
     """Per-token log-prob of `labels` under softmax(logits / T), with entropy and sum p^2 (SPEC §2).
 
     Args:
-        logits: [..., V] float; labels: [...] integer (`ignore_index` rows give 0 and no gradient).
+        logits: [..., V] float.
+        labels: [...] integer; `ignore_index` rows give 0 and no gradient.
         temperature: a float, or a tensor broadcastable to the labels' shape (per token; [B, 1] per
             sequence): the sampler's own temperatures.
+        compute_entropy: also return the entropy of each row's distribution (with autograd).
+        compute_sum_pi_squared: also return sum_v p_v^2 of each row (no autograd).
+        ignore_index: the label of rows outside any loss.
+        backend: "auto", "torch", "cpu", "triton" or "cuda".
+        validate: run the value checks (label range, temperatures, kept ids): one host sync.
+        inplace_backward: let the backward write dlogits into the logits' storage.
+        tp_group: vocabulary parallelism, as in `decoupled_ppo_loss`.
+        dp_group: accepted so that one set of group arguments fits every entry point; per-token
+            statistics need nothing from other data-parallel ranks (no collective).
+        cp_group: the same, for context parallelism.
         sampling_support: [..., K] integer ids the sampler kept at each position (top-k / top-p / min-p;
             -1 pads): the statistics are those of the softmax renormalised over them, at O(K) per row.
-        tp_group: vocabulary parallelism, as in `decoupled_ppo_loss`.
-        dp_group, cp_group: accepted so that one set of group arguments fits every entry point; per-token
-            statistics need nothing from other data- or context-parallel ranks (no collective).
+
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
         to logits from logprobs and entropy.
@@ -191,19 +209,25 @@ def linear_decoupled_ppo_loss(
     (`config.memory_budget_bytes`) in forward and backward. Same outputs, metrics and config as
     `decoupled_ppo_loss`; row t of `hidden` predicts `labels[t]` (no shift inside).
 
+    The arguments not listed here are those of `decoupled_ppo_loss`.
+
     Args:
         hidden: [B, T, H] (padded) or [N, H] (packed) float16/bfloat16/float32 (float64 on torch).
         weight: [V, H] LM-head weight (the nn.Linear layout; tied embeddings are that tensor), same dtype.
+        labels: [B, T] / [N] integer; row t of `hidden` predicts `labels[t]`.
+        advantages: as in `decoupled_ppo_loss`.
+        response_mask: as in `decoupled_ppo_loss`.
         bias: [V] or None.
         tp_group: the head split over the vocabulary: this rank's weight rows (and bias) [V_r, H] of
             the contiguous shard [o_r, o_r + V_r); one all_gather forward, one all_reduce (d_hidden)
             backward.
-        The other arguments (dp_group, cp_group, token_index, is_weights included) are those of
-        `decoupled_ppo_loss`.
+
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. hidden, weight and bias.
+
     Raises:
-        TypeError / ValueError naming the argument, before any kernel runs (SPEC §11).
+        TypeError: an argument of the wrong type, named, before any kernel runs (SPEC §11).
+        ValueError: an argument of the wrong shape, device or value, named, before any kernel runs.
     """
     config, temperature = resolve_config(config, overrides)
     check_head(hidden, weight, bias)
@@ -226,11 +250,17 @@ def linear_token_logprobs(
 ) -> TokenStats:
     """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
 
+    The arguments not listed here are those of `token_logprobs` (with a `sampling_support` only the K kept
+    rows of the head are read for each row: no V-wide product).
+
     Args:
-        hidden: [..., H] float; weight: [V, H]; bias: [V] or None; labels: [...] integer
-            (`ignore_index` rows give 0, never touch the head, and get no gradient).
-        tp_group, dp_group, cp_group, temperature, sampling_support: as in `token_logprobs` (with a
-            support only the K kept rows of the head are read for each row: no V-wide product).
+        hidden: [..., H] float.
+        weight: [V, H] the LM head's weight, in hidden's dtype.
+        labels: [...] integer; `ignore_index` rows give 0, never touch the head, and get no gradient.
+        bias: [V] or None.
+        memory_budget_bytes: the largest chunk of logits formed at once (None: 512 MiB on CUDA, 32 MiB on
+            CPU).
+
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
         from logprobs and entropy to hidden, weight and bias. Under torch.no_grad() this is the lean
@@ -259,9 +289,14 @@ def rollout_correction(
         train_logprobs: [B, T] / [N] log-probs of the training policy (ℓold in decoupled mode).
         rollout_logprobs: same shape, from the inference engine.
         response_mask: same shape, bool or 0/1.
+        cu_seqlens: [S + 1] sequence offsets of the packed layout (None: one sequence).
         config: a RolloutCorrection.
-        dp_group, cp_group, token_index: a split batch, as in `decoupled_ppo_loss` (metrics, sequence
-            decisions and batch normalisation are those of the whole batch).
+        validate: run the value checks (one host sync).
+        dp_group: a data-parallel split, as in `decoupled_ppo_loss` (metrics, sequence decisions and
+            batch normalisation are those of the whole batch).
+        cp_group: a context-parallel split, as in `decoupled_ppo_loss`.
+        token_index: this rank's global positions under cp_group, as in `decoupled_ppo_loss`.
+
     Returns:
         CorrectionOutput(weights or None, mask, metrics); nothing carries autograd.
     """

@@ -56,7 +56,7 @@ def _checking_values() -> bool:
     """False while torch.compile traces: a per-step hyperparameter is then a symbolic float, and
     math.isfinite or a Python comparison on it would fail or specialise the graph on its value.
     Types are still checked; the values of overrides given inside a compiled region are not
-    (docs/spec.md, "Determinism and compilation")."""
+    (SPEC §18)."""
     return not torch.compiler.is_compiling()
 
 
@@ -246,7 +246,7 @@ class PolicyLossConfig:
     """Options of the decoupled PPO / REINFORCE loss (SPEC §6-§7).
 
     Args:
-        loss_type: the per-token policy objective (SPEC §6; docs/spec.md "The loss family"):
+        loss_type: the per-token policy objective (SPEC §6, §6.1):
             "vanilla" (PPO clip, with dual clip; "ppo_clip" is the same), "reinforce" (bypass mode
             only), "gpg", "sapo" (soft gates), "gspo" (sequence-level ratio, token form), "geo_mean"
             (GMPO: geometric-mean sequence ratio, its own mean over sequences), "cispo"
@@ -255,7 +255,8 @@ class PolicyLossConfig:
             divergence; clip_ratio_c truncates their stop-gradient ratio, 20 when None),
             each as verl 0.9.1's registered loss of that name computes it; "clip_cov" / "kl_cov" (verl's
             covariance-selected tokens), "topr" (verl PR #6986), "luspo" and "vespo" (TRL's).
-        tau_pos, tau_neg: SAPO's gate temperatures for tokens with positive / non-positive advantage.
+        tau_pos: SAPO's gate temperature for tokens with a positive advantage.
+        tau_neg: SAPO's gate temperature for tokens with a non-positive advantage.
         ratio_level: "token" (default) or "sequence" (TRL's importance_sampling_level: the ratio of each
             sequence's mean log-ratio, for vanilla / cispo / sapo / luspo, and a bias-corrected KL).
         log_ratio_clamp: the ratio losses exponentiate clamp(log-ratio, +-this) (20, verl); None: unclamped (TRL).
@@ -265,26 +266,37 @@ class PolicyLossConfig:
         kl_bias_correction: the KL term times the policy ratio, with its gradient (DeepSeek-V3.2, TRL).
         off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask delta (zero policy term for
             A < 0 in sequences whose mean rollout-minus-current log-ratio exceeds delta).
-        m2po_threshold, m2po_quadrant: M2PO's second-moment mask (tau, trust-region quadrants only).
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight (TRL's defaults).
-        clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef: verl's Clip-Cov / KL-Cov.
-        topr_negative_ratio_lower, topr_negative_ratio_upper: TOPR's taper bounds (0, 1).
+        m2po_threshold: M2PO's second-moment mask tau (None: off).
+        m2po_quadrant: M2PO's mask over the trust-region quadrants only (else every token).
+        vespo_k_pos: VESPO's gamma-weight exponent k for A >= 0 (TRL's default 2).
+        vespo_lambda_pos: VESPO's lambda for A >= 0 (3).
+        vespo_k_neg: VESPO's k for A < 0 (3).
+        vespo_lambda_neg: VESPO's lambda for A < 0 (2).
+        clip_cov_ratio: verl's Clip-Cov share of the candidate tokens whose gradient is dropped.
+        clip_cov_lb: Clip-Cov's lower covariance bound.
+        clip_cov_ub: Clip-Cov's upper covariance bound.
+        kl_cov_ratio: verl's KL-Cov share of the tokens that get the penalty.
+        ppo_kl_coef: KL-Cov's penalty coefficient.
+        topr_negative_ratio_lower: TOPR's lower taper bound (0).
+        topr_negative_ratio_upper: TOPR's upper taper bound (1).
         dro_beta: DRO's penalty weight beta > 0 (required with loss_type="dro").
-        clip_ratio_low, clip_ratio_high: eps_lo, eps_hi of the clip range (1 - eps_lo, 1 + eps_hi).
+        clip_ratio_low: eps_lo of the clip range (1 - eps_lo, 1 + eps_hi).
+        clip_ratio_high: eps_hi of the clip range.
         clip_ratio_c: dual-clip constant c > 1 (default 3.0), or None to disable dual clip.
         loss_agg_mode: one of token-mean (default), token-sum, seq-mean-token-sum,
             seq-mean-token-mean, seq-mean-token-sum-norm.
         loss_scale_factor: K for seq-mean-token-sum-norm (default: padded width T, or the longest
             packed sequence).
-        global_num_tokens, global_num_seqs: denominators to use instead of the local counts (for
-            data-parallel training where every rank must divide by the global count).
+        global_num_tokens: the token count to divide by instead of the local one (data-parallel training
+            where every rank must divide by the global count).
+        global_num_seqs: the same for the sequence count.
         temperature: T > 0; log-probs are those of softmax(logits / T).
         entropy_coeff: weight of the entropy bonus (Loss -= entropy_coeff * agg(H)).
         compute_entropy: return per-token entropy even when entropy_coeff == 0.
-        kl_coef, kl_type: KL penalty beta * agg(KL) against ref_logprobs; kl_type k1, k2, k3, abs, or
-            any of them with "+" (the value of that estimator, the gradient of k2), as verl's kl_penalty;
-            verl's names "kl", "mse" and "low_var_kl" are aliases of k1, k2 and k3
-            ("low_var_kl" is an alias of k3).
+        kl_coef: beta of the KL penalty beta * agg(KL) against ref_logprobs.
+        kl_type: k1, k2, k3, k3_unclamped, abs, or any of them with "+" (the value of that estimator,
+            the gradient of k2), as verl's kl_penalty; verl's names "kl", "mse" and "low_var_kl" are
+            aliases of k1, k2 and k3.
         rollout_correction: a `RolloutCorrection` or None.
         backend: "auto", "torch", "cpu", "triton" or "cuda".
         validate: run the value checks of SPEC §11 (one device sync). False for sync-free steps.
@@ -318,7 +330,7 @@ class PolicyLossConfig:
     inplace_backward: bool = False
     compile_stage: Optional[bool] = None
     memory_budget_bytes: Optional[int] = None
-    # -- conventions where the reference libraries differ (docs/spec.md, "The loss family") ---------
+    # -- conventions where the reference libraries differ (SPEC §6.2) ---------
     ratio_level: str = "token"
     log_ratio_clamp: Optional[float] = 20.0
     cispo_cap: Optional[float] = None

@@ -23,7 +23,7 @@ in the workers' environment (Ray: `ray_kwargs.ray_init.runtime_env.env_vars`), o
 The driver-side rollout correction stays verl's unless asked for (`RLKERNELS_VERL_CORRECTION=1` in the
 driver's environment, or `install_correction()`): then `rollout_corr_helper.compute_rollout_correction_and_add_to_batch`
 is `compute_rollout_correction_and_add_to_batch` below, built on `rlkernels.rollout_correction`. Its
-differences from verl's are those of docs/spec.md ("Deliberate differences"): k1 bounds keep lo <= rho <= hi
+differences from verl's are those of SPEC §14: k1 bounds keep lo <= rho <= hi
 as verl's docs state (verl's code keeps 1/hi <= rho <= 1/lo; equal for symmetric bounds), metrics of empty
 rows, sequence-level metric weighting. The losses equal verl's registered functions of the same name
 (tests/integrations/test_verl_plugin.py).

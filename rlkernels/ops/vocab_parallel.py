@@ -19,7 +19,7 @@ Backward, no collective: each rank runs the backend's backward on its shard with
 normaliser, written for its own shift: log p = (z - m_r) / T - ((M - m_r) / T + LN).
 
 The shard offsets are found with one all_gather the first time a (group, V_r) pair is seen, and
-cached. Mapping of vocabulary ids and the statistics are in docs/spec.md ("Vocabulary parallelism").
+cached. Mapping of vocabulary ids and the statistics are in SPEC §2.2.
 """
 
 from typing import Dict, Optional, Tuple

@@ -1,4 +1,4 @@
-"""Sampler replay (docs/spec.md §2, "Sampler replay"): a per-token temperature and the rollout's kept
+"""Sampler replay (SPEC §2.3): a per-token temperature and the rollout's kept
 token set, on the four entry points, against the float64 oracle (a masked log-softmax of z / T_t over
 the kept ids).
 

@@ -67,7 +67,7 @@ def test_policy_loss_matches_verl(loss, batch, agg, clip_c, tau, weighted):
     lp, old, adv, mask = batch
     weights = 0.25 + torch.rand(lp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
     weights = weights if weighted else None
-    # verl's sapo always aggregates seq-mean-token-mean (docs/spec.md, "Deliberate differences")
+    # verl's sapo always aggregates seq-mean-token-mean (SPEC §14)
     ours_agg = "seq-mean-token-mean" if loss == "sapo" else agg
     want, want_grad, want_metrics = _verl(loss, lp, old, adv, mask, agg, clip_c, tau, weights)
     if not mask.any():  # nothing to average: verl divides 0 by 0

@@ -1,6 +1,6 @@
 """Rollout correction against verl 0.9.1's own `compute_rollout_correction_and_rejection_mask`: IS
 weights, the rejection mask, and every rollout_corr/* metric verl reports — each must exist here under
-verl's name, and equal verl's value unless docs/spec.md ("Deliberate differences") defines it otherwise.
+verl's name, and equal verl's value unless SPEC §14 defines it otherwise.
 
 Batches have no empty row: verl counts empty rows in its sequence means, this library does not (a
 documented difference that would otherwise touch most sequence metrics). k1 bounds are symmetric
