@@ -2,8 +2,7 @@
 
 rlkernels pairs row t of the logits (or hidden states) with `labels[t]` (SPEC §15): the logits that
 predict completion token j sit at position P + j - 1 of a prompt + completion sequence of prompt length P.
-These helpers return exactly those rows, and the
-completion ids as labels:
+These helpers return exactly those rows, and the completion ids as labels:
 
     logits, labels = response_logits(model, input_ids, attention_mask, prompt_length=P)
     out = rlkernels.decoupled_ppo_loss(logits, labels, advantages, completion_mask, ...)
