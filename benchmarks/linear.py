@@ -125,6 +125,9 @@ def measure_memory(provider: str, args) -> Dict:
     fn = build(provider, x)
     _step(fn, x, True)  # warm-up: compilation, allocator growth
     grads = x["hidden"].numel() * x["hidden"].element_size() + x["weight"].numel() * x["weight"].element_size()
+    # the warm-up's gradients go before the baseline: held through it, they were counted in `base` and the step's
+    # own (which reuse their memory) subtracted once more (peaks came out below zero)
+    x["hidden"].grad = x["weight"].grad = None
     release_free_heap()
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -133,7 +136,6 @@ def measure_memory(provider: str, args) -> Dict:
     else:
         base = rss_bytes()
         reset_peak_rss()  # without it (old kernels) the peak is the process's, an overestimate
-    x["hidden"].grad = x["weight"].grad = None
     loss = fn()
     loss.backward()
     _sync(args.device)

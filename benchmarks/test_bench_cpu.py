@@ -9,17 +9,13 @@ harness's job. Providers that do not apply (Liger off its token-level case, back
 GPU) are skipped with the reason.
 """
 
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks.problems import CASES, make_inputs  # noqa: E402
-from benchmarks.providers import PROVIDERS  # noqa: E402
+# the repository root is on sys.path: pytest prepends the rootdir of this test package (tests/ and benchmarks/
+# are packages), so `benchmarks` imports without a path edit
+from benchmarks.problems import CASES, make_inputs
+from benchmarks.providers import PROVIDERS
 
 pytestmark = pytest.mark.benchmark_suite
 

@@ -2,14 +2,11 @@
 in CI, unlike the harness smoke test)."""
 
 import json
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# the repository root is on sys.path: pytest prepends the rootdir of this test package (tests/ and benchmarks/
+# are packages), so `benchmarks` imports without a path edit
 
 
 def test_cpu_benchmark_runs_and_measures_every_provider(tmp_path):

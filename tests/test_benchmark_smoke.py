@@ -3,17 +3,14 @@ naive PyTorch baseline computes the same loss as rlkernels (so the benchmark com
 """
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 
 from .cases import TOL
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# the repository root is on sys.path: pytest prepends the rootdir of this test package (tests/ and benchmarks/
+# are packages), so `benchmarks` imports without a path edit
 
 run = pytest.importorskip("benchmarks.run")
 pytest.importorskip("tqdm")

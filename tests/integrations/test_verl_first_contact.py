@@ -31,8 +31,8 @@ TOL = 1e-5
 
 def _run(*args, **env):
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RLKERNELS_VERL_", "VERL_USE_EXTERNAL"))}
-    run = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
-                         env={**base, **env}, cwd=str(SCRIPT.parents[2]))
+    run = subprocess.run([sys.executable, "-m", "tests.support.verl_first_contact", *args], capture_output=True,
+                         text=True, timeout=300, env={**base, **env}, cwd=str(SCRIPT.parents[2]))
     assert run.returncode == 0, run.stderr[-4000:]
     line = next(ln for ln in run.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])

@@ -1,6 +1,6 @@
 """What installing rlkernels does to verl, seen from a fresh interpreter (test_verl_first_contact.py).
 
-    python tests/support/verl_first_contact.py <scenario>
+    python -m tests.support.verl_first_contact <scenario>      # from the repository root
 
 prints one JSON object. Scenarios:
 - snapshot: `import verl` (the entry point loads the plugin unless VERL_USE_EXTERNAL_PLUGINS=none), then
@@ -19,11 +19,8 @@ import json
 import sys
 import warnings
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.support is importable
-
-from tests.support.peers import inert_ray_transformers, load_example  # noqa: E402
+from tests.support.peers import inert_ray_transformers, load_example
 
 MODULES = ("verl.trainer.ppo.core_algos", "verl.trainer.ppo.rollout_corr_helper", "verl.workers.utils.losses",
            "verl.workers.engine.fsdp.transformer_impl", "verl.utils.metric", "verl.protocol")
