@@ -3,22 +3,25 @@
 from .api import (
     CorrectionOutput,
     PolicyLossOutput,
+    TokenBaseline,
     TokenStats,
     decoupled_ppo_loss,
     linear_decoupled_ppo_loss,
     linear_token_logprobs,
     metrics_to_floats,
+    optimal_token_baseline,
     policy_loss,
     rollout_correction,
     token_logprobs,
+    variance_proxy_metrics,
 )
 from .config import PolicyLossConfig, RolloutCorrection
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorrectionOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection", "TokenStats",
-    "decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs", "metrics_to_floats", "policy_loss",
-    "rollout_correction", "token_logprobs",
+    "CorrectionOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection", "TokenBaseline", "TokenStats",
+    "decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs", "metrics_to_floats",
+    "optimal_token_baseline", "policy_loss", "rollout_correction", "token_logprobs", "variance_proxy_metrics",
     "__version__",
 ]

@@ -10,19 +10,21 @@ import torch
 
 from . import ops, stage
 from .backends import statistics_dtype
-from .config import PolicyLossConfig, RolloutCorrection, check_memory_budget
+from .config import PolicyLossConfig, RolloutCorrection, check_finite_positive, check_memory_budget
 from .inputs import (
     Arguments,
     PreparedBatch,
     check_head,
     check_logits,
+    prepare_baseline_rows,
     prepare_correction,
     prepare_loss,
     prepare_policy,
     prepare_stats,
+    prepare_variance_rows,
     resolve_config,
 )
-from .stage import correction
+from .stage import baseline, correction
 from .stage.metrics import Metrics
 
 
@@ -314,6 +316,83 @@ def rollout_correction(
     shape = batch.token_shape
     return CorrectionOutput(None if weights is None else weights.weights.reshape(shape),
                             decisions.mask.reshape(shape), metrics.finish(batch.split))
+
+
+class TokenBaseline(NamedTuple):
+    advantages: torch.Tensor  # like token_rewards: (G - B) * m, no gradient
+    returns: torch.Tensor  # like token_rewards: G, the masked reward-to-go
+
+
+def optimal_token_baseline(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor,
+    old_logprobs: torch.Tensor, sum_pi_squared: torch.Tensor, *, is_weights: Optional[torch.Tensor] = None,
+    multi_turn: bool = False, handle_zero_tail: bool = True, eps: float = 1e-8,
+    cu_seqlens: Optional[torch.Tensor] = None, validate: bool = True,
+) -> TokenBaseline:
+    """Advantages from the optimal token baseline (SPEC §10; Li, Xu et al., arXiv 2602.07078), as verl 0.9.1's
+    `compute_optimal_token_baseline_advantage` (and, with `multi_turn`, its TIR form) computes them.
+
+    Per prompt group and per position, B_t = sum_i G_t W_t m_t / (sum_i W_t m_t + eps), with G the masked
+    reward-to-go and W the cumulative sum of w_t = 1 - 2 pi_old(y_t) + sum_v pi_old(v)^2 (times the squared
+    IS weight when given): a baseline weighted by each trajectory's "realised energy". Segmented: no loop over
+    groups or rows, no host synchronisation (with validate=False).
+
+    Args:
+        token_rewards: [B, T] (padded) or [N] (packed) float rewards per token.
+        response_mask: like token_rewards, bool or 0/1.
+        group_index: [B] (or [S] packed) integer prompt id of each sequence (any integers, in any order).
+        old_logprobs: like token_rewards, log-probs of the sampled tokens under pi_old.
+        sum_pi_squared: like token_rewards, sum_v pi_old(v)^2 (`token_logprobs(..., compute_sum_pi_squared=True)`).
+        is_weights: like token_rewards, the applied IS weights (w_t is scaled by their square), or None.
+        multi_turn: verl's TIR-OTB: each row's masked tokens aligned by their rank among the row's masked
+            tokens; empty rows belong to no group.
+        handle_zero_tail: the single longest trajectory of a group gets B = 0 beyond the second-longest length.
+        eps: the denominator's epsilon.
+        cu_seqlens: [S + 1] offsets of the packed layout (None: padded, or one sequence).
+        validate: run the value checks (NaN / inf, cu_seqlens contents): one host sync.
+
+    Returns:
+        TokenBaseline(advantages, returns), shaped and typed like token_rewards; no gradient.
+    """
+    if not isinstance(multi_turn, bool) or not isinstance(handle_zero_tail, bool):
+        raise TypeError(f"multi_turn / handle_zero_tail: expected bools, got {multi_turn!r} / {handle_zero_tail!r}")
+    eps = check_finite_positive("eps", eps, allow_zero=True)
+    with torch.no_grad():
+        rows = prepare_baseline_rows(token_rewards, response_mask, group_index, old_logprobs, sum_pi_squared,
+                                     is_weights, cu_seqlens, validate)
+        out = baseline.optimal_token_baseline(rows, multi_turn, handle_zero_tail, eps)
+    shape = token_rewards.shape
+    return TokenBaseline(out.advantages.reshape(shape), out.returns.reshape(shape))
+
+
+def variance_proxy_metrics(
+    advantages: torch.Tensor, response_mask: torch.Tensor, old_logprobs: torch.Tensor,
+    sum_pi_squared: torch.Tensor, *, is_weights: Optional[torch.Tensor] = None, grad_norm: Optional[float] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Dict[str, torch.Tensor]:
+    """verl's gradient-variance proxies (`compute_variance_proxy_metrics`) under its names, as 0-d tensors.
+
+    With W_i = sum_t w_t m_t (w_t as in `optimal_token_baseline`) and A_i the masked mean advantage of row i:
+    proxy2_total_power = mean_i(A_i^2 max(W_i, 0)) (with IS weights, verl's convention: the row's squared mean
+    weight times the unscaled W), proxy1_signal_strength = grad_norm^2, proxy3_pure_noise =
+    max(0, (proxy2 - proxy1) / (B - 1)) (0 without grad_norm), expected_a_squared, expected_w.
+
+    Args:
+        advantages: [B, T] (padded) or [N] (packed) float.
+        response_mask: like advantages.
+        old_logprobs: like advantages.
+        sum_pi_squared: like advantages.
+        is_weights: like advantages, the applied IS weights, or None.
+        grad_norm: the step's gradient norm (a float), or None.
+        cu_seqlens: [S + 1] offsets of the packed layout.
+
+    Returns:
+        {"variance_proxy/<name>": 0-d tensor}.
+    """
+    x = prepare_variance_rows(advantages, response_mask, old_logprobs, sum_pi_squared, is_weights, cu_seqlens,
+                              grad_norm)
+    with torch.no_grad():
+        return baseline.variance_proxy_metrics(x, grad_norm)
 
 
 def metrics_to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:

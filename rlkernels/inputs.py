@@ -521,3 +521,65 @@ def prepare_correction(train_logprobs, args: Arguments, config: RolloutCorrectio
                                ("rollout_logprobs", _flat(args.rollout_logprobs))])
         checks.run()
     return _batch(token_shape, mask, layout, args)
+
+
+# ---------------------------------------------------------------- the optimal token baseline
+def _rows_of(token_shape, cu_seqlens, device):
+    """(row, position, number of rows, padded width) of flat tokens: a padded [B, T] batch flattened, or the
+    packed sequences of cu_seqlens (one sequence without it)."""
+    if len(token_shape) == 2:
+        B, T = token_shape
+        return (torch.arange(B, device=device).repeat_interleave(T), torch.arange(T, device=device).repeat(B), B, T)
+    (N,) = token_shape
+    cu = (torch.tensor([0, N], device=device) if cu_seqlens is None else cu_seqlens.to(device=device, dtype=torch.long))
+    row = torch.searchsorted(cu[1:], torch.arange(N, device=device), right=True)
+    return row, torch.arange(N, device=device) - cu.index_select(0, row), cu.numel() - 1, None
+
+
+def prepare_baseline_rows(token_rewards, response_mask, group_index, old_logprobs, sum_pi_squared, is_weights,
+                          cu_seqlens, validate: bool):
+    """The checks of `optimal_token_baseline`, then its flat `TokenRows`."""
+    from .stage.baseline import TokenRows
+
+    check_tensor("token_rewards", token_rewards, kind="float")
+    if token_rewards.dim() not in (1, 2):
+        raise ValueError(f"token_rewards: expected [B, T] (padded) or [N] (packed), got shape "
+                         f"{tuple(token_rewards.shape)}")
+    device, token_shape = token_rewards.device, tuple(token_rewards.shape)
+    _check_per_token(token_shape, device, response_mask=response_mask, old_logprobs=old_logprobs,
+                     sum_pi_squared=sum_pi_squared, is_weights=is_weights)
+    check_cu_seqlens(cu_seqlens, token_shape, device)
+    row, position, num_rows, width = _rows_of(token_shape, cu_seqlens, device)
+    check_tensor("group_index", group_index, kind="int", shape=(num_rows,), device=device)
+    mask = response_mask.reshape(-1).bool()
+    if validate:
+        checks = ValueChecks()
+        checks.layout(cu_seqlens, token_shape[0], None, None)
+        checks.values(mask, "tokens of the response mask",
+                      finite=[("token_rewards", token_rewards.reshape(-1)), ("is_weights", _flat(is_weights))],
+                      not_nan=[("old_logprobs", old_logprobs.reshape(-1)),
+                               ("sum_pi_squared", sum_pi_squared.reshape(-1))])
+        checks.run()
+    return TokenRows(token_rewards.reshape(-1).detach(), mask, old_logprobs.reshape(-1).detach(),
+                     sum_pi_squared.reshape(-1).detach(), None if is_weights is None else _flat(is_weights).detach(),
+                     row, position, group_index.reshape(-1).long(), width)
+
+
+def prepare_variance_rows(advantages, response_mask, old_logprobs, sum_pi_squared, is_weights, cu_seqlens,
+                          grad_norm):
+    """The checks of `variance_proxy_metrics`, then its flat inputs."""
+    from .stage.baseline import VarianceInputs
+
+    check_tensor("advantages", advantages, kind="float")
+    if advantages.dim() not in (1, 2):
+        raise ValueError(f"advantages: expected [B, T] (padded) or [N] (packed), got shape {tuple(advantages.shape)}")
+    device, token_shape = advantages.device, tuple(advantages.shape)
+    _check_per_token(token_shape, device, response_mask=response_mask, old_logprobs=old_logprobs,
+                     sum_pi_squared=sum_pi_squared, is_weights=is_weights)
+    check_cu_seqlens(cu_seqlens, token_shape, device)
+    if grad_norm is not None and (isinstance(grad_norm, bool) or not isinstance(grad_norm, (int, float))):
+        raise TypeError(f"grad_norm: expected a number or None, got {grad_norm!r}")
+    row, _, num_rows, _ = _rows_of(token_shape, cu_seqlens, device)
+    return VarianceInputs(advantages.reshape(-1).detach(), response_mask.reshape(-1).bool(),
+                          old_logprobs.reshape(-1).detach(), sum_pi_squared.reshape(-1).detach(),
+                          None if is_weights is None else _flat(is_weights).detach(), row, num_rows)

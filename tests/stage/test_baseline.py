@@ -1,0 +1,245 @@
+"""The optimal token baseline and the variance proxies (SPEC §10): against the float64 oracle's closed forms,
+against verl 0.9.1's own `compute_optimal_token_baseline_advantage`, `compute_multi_turn_optimal_token_baseline_
+advantage` and `compute_variance_proxy_metrics` on hypothesis batches, packed against padded, compiled against
+eager.
+
+Float64 throughout: the fast path sums along rows and over groups in other orders than verl's loops (a
+segmented reduction over sorted tokens), so values agree to a few float64 roundings of O(1) terms: 1e-12
+relative to the largest return.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rlkernels
+from rlkernels import reference
+
+from ..cases import scaled
+from ..verl_import import import_verl_or_skip
+
+TOL = 1e-12
+
+
+def _close(got, want, what):
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    err = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+    assert err <= TOL * scale, f"{what}: max |diff| {err:.3e} (scale {scale:.3g})"
+
+
+@st.composite
+def otb_batches(draw):
+    """Padded [B, T] batches: groups of 1, 2 and up to 16 under unsorted, non-contiguous ids, empty responses,
+    ties for the longest response, zero rewards, masks with holes (multi-turn)."""
+    sizes = draw(st.lists(st.sampled_from([1, 2, 3, 16]), min_size=1, max_size=4))
+    B, T = sum(sizes), draw(st.integers(1, 9))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(1000, generator=g)[: len(sizes)] * 7 - 300  # any integers, negative included
+    group_index = torch.cat([ids[i].repeat(n) for i, n in enumerate(sizes)])
+    group_index = group_index[torch.randperm(B, generator=g)]  # unsorted
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    if draw(st.booleans()):  # ties for the longest response
+        lengths[: max(2, B // 2)] = T
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    if draw(st.booleans()):  # holes: multi-turn masks (tool tokens between the model's turns)
+        mask &= torch.rand(B, T, generator=g) < 0.7
+    rewards = torch.zeros(B, T, dtype=torch.float64)
+    if draw(st.booleans()):  # outcome rewards on the last token; else all zero
+        last = (lengths - 1).clamp_min(0)
+        rewards[torch.arange(B), last] = torch.randn(B, generator=g, dtype=torch.float64)
+    if draw(st.booleans()):
+        rewards += 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    s2 = torch.rand(B, T, generator=g, dtype=torch.float64) * 0.6 + 0.05
+    is_weights = (0.3 + torch.rand(B, T, generator=g, dtype=torch.float64) * 1.7) if draw(st.booleans()) else None
+    return rewards, mask.double(), group_index, old, s2, is_weights
+
+
+def _verl_fns():
+    _, core_algos, _ = import_verl_or_skip()
+    return {False: core_algos.compute_optimal_token_baseline_advantage,
+            True: core_algos.compute_multi_turn_optimal_token_baseline_advantage}
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["otb", "tir"])
+@pytest.mark.parametrize("handle_zero_tail", [True, False], ids=["zero_tail", "no_zero_tail"])
+@settings(max_examples=scaled(60))
+@given(batch=otb_batches())
+def test_optimal_token_baseline_matches_verl(multi_turn, handle_zero_tail, batch):
+    rewards, mask, group_index, old, s2, is_weights = batch
+    want_adv, want_ret = _verl_fns()[multi_turn](rewards, mask, group_index.numpy(), old, s2,
+                                                 rollout_is_weights=is_weights, handle_zero_tail=handle_zero_tail)
+    out = rlkernels.optimal_token_baseline(rewards, mask, group_index, old, s2, is_weights=is_weights,
+                                           multi_turn=multi_turn, handle_zero_tail=handle_zero_tail)
+    _close(out.advantages, want_adv, "advantages")
+    _close(out.returns, want_ret, "returns")
+    ref_adv, ref_ret = reference.optimal_token_baseline(rewards, mask, group_index, old, s2, is_weights=is_weights,
+                                                        multi_turn=multi_turn, handle_zero_tail=handle_zero_tail)
+    _close(ref_adv, want_adv, "oracle advantages")
+    _close(ref_ret, want_ret, "oracle returns")
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["otb", "tir"])
+@settings(max_examples=scaled(30))
+@given(batch=otb_batches())
+def test_packed_equals_padded(multi_turn, batch):
+    """Each padded row packed whole (its masked-out columns included, as a packed batch carries its tool
+    tokens): the same advantages at the same tokens."""
+    rewards, mask, group_index, old, s2, is_weights = batch
+    B, T = rewards.shape
+    padded = rlkernels.optimal_token_baseline(rewards, mask, group_index, old, s2, is_weights=is_weights,
+                                              multi_turn=multi_turn)
+    cu = torch.arange(B + 1) * T
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    packed = rlkernels.optimal_token_baseline(flat(rewards), flat(mask), group_index, flat(old), flat(s2),
+                                              is_weights=flat(is_weights), multi_turn=multi_turn, cu_seqlens=cu)
+    _close(packed.advantages, padded.advantages.reshape(-1), "advantages")
+    _close(packed.returns, padded.returns.reshape(-1), "returns")
+
+
+def _one_group(B=4, T=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.float64)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64)
+    s2 = torch.rand(B, T, generator=g, dtype=torch.float64) * 0.5
+    return rewards, mask, torch.zeros(B, dtype=torch.long), old, s2
+
+
+@pytest.mark.parametrize("impl", ["fast", "oracle"])
+def test_closed_forms(impl):
+    otb = rlkernels.optimal_token_baseline if impl == "fast" else reference.optimal_token_baseline
+
+    def returns(r, m):
+        return (r * m).flip(-1).cumsum(-1).flip(-1)
+
+    rewards, mask, groups, old, s2 = _one_group()
+    # a group of one: B = 0, the advantage is the return
+    adv, ret = otb(rewards[:1], mask[:1], groups[:1], old[:1], s2[:1])[:2]
+    assert torch.allclose(adv, returns(rewards[:1], mask[:1]), rtol=0, atol=1e-15) and torch.equal(adv, ret)
+    # identical trajectories: B_t = G_t W_t n / (W_t n + eps), the advantage G eps / (n W + eps) ~ 0
+    same = [t[:1].expand(3, -1).clone() for t in (rewards, mask, old, s2)]
+    adv = otb(same[0], same[1], groups[:3], same[2], same[3])[0]
+    assert float(adv.abs().max()) < 1e-7
+    # a single token: B = mean over the group's members of G W / W = the mean reward (one token each)
+    one = [t[:, :1].clone() for t in (rewards, mask, old, s2)]
+    adv = otb(one[0], one[1], groups, one[2], one[3])[0]
+    w = 1 - 2 * torch.exp(one[2]) + one[3]
+    expected = one[0] - (one[0] * w).sum() / (w.sum() + 1e-8)
+    assert torch.allclose(adv, expected, rtol=0, atol=1e-14)
+    # W = 0 everywhere (w = 1 - 2 pi + sum pi^2 = 0 at pi = 1): B = 0 / eps = 0, the advantage is the return
+    adv = otb(rewards, mask, groups, torch.zeros_like(old), torch.ones_like(s2))[0]
+    assert torch.allclose(adv, returns(rewards, mask), rtol=0, atol=1e-15)
+    # ties for the longest response: no zero tail, the same baseline with and without the rule
+    tied = mask.clone()
+    tied[2:, 3:] = 0  # two rows of length 5, two of 3
+    with_rule = otb(rewards, tied, groups, old, s2, handle_zero_tail=True)[0]
+    without = otb(rewards, tied, groups, old, s2, handle_zero_tail=False)[0]
+    assert torch.equal(with_rule, without)
+    # one longest row: its tail beyond the second longest keeps the raw return
+    tail = mask.clone()
+    tail[1:, 3:] = 0
+    adv = otb(rewards, tail, groups, old, s2, handle_zero_tail=True)[0]
+    assert torch.allclose(adv[0, 3:], returns(rewards, tail)[0, 3:], rtol=0, atol=1e-15)
+
+
+def test_the_compiled_baseline_equals_eager_with_no_graph_break():
+    rewards, mask, _, old, s2 = _one_group(B=12, T=7)
+    groups = torch.tensor([5, 2, 5, 9, 2, 2, 5, 9, 1, 5, 2, 9])
+    mask[3, 4:] = 0
+    mask[7] = 0
+
+    def otb(r, m, g, o, s, multi_turn):
+        return rlkernels.optimal_token_baseline(r, m, g, o, s, multi_turn=multi_turn, validate=False).advantages
+
+    compiled = torch.compile(otb, fullgraph=True, dynamic=True)
+    for multi_turn in (False, True):
+        for B in (12, 5):
+            got = compiled(rewards[:B], mask[:B], groups[:B], old[:B], s2[:B], multi_turn)
+            _close(got, otb(rewards[:B], mask[:B], groups[:B], old[:B], s2[:B], multi_turn), f"B={B}")
+    torch._dynamo.reset()
+
+
+def _variance_batch(seed, B=6, T=5, weighted=False):
+    g = torch.Generator().manual_seed(seed)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) < 0.8).double()
+    mask[2] = 0  # an empty row
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    s2 = torch.rand(B, T, generator=g, dtype=torch.float64) * 0.5
+    isw = (0.2 + torch.rand(B, T, generator=g, dtype=torch.float64) * 2) if weighted else None
+    return adv, mask, old, s2, isw
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["on_policy", "is_weights"])
+@pytest.mark.parametrize("grad_norm", [None, 0.3, 5.0])
+def test_variance_proxies_match_verl(weighted, grad_norm):
+    import_verl_or_skip()
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.metric_utils import compute_variance_proxy_metrics
+
+    for seed in range(5):
+        adv, mask, old, s2, isw = _variance_batch(seed, weighted=weighted)
+        tensors = dict(advantages=adv, response_mask=mask, old_log_probs=old, sum_pi_squared=s2)
+        if isw is not None:
+            tensors["rollout_is_weights"] = isw
+        want = compute_variance_proxy_metrics(DataProto.from_dict(tensors=tensors), gradient_norm=grad_norm)
+        got = rlkernels.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=grad_norm)
+        oracle = reference.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=grad_norm)
+        assert set(got) == set(want) == set(oracle)
+        for name, value in want.items():
+            assert abs(float(got[name]) - value) <= TOL * max(1.0, abs(value)), f"{name}: {float(got[name])} vs {value}"
+            assert abs(float(oracle[name]) - value) <= TOL * max(1.0, abs(value)), f"oracle {name}"
+
+
+def test_variance_proxies_packed_equal_padded():
+    adv, mask, old, s2, isw = _variance_batch(3, weighted=True)
+    B, T = adv.shape
+    padded = rlkernels.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=1.0)
+    packed = rlkernels.variance_proxy_metrics(*(t.reshape(-1) for t in (adv, mask, old, s2)),
+                                              is_weights=isw.reshape(-1), grad_norm=1.0,
+                                              cu_seqlens=torch.arange(B + 1) * T)
+    for name in padded:
+        assert abs(float(padded[name]) - float(packed[name])) <= TOL * max(1.0, abs(float(padded[name])))
+
+
+@pytest.mark.parametrize("case, match", [
+    (dict(group_index=torch.zeros(3, dtype=torch.long)), r"group_index: expected shape \(4,\)"),
+    (dict(group_index=torch.zeros(4)), "group_index: expected an integer dtype"),
+    (dict(old_logprobs=torch.zeros(4, 3)), r"old_logprobs: expected shape \(4, 5\)"),
+    (dict(token_rewards=torch.zeros(4, 5, 2)), r"token_rewards: expected \[B, T\]"),
+    (dict(sum_pi_squared=torch.full((4, 5), float("nan"))), "sum_pi_squared: expected no NaN"),
+    (dict(eps=-1.0), "eps: expected a finite number >= 0"),
+])
+def test_bad_input_names_the_argument(case, match):
+    kw = dict(token_rewards=torch.zeros(4, 5), response_mask=torch.ones(4, 5), group_index=torch.zeros(4, dtype=int),
+              old_logprobs=torch.zeros(4, 5), sum_pi_squared=torch.zeros(4, 5))
+    kw.update(case)
+    eps = kw.pop("eps", 1e-8)
+    with pytest.raises((TypeError, ValueError), match=match):
+        rlkernels.optimal_token_baseline(**kw, eps=eps)
+
+
+def test_no_gradient_flows():
+    rewards, mask, groups, old, s2 = _one_group()
+    old = old.clone().requires_grad_(True)
+    out = rlkernels.optimal_token_baseline(rewards.requires_grad_(True), mask, groups, old, s2)
+    assert not out.advantages.requires_grad and not out.returns.requires_grad
+
+
+def test_many_groups_take_one_sort_not_a_loop():
+    """8 and 8,000 groups of the same batch size give the same kind of computation (the same ops, counted by a
+    profiler), so the time does not grow with the number of groups (benchmarks/baseline.py times it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(groups):
+        rewards, mask, old, s2 = (torch.rand(8000, 16, dtype=torch.float64) for _ in range(4))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            rlkernels.optimal_token_baseline(rewards, mask.round(), groups, -old, s2, validate=False)
+        return sorted((e.key, e.count) for e in prof.key_averages() if e.key.startswith("aten::"))
+
+    few, many = ops(torch.arange(8000) % 8), ops(torch.arange(8000))
+    assert few == many, "the op sequence depends on the number of groups"
+    assert sum(count for _, count in few) < 400  # ~330 aten calls, nested ones counted: no per-group or per-row op
