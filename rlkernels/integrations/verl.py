@@ -30,14 +30,25 @@ rows, sequence-level metric weighting. The losses equal verl's registered functi
 """
 
 import os
+import sys
 import warnings
 from functools import partial
 from typing import Optional
 
+import numpy as np
 import torch
 from verl.trainer.ppo import core_algos
 
-from ..api import decoupled_ppo_loss, linear_decoupled_ppo_loss, metrics_to_floats, policy_loss, rollout_correction
+from ..api import (
+    decoupled_ppo_loss,
+    linear_decoupled_ppo_loss,
+    linear_token_logprobs,
+    metrics_to_floats,
+    optimal_token_baseline,
+    policy_loss,
+    rollout_correction,
+    token_logprobs,
+)
 from ..config import PolicyLossConfig, RolloutCorrection
 from .configs import parse_loss_mode, plugin_loss_modes
 from .hf import add_loss_forward, hidden_state_loss_blocker
@@ -208,9 +219,10 @@ def _route_loss_function(loss_function):
     return partial(ppo_loss, *loss_function.args, **loss_function.keywords)
 
 
-def _route_blocker(engine, output, micro_batch):
+def _route_blocker(engine, output, micro_batch, stats: Optional[str] = None):
     """The verl setting that keeps this micro-batch off the route, or None (`output` None: before the
-    forward)."""
+    forward). `stats`: the route of a no-loss pass for sum pi^2 ("linear" takes verl's fused-kernel setting, as it
+    runs the decoder itself)."""
     from verl.utils import tensordict_utils as tu
 
     def get(key, default=False):
@@ -218,13 +230,13 @@ def _route_blocker(engine, output, micro_batch):
 
     if not get("use_remove_padding", True):
         return "use_remove_padding=False (the route takes verl's packed layout)"
-    if get("use_fused_kernels"):
+    if get("use_fused_kernels") and stats != "linear":
         return "use_fused_kernels=True (verl's fused LM head forms no logits)"
     if getattr(engine, "use_ulysses_sp", False):
         return "ulysses_sequence_parallel_size > 1 (each rank holds a padded slice of the packed sequence)"
     if get("distillation_use_topk") or get("distillation_only"):
         return "distillation (its loss consumes the logits)"
-    if get("calculate_sum_pi_squared"):
+    if get("calculate_sum_pi_squared") and stats is None:
         return "calculate_sum_pi_squared=True"
     if get("return_model_output"):
         return "return_model_output=True (the caller reads the log-probs of every position)"
@@ -253,6 +265,9 @@ def _forward_step(self, micro_batch, loss_function, forward_only):
     (_route_loss_function) and in reach of prepare_model_inputs (which verl does not hand it)."""
     loss_function = _route_loss_function(loss_function)
     self._rlkernels_loss_function = loss_function
+    _, kind, _ = _route_actor_config(loss_function)
+    if kind is not None:  # the log-prob passes (no loss function) read it: their sum_pi_squared takes the route
+        self._rlkernels_route_kind = kind
     try:
         return type(self)._verl_forward_step(self, micro_batch, loss_function, forward_only)
     finally:
@@ -269,12 +284,14 @@ def _prepare_model_inputs(self, micro_batch):
     model's forward (patched by `add_loss_forward`) then computes the whole actor loss from the last hidden
     states and the LM head with linear_decoupled_ppo_loss, so the logits are never formed."""
     model_inputs, output_args = type(self)._verl_prepare_model_inputs(self, micro_batch)
-    config, kind, blocker = _route_actor_config(getattr(self, "_rlkernels_loss_function", None))
+    loss_function = getattr(self, "_rlkernels_loss_function", None)
+    config, kind, blocker = _route_actor_config(loss_function)
     self._rlkernels_linear_blocker = None
+    if kind is None and loss_function is None and _stats_route(self, micro_batch) == "linear":
+        return _linear_stats_inputs(self, model_inputs, output_args, micro_batch), output_args
     if kind != "linear" or blocker is not None or _route_blocker(self, None, micro_batch) is not None:
         return model_inputs, output_args
-    model = getattr(self.module, "_fsdp_wrapped_module", self.module)  # FSDP1 wraps the HF model; FSDP2 does not
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    model = _hf_model(self)
     extra = sorted(set(model_inputs) - _TEXT_INPUTS)
     self._rlkernels_linear_blocker = hidden_state_loss_blocker(model) or (
         f"model inputs the decoder alone does not take ({', '.join(extra)})" if extra else None)
@@ -297,12 +314,92 @@ def _prepare_model_inputs(self, micro_batch):
     return model_inputs, output_args
 
 
+# ---------------------------------------------------------------- sum pi^2 for the optimal token baseline
+# verl's log-prob pass (compute_log_prob, no loss function) with actor.calculate_sum_pi_squared=True: on a run
+# that takes a route, rlkernels' fused pass computes the log-probs, entropy and sum pi^2 of the temperature-scaled
+# distribution (verl's definition), from the logits (logits route) or the last hidden states (linear route: no
+# logits, also where verl's own fused kernels raise for sum pi^2). verl's options the fused LM head adds to the
+# inputs are its own forward's, dropped when the linear route runs the decoder itself.
+_FUSED_KERNEL_INPUTS = ("temperature", "return_dict", "shift_labels")
+
+
+def _hf_model(engine):
+    model = getattr(engine.module, "_fsdp_wrapped_module", engine.module)  # FSDP1 wraps the HF model; FSDP2 not
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+
+
+def _stats_route(engine, micro_batch) -> Optional[str]:
+    """The route of a no-loss pass that asks for sum pi^2: "linear" / "logits" where the run takes one (declared by
+    RLKERNELS_VERL_ROUTES=linear|logits, or seen in a training micro-batch of this engine) and nothing rules it
+    out, else None (verl's own path)."""
+    from verl.utils import tensordict_utils as tu
+
+    if not tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False):
+        return None
+    declared = os.environ.get(ROUTES_ENV, "").strip().lower()
+    kind = declared if declared in ("linear", "logits") else getattr(engine, "_rlkernels_route_kind", None)
+    if kind is None or _route_blocker(engine, None, micro_batch, stats=kind) is not None:
+        return None
+    if kind == "linear" and hidden_state_loss_blocker(_hf_model(engine)) is not None:
+        return None
+    return kind
+
+
+def _linear_stats_inputs(engine, model_inputs, output_args, micro_batch):
+    """The model's inputs with `rlkernels_loss=`: its forward returns the statistics of its last hidden states."""
+    stripped = {k: v for k, v in model_inputs.items() if k not in _FUSED_KERNEL_INPUTS}
+    if set(stripped) - _TEXT_INPUTS:  # inputs only the model's own forward takes: verl's path, as it was
+        return model_inputs
+    model_inputs = stripped
+    add_loss_forward(_hf_model(engine))
+    labels = output_args["input_ids_rmpad_rolled"]
+    n = labels.shape[0] - int(output_args.get("pad_size") or 0)
+    entropy = _wants_entropy(micro_batch)
+
+    def stats_of(hidden, weight, bias):  # inside the model's forward, as the LM head's call
+        hidden = hidden.reshape(-1, hidden.shape[-1])[:n].to(weight.dtype)
+        stats = linear_token_logprobs(hidden, weight, labels[:n], bias=bias,
+                                      temperature=_temperature(micro_batch, output_args, n), compute_entropy=entropy,
+                                      compute_sum_pi_squared=True, validate=False)
+        return {_ROUTE: dict(stats=stats, entropy=entropy)}
+
+    model_inputs["rlkernels_loss"] = stats_of
+    return model_inputs
+
+
+def _stats_outputs(engine, output, output_args, micro_batch):
+    """verl's model output of a no-loss pass from rlkernels' statistics, or None (verl's own)."""
+    if isinstance(output, dict) and _ROUTE in output:
+        stats, entropy = output[_ROUTE]["stats"], output[_ROUTE]["entropy"]
+    elif _stats_route(engine, micro_batch) == "logits" and getattr(output, "logits", None) is not None:
+        logits = output.logits.squeeze(0)
+        if hasattr(logits, "full_tensor"):  # a DTensor split over the vocabulary by tensor parallelism, as verl
+            logits = logits.full_tensor()
+        n = logits.shape[0] - int(output_args.get("pad_size") or 0)
+        entropy = _wants_entropy(micro_batch)
+        stats = token_logprobs(logits[:n], output_args["input_ids_rmpad_rolled"][:n],
+                               temperature=_temperature(micro_batch, output_args, n), compute_entropy=entropy,
+                               compute_sum_pi_squared=True, validate=False)
+    else:
+        return None
+    offsets = micro_batch["input_ids"].offsets()  # verl's nested outputs, one row per sequence
+    nested = lambda t: torch.nested.nested_tensor_from_jagged(t.detach(), offsets)  # noqa: E731
+    model_output = {"log_probs": nested(stats.logprobs), "sum_pi_squared": nested(stats.sum_pi_squared)}
+    if entropy:
+        model_output["entropy"] = nested(stats.entropy)
+    return model_output
+
+
 def _prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
     """FSDPEngineWithLMHead.prepare_model_outputs: verl's, unless the actor loss takes a route: the loss the
     forward computed (linear), or the packed logits, labels and temperatures (logits)."""
     config, kind, blocker = _route_actor_config(logits_processor_func)
     if kind == "linear" and isinstance(output, dict) and _ROUTE in output:
         return {_ROUTE: output[_ROUTE]}
+    if kind is None and logits_processor_func is None:
+        stats = _stats_outputs(self, output, output_args, micro_batch)
+        if stats is not None:
+            return stats
     if kind is not None and blocker is None:
         blocker = _route_blocker(self, output, micro_batch)
     if kind == "linear" and blocker is None:
@@ -492,11 +589,69 @@ def register_losses() -> None:
             core_algos.register_policy_loss(name)(make_policy_loss(loss_type, route))
 
 
+# ---------------------------------------------------------------- advantage estimators
+OTB_ESTIMATORS = {"rlkernels_optimal_token_baseline": False, "rlkernels_tir_optimal_token_baseline": True}
+
+
+def _callers_batch():
+    """The DataProto of verl's `compute_advantage` that called the estimator: verl 0.9.1 hands sum_pi_squared,
+    old_log_probs and rollout_is_weights only to its own two OTB names, so an estimator registered under
+    another name reads them from its caller's `data` (read only; a few frames up at most)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        data = frame.f_locals.get("data")
+        if data is not None and hasattr(data, "batch") and "sum_pi_squared" in data.batch.keys():
+            return data
+        frame = frame.f_back
+    return None
+
+
+def make_advantage_estimator(multi_turn: bool):
+    """verl's advantage-estimator signature around `rlkernels.optimal_token_baseline` (verl's OTB, or with
+    multi_turn its TIR-OTB): the same inputs (`index` numpy ids) and values, segmented (no loop over groups)."""
+
+    def compute_rlkernels_optimal_token_baseline(token_level_rewards, response_mask, index=None, old_log_probs=None,
+                                                 sum_pi_squared=None, rollout_is_weights=None, handle_zero_tail=True,
+                                                 epsilon=1e-8, **kwargs):
+        if sum_pi_squared is None or old_log_probs is None:
+            data = _callers_batch()
+            if data is None:
+                raise ValueError("sum_pi_squared: the optimal token baseline needs sum_pi_squared and old_log_probs "
+                                 "from the actor's log-prob pass (actor.calculate_sum_pi_squared=True)")
+            old_log_probs, sum_pi_squared = data.batch["old_log_probs"], data.batch["sum_pi_squared"]
+            if rollout_is_weights is None and "rollout_is_weights" in data.batch.keys():
+                rollout_is_weights = data.batch["rollout_is_weights"]
+        if index is None:
+            raise ValueError("index: the optimal token baseline needs verl's prompt ids (non_tensor_batch['uid'])")
+        groups = torch.as_tensor(np.unique(np.asarray(index), return_inverse=True)[1].reshape(-1),
+                                 device=token_level_rewards.device)
+        out = optimal_token_baseline(token_level_rewards, response_mask, groups, old_log_probs, sum_pi_squared,
+                                     is_weights=rollout_is_weights, multi_turn=multi_turn,
+                                     handle_zero_tail=handle_zero_tail, eps=epsilon, validate=False)
+        return out.advantages, out.returns
+
+    compute_rlkernels_optimal_token_baseline.__name__ = (
+        f"compute_rlkernels_{'tir_' if multi_turn else ''}optimal_token_baseline")
+    return compute_rlkernels_optimal_token_baseline
+
+
+def register_advantage_estimators() -> None:
+    """rlkernels' names in verl's advantage-estimator registry (idempotent)."""
+    for name, multi_turn in OTB_ESTIMATORS.items():
+        if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
+            core_algos.register_adv_est(name)(make_advantage_estimator(multi_turn))
+
+
 def _opted_in(variable: str) -> bool:
-    return os.environ.get(variable, "0").strip().lower() in ("1", "true", "yes")
+    """RLKERNELS_VERL_ROUTES=1 (or linear / logits, which also names the route of the log-prob passes),
+    RLKERNELS_VERL_CORRECTION=1."""
+    return os.environ.get(variable, "0").strip().lower() in ("1", "true", "yes", "linear", "logits")
 
 
 register_losses()
+register_advantage_estimators()
 if _opted_in(ROUTES_ENV):
     install_routes()
 if _opted_in(CORRECTION_ENV):
