@@ -525,11 +525,11 @@ def prepare_correction(train_logprobs, args: Arguments, config: RolloutCorrectio
 
 # ---------------------------------------------------------------- the optimal token baseline
 def _rows_of(token_shape, cu_seqlens, device):
-    """(row, position, number of rows, padded width) of flat tokens: a padded [B, T] batch flattened, or the
-    packed sequences of cu_seqlens (one sequence without it)."""
+    """(row, position, number of rows, padded width) of flat tokens: a padded [B, T] batch flattened (its rows are
+    its view's: no row or position tensors), or the packed sequences of cu_seqlens (one sequence without it)."""
     if len(token_shape) == 2:
         B, T = token_shape
-        return (torch.arange(B, device=device).repeat_interleave(T), torch.arange(T, device=device).repeat(B), B, T)
+        return None, None, B, T
     (N,) = token_shape
     cu = (torch.tensor([0, N], device=device) if cu_seqlens is None else cu_seqlens.to(device=device, dtype=torch.long))
     row = torch.searchsorted(cu[1:], torch.arange(N, device=device), right=True)
@@ -579,7 +579,7 @@ def prepare_variance_rows(advantages, response_mask, old_logprobs, sum_pi_square
     check_cu_seqlens(cu_seqlens, token_shape, device)
     if grad_norm is not None and (isinstance(grad_norm, bool) or not isinstance(grad_norm, (int, float))):
         raise TypeError(f"grad_norm: expected a number or None, got {grad_norm!r}")
-    row, _, num_rows, _ = _rows_of(token_shape, cu_seqlens, device)
+    row, _, num_rows, width = _rows_of(token_shape, cu_seqlens, device)
     return VarianceInputs(advantages.reshape(-1).detach(), response_mask.reshape(-1).bool(),
                           old_logprobs.reshape(-1).detach(), sum_pi_squared.reshape(-1).detach(),
-                          None if is_weights is None else _flat(is_weights).detach(), row, num_rows)
+                          None if is_weights is None else _flat(is_weights).detach(), row, num_rows, width)

@@ -62,3 +62,22 @@ def test_naive_and_rlkernels_agree(result):
     loss = [r["value"] for r in data["results"] if r["op"] == "ppo" and r["mode"] == "fwd"]
     assert len(loss) == 2 and loss[0] != 0.0  # the case does real work: a nonzero loss
 
+
+
+def test_the_baseline_benchmark_times_verl_and_rlkernels_on_the_same_advantages(tmp_path, monkeypatch):
+    """benchmarks/baseline.py on a small batch, both variants: its rows name both providers, and the three
+    versions' advantages agree (float32 inputs; rlkernels sums in float32 too, in other orders: 1e-6 of the
+    largest return). Without verl, it times rlkernels alone and adds the same shape in groups of one."""
+    baseline = pytest.importorskip("benchmarks.baseline")
+    rows = baseline.main(["--batch", "24x16x4", "--reps", "1", "--json", str(tmp_path / "otb.json")])
+    written = json.load(open(tmp_path / "otb.json"))
+    assert written["rows"] == rows and ENV_FIELDS <= set(written["environment"])
+    if baseline._verl_functions() is not None:
+        assert [r["variant"] for r in rows] == ["otb", "tir"]
+        for r in rows:
+            assert r["groups"] == 6 and r["verl_ms"] > 0 and r["rlkernels_vs_verl"] > 0
+            assert set(r["max_rel_diff"]) == {"verl", "rlkernels", "rlkernels_compiled"}
+            assert max(r["max_rel_diff"].values()) <= 1e-6, r
+    monkeypatch.setattr(baseline, "_verl_functions", lambda: None)
+    alone = baseline.main(["--batch", "24x16x4", "--reps", "1", "--variant", "otb"])
+    assert [(r["groups"], "verl_ms" in r) for r in alone] == [(6, False), (24, False)]

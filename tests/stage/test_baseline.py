@@ -8,6 +8,8 @@ segmented reduction over sorted tokens), so values agree to a few float64 roundi
 relative to the largest return.
 """
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -162,6 +164,27 @@ def test_the_compiled_baseline_equals_eager_with_no_graph_break():
     torch._dynamo.reset()
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_and_segmented_group_sums_are_bitwise_equal(monkeypatch, dtype):
+    """The padded path's per-group sums: eager on the CPU by index_add_ (a sequential loop over the rows), else
+    (compiled, CUDA) by segment_reduce over the rows sorted by group. Both add each group's rows in row order
+    from zero, as a plain loop does, so all three agree to the bit and a compiled step equals an eager one."""
+    from rlkernels.stage import baseline as stage_baseline
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 9, generator=g, dtype=dtype) * torch.logspace(-6, 6, 9, dtype=dtype)  # rounding shows
+    dense = torch.randint(0, 5, (40,), generator=g)  # groups of ~7 rows
+    dense[:6] = 40  # rows of no group (the id R)
+    eager = stage_baseline._group_sums(x, dense)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    segmented = stage_baseline._group_sums(x, dense)
+    assert torch.equal(eager, segmented)
+    want = x.new_zeros(41, 9)
+    for row in range(40):  # each group's rows added in row order, from zero
+        want[dense[row]] = want[dense[row]] + x[row]
+    assert torch.equal(segmented, want)
+
 def _variance_batch(seed, B=6, T=5, weighted=False):
     g = torch.Generator().manual_seed(seed)
     adv = torch.randn(B, T, generator=g, dtype=torch.float64)
@@ -243,3 +266,58 @@ def test_many_groups_take_one_sort_not_a_loop():
     few, many = ops(torch.arange(8000) % 8), ops(torch.arange(8000))
     assert few == many, "the op sequence depends on the number of groups"
     assert sum(count for _, count in few) < 400  # ~330 aten calls, nested ones counted: no per-group or per-row op
+
+
+def test_the_example_runs_as_written():
+    """examples/otb.py: its advantages are the float64 oracle's on its batch (float32 inputs: 1e-6 of O(1)
+    returns), its bypass-mode advantages equal the π_old pass's (the policy has not stepped), its loss reaches the
+    head's gradient; and the script runs as a user runs it."""
+    import subprocess
+    import sys
+
+    from ..support.peers import EXAMPLES, load_example
+
+    out = load_example("otb.py").main()
+    mask, group, rewards = out["batch"]
+    want, want_returns = reference.optimal_token_baseline(rewards, mask, group, out["old"].logprobs,
+                                                          out["old"].sum_pi_squared)
+    assert float((out["otb"].advantages.double() - want).abs().max()) <= 1e-6
+    assert float((out["otb"].returns.double() - want_returns).abs().max()) <= 1e-6
+    assert float(out["otb"].advantages.abs().max()) > 0.1  # the batch has groups with mixed rewards
+    assert torch.equal(out["bypass"].advantages, out["otb"].advantages)
+    assert torch.isfinite(out["loss"]) and float(out["grad"].abs().max()) > 0
+    run = subprocess.run([sys.executable, os.path.join(EXAMPLES, "otb.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "equal the pi_old pass's: True" in run.stdout, run.stdout
+
+
+ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+              "index_put", "index_put_", "_index_put_impl_", "put_", "index_reduce", "index_reduce_"}
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_no_floating_point_atomics_off_the_cpu(monkeypatch, multi_turn, packed):
+    """CUDA's index_add_ / scatter_add_ / scatter_reduce_ accumulate with atomics: on floats they change the last
+    bits from run to run. The code CUDA (and a compiled step) runs is traced (make_fx records every ATen op) and
+    no such op may act on a floating-point tensor; on integers (group sizes, lengths) they are exact."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the branch taken off the CPU's eager
+    rewards, mask, _, old, s2 = _one_group(B=6, T=5)
+    groups = torch.tensor([4, 1, 4, 1, 1, 7])
+    cu = torch.tensor([0, 5, 9, 14, 20, 25, 30]) if packed else None
+    flat = (lambda t: t.reshape(-1)) if packed else (lambda t: t)
+
+    def otb(r, m, o, s):
+        out = rlkernels.optimal_token_baseline(flat(r), flat(m), groups, flat(o), flat(s), is_weights=flat(s) + 0.5,
+                                               multi_turn=multi_turn, cu_seqlens=cu, validate=False)
+        return out.advantages, out.returns
+
+    traced = make_fx(otb)(rewards, mask, old, s2)
+    atomic = [(node.target.__name__, node.meta["val"].dtype) for node in traced.graph.nodes
+              if node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in ATOMIC_OPS]
+    floating = [(name, dtype) for name, dtype in atomic if dtype.is_floating_point]
+    assert not floating, f"floating-point atomic ops: {floating}"
+    assert atomic, "the integer group counts are traced (the test sees the graph)"
