@@ -1,5 +1,6 @@
 """rlkernels: fused off-policy policy-gradient losses for LLM RL (the contract: docs/spec.md)."""
 
+from . import schedules
 from .api import (
     CorrectionOutput,
     PolicyLossOutput,
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CorrectionOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection", "TokenBaseline", "TokenStats",
     "decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs", "metrics_to_floats",
-    "optimal_token_baseline", "policy_loss", "rollout_correction", "token_logprobs", "variance_proxy_metrics",
+    "optimal_token_baseline", "policy_loss", "rollout_correction", "schedules", "token_logprobs",
+    "variance_proxy_metrics",
     "__version__",
 ]

@@ -313,6 +313,7 @@ def rollout_correction(
                                                                  batch.split)
     metrics = Metrics()
     correction.record_metrics(metrics, terms, batch.mask, table, decisions, norms, config, weights)
+    correction.record_length_metrics(metrics, table, norms, batch.split)
     shape = batch.token_shape
     return CorrectionOutput(None if weights is None else weights.weights.reshape(shape),
                             decisions.mask.reshape(shape), metrics.finish(batch.split))

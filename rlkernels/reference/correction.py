@@ -126,6 +126,21 @@ def rejection(delta, mask, seqs, rc):
     return keep_all, info
 
 
+def response_length_metrics(mask, seqs: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """SPEC §8.1: the mean, max and 0.9 quantile of every sequence's token count in m (empty ones included), the
+    quantile interpolated linearly between the order statistics at 0.9 (n - 1)."""
+    device = mask.device
+    lengths = sorted(float(mask[idx].sum()) for idx in seqs)
+    if not lengths:
+        return {f"response_length/{k}": _zero(device) for k in ("mean", "max", "p90")}
+    position = 0.9 * (len(lengths) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(lengths) - 1)
+    p90 = lengths[below] + (lengths[above] - lengths[below]) * (position - below)
+    values = {"mean": sum(lengths) / len(lengths), "max": lengths[-1], "p90": p90}
+    return {f"response_length/{k}": torch.tensor(v, dtype=torch.float64, device=device) for k, v in values.items()}
+
+
 def diagnostics(
     train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, new_mask=None, rs_info=None
 ) -> Dict[str, torch.Tensor]:

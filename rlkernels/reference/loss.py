@@ -133,6 +133,7 @@ def policy_loss(
         if rc is not None and rc.rs:
             new_mask, rs_info = correction.rejection(delta, m, seqs, rc)
         metrics.update(correction.diagnostics(l_train, roll, m, seqs, rc, w_pre, norm, new_mask, rs_info))
+    metrics.update(correction.response_length_metrics(m, seqs))
     # VESPO folds the truncated token weights into its sequence ratio before any batch normalisation (SPEC §6)
     token_weights = w_pre if rc is not None and rc.is_level == "token" else None
     if given is not None:

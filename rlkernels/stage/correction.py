@@ -222,6 +222,22 @@ def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, tabl
         _weight_metrics(metrics, weights, decisions, rc, sets)
 
 
+LENGTH_QUANTILE = 0.9
+
+
+def record_length_metrics(metrics: Metrics, table: SequenceTable, norms: Normalisers, split) -> None:
+    """response_length/mean, /max and /p90 (SPEC §8.1): of every sequence's tokens in m, empty ones included.
+    The quantile interpolates linearly between order statistics (numpy's default); it needs every sequence's
+    length, which a data-parallel split does not gather: there it is not reported."""
+    lengths = table.sum("len")
+    everyone = torch.ones_like(lengths, dtype=torch.bool)
+    metrics.mean("response_length/mean", lengths, everyone, norms.all_seqs, per_sequence=True)
+    metrics.extreme("response_length/max", lengths, everyone, norms.all_seqs, largest=True)
+    if split.dp_group is None:
+        p90 = (torch.quantile(lengths, LENGTH_QUANTILE) if lengths.numel() else lengths.new_zeros(()))
+        metrics.sequence_statistic("response_length/p90", p90)
+
+
 def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> None:
     mask, n_tok, dt = sets.mask, sets.n_tok, sets.dt
     for option in decisions.options:

@@ -173,12 +173,14 @@ def _kept_sums(x: _Inputs, config: "PolicyLossConfig") -> Dict[str, object]:
     return kept_sums
 
 
-def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig") -> _Corrected:
-    """correction.correct's results as the stage reads them, with the rollout_corr/* metrics recorded."""
+def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", split) -> _Corrected:
+    """correction.correct's results as the stage reads them, with the rollout_corr/* and response_length/*
+    metrics recorded."""
     terms, table, decisions, norms, w = corrected
     metrics = Metrics()
     if terms is not None:
         correction.record_metrics(metrics, terms, x.mask, table, decisions, norms, config.rollout_correction, w)
+    correction.record_length_metrics(metrics, table, norms, split)
     computed_token_weights = terms is not None and terms.token_weights is not None
     weights, factor = (None, None) if w is None else (w.weights, w.norm_factor)
     if x.given_weights is not None:  # a trainer's own weights stand where computed ones would
@@ -383,7 +385,7 @@ def run(stats, batch, config: "PolicyLossConfig") -> StageOutput:
     # fail to evaluate on recompilation
     corrected = correction.correct(x.l_train, x.rollout, x.mask, seg, config.rollout_correction, batch.split,
                                    _kept_sums(x, config))
-    c = _corrected(x, corrected, config)
+    c = _corrected(x, corrected, config, batch.split)
     ratio = _policy_ratio(x, c, seg, config)
     term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config))
     weighted = _weigh_and_mask(term, x, c, ratio, seg, config)

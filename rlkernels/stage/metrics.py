@@ -79,6 +79,12 @@ class Metrics:
         m2 = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x)).sum()
         self._add(name, MOMENTS_SEQ if per_sequence else MOMENTS, torch.stack([count, mean, m2]))
 
+    def sequence_statistic(self, name: str, value: torch.Tensor) -> None:
+        """A statistic of the whole sequences that does not combine by sum, max or moments (a quantile): the same
+        on every rank of a context-parallel group (taken once there); not to be recorded on a data-parallel
+        split, which no combine rule here makes whole."""
+        self._add(name, SUM_SEQ, value)
+
     def derive(self, name: str, fn: Callable, *inputs: str) -> None:
         """A metric computed from combined records (by name) after the combine."""
         self._derived.append((name, fn, inputs))
