@@ -33,6 +33,9 @@ LOSS_TYPES = tuple(LOSS_TERMS)
 SEQUENCE_RATIO_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.ratio_levels)
 # losses whose selection is batch-global (a host sync, as in verl; no split batches)
 COVARIANCE_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.batch_global)
+# losses whose ratio is p / q against the sampler, its whole correction (computed IS weights would apply it twice)
+ROLLOUT_RATIO_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.rollout_ratio)
+VACO_DIVERGENCES = ("tv", "kl")
 IS_MODES = ("truncate", "mask")
 SEQ_MEAN_OVER = ("nonempty", "all")
 LOSS_AGG_MODES = (
@@ -254,7 +257,9 @@ class PolicyLossConfig:
             "dppo_tv" / "dppo_kl" (DPPO: a trust region on the probability's total-variation / binary-KL
             divergence; clip_ratio_c truncates their stop-gradient ratio, 20 when None),
             each as verl 0.9.1's registered loss of that name computes it; "clip_cov" / "kl_cov" (verl's
-            covariance-selected tokens), "topr" (verl PR #6986), "luspo" and "vespo" (TRL's).
+            covariance-selected tokens), "topr" (verl PR #6986), "luspo" and "vespo" (TRL's); "ipo",
+            "kpop" and "dppo_binary_tv" (prime-rl's trust regions on the rollout policy: -A p/q on the tokens
+            they keep, q the sampler's probability).
         tau_pos: SAPO's gate temperature for tokens with a positive advantage.
         tau_neg: SAPO's gate temperature for tokens with a non-positive advantage.
         ratio_level: "token" (default) or "sequence" (TRL's importance_sampling_level: the ratio of each
@@ -268,6 +273,18 @@ class PolicyLossConfig:
             A < 0 in sequences whose mean rollout-minus-current log-ratio exceeds delta).
         m2po_threshold: M2PO's second-moment mask tau (None: off).
         m2po_quadrant: M2PO's mask over the trust-region quadrants only (else every token).
+        vaco_threshold: VACO's bound on a sequence's mean binary divergence between the training policy and the
+            sampler (open-instruct): beyond it, tokens whose update moves away from the sampler get no policy
+            term (None: off).
+        vaco_divergence: VACO's divergence, "tv" (|mu - pi|) or "kl" (binary KL(mu || pi)).
+        log_ratio_sq_coef: the Kimi-K2.5 term tau * (log p/q)^2 per token, aggregated as the loss (0: off).
+        ipo_eps: IPO's trust region |p - q| <= eps (prime-rl's default 0.3).
+        ipo_kl_tau: the IPO family's tau * (log p/q)^2 on the kept tokens (0: off).
+        kpop_phi: KPop's bound on both binary KLs between p and q (0.1).
+        binary_tv_low: symmetric DPPO binary-TV keeps p - q >= -this (0.2).
+        binary_tv_high: symmetric DPPO binary-TV keeps p - q <= this (0.2).
+        adaptive_entropy: entropy_coeff is set per step by a controller (TRL's adaptive entropy) and may be 0:
+            the entropy term stays in the graph, so no value recompiles a compiled step.
         vespo_k_pos: VESPO's gamma-weight exponent k for A >= 0 (TRL's default 2).
         vespo_lambda_pos: VESPO's lambda for A >= 0 (3).
         vespo_k_neg: VESPO's k for A < 0 (3).
@@ -352,6 +369,16 @@ class PolicyLossConfig:
     topr_negative_ratio_upper: float = 1.0
     m2po_threshold: Optional[float] = None
     m2po_quadrant: bool = True
+    # -- the 2026 trust regions on the rollout policy (SPEC §6.1) ------------------------------------------
+    vaco_threshold: Optional[float] = None
+    vaco_divergence: str = "tv"
+    log_ratio_sq_coef: float = 0.0
+    ipo_eps: float = 0.3
+    ipo_kl_tau: float = 0.0
+    kpop_phi: float = 0.1
+    binary_tv_low: float = 0.2
+    binary_tv_high: float = 0.2
+    adaptive_entropy: bool = False
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -449,13 +476,31 @@ class PolicyLossConfig:
                                              self.m2po_threshold is not None):
             raise ValueError("loss_type: 'geo_mean' is one term per sequence; the token masks "
                              "off_policy_mask_threshold / m2po_threshold do not apply to it")
-        for name in ("kl_bias_correction", "m2po_quadrant"):
+        for name in ("kl_bias_correction", "m2po_quadrant", "adaptive_entropy"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        self._check_rollout_trust_regions()
+
+    def _check_rollout_trust_regions(self) -> None:
+        """The 2026 options (SPEC §6.1): ranges, and the combinations that would apply a correction twice."""
+        for name in ("log_ratio_sq_coef", "ipo_eps", "ipo_kl_tau", "kpop_phi", "binary_tv_low", "binary_tv_high"):
+            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name), allow_zero=True))
+        if self.vaco_threshold is not None:
+            object.__setattr__(self, "vaco_threshold", check_finite_positive("vaco_threshold", self.vaco_threshold))
+        if self.vaco_divergence not in VACO_DIVERGENCES:
+            raise ValueError(f"vaco_divergence: expected one of {VACO_DIVERGENCES}, got {self.vaco_divergence!r}")
+        if self.loss_type == "geo_mean" and self.vaco_threshold is not None:
+            raise ValueError("loss_type: 'geo_mean' is one term per sequence; VACO's token mask (vaco_threshold) does "
+                             "not apply to it")
+        rc = self.rollout_correction
+        if self.loss_type in ROLLOUT_RATIO_LOSSES and rc is not None and rc.is_level is not None:
+            raise ValueError(f"rollout_correction: loss_type={self.loss_type!r} weighs each token by p/q against the "
+                             f"sampler itself; IS weights (is_level={rc.is_level!r}) would correct twice. Keep the "
+                             "rejection options (rs) and set is_level=None")
 
     @property
     def needs_entropy(self) -> bool:
-        return self.compute_entropy or self.entropy_coeff != 0.0
+        return self.compute_entropy or self.adaptive_entropy or self.entropy_coeff != 0.0
 
     @classmethod
     def from_verl_actor(cls, actor, rollout_correction: Optional[RolloutCorrection] = None,

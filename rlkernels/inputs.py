@@ -398,6 +398,9 @@ def _check_options(config: PolicyLossConfig, args: Arguments) -> None:
                          f"{rc.is_level!r}); pass one or the other")
     if rc is not None and rc.enabled and args.rollout_logprobs is None:
         raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
+    if config.vaco_threshold is not None and args.rollout_logprobs is None:
+        raise ValueError("rollout_logprobs: expected a tensor since vaco_threshold is set (VACO's divergence is "
+                         "between the training policy and the sampler), got None")
 
 
 def _batch(token_shape, mask, layout: _Layout, args: Arguments, **fields) -> PreparedBatch:
@@ -485,7 +488,7 @@ def prepare_policy(logprobs, args: Arguments, config: PolicyLossConfig) -> Prepa
                      is_weights=args.is_weights)
     check_cu_seqlens(args.cu_seqlens, token_shape, device)
     _check_options(config, args)
-    if config.entropy_coeff != 0 and args.entropy is None:
+    if (config.adaptive_entropy or config.entropy_coeff != 0) and args.entropy is None:
         raise ValueError(f"entropy: expected a tensor since entropy_coeff={config.entropy_coeff} != 0, got None")
     layout = _layout(token_shape, device, args)
     mask = args.response_mask.reshape(-1).bool()

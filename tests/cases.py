@@ -26,8 +26,10 @@ from rlkernels.config import (
     KL_TYPES,
     LOSS_AGG_MODES,
     LOSS_TYPES,
+    ROLLOUT_RATIO_LOSSES,
     RS_OPTIONS,
     SEQUENCE_RATIO_LOSSES,
+    VACO_DIVERGENCES,
 )
 
 # Every property test states its CI example budget; HYPOTHESIS_SCALE=10 runs ten times as many.
@@ -445,6 +447,8 @@ def configs(draw, mode: str, **fixed):
     rc = draw(rollout_corrections()) if mode != "on-policy" else None
     if loss_type == "vespo" and rc is not None and rc.is_level == "sequence":
         rc = RolloutCorrection(is_level="token", is_threshold=rc.is_threshold, rs=rc.rs)
+    if loss_type in ROLLOUT_RATIO_LOSSES and rc is not None and rc.is_level is not None:
+        rc = RolloutCorrection(is_level=None, rs=rc.rs) if rc.rs else None  # their p / q is the whole correction
     kl = draw(st.sampled_from((None,) + KL_TYPES))  # None: no KL penalty
     kw = dict(
         loss_type=loss_type,
@@ -486,6 +490,17 @@ def configs(draw, mode: str, **fixed):
         kw["off_policy_mask_threshold"] = draw(st.sampled_from([None, None, 0.0, 0.5]))
         kw["m2po_threshold"] = draw(st.sampled_from([None, None, 0.04, 1.0]))
         kw["m2po_quadrant"] = draw(st.booleans())
+        if mode != "on-policy":  # VACO's divergence is the training policy's against the sampler
+            kw["vaco_threshold"] = draw(st.sampled_from([None, None, 0.05, 0.3]))
+            kw["vaco_divergence"] = draw(st.sampled_from(VACO_DIVERGENCES))
+    # the 2026 trust regions on the rollout policy (SPEC §6.1)
+    kw["ipo_eps"] = draw(st.sampled_from([0.3, 0.05, 1.0]))
+    kw["ipo_kl_tau"] = draw(st.sampled_from([0.0, 0.0, 0.01]))
+    kw["kpop_phi"] = draw(st.sampled_from([0.1, 0.01]))
+    kw["binary_tv_low"] = draw(st.sampled_from([0.2, 0.05]))
+    kw["binary_tv_high"] = draw(st.sampled_from([0.2, 0.5]))
+    kw["log_ratio_sq_coef"] = draw(st.sampled_from([0.0, 0.0, 1e-3, 0.1]))
+    kw["adaptive_entropy"] = draw(st.booleans())
     kw["topr_negative_ratio_upper"] = draw(st.sampled_from([1.0, 2.0]))
     kw["vespo_k_neg"] = draw(st.sampled_from([3.0, 1.0]))
     kw.update(fixed)

@@ -77,6 +77,7 @@ def _random_config(rng, mode, dtype, cp=1):
         KL_TYPES,
         LOSS_AGG_MODES,
         LOSS_TYPES,
+        ROLLOUT_RATIO_LOSSES,
         RS_OPTIONS,
         SEQUENCE_RATIO_LOSSES,
     )
@@ -98,6 +99,11 @@ def _random_config(rng, mode, dtype, cp=1):
                             and t not in COVARIANCE_LOSSES])
     if loss_type == "vespo" and rc is not None and rc.is_level == "sequence":
         rc = RolloutCorrection(is_level="token", rs=rc.rs)
+    if loss_type in ROLLOUT_RATIO_LOSSES and rc is not None:  # p / q is their whole correction
+        rc = RolloutCorrection(is_level=None, rs=rc.rs) if rc.rs else None
+    if mode != "on-policy" and loss_type != "geo_mean" and rng.random() < 0.3:  # VACO: per-sequence sums
+        kw.update(vaco_threshold=rng.choice([0.02, 0.2]), vaco_divergence=rng.choice(["tv", "kl"]))
+    kw["log_ratio_sq_coef"] = rng.choice([0.0, 1e-3])
     if loss_type in SEQUENCE_RATIO_LOSSES and cp == 1 and rng.random() < 0.5:
         kw["ratio_level"] = "sequence"
     if loss_type != "geo_mean" and rng.random() < 0.3:
@@ -149,7 +155,7 @@ class _Share:
         return flat[self.rows].reshape(*self.token_shape, *flat.shape[1:]).clone()
 
 
-def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs):
+def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs, vaco=False):
     import rlkernels
     from rlkernels.stage.metrics import KINDS  # noqa: F401  (imported to fail early if the module moved)
 
@@ -167,9 +173,15 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
     counter = Collectives("all_gather", "all_reduce", labels={g: k for k, g in groups.items()})
     world_group = counter.real["all_gather"]
 
+    vaco_dropped = 0.0
     for case in range(num_configs):
         mode = rng.choice(["decoupled", "bypass", "on-policy"]) if entry != "correction" else "decoupled"
+        if vaco:  # VACO in every case: its per-sequence divergence needs the training policy and the sampler
+            mode = rng.choice(["decoupled", "bypass"])
         config = _random_config(rng, mode, dtype, cp)
+        if vaco and config.loss_type != "geo_mean":
+            config = config.with_overrides(vaco_threshold=rng.choice([0.01, 0.05]),
+                                           vaco_divergence=rng.choice(["tv", "kl"]))
         if entry == "compiled":  # the stage under torch.compile: the collectives are graph breaks
             config = config.with_overrides(compile_stage=True)
         lengths = LENGTHS if layout == "packed" else [T] * B
@@ -197,6 +209,8 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
             sent = counter.sent.get(("all_gather", kind), 0)
             assert sent <= 8 * (1 + 12 * S + 3 * len(expected.metrics) + 8), f"{kind} sent {sent} bytes"
 
+        if vaco:
+            vaco_dropped = max(vaco_dropped, float(expected.metrics.get("actor/vaco_masked_fraction", 0.0)))
         reported = {name: value for name, value in expected.metrics.items()
                     if not (dp_group is not None and name in NOT_ON_DATA_PARALLEL_SPLITS)}
         for name, value in reported.items():
@@ -230,6 +244,7 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
             assert_close(g, want, **tol(quantity if dtype == torch.float64 else "reordered.dlogits", dtype,
                                         scale=g_scale), name=f"case {case}: {name}")
     counter.restore()
+    assert not vaco or vaco_dropped > 0, "VACO dropped no token in any case: the split's sums went untested"
 
 
 def _grads(loss, inputs):
@@ -337,6 +352,14 @@ GRIDS = [
 def test_split_batch_matches_the_single_process_computation(tp, dp, cp, layout, zigzag, dtype_name, entry,
                                                             num_configs):
     spawn(tp * dp * cp, _check_split, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs)
+
+
+@pytest.mark.parametrize("dp,cp,layout", [(2, 1, "packed"), (1, 2, "packed"), (2, 2, "padded")])
+def test_vaco_on_split_batches_matches_the_single_process_computation(dp, cp, layout):
+    """VACO (SPEC §6.1) decides per sequence, from the mean divergence over its tokens in m': its sums are made
+    whole across cp_group with the loss's other per-sequence sums, and a data-parallel rank's sequences are
+    whole already. Every case sets vaco_threshold (its masked fraction is among the metrics compared)."""
+    spawn(dp * cp, _check_split, 1, dp, cp, layout, False, "float64", "logits", 6, True)
 
 
 def _check_errors(rank, world):

@@ -263,11 +263,10 @@ def _trl_loss(get) -> Tuple[str, str, bool]:
     trl_loss = get("loss_type", "dapo")
     if trl_loss not in TRL_LOSSES:
         raise ValueError(f"loss_type: TRL's {trl_loss!r} is not computed by rlkernels; supported: {tuple(TRL_LOSSES)}")
-    for key, unsupported in (("top_entropy_quantile", lambda v: v is not None and v < 1.0),
-                             ("use_adaptive_entropy", bool)):
-        if unsupported(get(key)):
-            raise ValueError(f"{key}: {get(key)!r} is not supported by PolicyLossConfig.from_trl (TRL's trainer "
-                             "state decides it per step); compute it in the trainer")
+    value = get("top_entropy_quantile")
+    if value is not None and value < 1.0:
+        raise ValueError(f"top_entropy_quantile: {value!r} is not supported by PolicyLossConfig.from_trl (TRL's "
+                         "trainer state decides it per step); compute it in the trainer")
     return TRL_LOSSES[trl_loss]
 
 
@@ -298,6 +297,7 @@ def policy_loss_config_from_trl(args, **overrides) -> PolicyLossConfig:
         vespo_k_pos=get("vespo_k_pos", 2.0), vespo_lambda_pos=get("vespo_lambda_pos", 3.0),
         vespo_k_neg=get("vespo_k_neg", 3.0), vespo_lambda_neg=get("vespo_lambda_neg", 2.0),
         entropy_coeff=float(get("entropy_coef", 0.0) or 0.0), entropy_agg_mode="token-mean",
+        adaptive_entropy=bool(get("use_adaptive_entropy", False)),
         temperature=get("temperature", 1.0),
     )
     if get("loss_type", "dapo") == "dr_grpo":

@@ -29,8 +29,16 @@ the decoder and computes the loss from its last hidden states within the LM head
 gradients, FSDP gathers the head (its own unit or the root's) and reduces its gradient. Limits (each
 raises): vision-language models and inputs, models that transform their logits after the head
 (softcapping, logit scales) or carry an adapter on it, MoE auxiliary losses, `top_entropy_quantile < 1`,
-adaptive entropy, DeepSpeed ZeRO-3 (its partitioned head would have to be gathered again in the backward,
+DeepSpeed ZeRO-3 (its partitioned head would have to be gathered again in the backward,
 which recomputes the logits from the weight).
+
+TRL's adaptive entropy (`use_adaptive_entropy`, TRL PR #6140) runs as in TRL: each micro-batch applies the
+coefficient of the last optimizer step, and only while the entropy measured then was at or below
+`entropy_target`. The window's entropy sums and token counts are reduced across processes at each optimizer step,
+and the coefficient moves by `entropy_coef_delta` within [`entropy_coef_min`, `entropy_coef_max`]. The state is the
+trainer's own (`entropy_coef`, `_last_world_entropy`, saved with TRL's checkpoints). The coefficient reaches the
+loss as a run-time value of a config with `adaptive_entropy=True`, so neither a new value nor 0 recompiles a
+compiled step.
 """
 
 from typing import Optional
@@ -100,7 +108,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         config = self.rlkernels_config
-        overrides = {}
+        coefficient = self._entropy_coefficient()
+        overrides = {"entropy_coeff": coefficient} if config.adaptive_entropy else {}
         entropy_scale = 1.0  # TRL's entropy bonus is this micro-batch's token mean, whatever the loss divides by
         if self.loss_type in _TOKEN_COUNT_LOSSES:
             normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
@@ -110,8 +119,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             # token-mean by the normaliser, so the entropy's coefficient carries normaliser / local count
             normaliser, local = torch.stack([normaliser.float(), mask.sum().float()]).tolist()
             entropy_scale = normaliser / local if local > 0 else 0.0
-            overrides.update(global_num_tokens=normaliser,
-                             entropy_coeff=config.entropy_coeff * entropy_scale / accumulation)
+            overrides.update(global_num_tokens=normaliser, entropy_coeff=coefficient * entropy_scale / accumulation)
         old = inputs.get("old_per_token_logps")
         sampling = inputs.get("sampling_per_token_logps")
         use_sampling = sampling is not None and (self.rlkernels_uses_own_correction or
@@ -147,9 +155,39 @@ class GRPOTrainer(_TRLGRPOTrainer):
         with self.accelerator.autocast():
             out, old = model(input_ids=input_ids, attention_mask=attention_mask, rlkernels_loss=loss_of)
         loss = out.loss if self.loss_type in _TOKEN_COUNT_LOSSES else out.loss / accumulation
+        if getattr(self, "use_adaptive_entropy", False) and mode == "train":
+            self._adapt_entropy_coefficient(out.entropy, mask)
+        if mode == "train" and self.accelerator.sync_gradients and getattr(self, "_entropy_bonus_enabled", False):
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)  # TRL logs it at each optimizer step
         self._log_rlkernels_metrics(mode, out.metrics, entropy_scale)
         self._log_trl_metrics(mode, out.logprobs, old, inputs, mask)
         return loss
+
+    def _entropy_coefficient(self) -> float:
+        """The entropy coefficient of this micro-batch: the static one, or TRL's adaptive one gated by the entropy
+        measured at the last optimizer step (inf before the first: no bonus)."""
+        if not getattr(self, "use_adaptive_entropy", False):
+            return self.rlkernels_config.entropy_coeff
+        return self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+
+    @torch.no_grad()
+    def _adapt_entropy_coefficient(self, entropy, mask):
+        """TRL's controller: the window's entropy sum and token count, on the device until the optimizer step; there
+        reduced across processes (one host read, as TRL's), the coefficient moved toward the target."""
+        m = mask.to(entropy.dtype)
+        stats = torch.stack([(entropy * m).sum(), m.sum()])
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if not self.accelerator.sync_gradients:
+            return
+        total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     @torch.no_grad()
     def _log_trl_metrics(self, mode, logprobs, old, inputs, mask):

@@ -89,6 +89,25 @@ def _m2po_keep(d, A, mask, tau, quadrant):
     return keep, eligible
 
 
+def _vaco_keep(l_train, roll, A, mask, seqs, config, metrics):
+    """VACO: sequences whose mean binary divergence (sampler vs training policy, log-probs clamped to [-30, 0])
+    over the final mask exceeds the threshold lose the tokens that move away from the sampler."""
+    pi, mu = torch.exp(l_train.clamp(-30, 0)), torch.exp(roll.clamp(-30, 0))
+    if config.vaco_divergence == "tv":
+        div = (mu - pi).abs()
+    else:
+        mu_c, pi_c = mu.clamp(1e-6, 1 - 1e-6), pi.clamp(1e-6, 1 - 1e-6)
+        div = mu_c * torch.log(mu_c / pi_c) + (1 - mu_c) * torch.log((1 - mu_c) / (1 - pi_c))
+    seq_div = per_sequence_mean(div, mask, seqs)
+    away = torch.sign(l_train.clamp(-30, 0) - roll.clamp(-30, 0)) * A > 0
+    keep = ~((seq_div > config.vaco_threshold) & away)
+    metrics["actor/vaco_masked_fraction"] = masked_mean((~keep).double(), mask)
+    means = [seq_div[idx][0] for idx in seqs if mask[idx].any()]
+    metrics["actor/vaco_divergence_mean"] = (torch.stack(means).mean() if means else
+                                             torch.zeros((), dtype=torch.float64, device=A.device))
+    return keep
+
+
 def policy_loss(
     logprobs, advantages, response_mask, *, old_logprobs=None, rollout_logprobs=None, ref_logprobs=None,
     entropy=None, cu_seqlens=None, config, is_weights=None,
@@ -145,8 +164,8 @@ def policy_loss(
     log_r = per_sequence_mean(raw, new_mask, seqs) if config.ratio_level == "sequence" else raw
     bound = config.log_ratio_clamp
     r = torch.exp(log_r if bound is None else log_r.clamp(-bound, bound))
-    term = REFERENCE_TERMS[loss_type](ReferenceContext(lp, A, raw, r, l_old, new_mask, seqs, config, w, weighted,
-                                                       token_weights, metrics))
+    term = REFERENCE_TERMS[loss_type](ReferenceContext(lp, A, raw, r, l_old, behaviour, new_mask, seqs, config, w,
+                                                       weighted, token_weights, metrics))
     L, clipped, dual = term.value, term.clipped, term.dual
     kl_metric = term.kl_metric if term.kl_metric is not None else -(raw if bound is None else
                                                                      raw.clamp(-bound, bound)).detach()
@@ -166,6 +185,9 @@ def policy_loss(
         metrics["actor/m2po_trust_region_fraction"] = masked_mean(eligible.double(), new_mask)
         metrics["actor/m2po_m2_before"] = masked_mean(d * d, eligible)
         metrics["actor/m2po_m2_after"] = masked_mean(d * d, eligible & keep)
+        L = L * keep.double()
+    if config.vaco_threshold is not None:  # open-instruct PR #1755 (5c2bf9ab) compute_rho_correction, algo "vaco"
+        keep = _vaco_keep(l_train.detach(), roll, A, new_mask, seqs, config, metrics)
         L = L * keep.double()
     L = torch.where(new_mask, L, torch.zeros_like(L))
 
@@ -202,6 +224,11 @@ def policy_loss(
         metrics["actor/kl_loss"] = kl.detach()
         if config.kl_coef:
             loss = loss + config.kl_coef * kl
+    if config.log_ratio_sq_coef:  # Kimi-K2.5 (arXiv 2602.02276): tau (log p/q)^2, aggregated as the loss
+        d = lp - behaviour
+        square = agg(torch.where(new_mask, d * d, torch.zeros_like(d)))
+        metrics["actor/log_ratio_sq"] = square.detach()
+        loss = loss + config.log_ratio_sq_coef * square
     if H is not None:
         ent = agg(H, config.entropy_agg_mode)
         metrics["actor/entropy"] = ent.detach()

@@ -18,6 +18,7 @@ class ReferenceContext(NamedTuple):
     log_ratio: torch.Tensor  # lp - l_old (raw)
     ratio: torch.Tensor  # r, token or sequence level, clamped as config.log_ratio_clamp says
     l_old: torch.Tensor
+    behaviour: torch.Tensor  # the sampler's log-probs where given, else l_old
     mask: torch.Tensor  # [N] bool, the final mask after rejection
     seqs: List[torch.Tensor]  # index tensors of the sequences
     config: object
@@ -260,3 +261,38 @@ def vespo(ctx):  # TRL get_gamma_weights: w from the sequence's summed log-ratio
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     ctx.metrics["actor/vespo_phi_seq_mean"] = masked_mean(phi, ctx.mask)
     return ReferenceTerm(-phi * A * lp, _none(ctx), _none(ctx), kl_metric=-raw.detach(), weights_applied=True)
+
+
+def _rollout_trust_region(ctx, keep):  # prime-rl's IPO loss (src/prime_rl/trainer/rl/loss.py), its ratio p / q
+    d = ctx.lp - ctx.behaviour
+    bound = ctx.config.log_ratio_clamp
+    r = torch.exp(d if bound is None else d.clamp(-bound, bound))
+    value = torch.where(keep, -ctx.advantages * r + ctx.config.ipo_kl_tau * d * d, torch.zeros_like(d))
+    if ctx.weighted:  # a trainer's own weights (computed ones are refused for these losses)
+        value = value * ctx.weights
+    return ReferenceTerm(value, ~keep, _none(ctx), kl_metric=-d.detach(), weights_applied=True,
+                         applied_weights=ctx.weights if ctx.weighted else None)
+
+
+@term("ipo")
+def ipo(ctx):  # prime-rl IPO: keep iff |p - q| <= eps
+    p, q = torch.exp(ctx.lp.detach()), torch.exp(ctx.behaviour)
+    return _rollout_trust_region(ctx, (p - q).abs() <= ctx.config.ipo_eps)
+
+
+@term("kpop")
+def kpop(ctx):  # prime-rl PR #3283 KPop: both binary KLs of the clamped probabilities within phi
+    p = torch.exp(ctx.lp.detach()).clamp(1e-6, 1 - 1e-6)
+    q = torch.exp(ctx.behaviour).clamp(1e-6, 1 - 1e-6)
+
+    def binary_kl(a, b):
+        return a * torch.log(a / b) + (1 - a) * torch.log((1 - a) / (1 - b))
+
+    phi = ctx.config.kpop_phi
+    return _rollout_trust_region(ctx, (binary_kl(p, q) <= phi) & (binary_kl(q, p) <= phi))
+
+
+@term("dppo_binary_tv")
+def dppo_binary_tv(ctx):  # prime-rl PR #2434: keep iff p - q in [-low, high], whatever the advantage
+    gap = torch.exp(ctx.lp.detach()) - torch.exp(ctx.behaviour)
+    return _rollout_trust_region(ctx, (gap >= -ctx.config.binary_tv_low) & (gap <= ctx.config.binary_tv_high))

@@ -20,7 +20,15 @@ from torch import Tensor
 
 from . import correction
 from .metrics import Metrics
-from .policy_terms import LOSS_TERMS, PolicyTerm, SequenceContext, SumInputs, TermContext, WeightContext
+from .policy_terms import (
+    LOSS_TERMS,
+    PolicyTerm,
+    SequenceContext,
+    SumInputs,
+    TermContext,
+    WeightContext,
+    binary_kl,
+)
 from .segments import Segments, hyper
 
 if TYPE_CHECKING:  # the stage is duck-typed on the config: rlkernels.config reads this package's loss table
@@ -170,7 +178,36 @@ def _kept_sums(x: _Inputs, config: "PolicyLossConfig") -> Dict[str, object]:
         kept_sums.update(entry.sums(SumInputs(x.lp, x.advantages, delta, x.given_weights, config)))
     if config.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: the sampler against the current policy
         kept_sums["opsm"] = x.behaviour - x.lp
+    if config.vaco_threshold is not None:
+        kept_sums["vaco"] = _vaco_divergence(x.l_train, x.rollout, config.vaco_divergence)
     return kept_sums
+
+
+_VACO_LOG_FLOOR, _VACO_CLAMP = -30.0, 1e-6  # open-instruct PR #1755 (5c2bf9ab): log-probs to [-30, 0], KL's clamp
+
+
+def _vaco_divergence(l_train: Tensor, l_mu: Tensor, kind: str) -> Tensor:
+    """VACO's per-token binary divergence between the training policy and the sampler: |mu - pi| ("tv") or
+    KL(Bern(mu) || Bern(pi)) ("kl") of the sampled token's probabilities."""
+    log_pi, log_mu = (v.clamp(_VACO_LOG_FLOOR, 0.0) for v in (l_train, l_mu))
+    if kind == "tv":
+        return (torch.exp(log_mu) - torch.exp(log_pi)).abs()
+    return binary_kl(log_mu, log_pi, _VACO_CLAMP)
+
+
+def _vaco_keep(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossConfig") -> Tensor:
+    """VACO's mask ([N] bool, False = the policy term is zeroed): in a sequence whose mean divergence over m' exceeds
+    vaco_threshold, the tokens whose update would move the training policy further from the sampler,
+    sign(log pi - log mu) A > 0."""
+    lengths = c.decisions.final_lengths
+    seq_divergence = c.table.sum("vaco") / lengths.clamp_min(1)
+    over = seg.expand(seq_divergence > hyper(seq_divergence, config.vaco_threshold))
+    log_ratio = x.l_train.clamp(_VACO_LOG_FLOOR, 0.0) - x.rollout.clamp(_VACO_LOG_FLOOR, 0.0)
+    keep = ~(over & (torch.sign(log_ratio) * x.advantages > 0))
+    dt = x.lp.dtype
+    c.metrics.mean("actor/vaco_masked_fraction", (~keep).to(dt), c.decisions.mask, c.norms.kept_tokens)
+    c.metrics.mean("actor/vaco_divergence_mean", seq_divergence, lengths > 0, c.norms.kept_seqs, per_sequence=True)
+    return keep
 
 
 def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", split) -> _Corrected:
@@ -214,7 +251,8 @@ def _term_context(x: _Inputs, c: _Corrected, ratio: _Ratio, seg: Segments, confi
                                 c.norms.kept_tokens, c.norms.all_seqs)
     weights = WeightContext(c.is_weights, c.norm_factor, c.weighted,
                             x.given_weights is not None or c.computed_token_weights, d.sequence_weights)
-    return TermContext(x.lp, x.advantages, x.lp - x.l_old, ratio.r, x.l_old, config, sequences, weights, c.metrics)
+    return TermContext(x.lp, x.advantages, x.lp - x.l_old, ratio.r, x.l_old, x.behaviour, config, sequences, weights,
+                       c.metrics)
 
 
 class _Weighted(NamedTuple):
@@ -248,6 +286,9 @@ def _weigh_and_mask(term: PolicyTerm, x: _Inputs, c: _Corrected, ratio: _Ratio, 
     if config.m2po_threshold is not None:
         m2_keep = _m2po_keep(x.lp, x.behaviour, x.advantages, final_mask, config, c.metrics, n_kept)
         keep = m2_keep if keep is None else keep & m2_keep
+    if config.vaco_threshold is not None:
+        vaco_keep = _vaco_keep(x, c, seg, config)
+        keep = vaco_keep if keep is None else keep & vaco_keep
     if keep is not None:
         L, d = torch.where(keep, L, zero), torch.where(keep, d, zero)
         g = None if g is None else torch.where(keep, g, zero)
@@ -325,6 +366,17 @@ def _add_kl(total: _Total, x: _Inputs, c: _Corrected, ratio: _Ratio, a: Tensor, 
     return _Total(total.loss + config.kl_coef * kl_loss, total.coef + config.kl_coef * a * dkl, g_total)
 
 
+def _add_log_ratio_sq(total: _Total, x: _Inputs, c: _Corrected, a: Tensor, config: "PolicyLossConfig") -> _Total:
+    """log_ratio_sq_coef * agg((lp - l_mu)^2), the Kimi-K2.5 term (SPEC §6.1), against the sampler (else the
+    proximal policy), aggregated as the loss over m', never IS-weighted; its coefficients 2 tau a_t d_t."""
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    d = torch.where(c.decisions.mask, x.lp - x.behaviour, zero)
+    square = (a * d * d).sum()
+    c.metrics.total("actor/log_ratio_sq", square)
+    tau = hyper(a, config.log_ratio_sq_coef)
+    return _Total(total.loss + tau * square, total.coef + 2 * tau * a * d, total.through_ratio)
+
+
 def _bias_corrected_kl(kl: Tensor, dkl: Tensor, x: _Inputs, ratio: _Ratio, config: "PolicyLossConfig"):
     """KL x r and its derivative: through lp alone (sequence-level ratios chain the rest), or in full at
     the token level. The unclamped k3 is written e^(d + log r) - (d + 1) r, d = ref - lp: its token-level
@@ -362,7 +414,7 @@ def _entropy_term(x: _Inputs, c: _Corrected, a: Tensor, seg: Segments, config: "
         c.decisions.mask, seg, config, a.dtype, c.decisions.final_lengths, c.norms, mode=config.entropy_agg_mode)
     ent = (a_ent * x.entropy).sum()
     c.metrics.total("actor/entropy", ent)
-    if not config.entropy_coeff:
+    if not config.adaptive_entropy and not config.entropy_coeff:  # adaptive: 0 is a value, not "off"
         return 0.0, None
     return -config.entropy_coeff * ent, -config.entropy_coeff * a_ent
 
@@ -395,6 +447,8 @@ def run(stats, batch, config: "PolicyLossConfig") -> StageOutput:
                    c.decisions.mask, c.norms.kept_tokens)
     if x.ref is not None:
         total = _add_kl(total, x, c, ratio, a, config)
+    if config.log_ratio_sq_coef:
+        total = _add_log_ratio_sq(total, x, c, a, config)
     coef = _chain_through_ratio(total, c, seg, config)
     bonus, coef_entropy = _entropy_term(x, c, a, seg, config)
     loss = total.loss + bonus if coef_entropy is not None else total.loss

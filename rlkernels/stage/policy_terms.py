@@ -14,7 +14,8 @@ A loss type is registered with `@loss_term(name, ...)`:
 - `weights_itself`: the loss applies the IS weights itself (else the stage multiplies the term by them);
 - `ratio_levels`: the loss is written on a ratio r that may be taken per sequence (ratio_level="sequence");
 - `batch_global`: the loss selects tokens over the whole batch (no split batches);
-- `aggregation`: the (loss_agg_mode, seq_mean_over) the loss defines for itself, in place of the config's.
+- `aggregation`: the (loss_agg_mode, seq_mean_over) the loss defines for itself, in place of the config's;
+- `rollout_ratio`: the loss's ratio is p / q against the sampler, the whole correction (no computed IS weights).
 `LOSS_TYPES` and the option tuples of rlkernels.config are read off this table.
 """
 
@@ -37,6 +38,7 @@ class TermContext(NamedTuple):
     log_ratio: Tensor  # lp - l_old, unclamped
     ratio: Tensor  # r: exp of the (clamped) token or sequence log-ratio
     l_old: Tensor  # the proximal log-probs of SPEC §1's mode
+    behaviour: Tensor  # the sampler's log-probs where given, else l_old (the trust region of the IPO family)
     config: "PolicyLossConfig"  # noqa: F821 (duck-typed: the stage imports no config)
     sequences: "SequenceContext"
     weights: "WeightContext"
@@ -89,17 +91,19 @@ class LossType:
     ratio_levels: bool = False
     batch_global: bool = False
     aggregation: Optional[Tuple[str, str]] = None
+    rollout_ratio: bool = False
 
 
 LOSS_TERMS: Dict[str, LossType] = {}
 
 
 def loss_term(*names: str, sums=None, weights_itself: bool = False, ratio_levels: bool = False,
-              batch_global: bool = False, aggregation: Optional[Tuple[str, str]] = None):
+              batch_global: bool = False, aggregation: Optional[Tuple[str, str]] = None, rollout_ratio: bool = False):
     """Register the decorated function as the term of loss type(s) `names` (see the module docstring)."""
     def register(fn):
         for name in names:
-            LOSS_TERMS[name] = LossType(fn, sums, weights_itself, ratio_levels, batch_global, aggregation)
+            LOSS_TERMS[name] = LossType(fn, sums, weights_itself, ratio_levels, batch_global, aggregation,
+                                        rollout_ratio)
         return fn
     return register
 
@@ -379,3 +383,78 @@ def vespo(ctx: TermContext) -> PolicyTerm:
     A = ctx.advantages
     none = _none(A)
     return PolicyTerm(-phi * A * lp, -phi * A, None, none, none, kl_metric=-ctx.log_ratio)
+
+
+# -- the 2026 trust regions on the rollout policy (SPEC §6.1): IPO, KPop, symmetric DPPO binary-TV ---------------------
+# One loss, -A r on the kept tokens (+ ipo_kl_tau (log r)^2 there), with r = p / q against the sampler q (the
+# rollout policy, else the proximal one) and the gradient through r; they differ in the keep rule only. r is the
+# whole correction to the sampler: computed IS weights are refused by the config, a trainer's own multiply.
+_KPOP_CLAMP = 1e-6  # prime-rl PR #3283: the probabilities of its binary KLs are clamped to [1e-6, 1 - 1e-6]
+
+
+def _rollout_log_ratio(ctx: TermContext) -> Tuple[Tensor, Tensor, Tensor]:
+    """(log r, r, where the clamp passes the gradient) of r = p / q, log r clamped as log_ratio_clamp says."""
+    d = ctx.lp - ctx.behaviour
+    bound = ctx.config.log_ratio_clamp
+    if bound is None:
+        return d, torch.exp(d), torch.ones_like(d, dtype=torch.bool)
+    return d, torch.exp(d.clamp(-bound, bound)), (d >= -bound) & (d <= bound)
+
+
+def _rollout_trust_region(ctx: TermContext, keep: Tensor) -> PolicyTerm:
+    """-A r + tau (log r)^2 on the kept tokens, 0 elsewhere (selected, never multiplied: an overflowing r off the
+    region cannot make a NaN); d/dlp = -A r (inside the clamp) + 2 tau log r."""
+    d, r, within = _rollout_log_ratio(ctx)
+    A, zero = ctx.advantages, torch.zeros_like(d)
+    tau = hyper(d, ctx.config.ipo_kl_tau)
+    value = torch.where(keep, -A * r + tau * d * d, zero)
+    direct = torch.where(keep, torch.where(within, -A * r, zero) + 2 * tau * d, zero)
+    w = ctx.weights.is_weights  # only ever a trainer's own (the config refuses computed ones)
+    if w is not None:
+        value, direct = value * w, direct * w
+    return PolicyTerm(value, direct, None, ~keep, _none(A), kl_metric=-d,
+                      applied_weights=w)
+
+
+def _sampled_probabilities(ctx: TermContext) -> Tuple[Tensor, Tensor]:
+    return torch.exp(ctx.lp), torch.exp(ctx.behaviour)
+
+
+@loss_term("ipo", weights_itself=True, rollout_ratio=True)
+def ipo(ctx: TermContext) -> PolicyTerm:
+    """IPO (prime-rl): keep iff |p - q| <= ipo_eps, whatever the advantage's sign."""
+    high, low = torch.maximum(ctx.lp, ctx.behaviour), torch.minimum(ctx.lp, ctx.behaviour)
+    gap = torch.exp(high) * -torch.expm1(low - high)  # |p - q| without cancelling two small probabilities
+    return _rollout_trust_region(ctx, gap <= hyper(gap, ctx.config.ipo_eps))
+
+
+def binary_kl(log_a: Tensor, log_b: Tensor, eps: float) -> Tensor:
+    """KL(Bern(a) || Bern(b)) of the pair (this token, the rest), a and b the probabilities of the log-probs given,
+    each clamped to [eps, 1 - eps]. Taken from the log-probs: 1 - a as -expm1(log a), so that the clamp at 1 - eps
+    holds in float32 too (where 1 - 1e-6 rounds to 1 - 1.013e-6, 1.3 % off the complement)."""
+    def parts(log_x):
+        log_x_clamped = log_x.clamp(math.log(eps), math.log1p(-eps))
+        log_rest = torch.log(torch.clamp(-torch.expm1(log_x), eps, 1 - eps))  # log(1 - clamp(x, eps, 1 - eps))
+        return torch.exp(log_x_clamped), log_x_clamped, log_rest
+
+    a, log_a_c, log_a_rest = parts(log_a)
+    _, log_b_c, log_b_rest = parts(log_b)
+    return a * (log_a_c - log_b_c) + torch.exp(log_a_rest) * (log_a_rest - log_b_rest)
+
+
+@loss_term("kpop", weights_itself=True, rollout_ratio=True)
+def kpop(ctx: TermContext) -> PolicyTerm:
+    """KPop (prime-rl PR #3283): keep iff both binary KLs between p and q are <= kpop_phi."""
+    phi = hyper(ctx.lp, ctx.config.kpop_phi)
+    keep = ((binary_kl(ctx.lp, ctx.behaviour, _KPOP_CLAMP) <= phi)
+            & (binary_kl(ctx.behaviour, ctx.lp, _KPOP_CLAMP) <= phi))
+    return _rollout_trust_region(ctx, keep)
+
+
+@loss_term("dppo_binary_tv", weights_itself=True, rollout_ratio=True)
+def dppo_binary_tv(ctx: TermContext) -> PolicyTerm:
+    """Symmetric DPPO binary-TV (prime-rl PR #2434): keep iff -binary_tv_low <= p - q <= binary_tv_high."""
+    p, q = _sampled_probabilities(ctx)
+    gap = p - q
+    keep = (gap >= -hyper(gap, ctx.config.binary_tv_low)) & (gap <= hyper(gap, ctx.config.binary_tv_high))
+    return _rollout_trust_region(ctx, keep)

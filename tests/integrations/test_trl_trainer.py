@@ -159,12 +159,55 @@ def test_loss_and_gradients_match_trls_trainer(tmp_path, kw):
           f"grad {worst:.1e} (relative)")  # the figures the README quotes (pytest -s)
     # every metric TRL's _compute_loss logs is logged by the drop-in under that name, with TRL's value
     # (TRL's "policy_loss" comes from its entropy branch: it is the loss itself, logged by the Trainer)
-    theirs_names = set(theirs._metrics["train"]) - {"policy_loss", "entropy_coef"}
+    theirs_names = set(theirs._metrics["train"]) - {"policy_loss"}
     shared = theirs_names & set(ours._metrics["train"])
     assert shared == theirs_names, theirs_names - shared
     for name in shared:
         a, b = theirs._metrics["train"][name][-1], ours._metrics["train"][name][-1]
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, a, b)
+
+
+@pytest.mark.parametrize("target", [100.0, 0.5], ids=["entropy-below-target", "entropy-above-target"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_adaptive_entropy_follows_trls_controller(tmp_path, target, loss_type):
+    """TRL PR #6140's adaptive entropy (TRL 1.16's own trainer against the drop-in): three optimizer steps on
+    three batches. The first applies no bonus (no measurement yet); each step's window entropy moves the
+    coefficient by delta toward the target, within [min, max], and gates the next step's bonus. Loss, every
+    gradient, the controller's state and the logged coefficient agree at every step. The toy model's entropy
+    is ~5.7 nats: a target of 100 keeps it below (the bonus applies and grows to the max), one of 0.5 above
+    (no bonus, the coefficient decays to the min)."""
+    tok = _tokenizer()
+    args = _args(tmp_path, loss_type=loss_type, use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_delta=0.03,
+                 entropy_coef_min=0.0, entropy_coef_max=0.1, entropy_target=target)
+    models = (_model(tok), _model(tok))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.GRPOTrainer(model=models[0], reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                                 processing_class=tok)
+        ours = GRPOTrainer(model=models[1], reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                           processing_class=tok)
+    assert ours.rlkernels_config.adaptive_entropy
+    coefficients = []
+    for step in range(3):
+        inputs = _batch(tok, models[0], 0.0, None, seed=step)
+        results = []
+        for trainer, model in ((theirs, models[0]), (ours, models[1])):
+            trainer.current_gradient_accumulation_steps = 1
+            model.train()
+            model.zero_grad()
+            loss = trainer._compute_loss(model, copy.deepcopy(inputs))
+            loss.backward()
+            results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (want, want_grads), (got, got_grads) = results
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (step, got, want)
+        worst = max(float((got_grads[n] - want_grads[n]).abs().max()) / max(float(want_grads[n].abs().max()), 1e-30)
+                    for n in want_grads)
+        assert worst <= tol("trl.trainer", torch.float32)["rtol"], (step, worst)
+        assert ours.entropy_coef == pytest.approx(theirs.entropy_coef, abs=1e-12), step
+        assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy, rel=1e-5), step
+        assert ours._metrics["train"]["entropy_coef"][-1] == pytest.approx(theirs._metrics["train"]["entropy_coef"][-1])
+        coefficients.append(ours.entropy_coef)
+    assert coefficients == pytest.approx([0.08, 0.1, 0.1] if target > 10 else [0.02, 0.0, 0.0])
 
 
 def test_drop_in_trainer_trains(tmp_path):

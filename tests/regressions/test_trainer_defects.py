@@ -104,6 +104,45 @@ def test_compiled_step_changes_hyperparameters_without_recompiling(how, dynamic)
     torch._dynamo.reset()
 
 
+ADAPTIVE_COEFFICIENTS = [0.05, 0.0, 0.02, 0.0, 0.1]  # TRL's controller: gated to 0, moved by delta
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_an_adaptive_entropy_coefficient_does_not_recompile(adaptive):
+    """adaptive_entropy=True (TRL's adaptive entropy, SPEC §18): the coefficient is a run-time value even at 0,
+    so a schedule through 0 keeps the one graph of torch.compile(dynamic=True), and the compiled stage's.
+    Without it, 0 means "no entropy term" (a static option): the control recompiles when it first meets 0."""
+    batch, logits0 = _packed_batch()
+
+    def loss_of(logits, coefficient):
+        return rlkernels.decoupled_ppo_loss(logits, **batch, entropy_coeff=coefficient, adaptive_entropy=adaptive,
+                                            compute_entropy=True, validate=False).loss
+
+    counter = _CountingBackend()
+    step = torch.compile(loss_of, fullgraph=True, backend=counter, dynamic=True)
+    for i, coefficient in enumerate(ADAPTIVE_COEFFICIENTS):
+        logits = logits0.clone().requires_grad_(True)
+        step(logits, coefficient).backward()
+        if i == 0:
+            first_call = counter.graphs  # the forward and the backward's graphs
+        eager = logits0.clone().requires_grad_(True)
+        loss_of(eager, coefficient).backward()
+        assert_close(logits.grad, eager.grad, **tol("reordered.dlogits"), name=f"dlogits at step {i}")
+    assert (counter.graphs == first_call) == adaptive, f"{counter.graphs} graphs after {first_call}"
+    torch._dynamo.reset()
+    if not adaptive:
+        return
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        for i, coefficient in enumerate(ADAPTIVE_COEFFICIENTS):
+            if i == 1:
+                torch._dynamo.config.error_on_recompile = True
+            kw = dict(batch, entropy_coeff=coefficient, adaptive_entropy=True)
+            got = rlkernels.decoupled_ppo_loss(logits0, **kw, compile_stage=True)
+            want = rlkernels.decoupled_ppo_loss(logits0, **kw, compile_stage=False)
+            assert_close(got.loss, want.loss, **tol("reordered"), name=f"loss at step {i}")
+    torch._dynamo.reset()
+
+
 def test_compiled_step_reads_the_shifted_view():
     """The causal shift under torch.compile: the [B, T-1, V] view is consumed as it is (deciding that by
     a failing view() inside try/except broke tracing)."""
