@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
-# Runs in under 10 minutes (step limits 130 + 110 + 45 + 60 + 25 + 70 + 55 + 15 + 40 + 20 + 25 s = 9.9 min;
+# Runs in under 10 minutes (step limits 130 + 110 + 40 + 60 + 35 + 70 + 55 + 15 + 35 + 20 + 25 s = 9.9 min;
 # tests/test_gpu_check.py holds the sum under 600 s): versions, optional CUDA extension build, GPU tests, Triton
 # kernel tests, the per-sequence stage eager vs compiled (Inductor kernel count, no recompilation over a
 # hyperparameter schedule; the loss family's options too), the sampler replay (kept set K = 50 / V, per-token
@@ -36,15 +36,17 @@ $PY -c "from rlkernels import backends; print('backends available:', backends.av
 
 step gpu_tests 110 $PY -m pytest -m gpu -q -x -p no:cacheprovider
 if ls tests/kernels/test_*.py > /dev/null 2>&1; then
-  step triton_kernel_tests 45 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
+  step triton_kernel_tests 40 $PY -m pytest tests/kernels -q -x -p no:cacheprovider
 fi
 
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
 # what a (one-rank, NCCL) dp_group adds to it: packing, merging, two all_gathers, graph breaks
 step stage 60 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
   --case seq_mis+kl+entropy --case geo_rs_token_tis
-# the loss family's options (sequence ratio, bias-corrected k3, OPSM, M2PO's sort) in one compiled stage
-step stage_family 25 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 20 --case family \
+# the loss family's options (sequence ratio, bias-corrected k3, OPSM, M2PO's sort) in one compiled stage, and the
+# 2026 trust regions on the sampler (IPO, VACO's sequence mask, the Kimi-K2.5 term) in another
+step stage_family 35 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 20 --case family \
+  --case rollout_trust_regions \
   --json "$OUT/stage-family.json"
 
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
@@ -61,7 +63,7 @@ step linear 55 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 1519
 step cpu_kernels 15 $PY -m benchmarks.cpu --N 1024 --reps 3 --no-contended --json "$OUT/cpu-kernels.json"
 
 # sampler replay: the kept set (K = 50, and every id) and a per-token temperature against the full pass
-step sampler 40 $PY -m benchmarks.sampler --device cuda --N 1024 --V 151936 --dtype bf16 --K 50 --K 151936 --reps 5 \
+step sampler 35 $PY -m benchmarks.sampler --device cuda --N 1024 --V 151936 --dtype bf16 --K 50 --K 151936 --reps 5 \
   --json "$OUT/sampler.json"
 
 # the optimal token baseline (SPEC §10) at B x T = 1024 x 2048 in groups of 8 and 4096 x 512 in groups of 4:

@@ -45,6 +45,11 @@ CASES = {
         entropy_agg_mode="token-mean", loss_agg_mode="seq-mean-token-mean",
         rollout_correction=RolloutCorrection(is_level="token", is_threshold=(0.5, 3.0), is_mode="truncate"),
         validate=False),
+    # the 2026 trust regions on the sampler: IPO with its KL on the kept tokens, VACO's sequence mask, the
+    # Kimi-K2.5 term, a geometric rejection (IS weights are refused with these losses)
+    "rollout_trust_regions": lambda: PolicyLossConfig(
+        loss_type="ipo", ipo_kl_tau=1e-3, vaco_threshold=0.05, log_ratio_sq_coef=1e-3,
+        rollout_correction=RolloutCorrection(rs={"seq_mean_k1": (0.9, 1.1)}), validate=False),
 }
 
 
