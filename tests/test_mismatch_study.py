@@ -1,0 +1,89 @@
+"""The mismatch study's smoke run (benchmarks/mismatch_study.py --smoke), as a user runs it: a fresh process per
+backend, the JSON it promises, rlkernels' first-step loss against the naive PyTorch loss over the full logits,
+and the mismatch it is built on (none in the on-policy control, some on the served path)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED_ARMS = ("none", "token_tis", "seq_tis", "seq_mis", "geo_rs", "trm", "otb", "group_mean")
+PER_STEP = ("step", "reward", "loss", "grad_norm", "entropy", "response_length", "rejected_seq_fraction", "kl",
+            "chi2_token", "out_of_band_fraction", "collapsed", "seconds", "rss_mib", "sample_hash")
+
+
+def _study(out, *args):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.mismatch_study", "--smoke", "--out", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "mismatch-study.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    auto, reference = tmp_path_factory.mktemp("auto"), tmp_path_factory.mktemp("torch")
+    return auto, _study(auto), reference, _study(reference, "--backend", "torch")
+
+
+def test_json_has_every_arm_and_curve(runs):
+    _, data, _, _ = runs
+    assert {"config", "mismatch", "arms", "summary"} <= set(data)
+    names = " ".join(data["arms"])
+    for required in REQUIRED_ARMS:
+        assert required in names, f"no arm named with {required!r}: {sorted(data['arms'])}"
+    steps = data["config"]["rl_steps"]
+    for name, arm in data["arms"].items():
+        assert len(arm["seeds"]) == data["config"]["seeds"]
+        for seed in arm["seeds"]:
+            for measure in PER_STEP:
+                assert len(seed[measure]) == steps, (name, measure)
+            assert all(0.0 <= r <= 1.0 for r in seed["reward"]), name
+            assert all(math.isfinite(x) for x in seed["loss"] + seed["grad_norm"] + seed["entropy"]), name
+            assert not any(seed["collapsed"]), name  # four steps cannot fall 0.15 below a 10-step peak
+
+
+def test_first_step_loss_equals_the_naive_loss(runs):
+    _, data, _, _ = runs
+    checked = 0
+    for name, arm in data["arms"].items():
+        check = arm["seeds"][0]["first_step_naive_check"]
+        if "skipped" in check:
+            continue
+        # float32 both ways, sums over ~100 tokens in another order: the parity tests' float32 value tolerance
+        assert check["abs_diff"] <= 1e-5 * max(1.0, abs(check["naive"])) + 2e-5 * abs(check["naive"]), (name, check)
+        checked += 1
+    assert checked >= 5  # none, token_tis, seq_tis, geo_rs_token_tis, the OTB arm, the LR-control arm
+
+
+def test_the_mismatch_is_real_and_the_control_has_none(runs):
+    _, data, _, _ = runs
+    measured = data["mismatch"]
+    assert measured["fp32/top_p=1"]["exact_kl_mu_pi_token_mean"] < 1e-7  # the same weights and numerics
+    assert measured["fp8/top_p=1"]["exact_kl_mu_pi_token_mean"] > 1e-5  # the served path differs
+    control = data["arms"]["on_policy_reference"]["seeds"][0]
+    served = data["arms"]["none_group_mean"]["seeds"][0]
+    assert max(abs(x) for x in control["chi2_token"]) < 1e-4
+    assert max(served["out_of_band_fraction"]) > 0.0
+    # the preset geometric-mean bounds (0.999, 1.001) reject sequences at this mismatch
+    assert max(data["arms"]["geo_rs_token_tis"]["seeds"][0]["rejected_seq_fraction"]) > 0.0
+
+
+def test_backends_agree_on_the_same_samples(runs, tmp_path):
+    auto, data, reference, _ = runs
+    done = subprocess.run([sys.executable, "-m", "benchmarks.mismatch_study", "--compare",
+                           str(auto / "mismatch-study.json"), str(reference / "mismatch-study.json"),
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "mismatch-study-backends.json") as f:
+        report = json.load(f)
+    assert report["backends"][1] == "torch"
+    for name, arm in report["arms"].items():
+        for seed in arm["seeds"]:
+            # staleness 2: the first three steps sample from the starting weights in both runs
+            assert seed["identical_steps"] >= min(3, seed["steps"]), (name, seed)
+            assert seed["first_step_within_tolerance"], (name, seed)
