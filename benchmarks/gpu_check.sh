@@ -54,10 +54,12 @@ step headline 70 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --
   --providers "naive,rlkernels[torch],rlkernels[triton],rlkernels[cuda]" --warmup 3 --reps 20 --max-seconds 4 --no-plot \
   --shape ppo:seq_mis:8192:151936:bf16 --shape logprobs:-:8192:151936:bf16
 
-# the fused-linear loss at 8192 x 4096 x 151936 bf16, half the rows in the loss, against the GEMM alone:
-# rlkernels[linear] should approach (1 + 3f) t_GEMM (forward GEMM on f of the rows, backward 3 GEMMs on them)
+# the fused-linear loss at 8192 x 4096 x 151936 bf16, decoupled PPO with seq-MIS, half the rows in the loss, against
+# the GEMM alone (t_GEMM, all N rows): the one-pass form (3 GEMMs of the f N loss rows) reported against
+# (1 + 2f) t_GEMM, the two-pass form (4) against (1 + 3f) t_GEMM, both beside naive and the logits path
 step linear 55 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
-  --providers "naive,rlkernels[logits],rlkernels[linear],liger" --reps 10 --out "$OUT" --tag h200-linear-8192x4096x151936
+  --case seq_mis --providers "naive,rlkernels[logits],rlkernels[linear],rlkernels[linear-two-pass]" --reps 10 \
+  --out "$OUT" --tag h200-linear-8192x4096x151936
 
 # the CPU kernels on this machine's host CPU (a second CPU and compiler besides the development VM)
 step cpu_kernels 15 $PY -m benchmarks.cpu --N 1024 --reps 3 --no-contended --json "$OUT/cpu-kernels.json"

@@ -3,14 +3,24 @@
     python -m benchmarks.linear --device cpu                      # N=4096 H=512 V=32768 fp32, 25/50/100 % rows
     python -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5
 
-Providers (the token-level configuration every one of them supports: token TIS at C = 2, no dual
-clip, token-mean, packed sequences of 256 tokens, a fraction f of the tokens in the loss):
-  naive              h @ W.T -> float32 log_softmax -> gather -> IS/PPO ops (eager)
-  naive[compile]     the same under torch.compile
-  rlkernels[logits]  h @ W.T, then rlkernels.decoupled_ppo_loss
-  rlkernels[linear]  rlkernels.linear_decoupled_ppo_loss (no [N, V] logits)
-  liger              Liger-Kernel's LigerFusedLinearGRPOLoss (loss_type="dapo", vllm_is_ratio = the IS weights)
-  gemm               (GPU) the forward GEMM h @ W.T alone: t_GEMM, for the (1 + 3f) * t_GEMM floor
+Cases (packed sequences of 256 tokens, a fraction f of the tokens in the loss, token-mean):
+  seq_mis    (default) decoupled PPO with dual clip 3 and seq-MIS from pi_old vs pi_rollout: sequence IS
+             truncated at 2 + seq_sum_k1 rejection (0.5, 2) (RolloutCorrection.seq_mis())
+  token_tis  token TIS at C = 2, no dual clip: the configuration every provider supports (Liger's too)
+
+Providers:
+  naive                       h @ W.T -> float32 log_softmax -> gather -> IS/RS/PPO ops (eager)
+  naive[compile]              the same under torch.compile
+  rlkernels[logits]           h @ W.T, then rlkernels.decoupled_ppo_loss
+  rlkernels[linear]           rlkernels.linear_decoupled_ppo_loss (no [N, V] logits); both cases take its
+                              one-pass form (the gradient formed in the forward: 3 GEMMs of the loss's rows)
+  rlkernels[linear-two-pass]  the same with linear_one_pass=False (its backward recomputes the logits: 4)
+  liger                       Liger-Kernel's LigerFusedLinearGRPOLoss (token_tis only; loss_type="dapo",
+                              vllm_is_ratio = the IS weights)
+  gemm                        (GPU) the forward GEMM h @ W.T alone: t_GEMM, for the (1 + 2f) * t_GEMM floor
+
+`--gemm-count` profiles one step of every provider and reports its GEMMs (aten::mm / addmm / addmm_ calls and
+the token rows they multiply).
 
 Time: forward + backward, every provider run in turn in each round (interleaved), medians and
 ratios to naive from the same run. Memory (CPU): each provider in a fresh process; peak RSS of one
@@ -19,6 +29,7 @@ On CUDA: the caching allocator's peak above the same.
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,13 +44,20 @@ import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection
 
 from .harness import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
+from .naive import naive_decoupled_ppo_loss
 
-PROVIDERS = ("naive", "naive[compile]", "rlkernels[logits]", "rlkernels[linear]", "liger")
+PROVIDERS = ("naive", "naive[compile]", "rlkernels[logits]", "rlkernels[linear]", "rlkernels[linear-two-pass]",
+             "liger")
+CASES = ("seq_mis", "token_tis")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SEQ_LEN = 256
 CLIP, IS_CAP = 0.2, 2.0
-CONFIG = PolicyLossConfig(rollout_correction=RolloutCorrection.token_tis(IS_CAP), clip_ratio_c=None,
-                          loss_agg_mode="token-mean", validate=False)
+CONFIGS = {
+    "token_tis": PolicyLossConfig(rollout_correction=RolloutCorrection.token_tis(IS_CAP), clip_ratio_c=None,
+                                  loss_agg_mode="token-mean", validate=False),
+    "seq_mis": PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(IS_CAP), clip_ratio_c=3.0,
+                                loss_agg_mode="token-mean", validate=False),
+}
 
 
 def make_inputs(N: int, H: int, V: int, fraction: float, dtype: str, device: str, seed: int = 0) -> Dict:
@@ -63,6 +81,12 @@ def make_inputs(N: int, H: int, V: int, fraction: float, dtype: str, device: str
                 cu=torch.arange(0, N + 1, SEQ_LEN, device=device), B=B)
 
 
+def naive_seq_mis_loss(hidden, weight, labels, mask, old, rollout, adv, cu):
+    """benchmarks/naive.py's decoupled PPO on logits h @ W.T: sequence IS at 2, seq_sum_k1 (0.5, 2), dual clip 3."""
+    return naive_decoupled_ppo_loss(hidden @ weight.T, labels, adv, mask, old, rollout, cu, is_level="sequence",
+                                    is_threshold=IS_CAP, rs=(("seq_sum_k1", (0.5, 2.0)),), clip_ratio_c=3.0)
+
+
 def naive_loss(hidden, weight, labels, mask, old, rollout, adv):
     logp = torch.log_softmax((hidden @ weight.T).float(), dim=-1).gather(1, labels[:, None]).squeeze(1)
     w = torch.exp((old - rollout).clamp(-20, 20)).clamp(max=IS_CAP)
@@ -72,20 +96,24 @@ def naive_loss(hidden, weight, labels, mask, old, rollout, adv):
     return (per_token * m).sum() / m.sum().clamp_min(1)
 
 
-def build(provider: str, x: Dict) -> Callable[[], torch.Tensor]:
+def build(provider: str, x: Dict, case: str = "token_tis") -> Callable[[], torch.Tensor]:
     """A zero-argument function returning the loss (with autograd to hidden and weight)."""
     h, W = x["hidden"], x["weight"]
     tensors = (x["labels"], x["mask"], x["old"], x["rollout"], x["adv"])
+    naive = naive_loss if case == "token_tis" else functools.partial(naive_seq_mis_loss, cu=x["cu"])
     if provider == "naive":
-        return lambda: naive_loss(h, W, *tensors)
+        return lambda: naive(h, W, *tensors)
     if provider == "naive[compile]":
-        compiled = torch.compile(naive_loss)
+        compiled = torch.compile(naive)
         return lambda: compiled(h, W, *tensors)
-    kw = dict(old_logprobs=x["old"], rollout_logprobs=x["rollout"], cu_seqlens=x["cu"], config=CONFIG)
+    kw = dict(old_logprobs=x["old"], rollout_logprobs=x["rollout"], cu_seqlens=x["cu"], config=CONFIGS[case])
     if provider == "rlkernels[logits]":
         return lambda: rlkernels.decoupled_ppo_loss(h @ W.T, x["labels"], x["adv"], x["mask"], **kw).loss
-    if provider == "rlkernels[linear]":
+    if provider in ("rlkernels[linear]", "rlkernels[linear-two-pass]"):
+        kw["config"] = kw["config"].with_overrides(linear_one_pass=provider == "rlkernels[linear]")
         return lambda: rlkernels.linear_decoupled_ppo_loss(h, W, x["labels"], x["adv"], x["mask"], **kw).loss
+    if case != "token_tis":
+        raise ValueError(f"{provider} runs the token_tis case only")
     if provider == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -122,7 +150,7 @@ def measure_memory(provider: str, args) -> Dict:
     x = make_inputs(args.N, args.H, args.V, args.fraction, args.dtype, args.device)
     x["hidden"].requires_grad_(True)
     x["weight"].requires_grad_(True)
-    fn = build(provider, x)
+    fn = build(provider, x, args.case)
     _step(fn, x, True)  # warm-up: compilation, allocator growth
     grads = x["hidden"].numel() * x["hidden"].element_size() + x["weight"].numel() * x["weight"].element_size()
     # the warm-up's gradients go before the baseline: held through it, they were counted in `base` and the step's
@@ -151,7 +179,7 @@ def measure_times(args, fraction: float) -> Dict[str, list]:
     fns, failed = {}, {}
     for p in args.providers:  # build and warm up (compilation included); a provider that cannot run is reported
         try:
-            fns[p] = build(p, x)
+            fns[p] = build(p, x, args.case)
             _step(fns[p], x, p != "gemm")
         except Exception as exc:  # noqa: BLE001 (a missing peer, an unsupported shape)
             fns.pop(p, None)
@@ -168,9 +196,46 @@ def measure_times(args, fraction: float) -> Dict[str, list]:
     return times, failed
 
 
+GEMMS = ("aten::mm", "aten::addmm", "aten::addmm_")
+
+
+def count_gemms(step: Callable[[], None], V: int) -> Dict:
+    """One call of `step` under the profiler: its GEMMs (aten::mm / addmm / addmm_) and the token rows they
+    multiply, read off the operand shapes: the M of [n, .] @ [., .] products (logits, d_hidden), the K of the
+    weight's [V, n] @ [n, H]."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    calls = rows = 0
+    for event in prof.events():
+        shapes = [s for s in event.input_shapes if len(s) == 2] if event.name in GEMMS else []
+        if len(shapes) >= 2:
+            a = shapes[-2]
+            calls += 1
+            rows += a[1] if a[0] == V else a[0]
+    return dict(gemm_calls=calls, gemm_rows=rows)
+
+
+def measure_gemms(args, fraction: float) -> Dict[str, Dict]:
+    x = make_inputs(args.N, args.H, args.V, fraction, args.dtype, args.device)
+    x["hidden"].requires_grad_(True)
+    x["weight"].requires_grad_(True)
+    out = {}
+    for p in args.providers:
+        if p in ("gemm", "liger", "naive[compile]"):  # a peer's or a compiled graph's GEMMs are not ours to read
+            continue
+        try:
+            fn = build(p, x, args.case)
+        except ValueError:
+            continue
+        _step(fn, x, True)
+        out[p] = count_gemms(lambda: _step(fn, x, True), args.V)  # noqa: B023 (called at once)
+    return out
+
+
 def _memory_subprocess(provider: str, fraction: float, args) -> Dict:
     cmd = [sys.executable, "-m", "benchmarks.linear", "--memory-worker", provider, "--fraction", str(fraction),
-           "--N", str(args.N), "--H", str(args.H), "--V", str(args.V), "--dtype", args.dtype, "--device", args.device]
+           "--N", str(args.N), "--H", str(args.H), "--V", str(args.V), "--dtype", args.dtype, "--device", args.device,
+           "--case", args.case]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for line in proc.stdout.splitlines():
@@ -186,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--H", type=int, default=512)
     ap.add_argument("--V", type=int, default=32768)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--case", default="seq_mis", choices=CASES)
+    ap.add_argument("--gemm-count", action="store_true", help="profile one step per provider: its GEMMs and rows")
     ap.add_argument("--fractions", default="0.25,0.5,1.0", help="fractions of the tokens in the loss")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--reps", type=int, default=3)
@@ -203,12 +270,14 @@ def main(argv=None):
         args.providers.append("gemm")
     rows = []
     for fraction in (float(f) for f in args.fractions.split(",")):
+        gemms = measure_gemms(args, fraction) if args.gemm_count else {}
         times, failed = measure_times(args, fraction)
         for p in args.providers:
             if p in failed:
                 print(f"{p}: not measured: {failed[p]}", file=sys.stderr)
                 continue
-            row = dict(provider=p, fraction=fraction, median_ms=statistics.median(times[p]), samples_ms=times[p])
+            row = dict(provider=p, fraction=fraction, median_ms=statistics.median(times[p]), samples_ms=times[p],
+                       **gemms.get(p, {}))
             if not args.no_memory and p != "gemm":
                 row.update({k: v for k, v in _memory_subprocess(p, fraction, args).items() if k not in row})
             rows.append(row)
@@ -217,10 +286,12 @@ def main(argv=None):
 
 
 def _report(rows, args):
-    tag = args.tag or f"{args.device}-linear-{args.N}x{args.H}x{args.V}-{args.dtype}"
-    print(f"\nlinear: N={args.N} H={args.H} V={args.V} {args.dtype} {args.device}, fwd+bwd, token TIS, token-mean; "
-          f"{args.reps} interleaved rounds")
-    print(f"{'rows':>5} {'provider':18} {'median ms':>10} {'x naive':>8} {'peak MiB':>9} {'x naive':>8} {'loss':>12}")
+    tag = args.tag or f"{args.device}-linear-{args.N}x{args.H}x{args.V}-{args.dtype}" + (
+        "" if args.case == "token_tis" else f"-{args.case}")
+    print(f"\nlinear: N={args.N} H={args.H} V={args.V} {args.dtype} {args.device}, fwd+bwd, case {args.case}, "
+          f"token-mean; {args.reps} interleaved rounds")
+    print(f"{'rows':>5} {'provider':26} {'median ms':>10} {'x naive':>8} {'peak MiB':>9} {'x naive':>8} {'loss':>12} "
+          f"{'GEMMs (rows / N)':>17}")
     for fraction in sorted({r["fraction"] for r in rows}):
         group = [r for r in rows if r["fraction"] == fraction]
         naive = next((r for r in group if r["provider"] == "naive"), None)
@@ -232,12 +303,15 @@ def _report(rows, args):
             m_ratio = mem / naive_mem if (mem is not None and naive_mem) else float("nan")
             mem_s = f"{mem / 2**20:9.1f}" if mem is not None else f"{'-':>9}"
             loss = f"{r['loss']:12.6f}" if "loss" in r else f"{r.get('error', '-')[:12]:>12}"
-            print(f"{fraction:5.2f} {r['provider']:18} {r['median_ms']:10.1f} {t_ratio:8.2f} {mem_s} {m_ratio:8.3f} "
-                  f"{loss}")
-        if gemm:
-            live = next(r for r in group if r["provider"] == "rlkernels[linear]")
-            floor = (1 + 3 * fraction) * gemm["median_ms"]
-            print(f"      rlkernels[linear] vs (1 + 3f) t_GEMM = {floor:.2f} ms: {live['median_ms'] / floor:.2f}x")
+            gemms = f"{r['gemm_calls']} ({r['gemm_rows'] / args.N:.2f})" if "gemm_calls" in r else "-"
+            print(f"{fraction:5.2f} {r['provider']:26} {r['median_ms']:10.1f} {t_ratio:8.2f} {mem_s} {m_ratio:8.3f} "
+                  f"{loss} {gemms:>17}")
+        if gemm:  # t_GEMM: the forward GEMM over all N rows; the one-pass form runs 3 GEMMs over f N of them
+            for name, k in (("rlkernels[linear]", 2), ("rlkernels[linear-two-pass]", 3)):
+                live = next((r for r in group if r["provider"] == name), None)
+                if live is not None:
+                    floor = (1 + k * fraction) * gemm["median_ms"]
+                    print(f"      {name} vs (1 + {k}f) t_GEMM = {floor:.2f} ms: {live['median_ms'] / floor:.2f}x")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, tag + ".json")
     with open(path, "w") as f:

@@ -35,6 +35,9 @@ class PolicyLossOutput(NamedTuple):
     is_weights: Optional[torch.Tensor]  # weights multiplying the policy term, or None
     mask: torch.Tensor  # bool, the final mask after rejection
     metrics: Dict[str, torch.Tensor]  # 0-d device tensors named as in SPEC §8
+    # how the gradient is formed (SPEC §2.1): "logits" (the logits' backward pass), "linear_two_pass" (the
+    # fused-linear backward recomputes the logits) or "linear_one_pass" (formed in the forward, scaled after)
+    path: str = "logits"
 
 
 class TokenStats(NamedTuple):
@@ -49,17 +52,58 @@ class CorrectionOutput(NamedTuple):
     metrics: Dict[str, torch.Tensor]
 
 
-def _policy_output(stats: ops.Statistics, batch: PreparedBatch, config: PolicyLossConfig) -> PolicyLossOutput:
+def _policy_output(stats: ops.Statistics, batch: PreparedBatch, config: PolicyLossConfig,
+                   path: str = "logits") -> PolicyLossOutput:
     """The current policy's statistics (carrying autograd) -> the per-sequence stage -> PolicyLossOutput."""
     lp, entropy = stats.logprobs, stats.entropy
     dt = statistics_dtype(lp.dtype)
     detached = TokenStats(lp.detach().to(dt), None if entropy is None else entropy.detach().to(dt), None)
     out = stage.select(lp, config.compile_stage)(detached, batch, config)
     loss = ops.CoefficientLossFunction.apply(out.loss, lp, entropy, out.coef_logprob, out.coef_entropy)
+    return _output(loss, detached, out, batch, path)
+
+
+def _output(loss, detached: TokenStats, out: stage.StageOutput, batch: PreparedBatch, path: str) -> PolicyLossOutput:
     shape = lambda t: None if t is None else t.reshape(batch.token_shape)  # noqa: E731
     logprobs = torch.where(batch.mask, detached.logprobs, torch.zeros_like(detached.logprobs))
     return PolicyLossOutput(loss, shape(logprobs), shape(detached.entropy), shape(out.is_weights), shape(out.mask),
-                            out.metrics)
+                            out.metrics, path)
+
+
+def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch: PreparedBatch,
+                     config: PolicyLossConfig, options: ops.PassOptions) -> PolicyLossOutput:
+    """The fused-linear loss with its gradient formed in the forward (SPEC §2.1): the rollout correction once,
+    then, for each chunk of rows, the stage's coefficients of those rows from their fresh statistics (exact: no
+    row's coefficients depend on another row's statistics here), then the whole stage on every row for the
+    loss and the metrics, as the two-pass route computes them."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    dt = statistics_dtype(hidden.dtype)
+    # rows whose statistics are not in yet hold the proximal policy's log-probs (a ratio of 1: every value of
+    # the stage stays finite there; nothing of them reaches the chunk's coefficients)
+    proximal = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+    zero = torch.zeros((), dtype=dt, device=hidden.device)
+    lp = torch.zeros(rows.shape[0], dtype=dt, device=hidden.device) if proximal is None else \
+        torch.where(batch.mask, proximal.to(dt), zero)
+    entropy = torch.zeros_like(lp) if options.entropy else None
+    corrected = stage.correct(TokenStats(lp, entropy, None), batch, config)  # once: its collectives too
+
+    def coefficients(idx, lp_rows, entropy_rows):
+        lp.index_copy_(0, idx, lp_rows)
+        if entropy is not None:
+            entropy.index_copy_(0, idx, entropy_rows)
+        out = stage.run(TokenStats(lp, entropy, None), batch, config, corrected=corrected, metrics=False)
+        e = None if out.coef_entropy is None else out.coef_entropy.index_select(0, idx)
+        return out.coef_logprob.index_select(0, idx), e
+
+    grads = ops.linear_forward_gradient(rows, weight, bias, batch, options, coefficients, stage.kept_mask(corrected))
+    detached = TokenStats(grads.logprobs, grads.entropy, None)
+    # the correction is reused unless it reads the current policy (bypass mode's mismatch metrics): then the split
+    # is combined a second time. Eager either way: a compiled stage takes no precomputed correction
+    reuse = None if stage.correction_reads_current_policy(batch) else corrected
+    out = stage.run(detached, batch, config, corrected=reuse)
+    d_hidden = None if grads.d_hidden is None else grads.d_hidden.view(hidden.shape)
+    loss = ops.ForwardGradientFunction.apply(out.loss, hidden, weight, bias, d_hidden, grads.d_weight, grads.d_bias)
+    return _output(loss, detached, out, batch, "linear_one_pass")
 
 
 def _shaped(stats: ops.Statistics, token_shape) -> TokenStats:
@@ -239,8 +283,11 @@ def linear_decoupled_ppo_loss(
     batch = prepare_loss("hidden", tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, args, config)
     options = ops.PassOptions(entropy=config.needs_entropy, backend=config.backend,
                               memory_budget_bytes=config.memory_budget_bytes)
+    if config.linear_one_pass and ops.one_pass_blocker(hidden, weight, bias, batch) is None \
+            and stage.forward_gradient_blocker(batch, config) is None:
+        return _one_pass_output(hidden, weight, bias, batch, config, options)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
-    return _policy_output(stats, batch, config)
+    return _policy_output(stats, batch, config, "linear_two_pass")
 
 
 def linear_token_logprobs(

@@ -322,6 +322,9 @@ class PolicyLossConfig:
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
         memory_budget_bytes: the fused-linear path (`linear_decoupled_ppo_loss`) forms logits in chunks
             of rows whose logits take at most this many bytes (None: 512 MiB on CUDA, 32 MiB on CPU).
+        linear_one_pass: the fused-linear path forms the gradient in its forward pass where every token's
+            coefficients allow (SPEC §2.1: three GEMMs of the loss's rows instead of four, the gradients held
+            from the forward to the backward). False: always the two-pass form.
     """
 
     loss_type: str = "ppo_clip"
@@ -347,6 +350,7 @@ class PolicyLossConfig:
     inplace_backward: bool = False
     compile_stage: Optional[bool] = None
     memory_budget_bytes: Optional[int] = None
+    linear_one_pass: bool = True
     # -- conventions where the reference libraries differ (SPEC §6.2) ---------
     ratio_level: str = "token"
     log_ratio_clamp: Optional[float] = 20.0
@@ -430,7 +434,7 @@ class PolicyLossConfig:
                              "ratio; is_level='sequence' has no such form (TRL raises too)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
-        for name in ("compute_entropy", "validate", "inplace_backward"):
+        for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.compile_stage is not None and not isinstance(self.compile_stage, bool):

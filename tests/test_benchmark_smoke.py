@@ -81,3 +81,21 @@ def test_the_baseline_benchmark_times_verl_and_rlkernels_on_the_same_advantages(
     monkeypatch.setattr(baseline, "_verl_functions", lambda: None)
     alone = baseline.main(["--batch", "24x16x4", "--reps", "1", "--variant", "otb"])
     assert [(r["groups"], "verl_ms" in r) for r in alone] == [(6, False), (24, False)]
+
+
+def test_linear_benchmark_counts_three_gemms_for_the_one_pass_form(tmp_path):
+    """benchmarks/linear.py end to end on a tiny head (time, the GEMM count, the JSON): every provider computes
+    the same loss, the one-pass form multiplies 3 f N token rows and the two-pass form more (its backward
+    recomputes the logits of the rows with a coefficient)."""
+    linear = pytest.importorskip("benchmarks.linear")
+    N, f = 512, 0.5
+    rows = linear.main(["--N", str(N), "--H", "16", "--V", "384", "--fractions", str(f), "--reps", "1", "--case",
+                        "token_tis", "--providers", "naive,rlkernels[linear],rlkernels[linear-two-pass]",
+                        "--gemm-count", "--no-memory", "--out", str(tmp_path), "--tag", "smoke"])
+    by = {r["provider"]: r for r in rows}
+    assert set(by) == {"naive", "rlkernels[linear]", "rlkernels[linear-two-pass]"}
+    assert by["naive"]["gemm_calls"] == 3 and by["naive"]["gemm_rows"] == 3 * N
+    assert by["rlkernels[linear]"]["gemm_rows"] == 3 * f * N
+    assert 3 * f * N < by["rlkernels[linear-two-pass]"]["gemm_rows"] <= 4 * f * N
+    with open(tmp_path / "smoke.json") as fh:
+        assert len(json.load(fh)["rows"]) == 3

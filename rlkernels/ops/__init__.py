@@ -12,8 +12,11 @@ these routes, chosen here from the prepared batch:
     hidden + head, small kept set kept_set                   the K kept rows of the head
 
 `coefficients.CoefficientLossFunction` carries the stage's closed-form (c_t, e_t) back to whichever
-produced the statistics. Modules: vocab.py (the custom ops over logits), linear.py (the fused-linear
-custom ops), kept_set.py (sampler replay), vocab_parallel.py (tensor parallelism), coefficients.py.
+produced the statistics. Where the coefficients are per-token functions of each row's own statistics, the
+fused-linear route has a one-pass form instead (`linear_forward_gradient`: the gradient formed in the forward,
+carried by `coefficients.ForwardGradientFunction`). Modules: vocab.py (the custom ops over logits), linear.py
+(the fused-linear custom ops and the one-pass form), kept_set.py (sampler replay), vocab_parallel.py (tensor
+parallelism), coefficients.py (the autograd functions).
 """
 
 from typing import NamedTuple, Optional
@@ -23,9 +26,10 @@ import torch
 from .. import backends
 from ..backends.base import rows_form_one_sequence
 from . import kept_set, linear, vocab, vocab_parallel
-from .coefficients import CoefficientLossFunction
+from .coefficients import CoefficientLossFunction, ForwardGradientFunction
 
-__all__ = ["CoefficientLossFunction", "PassOptions", "Statistics", "linear_token_stats", "token_stats"]
+__all__ = ["CoefficientLossFunction", "ForwardGradientFunction", "PassOptions", "Statistics",
+           "linear_forward_gradient", "linear_token_stats", "one_pass_blocker", "token_stats"]
 
 
 class PassOptions(NamedTuple):
@@ -150,3 +154,34 @@ def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) ->
         return None if t is None else torch.zeros(N, dtype=acc, device=hidden.device).index_copy(0, rows, t)
 
     return Statistics(*(full(t) for t in stats))
+
+
+def one_pass_blocker(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch) -> Optional[str]:
+    """Why this fused-linear call cannot form its gradient in the forward pass (whatever its coefficients), or
+    None. Nothing to differentiate: no gradient work at all. A compiled region: the two-pass custom ops, which
+    Dynamo traces (the one-pass loop calls back into Python). tp_group: each row's statistics need the other
+    ranks' shards before its coefficients exist. A small kept set: the K gathered rows of the head."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return "no gradient is needed"
+    if torch.compiler.is_compiling():
+        return "inside torch.compile"
+    if batch.tp_group is not None:
+        return "tp_group"
+    if batch.support is not None and kept_set.gathers(batch.support.shape[1], weight.shape[0]):
+        return "a small kept set (sampling_support)"
+    return None
+
+
+def linear_forward_gradient(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch,
+                            options: PassOptions, coefficients: linear.RowCoefficients,
+                            kept: Optional[torch.Tensor] = None) -> linear.ForwardGradient:
+    """The one-pass fused-linear route ([N, H] hidden): the statistics and dLoss/d(hidden, weight, bias) for a
+    unit incoming gradient, with each chunk's coefficients from `coefficients` (see linear.linear_forward_gradient).
+    `kept`: [N] bool, the rows whose coefficients may be nonzero (the others get statistics only). The caller
+    has checked one_pass_blocker and that the coefficients are per-token."""
+    name = backends.resolve(options.backend, hidden)
+    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
+    need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    plan = linear.OnePassPlan(batch.row_labels, batch.temperature, batch.support, options.entropy,
+                              options.sum_pi_squared, name, chunk_rows, need, kept)
+    return linear.linear_forward_gradient(hidden, weight, bias, plan, coefficients)

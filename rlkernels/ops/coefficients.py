@@ -4,7 +4,8 @@ The vocabulary-wide passes carry their autograd formula in custom_ops.py (`rlker
 whose backward receives (c_t, e_t) = (dLoss/dlogprob_t, dLoss/dentropy_t) and runs the backend's
 single backward pass). `CoefficientLossFunction` is the bridge from the per-sequence stage: a 0-d
 loss computed without autograd, together with its closed-form per-token coefficients; its backward
-hands g * (c_t, e_t) back to whatever produced the statistics.
+hands g * (c_t, e_t) back to whatever produced the statistics. `ForwardGradientFunction` is the one-pass
+fused-linear form: the gradients were formed in the forward for g = 1, and its backward scales them by g.
 """
 
 import torch
@@ -30,3 +31,27 @@ class CoefficientLossFunction(torch.autograd.Function):
         if ent_dtype is not None:
             d_ent = None if coef_entropy is None else (grad_loss * coef_entropy).to(ent_dtype)
         return None, d_lp, d_ent, None, None
+
+
+class ForwardGradientFunction(torch.autograd.Function):
+    """loss -> (hidden, weight, bias) with dLoss/d* formed in the forward (ops.linear_forward_gradient) for a
+    unit incoming gradient; the backward hands back g * each.
+
+    For g = 1 (a plain loss.backward()) it hands back the very tensors the forward filled: without a retained
+    graph autograd frees its saved copies first and takes them as they are (into .grad, or on into the model's
+    backward), so the step holds each gradient once, as the two-pass form does. Reading g costs the backward
+    one host synchronisation, the two-pass backward's row selection has one too. Any other g (a scaled loss, a
+    retained graph's second pass, gradcheck) gets fresh g * d."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, d_hidden, d_weight, d_bias):
+        ctx.save_for_backward(d_hidden, d_weight, d_bias)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        refuse_double_backward()
+        unit = bool(grad_loss == 1)
+        scaled = lambda d: None if d is None else (d if unit else grad_loss * d)  # noqa: E731
+        d_hidden, d_weight, d_bias = ctx.saved_tensors
+        return None, scaled(d_hidden), scaled(d_weight), scaled(d_bias), None, None, None

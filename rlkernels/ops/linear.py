@@ -23,7 +23,7 @@ composition with the per-sequence stage of the logits path.
 """
 
 import functools
-from typing import Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -227,3 +227,106 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the one-pass form: the gradient formed while each chunk's logits are in hand (SPEC §2.1) -----------------
+
+# (rows [n], their log-probs [n], their entropies [n] or None) -> (c [n], e [n] or None) for those rows
+RowCoefficients = Callable[[Tensor, Tensor, Optional[Tensor]], Tuple[Tensor, Optional[Tensor]]]
+
+
+class ForwardGradient(NamedTuple):
+    logprobs: Tensor  # [N] statistics, no autograd
+    entropy: Optional[Tensor]
+    sum_pi_squared: Optional[Tensor]
+    d_hidden: Optional[Tensor]  # [N, H] dLoss/dhidden for grad_output = 1, None where not needed
+    d_weight: Optional[Tensor]  # [V, H], in the weight's dtype (accumulated in float32, rounded once)
+    d_bias: Optional[Tensor]  # [V]
+
+
+def _chunk_starts(n_kept: int, n_rows: int, chunk_rows: int):
+    """Chunk offsets over [0, n_kept) and then over [n_kept, n_rows): no chunk straddles n_kept."""
+    yield from range(0, n_kept, chunk_rows)
+    yield from range(n_kept, n_rows, chunk_rows)
+
+
+class OnePassPlan(NamedTuple):
+    """The rows and options of one one-pass call."""
+    row_labels: Tensor  # [N] int64, -1 on rows outside the loss
+    temperature: object  # a float, 0-d tensor or [N] per-row tensor
+    support: Optional[Tensor]  # [N, K] kept ids (a large kept set), or None
+    compute_entropy: bool
+    compute_sum_pi_squared: bool
+    backend: str
+    chunk_rows: int
+    need: Tuple[bool, bool, bool]  # which of d_hidden, d_weight, d_bias to form
+    kept: Optional[Tensor] = None  # [N] bool: rows whose coefficients may be nonzero (None: every row)
+
+
+def linear_forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], plan: OnePassPlan,
+                            coefficients: RowCoefficients) -> ForwardGradient:
+    """The statistics and the loss's gradient in one pass: for each chunk of rows in the loss, its logits
+    (GEMM 1), the token statistics, the chunk's coefficients (c_t, e_t) from `coefficients`, dlogits written
+    over the logits, then d_hidden[rows] = G @ W (GEMM 2) and d_weight += G.T @ h (GEMM 3). Three GEMMs of the
+    loss's rows where the two-pass form (forward, then a backward that recomputes the logits) runs four.
+
+    Valid only when each row's coefficients depend on that row's own statistics and on constants (the
+    caller's `coefficients` sees one chunk at a time). A plain function, not a custom op: `coefficients` is
+    a Python callable, so a compiled region takes the two-pass custom ops instead (rlkernels.ops chooses)."""
+    with torch.no_grad():  # the gradient is formed here, by hand: autograd must not record the pass
+        return _forward_gradient(hidden, weight, bias, plan, coefficients)
+
+
+def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], plan: OnePassPlan,
+                      coefficients: RowCoefficients) -> ForwardGradient:
+    row_labels, compute_entropy, compute_sum_pi_squared = plan.row_labels, plan.compute_entropy, \
+        plan.compute_sum_pi_squared
+    impl = backends.select(plan.backend, hidden)
+    T = temperature_value(plan.temperature)
+    N = hidden.shape[0]
+    acc = backends.statistics_dtype(hidden.dtype)
+    new = lambda n=N: torch.zeros(n, dtype=acc, device=hidden.device)  # noqa: E731
+    logprobs = new()
+    entropy = new() if compute_entropy else None
+    sum_pi_squared = new() if compute_sum_pi_squared else None
+    need_hidden, need_weight, need_bias = plan.need
+    d_hidden = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
+    wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    d_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if need_weight else None
+    need_bias = need_bias and bias is not None
+    d_bias = torch.zeros(weight.shape[0], dtype=wide, device=weight.device) if need_bias else None
+    in_loss = row_labels != -1
+    # the rows that can carry a gradient first, then those that only need their statistics (rows the rollout
+    # correction rejected: no chunk mixes the two, so the latter never enter GEMMs 2 and 3)
+    kept = in_loss if plan.kept is None else in_loss & plan.kept
+    rows = _rows(kept)
+    n_kept = rows.numel()
+    if plan.kept is not None:
+        rows = torch.cat([rows, _rows(in_loss & ~plan.kept)])
+    for start in _chunk_starts(n_kept, rows.numel(), plan.chunk_rows):
+        idx = rows[start:min(start + plan.chunk_rows, n_kept if start < n_kept else rows.numel())]
+        h = hidden.index_select(0, idx)
+        logits = _kept(_head(h, weight, bias), plan.support, idx)
+        labels, t_rows = row_labels.index_select(0, idx), _rows_of(T, idx)
+        stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
+        lp = stats.logprobs.to(acc)
+        ent = None if stats.entropy is None else stats.entropy.to(acc)
+        for out, value in ((logprobs, lp), (entropy, ent), (sum_pi_squared, stats.sum_pi_squared)):
+            if out is not None:
+                out.index_copy_(0, idx, value.to(acc))
+        if start >= n_kept:
+            continue
+        c, e = coefficients(idx, lp, ent)
+        grad_logits = impl.token_grad_bwd(
+            logits, labels, stats.row_max.to(acc), stats.log_norm.to(acc), None if e is None else ent, c, e, t_rows,
+            True,  # the chunk's logits are ours: the gradient overwrites them
+        )
+        if d_hidden is not None:
+            d_hidden.index_copy_(0, idx, grad_logits @ weight)
+        if d_weight is not None:
+            _accumulate_weight_grad(d_weight, grad_logits, h)
+        if d_bias is not None:
+            d_bias.add_(grad_logits.sum(0, dtype=wide))
+    return ForwardGradient(logprobs, entropy, sum_pi_squared, d_hidden,
+                           None if d_weight is None else d_weight.to(weight.dtype),
+                           None if d_bias is None else d_bias.to(bias.dtype))

@@ -11,9 +11,10 @@ from typing import Optional
 
 import torch
 
-from .loss import StageOutput, run
+from .loss import StageOutput, correct, correction_reads_current_policy, forward_gradient_blocker, kept_mask, run
 
-__all__ = ["StageOutput", "run", "select"]
+__all__ = ["StageOutput", "correct", "correction_reads_current_policy", "forward_gradient_blocker", "kept_mask",
+           "run", "select"]
 
 # Graphs the compiled stage may hold: Dynamo specialises sizes 0 and 1 even with dynamic=True, so one
 # option set can take ~5 graphs (padded B > 1, B = 1, T = 1, packed, one sequence); the default limit

@@ -419,7 +419,54 @@ def _entropy_term(x: _Inputs, c: _Corrected, a: Tensor, seg: Segments, config: "
     return -config.entropy_coeff * ent, -config.entropy_coeff * a_ent
 
 
-def run(stats, batch, config: "PolicyLossConfig") -> StageOutput:
+def forward_gradient_blocker(batch, config: "PolicyLossConfig") -> Optional[str]:
+    """Why the coefficients (c_t, e_t) of this batch and config are not per-token functions of the token's own
+    statistics (ℓθ_t, H_t) and θ-free constants, or None when they are (SPEC §2.1: then the fused-linear path
+    forms the gradient in its forward pass, a chunk of rows at a time, from `run(..., corrected=)`).
+
+    A sequence or batch statistic of the current policy in a coefficient, a weight, a mask or a normaliser
+    makes the coefficients wait for every row: the sequence-level ratio (GSPO, GMPO, ratio_level="sequence"),
+    the loss types with per-sequence sums or batch-global selections, OPSM and M2PO, and, in bypass mode, where
+    the IS weights and rejection are taken of the current policy, any rollout correction or VACO."""
+    entry = LOSS_TERMS[config.loss_type]
+    if config.ratio_level == "sequence":
+        return "ratio_level='sequence' (each token's ratio is its sequence's mean)"
+    if entry.sums is not None:
+        return f"loss_type={config.loss_type!r} (per-sequence sums of the current policy)"
+    if entry.batch_global:
+        return f"loss_type={config.loss_type!r} (a selection over the whole batch)"
+    if config.off_policy_mask_threshold is not None:
+        return "off_policy_mask_threshold (a sequence KL of the current policy)"
+    if config.m2po_threshold is not None:
+        return "m2po_threshold (a batch-wide selection on the current policy)"
+    if batch.old_logprobs is None and (config.rollout_correction is not None or config.vaco_threshold is not None):
+        return "bypass mode with a rollout correction (its weights and masks are of the current policy)"
+    return None
+
+
+def correct(stats, batch, config: "PolicyLossConfig"):
+    """The rollout correction of `run` on its own (correction.correct's results: weights, rejection, the
+    batch's normalisers, the sequence table), for `run(..., corrected=)`. Where forward_gradient_blocker is
+    None it does not depend on stats.logprobs: computed once, it serves every chunk of rows."""
+    x = _masked_inputs(stats, batch)
+    return correction.correct(x.l_train, x.rollout, x.mask, batch.segments, config.rollout_correction, batch.split,
+                              _kept_sums(x, config))
+
+
+def kept_mask(corrected) -> Tensor:
+    """m' of `correct(...)`'s results: the tokens the loss keeps. Every other token's coefficients are exactly
+    0 (its aggregation weight a_t is), whatever the current policy."""
+    _, _, decisions, _, _ = corrected
+    return decisions.mask
+
+
+def correction_reads_current_policy(batch) -> bool:
+    """Whether `correct` reads stats.logprobs: in bypass mode (the sampler's log-probs without old ones) its
+    mismatch terms are of the current policy; otherwise it reads only π_old, μ and the mask."""
+    return batch.old_logprobs is None and batch.rollout_logprobs is not None
+
+
+def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool = True) -> StageOutput:
     """The loss of SPEC §1-§8 from the current policy's statistics.
 
     stats: `.logprobs`, `.entropy` ([N] detached, the statistics' dtype; entropy may be None).
@@ -429,14 +476,18 @@ def run(stats, batch, config: "PolicyLossConfig") -> StageOutput:
         across the split (see correction), so every rank's coefficients are those of its tokens in the
         computation on the whole batch; the loss is scaled by the data-parallel world size, so that the
         mean of the ranks' gradients is the whole batch's.
+    corrected: `correct(...)`'s results, computed once for a batch whose coefficients are per-token
+        (forward_gradient_blocker None), or None to compute them here.
+    metrics: False: the coefficients only (the metrics come back empty; with `corrected`, no collective runs).
     """
     seg = batch.segments
     x = _masked_inputs(stats, batch)
-    # called here, not in a helper: on a split batch its collectives are graph breaks of a compiled stage, and
-    # Dynamo's guards on a helper's return value across a break (a Metrics object whose records vary by config)
-    # fail to evaluate on recompilation
-    corrected = correction.correct(x.l_train, x.rollout, x.mask, seg, config.rollout_correction, batch.split,
-                                   _kept_sums(x, config))
+    if corrected is None:
+        # called here, not in a helper: on a split batch its collectives are graph breaks of a compiled stage,
+        # and Dynamo's guards on a helper's return value across a break (a Metrics object whose records vary by
+        # config) fail to evaluate on recompilation
+        corrected = correction.correct(x.l_train, x.rollout, x.mask, seg, config.rollout_correction, batch.split,
+                                       _kept_sums(x, config))
     c = _corrected(x, corrected, config, batch.split)
     ratio = _policy_ratio(x, c, seg, config)
     term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config))
@@ -456,8 +507,8 @@ def run(stats, batch, config: "PolicyLossConfig") -> StageOutput:
     if scale != 1:
         loss, coef = loss * scale, coef * scale
         coef_entropy = None if coef_entropy is None else coef_entropy * scale
-    return StageOutput(loss, coef, coef_entropy, weighted.applied_weights, c.decisions.mask,
-                       c.metrics.finish(batch.split))
+    finished = c.metrics.finish(batch.split) if metrics else {}  # finish: the split's metric combine
+    return StageOutput(loss, coef, coef_entropy, weighted.applied_weights, c.decisions.mask, finished)
 
 
 def check_split_options(config: "PolicyLossConfig", dp_group, cp_group) -> None:

@@ -211,6 +211,9 @@ def test_no_tensor_of_n_by_v_is_allocated():
 
 
 def test_rows_outside_the_loss_never_enter_a_gemm(monkeypatch):
+    """The two-pass form (here forced: this batch's coefficients are per-token, which would take the one-pass
+    form, tests/ops/test_linear_one_pass.py): its backward recomputes only the rows with a coefficient."""
+    monkeypatch.setattr(rlkernels.stage, "forward_gradient_blocker", lambda batch, config: "forced")
     batch, hidden, weight, b = _loss_inputs()
     seen = []
     head = linear_module._head
