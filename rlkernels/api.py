@@ -155,7 +155,8 @@ def decoupled_ppo_loss(
             [B, 1] per sequence), standing for the config's float.
 
     Returns:
-        PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics).
+        PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics, path): path says how the
+        gradient is formed ("logits"; the fused-linear path's "linear_one_pass" / "linear_two_pass", SPEC §2.1).
 
     Raises:
         TypeError: an argument of the wrong type, named, before any kernel runs (SPEC §11).

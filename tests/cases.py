@@ -250,6 +250,10 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                                "terms errs by 2^-8 * sum |G||W|, which the test inputs keep within 4 x the "
                                "largest entry, hence atol 4 * 2^-8 of it"),
     ("linear.grad", F16): Tol(ULP[F16], 4 * HALF_ULP[F16], "as ('linear.grad', bf16) with fp16's 2^-11"),
+    ("linear.scaled", BF16): Tol(2 * ULP[BF16] + HALF_ULP[BF16], 8 * HALF_ULP[BF16],
+                                 "the fused-linear one-pass form against the two-pass form under a scaled loss: each "
+                                 "is within ('linear.grad', bf16) of the exact gradient, so they differ by twice "
+                                 "that, plus the one-pass form's rounding of d * g (half an ulp)"),
     ("one_ulp", BF16): Tol(ULP[BF16], 0.0,
                            "a gradient rounded once to bf16 or fp16 after fp32 math, against the unrounded float64 "
                            "value: within one ulp of bf16 (the coarser of the two dtypes)"),

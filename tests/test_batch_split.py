@@ -202,11 +202,9 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
             budget[("all_gather", "tp")] = 0
         if entry == "linear" and tp > 1:
             budget[("all_reduce", "tp")] = 1
-        if entry == "linear" and got.path == "linear_one_pass" and mode == "bypass":
-            # the one-pass form's correction before the pass, then again on the current policy's statistics
-            # (bypass mode's mismatch metrics read them): one more combine of each split (SPEC §2.1)
-            budget[("all_gather", "dp")] += 1 if dp > 1 else 0
-            budget[("all_gather", "cp")] += 1 if cp > 1 else 0
+        if entry == "linear":  # tp_group, and bypass mode on a split, keep two passes (SPEC §2.1)
+            two_pass = tp > 1 or (mode == "bypass" and (dp > 1 or cp > 1))
+            assert got.path == ("linear_two_pass" if two_pass else expected.path), (case, mode, got.path)
         budget = {k: v for k, v in budget.items() if v}
         assert calls == budget, f"case {case}: collectives {calls}, expected {budget}"
         S = len(LENGTHS) if layout == "packed" else B

@@ -159,12 +159,16 @@ def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) ->
 def one_pass_blocker(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch) -> Optional[str]:
     """Why this fused-linear call cannot form its gradient in the forward pass (whatever its coefficients), or
     None. Nothing to differentiate: no gradient work at all. A compiled region: the two-pass custom ops, which
-    Dynamo traces (the one-pass loop calls back into Python). tp_group: each row's statistics need the other
-    ranks' shards before its coefficients exist. A small kept set: the K gathered rows of the head."""
+    Dynamo traces (the one-pass loop calls back into Python). float16: the gradients are formed for a unit
+    incoming gradient, so a loss scaler's factor (2^16) would come too late to keep small dlogits from
+    underflowing (bfloat16 has float32's range). tp_group: each row's statistics need the other ranks' shards
+    before its coefficients exist. A small kept set: the K gathered rows of the head."""
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         return "no gradient is needed"
     if torch.compiler.is_compiling():
         return "inside torch.compile"
+    if hidden.dtype == torch.float16:
+        return "float16 (a loss scaler's factor must reach the dlogits before they are rounded to float16)"
     if batch.tp_group is not None:
         return "tp_group"
     if batch.support is not None and kept_set.gathers(batch.support.shape[1], weight.shape[0]):

@@ -39,9 +39,10 @@ class ForwardGradientFunction(torch.autograd.Function):
 
     For g = 1 (a plain loss.backward()) it hands back the very tensors the forward filled: without a retained
     graph autograd frees its saved copies first and takes them as they are (into .grad, or on into the model's
-    backward), so the step holds each gradient once, as the two-pass form does. Reading g costs the backward
-    one host synchronisation, the two-pass backward's row selection has one too. Any other g (a scaled loss, a
-    retained graph's second pass, gradcheck) gets fresh g * d."""
+    backward), so the step holds each gradient once, as the two-pass form does. Any other g (a scaled loss, a
+    retained graph's second pass, gradcheck) gets fresh d * g, with g a host float: the product is formed in
+    float32 and rounded once (a 0-d tensor would be rounded to a half-precision d's dtype first). Reading g
+    costs the backward one host synchronisation; the two-pass backward's row selection has one too."""
 
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, d_hidden, d_weight, d_bias):
@@ -51,7 +52,7 @@ class ForwardGradientFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         refuse_double_backward()
-        unit = bool(grad_loss == 1)
-        scaled = lambda d: None if d is None else (d if unit else grad_loss * d)  # noqa: E731
+        g = float(grad_loss)
+        scaled = lambda d: None if d is None else (d if g == 1.0 else d * g)  # noqa: E731
         d_hidden, d_weight, d_bias = ctx.saved_tensors
         return None, scaled(d_hidden), scaled(d_weight), scaled(d_bias), None, None, None

@@ -210,14 +210,15 @@ def _vaco_keep(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossConf
     return keep
 
 
-def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", split) -> _Corrected:
+def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", split, record: bool = True) -> _Corrected:
     """correction.correct's results as the stage reads them, with the rollout_corr/* and response_length/*
-    metrics recorded."""
+    metrics recorded (unless `record` is False: a coefficients-only run)."""
     terms, table, decisions, norms, w = corrected
     metrics = Metrics()
-    if terms is not None:
+    if terms is not None and record:
         correction.record_metrics(metrics, terms, x.mask, table, decisions, norms, config.rollout_correction, w)
-    correction.record_length_metrics(metrics, table, norms, split)
+    if record:
+        correction.record_length_metrics(metrics, table, norms, split)
     computed_token_weights = terms is not None and terms.token_weights is not None
     weights, factor = (None, None) if w is None else (w.weights, w.norm_factor)
     if x.given_weights is not None:  # a trainer's own weights stand where computed ones would
@@ -427,7 +428,8 @@ def forward_gradient_blocker(batch, config: "PolicyLossConfig") -> Optional[str]
     A sequence or batch statistic of the current policy in a coefficient, a weight, a mask or a normaliser
     makes the coefficients wait for every row: the sequence-level ratio (GSPO, GMPO, ratio_level="sequence"),
     the loss types with per-sequence sums or batch-global selections, OPSM and M2PO, and, in bypass mode, where
-    the IS weights and rejection are taken of the current policy, any rollout correction or VACO."""
+    the IS weights and rejection are taken of the current policy, any rollout correction or VACO; and bypass
+    mode on a split batch, whose collectives must not depend on the form a rank takes."""
     entry = LOSS_TERMS[config.loss_type]
     if config.ratio_level == "sequence":
         return "ratio_level='sequence' (each token's ratio is its sequence's mean)"
@@ -441,6 +443,10 @@ def forward_gradient_blocker(batch, config: "PolicyLossConfig") -> Optional[str]
         return "m2po_threshold (a batch-wide selection on the current policy)"
     if batch.old_logprobs is None and (config.rollout_correction is not None or config.vaco_threshold is not None):
         return "bypass mode with a rollout correction (its weights and masks are of the current policy)"
+    if correction_reads_current_policy(batch) and batch.split is not None and batch.split.combines_metrics:
+        # its mismatch metrics read the current policy: the one-pass form would combine the split twice, and a
+        # rank that takes the other form (no gradient wanted there) would then wait on a collective forever
+        return "bypass mode on a dp_group / cp_group split (its correction is combined after the pass)"
     return None
 
 
@@ -488,7 +494,7 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
         # config) fail to evaluate on recompilation
         corrected = correction.correct(x.l_train, x.rollout, x.mask, seg, config.rollout_correction, batch.split,
                                        _kept_sums(x, config))
-    c = _corrected(x, corrected, config, batch.split)
+    c = _corrected(x, corrected, config, batch.split, metrics)
     ratio = _policy_ratio(x, c, seg, config)
     term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config))
     weighted = _weigh_and_mask(term, x, c, ratio, seg, config)

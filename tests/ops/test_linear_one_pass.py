@@ -308,3 +308,30 @@ def test_frozen_trunk_or_head_forms_only_the_gradients_asked_for():
                                               **batch.kwargs("decoupled"))
     out.loss.backward()
     assert out.path == "linear_one_pass" and w.grad is not None and torch.isfinite(w.grad).all()
+
+
+def test_float16_keeps_two_passes_so_a_loss_scale_reaches_the_dlogits():
+    """A loss scaler's 2^16 applied after the fact would overflow in float16 (inf * 0 = NaN) and come too late
+    for the dlogits that underflowed: float16 takes the two-pass form, whose backward forms them at that scale."""
+    batch, hidden, weight, b = _inputs(dtype=torch.float16)
+    out, grads = _run(batch, hidden, weight, b)
+    assert out.path == "linear_two_pass"
+    h, w, bias = _leaves(hidden, weight, b)
+    (_loss(batch, h, w, bias).loss * 65536.0).backward()
+    assert all(torch.isfinite(g).all() for g in (h.grad, w.grad, bias.grad))
+
+
+def test_a_scaled_loss_rounds_the_product_once_in_bfloat16():
+    """g = 1/3 on bfloat16 gradients: d * g from a host float (one rounding of the product), against the
+    two-pass form's gradient of g * c."""
+    batch, hidden, weight, b = _inputs(dtype=BF16, seed=7)
+    results = []
+    for one_pass in (True, False):
+        h, w, bias = _leaves(hidden, weight, b)
+        out = _loss(batch, h, w, bias, linear_one_pass=one_pass)
+        (out.loss / 3).backward()
+        results.append((out.path, w.grad.float(), h.grad.float()))
+    (p1, w1, h1), (p2, w2, h2) = results
+    assert (p1, p2) == ("linear_one_pass", "linear_two_pass")
+    for got, want in ((w1, w2), (h1, h2)):
+        assert_close(got, want, **tol("linear.scaled", BF16, scale=float(want.abs().max())), name="scaled gradient")
