@@ -236,10 +236,9 @@ def supervised_start(cfg: StudyConfig, seed: int) -> TinyLM:
         responses = torch.full((len(targets), R), PAD, dtype=torch.long)
         for i, t in enumerate(targets):
             responses[i, :len(t) + 1] = torch.tensor(t + [EOS])
-        tokens, labels_mask = torch.cat([prompts, responses], 1), responses != PAD
-        seq_valid = torch.cat([valid, labels_mask], 1)
-        h = model.hidden(tokens, positions_of(seq_valid), sequence_mask(seq_valid))
-        logits = model.head(h[:, cfg.prompt_width - 1:-1])
+        lengths = torch.tensor([len(t) + 1 for t in targets])
+        tokens, seq_valid, labels_mask = trainer_inputs(cfg, prompts, valid, responses, lengths)
+        logits = model.head(response_hidden(model, cfg, tokens, seq_valid))
         loss = F.cross_entropy(logits[labels_mask], responses[labels_mask])
         opt.zero_grad()
         loss.backward()

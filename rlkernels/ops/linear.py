@@ -93,6 +93,35 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden
         acc[v0:v0 + block].add_(product)
 
 
+class _HeadGradients:
+    """d_hidden [N, H], and d_weight [V, H] / d_bias [V] accumulated over chunks of rows in float32 (float64 for
+    float64 inputs) and rounded once to the parameter dtype: the backward of the two-pass form and the forward of
+    the one-pass form fill them alike. `need`: which of the three to form."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need: Tuple[bool, bool, bool]):
+        need_hidden, need_weight, need_bias = need
+        self.weight, self.bias = weight, bias
+        self.wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        self.d_hidden = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
+        self.d_weight = torch.zeros(weight.shape, dtype=self.wide, device=weight.device) if need_weight else None
+        need_bias = need_bias and bias is not None
+        self.d_bias = torch.zeros(weight.shape[0], dtype=self.wide, device=weight.device) if need_bias else None
+
+    def add(self, idx: Tensor, grad_logits: Tensor, h: Tensor) -> None:
+        """The chunk of rows `idx` (hidden rows `h`) with dlogits `grad_logits`."""
+        if self.d_hidden is not None:
+            self.d_hidden.index_copy_(0, idx, grad_logits @ self.weight)
+        if self.d_weight is not None:
+            _accumulate_weight_grad(self.d_weight, grad_logits, h)
+        if self.d_bias is not None:
+            self.d_bias.add_(grad_logits.sum(0, dtype=self.wide))
+
+    def rounded(self) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """(d_hidden, d_weight, d_bias) in the inputs' dtypes, None where not formed."""
+        return (self.d_hidden, None if self.d_weight is None else self.d_weight.to(self.weight.dtype),
+                None if self.d_bias is None else self.d_bias.to(self.bias.dtype))
+
+
 def _kept(logits: Tensor, support: Optional[Tensor], idx: Tensor) -> Tensor:
     """The chunk's logits, set to -inf outside the rows' kept ids when a support is given (in place:
     the chunk is ours)."""
@@ -163,12 +192,7 @@ def linear_token_grad(
     e = coef_entropy if coef_entropy.numel() > 0 else None
     live = (row_labels != -1) & ((c != 0) | (e != 0 if e is not None else False))
     rows = _rows(live)
-    d_hidden = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
-    # one float32 accumulation of the weight (and bias) gradient, rounded once at the end
-    wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    d_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if need_weight else None
-    need_bias = need_bias and bias is not None
-    d_bias = torch.zeros(weight.shape[0], dtype=wide, device=weight.device) if need_bias else None
+    grads = _HeadGradients(hidden, weight, bias, (need_hidden, need_weight, need_bias))
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         h = hidden.index_select(0, idx)
@@ -178,17 +202,10 @@ def linear_token_grad(
             c.index_select(0, idx), None if e is None else e.index_select(0, idx), _rows_of(T, idx),
             True,  # the chunk's logits are ours: the gradient overwrites them
         )
-        if need_hidden:
-            d_hidden.index_copy_(0, idx, grad_logits @ weight)
-        if d_weight is not None:
-            _accumulate_weight_grad(d_weight, grad_logits, h)
-        if d_bias is not None:
-            d_bias.add_(grad_logits.sum(0, dtype=wide))
-    return (
-        d_hidden,
-        weight.new_empty(0) if d_weight is None else d_weight.to(weight.dtype),
-        weight.new_empty(0) if d_bias is None else d_bias.to(bias.dtype),
-    )
+        grads.add(idx, grad_logits, h)
+    empty = lambda t, like: like.new_empty(0) if t is None else t  # noqa: E731 (a custom op returns tensors)
+    d_hidden, d_weight, d_bias = grads.rounded()
+    return empty(d_hidden, hidden), empty(d_weight, weight), empty(d_bias, weight)
 
 
 @linear_token_grad.register_fake
@@ -244,12 +261,6 @@ class ForwardGradient(NamedTuple):
     d_bias: Optional[Tensor]  # [V]
 
 
-def _chunk_starts(n_kept: int, n_rows: int, chunk_rows: int):
-    """Chunk offsets over [0, n_kept) and then over [n_kept, n_rows): no chunk straddles n_kept."""
-    yield from range(0, n_kept, chunk_rows)
-    yield from range(n_kept, n_rows, chunk_rows)
-
-
 class OnePassPlan(NamedTuple):
     """The rows and options of one one-pass call."""
     row_labels: Tensor  # [N] int64, -1 on rows outside the loss
@@ -289,44 +300,31 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
     logprobs = new()
     entropy = new() if compute_entropy else None
     sum_pi_squared = new() if compute_sum_pi_squared else None
-    need_hidden, need_weight, need_bias = plan.need
-    d_hidden = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-    wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    d_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if need_weight else None
-    need_bias = need_bias and bias is not None
-    d_bias = torch.zeros(weight.shape[0], dtype=wide, device=weight.device) if need_bias else None
+    grads = _HeadGradients(hidden, weight, bias, plan.need)
     in_loss = row_labels != -1
     # the rows that can carry a gradient first, then those that only need their statistics (rows the rollout
-    # correction rejected: no chunk mixes the two, so the latter never enter GEMMs 2 and 3)
-    kept = in_loss if plan.kept is None else in_loss & plan.kept
-    rows = _rows(kept)
-    n_kept = rows.numel()
+    # correction rejected: in chunks of their own, they never enter GEMMs 2 and 3)
+    groups = [(_rows(in_loss if plan.kept is None else in_loss & plan.kept), True)]
     if plan.kept is not None:
-        rows = torch.cat([rows, _rows(in_loss & ~plan.kept)])
-    for start in _chunk_starts(n_kept, rows.numel(), plan.chunk_rows):
-        idx = rows[start:min(start + plan.chunk_rows, n_kept if start < n_kept else rows.numel())]
-        h = hidden.index_select(0, idx)
-        logits = _kept(_head(h, weight, bias), plan.support, idx)
-        labels, t_rows = row_labels.index_select(0, idx), _rows_of(T, idx)
-        stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
-        lp = stats.logprobs.to(acc)
-        ent = None if stats.entropy is None else stats.entropy.to(acc)
-        for out, value in ((logprobs, lp), (entropy, ent), (sum_pi_squared, stats.sum_pi_squared)):
-            if out is not None:
-                out.index_copy_(0, idx, value.to(acc))
-        if start >= n_kept:
-            continue
-        c, e = coefficients(idx, lp, ent)
-        grad_logits = impl.token_grad_bwd(
-            logits, labels, stats.row_max.to(acc), stats.log_norm.to(acc), None if e is None else ent, c, e, t_rows,
-            True,  # the chunk's logits are ours: the gradient overwrites them
-        )
-        if d_hidden is not None:
-            d_hidden.index_copy_(0, idx, grad_logits @ weight)
-        if d_weight is not None:
-            _accumulate_weight_grad(d_weight, grad_logits, h)
-        if d_bias is not None:
-            d_bias.add_(grad_logits.sum(0, dtype=wide))
-    return ForwardGradient(logprobs, entropy, sum_pi_squared, d_hidden,
-                           None if d_weight is None else d_weight.to(weight.dtype),
-                           None if d_bias is None else d_bias.to(bias.dtype))
+        groups.append((_rows(in_loss & ~plan.kept), False))
+    for rows, with_gradient in groups:
+        for start in range(0, rows.numel(), plan.chunk_rows):
+            idx = rows[start:start + plan.chunk_rows]
+            h = hidden.index_select(0, idx)
+            logits = _kept(_head(h, weight, bias), plan.support, idx)
+            labels, t_rows = row_labels.index_select(0, idx), _rows_of(T, idx)
+            stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
+            lp = stats.logprobs.to(acc)
+            ent = None if stats.entropy is None else stats.entropy.to(acc)
+            for out, value in ((logprobs, lp), (entropy, ent), (sum_pi_squared, stats.sum_pi_squared)):
+                if out is not None:
+                    out.index_copy_(0, idx, value.to(acc))
+            if not with_gradient:
+                continue
+            c, e = coefficients(idx, lp, ent)
+            grad_logits = impl.token_grad_bwd(
+                logits, labels, stats.row_max.to(acc), stats.log_norm.to(acc), None if e is None else ent, c, e,
+                t_rows, True,  # the chunk's logits are ours: the gradient overwrites them
+            )
+            grads.add(idx, grad_logits, h)
+    return ForwardGradient(logprobs, entropy, sum_pi_squared, *grads.rounded())

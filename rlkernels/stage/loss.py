@@ -28,6 +28,7 @@ from .policy_terms import (
     TermContext,
     WeightContext,
     binary_kl,
+    clamped_ratio,
 )
 from .segments import Segments, hyper
 
@@ -215,9 +216,9 @@ def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", split, record:
     metrics recorded (unless `record` is False: a coefficients-only run)."""
     terms, table, decisions, norms, w = corrected
     metrics = Metrics()
-    if terms is not None and record:
-        correction.record_metrics(metrics, terms, x.mask, table, decisions, norms, config.rollout_correction, w)
     if record:
+        if terms is not None:
+            correction.record_metrics(metrics, terms, x.mask, table, decisions, norms, config.rollout_correction, w)
         correction.record_length_metrics(metrics, table, norms, split)
     computed_token_weights = terms is not None and terms.token_weights is not None
     weights, factor = (None, None) if w is None else (w.weights, w.norm_factor)
@@ -239,10 +240,8 @@ def _policy_ratio(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossC
     lengths = c.decisions.final_lengths.clamp_min(1)
     log_r = seg.expand(c.table.sum("pg_delta") / lengths) if config.ratio_level == "sequence" else delta
     bound = config.log_ratio_clamp
-    if bound is None:
-        return _Ratio(log_r, torch.exp(log_r), torch.ones_like(x.mask), -delta)
-    within = (log_r >= -bound) & (log_r <= bound)
-    return _Ratio(log_r, torch.exp(log_r.clamp(-bound, bound)), within, -delta.clamp(-bound, bound))
+    r, within = clamped_ratio(log_r, bound)
+    return _Ratio(log_r, r, within, -delta if bound is None else -delta.clamp(-bound, bound))
 
 
 def _term_context(x: _Inputs, c: _Corrected, ratio: _Ratio, seg: Segments, config: "PolicyLossConfig"

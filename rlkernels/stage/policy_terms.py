@@ -392,19 +392,19 @@ def vespo(ctx: TermContext) -> PolicyTerm:
 _KPOP_CLAMP = 1e-6  # prime-rl PR #3283: the probabilities of its binary KLs are clamped to [1e-6, 1 - 1e-6]
 
 
-def _rollout_log_ratio(ctx: TermContext) -> Tuple[Tensor, Tensor, Tensor]:
-    """(log r, r, where the clamp passes the gradient) of r = p / q, log r clamped as log_ratio_clamp says."""
-    d = ctx.lp - ctx.behaviour
-    bound = ctx.config.log_ratio_clamp
+def clamped_ratio(log_r: Tensor, bound: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """(r, where the clamp passes the gradient) for r = exp(log r) with log r clamped to [-bound, bound]
+    (log_ratio_clamp; None: unclamped, the gradient everywhere)."""
     if bound is None:
-        return d, torch.exp(d), torch.ones_like(d, dtype=torch.bool)
-    return d, torch.exp(d.clamp(-bound, bound)), (d >= -bound) & (d <= bound)
+        return torch.exp(log_r), torch.ones_like(log_r, dtype=torch.bool)
+    return torch.exp(log_r.clamp(-bound, bound)), (log_r >= -bound) & (log_r <= bound)
 
 
 def _rollout_trust_region(ctx: TermContext, keep: Tensor) -> PolicyTerm:
     """-A r + tau (log r)^2 on the kept tokens, 0 elsewhere (selected, never multiplied: an overflowing r off the
-    region cannot make a NaN); d/dlp = -A r (inside the clamp) + 2 tau log r."""
-    d, r, within = _rollout_log_ratio(ctx)
+    region cannot make a NaN); d/dlp = -A r (inside the clamp) + 2 tau log r, with r = p / q against the sampler."""
+    d = ctx.lp - ctx.behaviour
+    r, within = clamped_ratio(d, ctx.config.log_ratio_clamp)
     A, zero = ctx.advantages, torch.zeros_like(d)
     tau = hyper(d, ctx.config.ipo_kl_tau)
     value = torch.where(keep, -A * r + tau * d * d, zero)
@@ -414,10 +414,6 @@ def _rollout_trust_region(ctx: TermContext, keep: Tensor) -> PolicyTerm:
         value, direct = value * w, direct * w
     return PolicyTerm(value, direct, None, ~keep, _none(A), kl_metric=-d,
                       applied_weights=w)
-
-
-def _sampled_probabilities(ctx: TermContext) -> Tuple[Tensor, Tensor]:
-    return torch.exp(ctx.lp), torch.exp(ctx.behaviour)
 
 
 @loss_term("ipo", weights_itself=True, rollout_ratio=True)
@@ -454,7 +450,6 @@ def kpop(ctx: TermContext) -> PolicyTerm:
 @loss_term("dppo_binary_tv", weights_itself=True, rollout_ratio=True)
 def dppo_binary_tv(ctx: TermContext) -> PolicyTerm:
     """Symmetric DPPO binary-TV (prime-rl PR #2434): keep iff -binary_tv_low <= p - q <= binary_tv_high."""
-    p, q = _sampled_probabilities(ctx)
-    gap = p - q
+    gap = torch.exp(ctx.lp) - torch.exp(ctx.behaviour)
     keep = (gap >= -hyper(gap, ctx.config.binary_tv_low)) & (gap <= hyper(gap, ctx.config.binary_tv_high))
     return _rollout_trust_region(ctx, keep)
