@@ -5,6 +5,7 @@ from .api import (
     CorrectionOutput,
     PolicyLossOutput,
     TokenBaseline,
+    TokenDivergences,
     TokenStats,
     decoupled_ppo_loss,
     linear_decoupled_ppo_loss,
@@ -13,6 +14,7 @@ from .api import (
     optimal_token_baseline,
     policy_loss,
     rollout_correction,
+    token_divergences,
     token_logprobs,
     variance_proxy_metrics,
 )
@@ -21,9 +23,10 @@ from .config import PolicyLossConfig, RolloutCorrection
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorrectionOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection", "TokenBaseline", "TokenStats",
-    "decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs", "metrics_to_floats",
-    "optimal_token_baseline", "policy_loss", "rollout_correction", "schedules", "token_logprobs",
+    "CorrectionOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection", "TokenBaseline",
+    "TokenDivergences", "TokenStats", "decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs",
+    "metrics_to_floats",
+    "optimal_token_baseline", "policy_loss", "rollout_correction", "schedules", "token_divergences", "token_logprobs",
     "variance_proxy_metrics",
     "__version__",
 ]

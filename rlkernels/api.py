@@ -15,9 +15,12 @@ from .inputs import (
     Arguments,
     PreparedBatch,
     check_head,
+    check_head_values,
     check_logits,
     prepare_baseline_rows,
     prepare_correction,
+    prepare_divergence_rows,
+    prepare_head,
     prepare_loss,
     prepare_policy,
     prepare_stats,
@@ -25,7 +28,10 @@ from .inputs import (
     resolve_config,
 )
 from .stage import baseline, correction
+from .stage.divergences import Divergences, partition
 from .stage.metrics import Metrics
+
+vocab_temperature = ops.vocab.temperature_value  # a float (one temperature) or the [N] per-token ones
 
 
 class PolicyLossOutput(NamedTuple):
@@ -240,6 +246,90 @@ def token_logprobs(
     batch = prepare_stats(token_shape, logits.shape[-1], logits.device, args, backend, validate, inplace_backward)
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, inplace_backward=inplace_backward)
     return _shaped(ops.token_stats(logits, batch, options), token_shape)
+
+
+class TokenDivergences(NamedTuple):
+    """Per-token divergences between the trainer's π and a second distribution μ (SPEC §9), shaped like the
+    labels (logits.shape[:-1]); float32 (float64 for float64 logits), 0 on rows outside (ignore_index)."""
+    kl: torch.Tensor  # KL(μ || π), the direction of TRM's criterion; autograd to the logits
+    reverse_kl: Optional[torch.Tensor]  # KL(π || μ); None in "support" mode (+inf wherever π leaves μ's support)
+    chi2: Optional[torch.Tensor]  # χ²(π || μ) = Σ π²/μ - 1; None in "support" mode
+    tv: torch.Tensor  # ½ Σ |π - μ|
+    trainer_head_mass: Optional[torch.Tensor]  # Σ_H π (top-k form), no autograd
+    sampler_head_mass: Optional[torch.Tensor]  # Σ_H μ as given (top-k form)
+    sampled_in_head: Optional[torch.Tensor]  # bool, the label is one of the row's ids (top-k form with labels)
+    form: str  # "full", "topk_selected" or "topk_support"
+    lower_bounds: tuple  # the names above that are lower bounds on the exact divergence (the rest are exact)
+
+
+# which top-k divergences are exact, by mode (SPEC §9.2): the partition's values bound the full ones from below
+# (data processing); with μ living on H, KL(μ||π) and TV lose nothing to the tail bucket
+_LOWER_BOUNDS = {"full": (), "topk_selected": ("kl", "reverse_kl", "chi2", "tv"), "topk_support": ()}
+
+
+def token_divergences(
+    logits: torch.Tensor, labels: Optional[torch.Tensor] = None, *, reference_logits: Optional[torch.Tensor] = None,
+    reference_topk_ids: Optional[torch.Tensor] = None, reference_topk_logprobs: Optional[torch.Tensor] = None,
+    temperature: Union[float, torch.Tensor] = 1.0, reference_temperature: Union[float, torch.Tensor, None] = None,
+    mode: str = "selected", ignore_index: int = -100, backend: str = "auto", validate: bool = True,
+) -> TokenDivergences:
+    """Divergences between the trainer's π = softmax(logits / T) and a second distribution μ, per token, read in
+    one pass (SPEC §9): KL both ways, χ² and TV, with autograd to `logits`, so any of them can be a loss term.
+
+    Args:
+        logits: [..., V] the trainer's logits.
+        labels: [...] the sampled tokens, or None (every row). `ignore_index` rows give 0 and no gradient.
+        reference_logits: the full form: μ = softmax(reference_logits / reference_temperature), [..., V]
+            (recomputed rollout logits, a reference model); exact divergences. Detached.
+        reference_topk_ids: the top-k form: [..., k] ids (-1 pads; vLLM `logprobs=k`, SGLang
+            `top_logprobs_num`, slime `rollout_topk_token_ids`), with
+        reference_topk_logprobs: [..., k] their full-vocabulary log-probs under μ. The divergences are those of
+            the partition {each id, the tail}: lower bounds in "selected" mode; in "support" mode μ lives on the
+            ids (renormalised over them), kl and tv are exact and reverse_kl / chi2 are not reported.
+        temperature: the trainer's temperature (the sampler's), a float or a tensor broadcastable to the labels.
+        reference_temperature: the full form's temperature for μ (None: `temperature`).
+        mode: "selected" (the sampler's candidates before filtering) or "support" (its kept set after top-k /
+            top-p: the sampled token must be among the ids).
+        backend: "auto", "torch", "cpu", "triton" or "cuda" (the top-k form's vocabulary pass).
+        validate: the value checks (id range, duplicate ids, log-probs <= 0 and not NaN, head mass <= 1, the label
+            in a support): one host sync.
+
+    Returns:
+        TokenDivergences; `form` and `lower_bounds` say which values are exact.
+    """
+    check_logits(logits, allow_any_rank=True)
+    token_shape, V = tuple(logits.shape[:-1]), logits.shape[-1]
+    names = ("reference_topk_ids", "reference_topk_logprobs", "reference_logits")
+    head = prepare_head(names, (reference_topk_ids, reference_topk_logprobs, reference_logits), token_shape, V,
+                        logits.device, mode, trainer_shape=logits.shape)
+    if head is None:
+        raise ValueError("reference_logits / reference_topk_ids: expected the second distribution, as logits (full "
+                         "form) or as top-k ids with their log-probs, got neither")
+    if head.logits is None and reference_temperature is not None:
+        raise ValueError("reference_temperature: only the full form takes it (top-k log-probs are the sampler's own, "
+                         "at its temperature); pass reference_logits or leave it None")
+    batch = prepare_divergence_rows(token_shape, V, logits.device, labels, temperature, reference_temperature, backend,
+                                    ignore_index)
+    if validate:
+        checks = batch.checks
+        check_head_values(checks, head, names[:2], V, batch.rows, None if labels is None else batch.row_labels)
+        checks.run()
+    form = "full" if head.logits is not None else f"topk_{mode}"
+    zero = lambda t: None if t is None else torch.where(batch.rows, t, torch.zeros_like(t))  # noqa: E731
+    shaped = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
+    if head.logits is not None:
+        div = Divergences(*ops.full_divergences(logits, head.logits, batch.rows, vocab_temperature(batch.temperature),
+                                                vocab_temperature(batch.reference_temperature)))
+    else:
+        options = ops.PassOptions(backend=backend)
+        stats = ops.head_stats(logits, batch.prepared, options, head.ids)
+        div = partition(stats.head_logprobs, head.logprobs, head.slots, mode)
+        member = None if labels is None else (head.slots & (head.ids == batch.row_labels[:, None])).any(1) & batch.rows
+        div = div._replace(trainer_head_mass=div.trainer_head_mass.detach(),
+                           sampler_head_mass=div.sampler_head_mass.detach(), sampled_in_head=member)
+    out = [shaped(zero(t)) for t in div[:6]]
+    member = None if div.sampled_in_head is None else shaped(div.sampled_in_head)
+    return TokenDivergences(*out, member, form, _LOWER_BOUNDS[form])
 
 
 def linear_decoupled_ppo_loss(

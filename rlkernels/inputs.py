@@ -11,12 +11,14 @@ override) -> the tensor checks -> `_layout` (the data- / context-parallel split 
 the value checks -> `PreparedBatch` (flat [N] tensors, the mask m, row labels, one temperature form).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from .backends.base import FOREIGN_TARGET
 from .config import BACKENDS, PolicyLossConfig, RolloutCorrection, check_finite_positive
 from .ops.vocab import temperature_tensor
 from .ops.vocab_parallel import shard_offset
@@ -381,6 +383,88 @@ _MISSING_LABEL = ("sampling_support: a label in the loss is not among its row's 
                   "drawn it)")
 
 
+class SamplerHead(NamedTuple):
+    """The second distribution of SPEC §9, checked and flattened: the top-k form (ids and log-probs) or the full
+    form (logits), never both."""
+    ids: Optional[torch.Tensor] = None  # [N, k] int64, -1 pads
+    logprobs: Optional[torch.Tensor] = None  # [N, k] as given (full-vocabulary log-probs)
+    mode: str = "selected"  # "selected" (candidates before filtering) or "support" (the kept set)
+    logits: Optional[torch.Tensor] = None  # [..., V] the full form's logits, shaped like the trainer's
+    temperature: Any = None  # the full form's temperature: a float, or [N] per token
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.ids >= 0
+
+
+HEAD_MODES = ("selected", "support")
+# Σ_H exp(log μ) may exceed 1 by the sampler's rounding only: float32 log-probs summed over k <= a few hundred ids
+# carry ~1e-6 relative error each; slime accepts 1 + 1e-4, and so do we
+HEAD_MASS_SLACK = 1e-4
+
+
+def prepare_head(names: Tuple[str, str, str], given: Tuple, token_shape, vocab: int, device, mode: str,
+                 trainer_shape=None) -> Optional[SamplerHead]:
+    """The structural checks of a second distribution `given` as (ids, log-probs, logits): the top-k form
+    (`names[0]`, `names[1]`) or the full form (`names[2]`); None when neither is given. `trainer_shape`: the
+    trainer logits' shape the full form must match (None: the fused-linear path, the labels' shape + (V,))."""
+    ids_name, lp_name, logits_name = names
+    ids, logprobs, logits = given
+    if mode not in HEAD_MODES:
+        raise ValueError(f"mode: expected one of {HEAD_MODES}, got {mode!r}")
+    if logits is not None:
+        if ids is not None or logprobs is not None:
+            raise ValueError(f"{logits_name}: given with {ids_name} / {lp_name}; pass the full form or the top-k form")
+        check_tensor(logits_name, logits, kind="float", device=device)
+        shape = tuple(trainer_shape) if trainer_shape is not None else token_shape + (vocab,)
+        if tuple(logits.shape) != shape:
+            raise ValueError(f"{logits_name}: expected shape {shape} (the trainer's logits), got {tuple(logits.shape)}")
+        return SamplerHead(logits=logits.detach(), mode=mode)
+    if ids is None and logprobs is None:
+        return None
+    if ids is None or logprobs is None:
+        missing = ids_name if ids is None else lp_name
+        raise ValueError(f"{missing}: expected a tensor (the top-k form takes the ids and their log-probs), got None")
+    check_tensor(ids_name, ids, kind="int", device=device)
+    if ids.dim() != len(token_shape) + 1 or tuple(ids.shape[:-1]) != token_shape or ids.shape[-1] == 0:
+        raise ValueError(f"{ids_name}: expected shape {token_shape + ('k',)} (the labels' shape and k >= 1 ids, -1 "
+                         f"padding), got {tuple(ids.shape)}")
+    if ids.shape[-1] > vocab:
+        raise ValueError(f"{ids_name}: expected k <= V = {vocab} ids per row, got k = {ids.shape[-1]}")
+    check_tensor(lp_name, logprobs, kind="float", shape=tuple(ids.shape), device=device)
+    k = ids.shape[-1]
+    return SamplerHead(ids.reshape(-1, k).long(), logprobs.reshape(-1, k).detach(), mode)
+
+
+def check_head_values(checks: ValueChecks, head: SamplerHead, names: Tuple[str, str], vocab: int, rows: torch.Tensor,
+                      labels: Optional[torch.Tensor]) -> None:
+    """The value checks of a top-k head on the rows that take part (`rows`, [N] bool): ids in [0, V) or -1, no
+    id twice in a row, log-probs not NaN and <= 0, Σ_H exp(log-prob) <= 1 + HEAD_MASS_SLACK in "selected" mode,
+    and, in "support" mode, the sampled token among the ids (vLLM RFC #42259: a duplicated sampled token and
+    invalid ids from an all--inf tile must raise, not corrupt the loss)."""
+    if head is None or head.ids is None:
+        return
+    ids_name, lp_name = names
+    ids, lp, slots = head.ids, head.logprobs, head.ids >= 0
+    live = slots & rows[:, None]
+    checks.add((rows[:, None] & ((ids < -1) | (ids >= vocab))).any(),
+               f"{ids_name}: expected token ids in [0, {vocab}) or -1 (padding)")
+    ordered = torch.where(rows[:, None], ids, torch.full_like(ids, -1)).sort(1).values
+    checks.add(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(),
+               f"{ids_name}: an id appears twice in a row (a top-k is a set of distinct ids)")
+    checks.add((live & torch.isnan(lp)).any(), f"{lp_name}: expected no NaN at the ids, got NaN")
+    checks.add((live & (lp > 0)).any(), f"{lp_name}: expected log-probs <= 0, got a positive value")
+    if head.mode == "selected":
+        mass = torch.where(live, lp.double().exp(), torch.zeros((), dtype=torch.float64, device=lp.device)).sum(1)
+        checks.add((mass > 1 + HEAD_MASS_SLACK).any(),
+                   f"{lp_name}: expected full-vocabulary log-probs (sum of exp over a row's ids <= 1 + "
+                   f"{HEAD_MASS_SLACK}), got a row whose mass exceeds that")
+    elif labels is not None:
+        checks.add((rows & (labels >= 0) & ~(live & (ids == labels[:, None])).any(1)).any(),
+                   f"{ids_name}: mode='support' but a sampled token is not among its row's ids (the sampler's kept "
+                   "set must contain what it drew)")
+
+
 # ---------------------------------------------------------------- the prepared batches
 def _check_options(config: PolicyLossConfig, args: Arguments) -> None:
     """Combinations of the config and the per-token inputs that have no meaning."""
@@ -474,6 +558,48 @@ def prepare_stats(token_shape, local_vocab: int, device, args: Arguments, backen
         checks.run()
     return PreparedBatch(token_shape=token_shape, mask=keep, row_labels=_row_labels(labels, keep), vocab_size=V,
                          tp_group=args.tp_group, temperature=temperature, support=support)
+
+
+class DivergenceRows(NamedTuple):
+    """token_divergences' rows: which take part, their labels for the pass, the temperatures, the value checks."""
+    rows: torch.Tensor  # [N] bool
+    row_labels: torch.Tensor  # [N] int64: the label, -1 outside, FOREIGN_TARGET on rows without a label
+    temperature: torch.Tensor  # 0-d float64 CPU tensor, or [N]
+    reference_temperature: torch.Tensor  # the same forms
+    checks: ValueChecks
+    prepared: PreparedBatch  # what ops.head_stats reads
+
+
+def prepare_divergence_rows(token_shape, vocab: int, device, labels, temperature, reference_temperature,
+                            backend: str, ignore_index: int) -> DivergenceRows:
+    """The checks of token_divergences' rows, labels and temperatures (the label range among the value checks)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    checks = ValueChecks()
+    N = math.prod(token_shape)
+    if labels is None:
+        rows = torch.ones(N, dtype=torch.bool, device=device)
+        row_labels = torch.full((N,), FOREIGN_TARGET, dtype=torch.int64, device=device)
+    else:
+        check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
+        flat = labels.reshape(-1).long()
+        checks.labels(flat != ignore_index, flat, vocab, ignore_index, "tokens whose label is not ignore_index")
+        rows = (flat >= 0) & (flat < vocab) & (flat != ignore_index)
+        row_labels = _row_labels(flat, rows)
+
+    def one(name, t):
+        if isinstance(t, torch.Tensor):
+            per_token = _per_token_temperature(t, token_shape, device)
+            checks.add((~torch.isfinite(per_token) | (per_token <= 0)).any(), f"{name}: expected finite values > 0")
+            return per_token
+        check_finite_positive(name, t)
+        return temperature_tensor(t)
+
+    t = one("temperature", temperature)
+    t_ref = t if reference_temperature is None else one("reference_temperature", reference_temperature)
+    prepared = PreparedBatch(token_shape=token_shape, mask=rows, row_labels=row_labels, vocab_size=vocab,
+                             temperature=t)
+    return DivergenceRows(rows, row_labels, t, t_ref, checks, prepared)
 
 
 def prepare_policy(logprobs, args: Arguments, config: PolicyLossConfig) -> PreparedBatch:

@@ -132,6 +132,19 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                                                     "as ('kernel.target_column', bf16) with the interpreter's "
                                                     "truncation: one ulp"),
 
+    # -- SPEC §9: divergences between two distributions, and their gradients -------------------------
+    ("divergence", F64): Tol(1e-7, 1e-9,
+                             "float64 on both sides in another order; the tail bucket 1 - sum_H p is a subtraction "
+                             "whose k * 2^-53 absolute error is 1e-15 / tail relative (tails >= 1e-12 are compared), "
+                             "and KL and chi2 take its log and divide by it"),
+    ("divergence", F32): Tol(1e-4, 1e-5,
+                             "fp32 log-probs against float64: each log p carries ~|log p| * 2^-24 absolute error "
+                             "(|log p| reaches ~50 beside -inf and near one-hot rows), and chi2's exp(2 log pi - "
+                             "log mu) turns it into ~1.5e-5 relative per term; KL's differences of logs and the "
+                             "tail bucket's 1 - sum_H p add a few ulps of the head mass. atol scales by the value"),
+    ("divergence.dlogits", F64): Tol(1e-7, 1e-9, "as ('divergence', fp64): the tail's derivative is 1 / tail"),
+    ("divergence.dlogits", F32): Tol(1e-4, 1e-5, "as ('divergence', fp32): the same products, once more in the "
+                                                 "backward's closed form; atol scales by max(1e-3, max |expected|)"),
     # -- the Triton backend against the torch backend through the public API -------------------------
     ("backends", F32): Tol(1e-5, 1e-5,
                            "two fp32 backends on the same small inputs: the same formulas in a different "

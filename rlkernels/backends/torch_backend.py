@@ -115,7 +115,9 @@ class TorchBackend:
         log_norm = (target - row_max) * inv_t.squeeze(1) if per_row else (target - row_max) / temperature
         log_norm = log_norm - logprobs
         if self.vocab_shard:
-            log_norm = torch.where(foreign, -log_p_max, log_norm)
+            # also where the label's logit is -inf (log p_y = -inf leaves the label's form NaN): the head ids of
+            # ops.head read this normaliser, not just log p_y
+            log_norm = torch.where(foreign | torch.isnan(log_norm), -log_p_max, log_norm)
         log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), log_norm)
         zero = torch.zeros((), dtype=acc, device=logits.device)
         keep = lambda t: None if t is None else torch.where(active & ~no_mass, t, zero)  # noqa: E731

@@ -14,9 +14,12 @@ these routes, chosen here from the prepared batch:
 `coefficients.CoefficientLossFunction` carries the stage's closed-form (c_t, e_t) back to whichever
 produced the statistics. Where the coefficients are per-token functions of each row's own statistics, the
 fused-linear route has a one-pass form instead (`linear_forward_gradient`: the gradient formed in the forward,
-carried by `coefficients.ForwardGradientFunction`). Modules: vocab.py (the custom ops over logits), linear.py
-(the fused-linear custom ops and the one-pass form), kept_set.py (sampler replay), vocab_parallel.py (tensor
-parallelism), coefficients.py (the autograd functions).
+carried by `coefficients.ForwardGradientFunction`). A second set of ids per row (the sampler's or a teacher's top-k,
+SPEC §9) rides on the same pass: `head_stats` (logits: the custom op of head.py, whose backward takes [N, k]
+coefficients) and `linear_head_stats` (hidden + head: k + 1 gathered rows of the head); a second distribution
+given as logits goes through `full_divergences` (divergences.py). Modules: vocab.py (the custom ops over logits),
+linear.py (the fused-linear custom ops and the one-pass form), kept_set.py (sampler replay), vocab_parallel.py
+(tensor parallelism), head.py (head ids), divergences.py (the full form), coefficients.py (the autograd functions).
 """
 
 from typing import NamedTuple, Optional
@@ -27,9 +30,12 @@ from .. import backends
 from ..backends.base import rows_form_one_sequence
 from . import kept_set, linear, vocab, vocab_parallel
 from .coefficients import CoefficientLossFunction, ForwardGradientFunction
+from .divergences import FullDivergenceFunction
+from .head import HeadStatistics, head_token_stats, linear_head_logprobs
 
-__all__ = ["CoefficientLossFunction", "ForwardGradientFunction", "PassOptions", "Statistics",
-           "linear_forward_gradient", "linear_token_stats", "one_pass_blocker", "token_stats"]
+__all__ = ["CoefficientLossFunction", "ForwardGradientFunction", "HeadStatistics", "PassOptions", "Statistics",
+           "full_divergences", "head_stats", "linear_forward_gradient", "linear_head_stats", "linear_token_stats",
+           "one_pass_blocker", "token_stats"]
 
 
 class PassOptions(NamedTuple):
@@ -189,3 +195,39 @@ def linear_forward_gradient(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     plan = linear.OnePassPlan(batch.row_labels, batch.temperature, batch.support, options.entropy,
                               options.sum_pi_squared, name, chunk_rows, need, kept)
     return linear.linear_forward_gradient(hidden, weight, bias, plan, coefficients)
+
+
+def _refuse_with_head(batch, what: str) -> None:
+    if batch.tp_group is not None or batch.support is not None:
+        raise ValueError(f"{what}: not supported with tp_group or sampling_support yet (SPEC §9)")
+
+
+def head_stats(logits: torch.Tensor, batch, options: PassOptions, head_ids: torch.Tensor) -> HeadStatistics:
+    """token_stats with the log-probs at `head_ids` ([N, k], -1 pads) from the same pass (SPEC §9.1): autograd
+    reaches the logits from log p_y, the entropy and the head's log-probs. A row whose batch.row_labels is
+    FOREIGN_TARGET has no label: its statistics and head only."""
+    _refuse_with_head(batch, "sampler_topk_ids / reference_topk_ids")
+    rows = logit_rows(logits, False)
+    name = backends.resolve(options.backend, rows)
+    return head_token_stats(rows, batch.row_labels, head_ids, batch.temperature, options.entropy,
+                            options.sum_pi_squared, name, options.chunk_rows or 0)
+
+
+def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch,
+                      options: PassOptions, head_ids: torch.Tensor) -> HeadStatistics:
+    """linear_token_stats with the log-probs at `head_ids` (SPEC §9.1): the fused-linear pass for log p_y, then
+    the k + 1 logits of each row in the loss from gathered rows of the head."""
+    _refuse_with_head(batch, "sampler_topk_ids")
+    stats = linear_token_stats(hidden, weight, bias, batch, options)
+    budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
+    head = linear_head_logprobs(hidden, weight, bias, batch.row_labels, head_ids, stats.logprobs,
+                                vocab.temperature_value(batch.temperature), budget)
+    return HeadStatistics(stats.logprobs, stats.entropy, stats.sum_pi_squared, head)
+
+
+def full_divergences(logits: torch.Tensor, reference: torch.Tensor, active: torch.Tensor, temperature,
+                     reference_temperature, chunk_rows: Optional[int] = None):
+    """(kl, reverse_kl, chi2, tv), each [N], of softmax(logits / T) against softmax(reference / T_r) (SPEC §9.2,
+    the full form); autograd to `logits`. The temperatures: floats or [N] tensors; `active`: [N] bool rows."""
+    rows = logit_rows(logits, False)
+    return FullDivergenceFunction.apply(rows, reference, active, temperature, reference_temperature, chunk_rows)

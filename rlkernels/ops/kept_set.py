@@ -96,7 +96,7 @@ def logits_kept(rows: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
     ids = support.clamp_min(0)
     if rows.dim() == 3:
         B, T, _ = rows.shape
-        return rows.gather(2, ids.view(B, T, -1)).reshape(-1, ids.shape[1])
+        return rows.gather(2, ids.view(B, T, ids.shape[1])).reshape(-1, ids.shape[1])  # (-1 is ambiguous at 0 rows)
     return rows.gather(1, ids)
 
 

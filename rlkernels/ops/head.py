@@ -1,0 +1,190 @@
+"""Head-id statistics: the trainer's log-probs at a second set of ids per row (the sampler's top-k, a teacher's
+top-k), from the same vocabulary pass that gives the sampled token's log-prob, entropy and sum p^2 (SPEC §9.1).
+
+    log p_j = (z_j - row_max) / T - log_norm          for each id j of the row's head H (k ids, -1 pads)
+
+The forward is the backend's token_stats pass plus a gather of k logits per row: the head's log-probs come from
+the pass's two-part normaliser (backends.base.RowStats), never from a second reduction over V. The backward takes
+an [N, k] coefficient matrix C = dLoss/dlog p_H beside the pass's (c, e): its gradient is
+
+    dz_v = ( c 1[v = y] + sum_j C_j 1[v = h_j] - (c + sum_j C_j) p_v - e p_v (log p_v + H) ) / T,
+
+which is the backend's own backward for the coefficient c + sum_j C_j (every column's -c p term, one pass) with
+the k + 1 columns {y} u H then overwritten by their exact values, formed in float32 and rounded once (the
+target column's 1 - p is never formed from a rounded -c p plus c; see the torch backend). Duplicate ids in a
+row are refused by the input checks: two slots with one id would each carry only their own coefficient.
+
+The fused-linear route (`linear_head_logprobs`) forms only the k + 1 logits it needs, from gathered rows of the
+head: log p_j = (z_j - z_y) / T + log p_y, with log p_y from the fused-linear pass (autograd through both).
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import backends
+from ..backends.base import FOREIGN_TARGET, inverse_temperature, statistics_dtype
+from .kept_set import linear_logits_kept, logits_kept
+from .vocab import refuse_double_backward, temperature_value, token_grad
+
+
+class HeadStatistics(NamedTuple):
+    logprobs: Tensor  # [N] log p_y (0 on rows without a label), with autograd
+    entropy: Optional[Tensor]  # [N] with autograd, or None
+    sum_pi_squared: Optional[Tensor]  # [N] no autograd, or None
+    head_logprobs: Tensor  # [N, k] log p at the head ids, with autograd; -inf at pads and at ids p gives no mass
+
+
+def _instance(name: str, chunk_rows: int):
+    # the head's log-probs need the row's normaliser itself. The torch backend derives it from log p_y unless it
+    # is a vocabulary shard (then from the largest log p, one more reduction), and log p_y is -inf at a label
+    # with a -inf logit, or absent on a row without a label (FOREIGN_TARGET): so it is always asked for the
+    # shard form. The kernels compute the normaliser directly
+    return backends.instance(name, chunk_rows or None, vocab_shard=True)
+
+
+def _head_logits(logits: Tensor, ids: Tensor) -> Tensor:
+    """[N, k] logits at the ids (pads read column 0; masked by the caller), from [N, V] or [B, T, V] rows."""
+    return logits_kept(logits, ids.clamp_min(0))
+
+
+def _head_logprobs(logits, ids, row_max, log_norm, labels, temperature) -> Tensor:
+    acc = row_max.dtype
+    inv_t = inverse_temperature(temperature, acc)
+    z = _head_logits(logits, ids).to(acc)
+    lp = (z - row_max[:, None]) * inv_t - log_norm[:, None]
+    V = logits.shape[-1]
+    active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
+    has_distribution = torch.isfinite(log_norm) & active
+    minus_inf = torch.full((), float("-inf"), dtype=acc, device=lp.device)
+    lp = torch.where((ids >= 0) & has_distribution[:, None] & (z > float("-inf")), lp, minus_inf)
+    return torch.where(active[:, None], lp, torch.zeros_like(lp))
+
+
+@torch.library.custom_op("rlkernels::head_stats", mutates_args=())
+def head_stats(
+    logits: Tensor, labels: Tensor, head_ids: Tensor, temperature: Tensor, compute_entropy: bool,
+    compute_sum_pi_squared: bool, backend: str, chunk_rows: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # logits: (N, V) or (B, T, V) row-strided; labels: (N,) int64 (-1: outside, FOREIGN_TARGET: no label);
+    # head_ids: (N, k) int64, -1 pads
+    t = temperature_value(temperature)
+    stats = _instance(backend, chunk_rows).token_stats_fwd(logits, labels, t, compute_entropy,
+                                                                  compute_sum_pi_squared)
+    absent = lambda x: stats.logprobs.new_empty(0) if x is None else x  # noqa: E731 (outputs may not alias)
+    head = _head_logprobs(logits, head_ids, stats.row_max, stats.log_norm, labels, t)
+    return stats.row_max, stats.log_norm, stats.logprobs, absent(stats.entropy), absent(stats.sum_pi_squared), head
+
+
+@head_stats.register_fake
+def _(logits, labels, head_ids, temperature, compute_entropy, compute_sum_pi_squared, backend, chunk_rows):
+    N = labels.shape[0]
+    new = lambda *n: logits.new_empty(*n, dtype=statistics_dtype(logits.dtype))  # noqa: E731
+    return (new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0),
+            new(N, head_ids.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, head_ids, temperature, _, _, backend, chunk_rows = inputs
+    row_max, log_norm, logprobs, entropy, s2, head = output
+    ctx.save_for_backward(logits, labels, head_ids, row_max, log_norm, logprobs, entropy, head, temperature)
+    ctx.options = (backend, chunk_rows)
+    ctx.mark_non_differentiable(row_max, log_norm, s2)
+
+
+def _fixed_columns(saved, coefficients, inv_t, V: int):
+    """(columns [N, k + 1], their exact gradient values [N, k + 1] in float32, the slots holding an id, each row's
+    donor slot) for the slots {h_1..h_k, y}. saved: (labels, head_ids, log p_y, entropy or None, head log-probs);
+    coefficients: (c, e or None, C).
+    Slots without an id take the value of a slot of the same row that has one (a 'donor'), so that every
+    write to a column carries one value; a row with no slot at all rewrites column 0 with itself (the
+    caller's gather)."""
+    labels, head_ids, logprobs, entropy, head = saved
+    c, e, C = coefficients
+    k = head_ids.shape[1]
+    has_label = (labels >= 0) & (labels < V)
+    head_slot = head_ids >= 0
+    match = (head_ids == labels[:, None]) & has_label[:, None]
+    c_total = c + C.sum(1)
+    a_head = C + torch.where(match, c[:, None], torch.zeros_like(C))
+    a_label = c + torch.where(match, C, torch.zeros_like(C)).sum(1)
+    idx = torch.cat([head_ids, labels[:, None]], 1).clamp(0, max(V - 1, 0))
+    a = torch.cat([a_head, a_label[:, None]], 1)
+    log_p = torch.cat([head, logprobs[:, None]], 1)
+    p = torch.exp(log_p)
+    value = a - c_total[:, None] * p
+    if e is not None:
+        # -e p (log p + H), with p log p = 0 at p = 0
+        value = value - e[:, None] * (torch.xlogy(p, p) + p * entropy[:, None])
+    value = value * (inv_t if not isinstance(inv_t, Tensor) else inv_t)
+    slot = torch.cat([head_slot, has_label[:, None]], 1)
+    donor = torch.where(has_label, torch.full_like(labels, k), slot[:, :k].to(torch.int8).argmax(1))
+    return idx, value, slot, donor
+
+
+def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared, grad_head):
+    refuse_double_backward()
+    logits, labels, head_ids, row_max, log_norm, logprobs, entropy, head, temperature = ctx.saved_tensors
+    backend, chunk_rows = ctx.options
+    V = logits.shape[-1]
+    acc = row_max.dtype
+    active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
+    zero = torch.zeros((), dtype=acc, device=row_max.device)
+    labelled = (labels >= 0) & (labels < V)  # log p_y of a row without a label is the constant 0
+    c = torch.zeros_like(row_max) if grad_logprobs is None else torch.where(labelled, grad_logprobs.to(acc), zero)
+    C = torch.zeros_like(head) if grad_head is None else grad_head.to(acc)
+    # a pad, a row outside, or an id without mass (log p = -inf: p = 0, no derivative to pass on) carries none
+    C = torch.where((head_ids >= 0) & active[:, None] & (head > float("-inf")), C, zero)
+    use_entropy = grad_entropy is not None and entropy.numel() > 0
+    e = torch.where(active, grad_entropy.to(acc), zero) if use_entropy else None
+    c_total = c + C.sum(1)
+    # the backend's own backward for c + sum_j C_j: p is the softmax of the whole row, label or not
+    dlogits = token_grad(logits, labels, row_max, log_norm, entropy, c_total,
+                         row_max.new_empty(0) if e is None else e, temperature, backend, chunk_rows)
+    inv_t = inverse_temperature(temperature_value(temperature), acc)
+    saved = (labels, head_ids, logprobs, entropy if use_entropy else None, head)
+    idx, value, slot, donor = _fixed_columns(saved, (c, e, C), inv_t, V)
+    flat = dlogits.view(-1, V)
+    has_slot = slot.any(1)
+    donor_idx = torch.where(has_slot, idx.gather(1, donor[:, None]).squeeze(1), torch.zeros_like(donor))
+    current = flat[:, :1].squeeze(1).to(acc) if V else torch.zeros_like(c)
+    donor_value = torch.where(has_slot, value.gather(1, donor[:, None]).squeeze(1), current)
+    idx = torch.where(slot, idx, donor_idx[:, None])
+    value = torch.where(slot, value, donor_value[:, None])
+    value = torch.where(active[:, None] | ~slot, value, zero)  # rows outside the loss stay exactly 0
+    if V:
+        flat.scatter_(1, idx, value.to(flat.dtype))
+    return dlogits, None, None, None, None, None, None, None
+
+
+head_stats.register_autograd(_backward, setup_context=_setup_context)
+
+
+def head_token_stats(logits: Tensor, labels: Tensor, head_ids: Tensor, temperature: Tensor, entropy: bool,
+                     sum_pi_squared: bool, backend: str, chunk_rows: int = 0) -> HeadStatistics:
+    """The vocabulary pass with head ids: logits [N, V] or [B, T, V] (logit_rows), labels [N] (-1 outside the
+    loss; FOREIGN_TARGET for rows with statistics but no label), head_ids [N, k] (-1 pads),
+    the temperature as the custom ops take it (vocab.temperature_tensor, or [N] per row). `backend` is resolved."""
+    out = head_stats(logits, labels, head_ids, temperature, entropy, sum_pi_squared, backend, chunk_rows)
+    _, _, lp, ent, s2, head = out
+    return HeadStatistics(lp, ent if entropy else None, s2 if sum_pi_squared else None, head)
+
+
+def linear_head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, head_ids: Tensor,
+                         logprobs: Tensor, temperature, budget_bytes: int) -> Tensor:
+    """[N, k] log p at the head ids of logits = hidden @ weight.T + bias, for rows with a label (labels >= 0;
+    the others 0): (z_j - z_y) / T + log p_y, with log p_y ([N], autograd) from the fused-linear pass and the
+    k + 1 logits from gathered rows of the head (kept_set.linear_logits_kept: no V-wide product). One host
+    synchronisation (the rows with a label), as the fused-linear pass's own row selection."""
+    N, k = head_ids.shape
+    acc = statistics_dtype(hidden.dtype)
+    rows = torch.nonzero(labels >= 0).squeeze(1)
+    ids = torch.cat([head_ids.index_select(0, rows), labels.index_select(0, rows)[:, None]], 1)
+    z = linear_logits_kept(hidden.index_select(0, rows), weight, bias, ids.clamp_min(0), budget_bytes).to(acc)
+    t = temperature.index_select(0, rows) if isinstance(temperature, Tensor) else temperature
+    inv_t = inverse_temperature(t, acc)
+    lp = (z[:, :k] - z[:, k:]) * inv_t + logprobs.index_select(0, rows)[:, None].to(acc)
+    minus_inf = torch.full((), float("-inf"), dtype=acc, device=hidden.device)
+    lp = torch.where((ids[:, :k] >= 0) & (z[:, :k] > float("-inf")), lp, minus_inf)
+    return torch.zeros(N, k, dtype=acc, device=hidden.device).index_copy(0, rows, lp)
