@@ -4,6 +4,7 @@ Only `ops` reads `backend=`. Inputs are never modified (unless `inplace_backward
 dlogits into the logits' storage and bumps their version counter).
 """
 
+from dataclasses import replace
 from typing import Dict, NamedTuple, Optional, Union
 
 import torch
@@ -122,10 +123,12 @@ def decoupled_ppo_loss(
     ref_logprobs: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
     config: Optional[PolicyLossConfig] = None, ignore_index: int = -100, tp_group=None, dp_group=None,
     cp_group=None, token_index: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
-    sampling_support: Optional[torch.Tensor] = None, **overrides,
+    sampling_support: Optional[torch.Tensor] = None, sampler_topk_ids: Optional[torch.Tensor] = None,
+    sampler_topk_logprobs: Optional[torch.Tensor] = None, sampler_logits: Optional[torch.Tensor] = None,
+    sampler_topk_mode: str = "selected", **overrides,
 ) -> PolicyLossOutput:
     """The policy loss of `config.loss_type` (PPO clip by default) with rollout correction, from logits
-    (SPEC §1-§8).
+    (SPEC §1-§9).
 
     Args:
         logits: [B, T, V] (padded) or [N, V] (packed), float16/bfloat16/float32 (float64 on torch).
@@ -157,6 +160,15 @@ def decoupled_ppo_loss(
         ignore_index: the label of tokens outside the loss.
         sampling_support: [..., K] the ids the sampler kept at each position (-1 pads): log-probs and
             entropy of the softmax renormalised over them (as `token_logprobs`).
+        sampler_topk_ids: [..., k] the sampler's top-k ids at each position (-1 pads; vLLM `logprobs=k`, SGLang
+            `top_logprobs_num`, slime `rollout_topk_token_ids`), with
+        sampler_topk_logprobs: [..., k] their full-vocabulary log-probs under the sampler. The divergences
+            between the trainer and the sampler over {the ids, the tail} (SPEC §9) come from the same pass:
+            rollout_corr/topk_* metrics, and the seq_max_kl / seq_mean_kl rejection options (TRM).
+        sampler_logits: [..., V] the sampler's logits instead (recomputed rollout logits): exact divergences,
+            rollout_corr/full_* metrics, one more read of both tensors. Detached.
+        sampler_topk_mode: "selected" (candidates before filtering) or "support" (the kept set after top-k /
+            top-p; each sampled token must be among the ids), as token_divergences' `mode`.
         **overrides: fields of `config` to replace; `temperature=` may be a tensor here (per token, or
             [B, 1] per sequence), standing for the config's float.
 
@@ -172,11 +184,47 @@ def decoupled_ppo_loss(
     check_logits(logits)
     args = Arguments(labels, advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, is_weights,
                      None, cu_seqlens, token_index, tp_group, dp_group, cp_group, temperature, sampling_support,
-                     ignore_index)
+                     ignore_index, (sampler_topk_ids, sampler_topk_logprobs, sampler_logits), sampler_topk_mode)
     batch = prepare_loss("logits", tuple(logits.shape[:-1]), logits.shape[-1], logits.device, args, config)
     options = ops.PassOptions(entropy=config.needs_entropy, backend=config.backend, chunk_rows=config.chunk_rows,
                               inplace_backward=config.inplace_backward)
-    return _policy_output(ops.token_stats(logits, batch, options), batch, config)
+    if batch.sampler_head is None:
+        return _policy_output(ops.token_stats(logits, batch, options), batch, config)
+    stats, batch = _with_sampler_divergences(logits, batch, options)
+    return _policy_output(stats, batch, config)
+
+
+def _record(form: str, div: Divergences, batch: PreparedBatch) -> correction.DivergenceRecord:
+    """The divergences on the mask (0 elsewhere), detached, under the names the stage's metrics use."""
+    zero = lambda t: torch.where(batch.mask, t.detach(), torch.zeros_like(t.detach()))  # noqa: E731
+    values = {name: zero(t) for name, t in div._asdict().items() if t is not None and name != "sampled_in_head"}
+    if div.sampled_in_head is not None:
+        values["sampled_in_head"] = div.sampled_in_head & batch.mask
+    return correction.DivergenceRecord(form, values)
+
+
+def _topk_record(head_logprobs: torch.Tensor, batch: PreparedBatch) -> correction.DivergenceRecord:
+    head = batch.sampler_head
+    with torch.no_grad():
+        div = partition(head_logprobs.detach(), head.logprobs, head.slots, head.mode)
+        member = (head.slots & (head.ids == batch.row_labels[:, None])).any(1)
+    return _record("topk", div._replace(sampled_in_head=member), batch)
+
+
+def _with_sampler_divergences(logits: torch.Tensor, batch: PreparedBatch, options: ops.PassOptions):
+    """The current policy's statistics and the batch with its trainer-vs-sampler divergences (SPEC §9): the top-k
+    form from the same pass, the full form from one more read of both logits tensors (no autograd either way:
+    they feed metrics and rejection masks)."""
+    head = batch.sampler_head
+    if head.ids is not None:
+        stats = ops.head_stats(logits, batch, options, head.ids)
+        record = _topk_record(stats.head_logprobs, batch)
+        return ops.Statistics(stats.logprobs, stats.entropy, None), replace(batch, divergences=record)
+    stats = ops.token_stats(logits, batch, options)
+    t = vocab_temperature(batch.temperature)
+    with torch.no_grad():
+        div = Divergences(*ops.full_divergences(logits.detach(), head.logits, batch.mask, t, t))
+    return stats, replace(batch, divergences=_record("full", div, batch))
 
 
 def policy_loss(
@@ -338,7 +386,9 @@ def linear_decoupled_ppo_loss(
     rollout_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
     cu_seqlens: Optional[torch.Tensor] = None, config: Optional[PolicyLossConfig] = None, ignore_index: int = -100,
     tp_group=None, dp_group=None, cp_group=None, token_index: Optional[torch.Tensor] = None,
-    is_weights: Optional[torch.Tensor] = None, sampling_support: Optional[torch.Tensor] = None, **overrides,
+    is_weights: Optional[torch.Tensor] = None, sampling_support: Optional[torch.Tensor] = None,
+    sampler_topk_ids: Optional[torch.Tensor] = None, sampler_topk_logprobs: Optional[torch.Tensor] = None,
+    sampler_logits: Optional[torch.Tensor] = None, sampler_topk_mode: str = "selected", **overrides,
 ) -> PolicyLossOutput:
     """`decoupled_ppo_loss` on logits = hidden @ weight.T + bias, without ever forming [N, V] logits.
 
@@ -355,6 +405,9 @@ def linear_decoupled_ppo_loss(
         advantages: as in `decoupled_ppo_loss`.
         response_mask: as in `decoupled_ppo_loss`.
         bias: [V] or None.
+        sampler_topk_ids: as in `decoupled_ppo_loss`; the trainer's log-probs at the ids come from k + 1
+            gathered rows of the head per row (no V-wide product beyond the pass). `sampler_logits` ([..., V])
+            are read a chunk of rows at a time beside the chunks of the trainer's logits.
         tp_group: the head split over the vocabulary: this rank's weight rows (and bias) [V_r, H] of
             the contiguous shard [o_r, o_r + V_r); one all_gather forward, one all_reduce (d_hidden)
             backward.
@@ -370,15 +423,35 @@ def linear_decoupled_ppo_loss(
     check_head(hidden, weight, bias)
     args = Arguments(labels, advantages, response_mask, old_logprobs, rollout_logprobs, ref_logprobs, is_weights,
                      None, cu_seqlens, token_index, tp_group, dp_group, cp_group, temperature, sampling_support,
-                     ignore_index)
+                     ignore_index, (sampler_topk_ids, sampler_topk_logprobs, sampler_logits), sampler_topk_mode)
     batch = prepare_loss("hidden", tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, args, config)
     options = ops.PassOptions(entropy=config.needs_entropy, backend=config.backend,
                               memory_budget_bytes=config.memory_budget_bytes)
     if config.linear_one_pass and ops.one_pass_blocker(hidden, weight, bias, batch) is None \
             and stage.forward_gradient_blocker(batch, config) is None:
         return _one_pass_output(hidden, weight, bias, batch, config, options)
-    stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    stats = ops.linear_token_stats(rows, weight, bias, batch, options)
+    if batch.sampler_head is not None:
+        batch = _with_linear_sampler_divergences(rows, weight, bias, batch, options, stats)
     return _policy_output(stats, batch, config, "linear_two_pass")
+
+
+def _with_linear_sampler_divergences(hidden, weight, bias, batch: PreparedBatch, options: ops.PassOptions,
+                                     stats: ops.Statistics) -> PreparedBatch:
+    """The batch with its trainer-vs-sampler divergences (SPEC §9) on the fused-linear path: the top-k form from
+    k + 1 gathered rows of the head and the pass's log p_y, the full form from chunks of logits beside the
+    sampler's; no autograd (metrics and rejection masks)."""
+    head = batch.sampler_head
+    with torch.no_grad():
+        if head.ids is not None:
+            budget = options.memory_budget_bytes or \
+                ops.linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
+            head_lp = ops.linear_head_logprobs(hidden, weight, bias, batch.row_labels, head.ids,
+                                               stats.logprobs.detach(), vocab_temperature(batch.temperature), budget)
+            return replace(batch, divergences=_topk_record(head_lp, batch))
+        div = Divergences(*ops.linear_full_divergences(hidden, weight, bias, head.logits, batch, options))
+    return replace(batch, divergences=_record("full", div, batch))
 
 
 def linear_token_logprobs(
@@ -421,7 +494,7 @@ def linear_token_logprobs(
 def rollout_correction(
     train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
     cu_seqlens: Optional[torch.Tensor] = None, config: RolloutCorrection, validate: bool = True, dp_group=None,
-    cp_group=None, token_index: Optional[torch.Tensor] = None,
+    cp_group=None, token_index: Optional[torch.Tensor] = None, divergences: Optional[TokenDivergences] = None,
 ) -> CorrectionOutput:
     """IS weights (SPEC §4), rejection mask (§5) and rollout_corr/* metrics (§8), without a loss.
 
@@ -436,6 +509,9 @@ def rollout_correction(
             batch normalisation are those of the whole batch).
         cp_group: a context-parallel split, as in `decoupled_ppo_loss`.
         token_index: this rank's global positions under cp_group, as in `decoupled_ppo_loss`.
+        divergences: `token_divergences(...)` of the trainer against the sampler on these tokens (SPEC §9): the
+            seq_max_kl / seq_mean_kl options (Trust Region Masking) read its `kl`, and its values are reported
+            as rollout_corr/{full,topk}_* metrics.
 
     Returns:
         CorrectionOutput(weights or None, mask, metrics); nothing carries autograd.
@@ -447,14 +523,35 @@ def rollout_correction(
     zero = torch.zeros((), dtype=dt, device=train_logprobs.device)
     train = torch.where(batch.mask, train_logprobs.reshape(-1).detach().to(dt), zero)
     rollout = torch.where(batch.mask, batch.rollout_logprobs.detach().to(dt), zero)
+    record = _given_divergences(divergences, batch, config)
     terms, table, decisions, norms, weights = correction.correct(train, rollout, batch.mask, batch.segments, config,
-                                                                 batch.split)
+                                                                 batch.split, divergences=record)
     metrics = Metrics()
     correction.record_metrics(metrics, terms, batch.mask, table, decisions, norms, config, weights)
+    if record is not None:
+        correction.record_divergence_metrics(metrics, record, batch.mask, table, norms)
     correction.record_length_metrics(metrics, table, norms, batch.split)
     shape = batch.token_shape
     return CorrectionOutput(None if weights is None else weights.weights.reshape(shape),
                             decisions.mask.reshape(shape), metrics.finish(batch.split))
+
+
+def _given_divergences(divergences: Optional[TokenDivergences], batch: PreparedBatch,
+                       config: RolloutCorrection) -> Optional[correction.DivergenceRecord]:
+    if divergences is None:
+        if config.needs_divergence:
+            raise ValueError("divergences: expected token_divergences(...) since config.rs has a seq_max_kl / "
+                             "seq_mean_kl option (Trust Region Masking's KL(μ_t || π_t)), got None")
+        return None
+    if not isinstance(divergences, TokenDivergences):
+        raise TypeError(f"divergences: expected the TokenDivergences of token_divergences(...), got "
+                        f"{type(divergences).__name__}")
+    if tuple(divergences.kl.shape) != tuple(batch.token_shape):
+        raise ValueError(f"divergences: expected values of the tokens' shape {tuple(batch.token_shape)}, got "
+                         f"{tuple(divergences.kl.shape)}")
+    div = Divergences(*(None if t is None else t.reshape(-1).to(statistics_dtype(t.dtype)) if t.is_floating_point()
+                        else t.reshape(-1) for t in divergences[:7]))
+    return _record("full" if divergences.form == "full" else "topk", div, batch)
 
 
 class TokenBaseline(NamedTuple):

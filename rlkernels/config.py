@@ -16,14 +16,20 @@ import torch
 
 from .stage.policy_terms import LOSS_TERMS
 
-# Option names of SPEC §5. k1 options take ratio bounds (lo, hi); k2/k3 options an upper bound.
+# Option names of SPEC §5. k1 options take ratio bounds (lo, hi); k2/k3 options an upper bound. The kl options are
+# Trust Region Masking's criterion on the vocabulary-level KL(μ_t || π_t) of SPEC §9 (the sampler's distribution to
+# the trainer's), which needs the sampler's top-k or logits; they take an upper bound ε.
 TOKEN_RS_OPTIONS = ("token_k1", "token_k2", "token_k3")
 SEQ_RS_OPTIONS = (
     "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
+    "seq_max_kl", "seq_mean_kl",
 )
+DIVERGENCE_RS_OPTIONS = ("seq_max_kl", "seq_mean_kl")
 RS_OPTIONS = TOKEN_RS_OPTIONS + SEQ_RS_OPTIONS
+# the options computed from the sampled tokens' log-ratios alone (the others need the sampler's distribution)
+LOG_RATIO_RS_OPTIONS = tuple(o for o in RS_OPTIONS if o not in DIVERGENCE_RS_OPTIONS)
 IS_LEVELS = (None, "token", "sequence")
 # policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla"), read
 # off the stage's table (rlkernels/stage/policy_terms.py: one function per loss type)
@@ -111,7 +117,9 @@ class RolloutCorrection:
         is_batch_normalize: divide the weights by their batch mean (skipped if that mean <= 1e-8).
         rs: rejection options, a mapping ``{option: threshold}`` (or a sequence of pairs). k1 options
             take ratio bounds (lo, hi) or a single hi meaning (1/hi, hi) and keep lo <= rho <= hi;
-            k2/k3 options take an upper bound u and keep stat <= u. Options combine by logical AND.
+            k2/k3 options take an upper bound u and keep stat <= u; "seq_max_kl" / "seq_mean_kl" (Trust Region
+            Masking) an upper bound ε on the max / mean over the sequence of the per-token KL(μ_t || π_t) (SPEC
+            §9), computed from the sampler's top-k or logits given to the loss. Options combine by logical AND.
     """
 
     is_level: Optional[str] = None
@@ -178,6 +186,11 @@ class RolloutCorrection:
     def enabled(self) -> bool:
         return self.is_level is not None or bool(self.rs)
 
+    @property
+    def needs_divergence(self) -> bool:
+        """Whether a rejection option reads the per-token KL(μ || π) of SPEC §9 (the sampler's distribution)."""
+        return any(option in DIVERGENCE_RS_OPTIONS for option, _ in self.rs)
+
     # -- presets of SPEC §5; keyword arguments override the preset's values ------------------------
     @classmethod
     def token_tis(cls, threshold: float = 2.0, **kw) -> "RolloutCorrection":
@@ -204,6 +217,14 @@ class RolloutCorrection:
     @classmethod
     def k3_rs(cls, threshold: float = 0.01, **kw) -> "RolloutCorrection":
         return cls(**{"rs": {"seq_mean_k3": threshold}, **kw})
+
+    @classmethod
+    def trm(cls, threshold: float = 0.01, criterion: str = "max", **kw) -> "RolloutCorrection":
+        """Trust Region Masking (arXiv 2512.23075) in its exact form: reject a sequence whose max (or mean) over
+        its tokens of KL(μ_t || π_t) exceeds ε; needs the sampler's top-k or logits (SPEC §9)."""
+        if criterion not in ("max", "mean"):
+            raise ValueError(f"criterion: expected 'max' or 'mean', got {criterion!r}")
+        return cls(**{"rs": {f"seq_{criterion}_kl": threshold}, **kw})
 
     @classmethod
     def icepop(cls, bounds: Tuple[float, float] = (0.5, 5.0), **kw) -> "RolloutCorrection":

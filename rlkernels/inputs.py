@@ -55,6 +55,8 @@ class PreparedBatch:
     rollout_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     is_weights: Optional[torch.Tensor] = None  # a trainer's own IS weights, detached
+    sampler_head: Any = None  # SamplerHead: the sampler's top-k or logits (SPEC §9), or None
+    divergences: Any = None  # stage.correction.DivergenceRecord, set after the pass that computes it
 
 
 class Arguments(NamedTuple):
@@ -75,6 +77,12 @@ class Arguments(NamedTuple):
     temperature: Union[float, torch.Tensor] = 1.0
     sampling_support: Optional[torch.Tensor] = None
     ignore_index: int = -100
+    # the sampler's distribution (SPEC §9): (sampler_topk_ids, sampler_topk_logprobs, sampler_logits), and the mode
+    sampler: Tuple = (None, None, None)
+    sampler_topk_mode: str = "selected"
+
+
+SAMPLER_NAMES = ("sampler_topk_ids", "sampler_topk_logprobs", "sampler_logits")
 
 
 # ---------------------------------------------------------------- tensor checks
@@ -482,6 +490,12 @@ def _check_options(config: PolicyLossConfig, args: Arguments) -> None:
                          f"{rc.is_level!r}); pass one or the other")
     if rc is not None and rc.enabled and args.rollout_logprobs is None:
         raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
+    if rc is not None and rc.needs_divergence and all(t is None for t in args.sampler):
+        raise ValueError("sampler_topk_ids / sampler_logits: expected the sampler's distribution since "
+                         "rollout_correction.rs has a seq_max_kl / seq_mean_kl option (Trust Region Masking's "
+                         "KL(μ_t || π_t)), got neither")
+    if any(t is not None for t in args.sampler) and (args.tp_group is not None or args.sampling_support is not None):
+        raise ValueError("sampler_topk_ids / sampler_logits: not supported with tp_group or sampling_support yet")
     if config.vaco_threshold is not None and args.rollout_logprobs is None:
         raise ValueError("rollout_logprobs: expected a tensor since vaco_threshold is set (VACO's divergence is "
                          "between the training policy and the sampler), got None")
@@ -524,10 +538,12 @@ def prepare_loss(source: str, token_shape, local_vocab: int, device, args: Argum
                                ("ref_logprobs", _flat(args.ref_logprobs))])
     mask = in_mask & (labels >= 0) & (labels < V) & (labels != args.ignore_index)
     temperature, support = _sampler(args, token_shape, V, device, labels, mask, checks)
+    head = prepare_head(SAMPLER_NAMES, args.sampler, token_shape, V, device, args.sampler_topk_mode)
     if checks is not None:
+        check_head_values(checks, head, SAMPLER_NAMES[:2], V, mask, labels)
         checks.run()
     return _batch(token_shape, mask, layout, args, row_labels=_row_labels(labels, mask), vocab_size=V,
-                  temperature=temperature, support=support)
+                  temperature=temperature, support=support, sampler_head=head)
 
 
 def _row_labels(labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,10 @@ from rlkernels.config import (
     COVARIANCE_LOSSES,
     IS_LEVELS,
     KL_TYPES,
+    LOG_RATIO_RS_OPTIONS,
     LOSS_AGG_MODES,
     LOSS_TYPES,
     ROLLOUT_RATIO_LOSSES,
-    RS_OPTIONS,
     SEQUENCE_RATIO_LOSSES,
     VACO_DIVERGENCES,
 )
@@ -443,7 +443,7 @@ def rollout_corrections(draw):
     is_level = draw(st.sampled_from(IS_LEVELS))
     threshold = draw(st.sampled_from([2.0, 1.2, 10.0, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0), (0.5, math.inf)]))
     is_mode = draw(st.sampled_from([None, "truncate", "mask"]))
-    options = draw(st.lists(st.sampled_from(RS_OPTIONS), max_size=3, unique=True))
+    options = draw(st.lists(st.sampled_from(LOG_RATIO_RS_OPTIONS), max_size=3, unique=True))
     rs = {}
     for option in options:
         rs[option] = _ratio_bound(draw) if option.endswith("k1") else draw(st.sampled_from([0.001, 0.05, 0.5, 4.0]))

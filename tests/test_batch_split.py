@@ -75,17 +75,17 @@ def _random_config(rng, mode, dtype, cp=1):
         COVARIANCE_LOSSES,
         IS_LEVELS,
         KL_TYPES,
+        LOG_RATIO_RS_OPTIONS,
         LOSS_AGG_MODES,
         LOSS_TYPES,
         ROLLOUT_RATIO_LOSSES,
-        RS_OPTIONS,
         SEQUENCE_RATIO_LOSSES,
     )
 
     rc = None
     if mode != "on-policy":
         rs = {}
-        for option in rng.sample(RS_OPTIONS, rng.randint(0, 3)):
+        for option in rng.sample(LOG_RATIO_RS_OPTIONS, rng.randint(0, 3)):
             rs[option] = ((rng.choice([0.3, 0.7]), rng.choice([1.3, 3.0])) if option.endswith("k1")
                           else rng.choice([0.02, 0.1, 2.0]))
         rc = RolloutCorrection(is_level=rng.choice(IS_LEVELS), is_threshold=rng.choice([2.0, 1.2, (0.5, 5.0)]),

@@ -30,12 +30,12 @@ from .. import backends
 from ..backends.base import rows_form_one_sequence
 from . import kept_set, linear, vocab, vocab_parallel
 from .coefficients import CoefficientLossFunction, ForwardGradientFunction
-from .divergences import FullDivergenceFunction
+from .divergences import FullDivergenceFunction, linear_full_divergence_values
 from .head import HeadStatistics, head_token_stats, linear_head_logprobs
 
 __all__ = ["CoefficientLossFunction", "ForwardGradientFunction", "HeadStatistics", "PassOptions", "Statistics",
-           "full_divergences", "head_stats", "linear_forward_gradient", "linear_head_stats", "linear_token_stats",
-           "one_pass_blocker", "token_stats"]
+           "full_divergences", "head_stats", "linear_forward_gradient", "linear_full_divergences", "linear_head_stats",
+           "linear_token_stats", "one_pass_blocker", "token_stats"]
 
 
 class PassOptions(NamedTuple):
@@ -231,3 +231,13 @@ def full_divergences(logits: torch.Tensor, reference: torch.Tensor, active: torc
     the full form); autograd to `logits`. The temperatures: floats or [N] tensors; `active`: [N] bool rows."""
     rows = logit_rows(logits, False)
     return FullDivergenceFunction.apply(rows, reference, active, temperature, reference_temperature, chunk_rows)
+
+
+def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], reference,
+                            batch, options: PassOptions):
+    """full_divergences of logits = hidden @ weight.T + bias ([N, H] hidden) against `reference` logits, at the
+    batch's temperature, on the rows in the loss; no autograd (the loss's metrics and TRM's mask)."""
+    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
+    values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask,
+                                           vocab.temperature_value(batch.temperature), chunk_rows)
+    return tuple(values.unbind(1))

@@ -109,3 +109,25 @@ class FullDivergenceFunction(torch.autograd.Function):
                 + torch.where(d != 0, 0.5 * d * pi * (sign - (pi * sign).sum(1, keepdim=True)), zero)
             flat[s:e] = (g * t_rows).to(grad.dtype)
         return grad, None, None, None, None, None
+
+
+@torch.no_grad()
+def linear_full_divergence_values(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], reference: Tensor,
+                                  active: Tensor, temperature, chunk_rows: int) -> Tensor:
+    """[N, 4] (kl, reverse_kl, chi2, tv) of softmax((hidden @ weight.T + bias) / T) against softmax(reference / T)
+    ([N, V] reference logits), a chunk of rows of logits at a time; no autograd (metrics and masks only)."""
+    from .linear import _head  # the fused-linear path's own GEMM: the same logits as its pass
+
+    N, V = active.shape[0], weight.shape[0]
+    acc = statistics_dtype(hidden.dtype)
+    out = torch.zeros(N, 4, dtype=acc, device=hidden.device)
+    inv_t = inverse_temperature(temperature, acc)
+    ref_rows = reference.reshape(-1, V)
+    rows = torch.nonzero(active).squeeze(1)  # rows outside the loss never touch the head (one host sync)
+    step = max(1, chunk_rows)
+    for s in range(0, rows.numel(), step):
+        idx = rows[s:s + step]
+        t_rows = inv_t.index_select(0, idx) if isinstance(inv_t, Tensor) else inv_t
+        z = _head(hidden.index_select(0, idx), weight, bias)
+        out[idx] = _stats(_log_softmax(z, t_rows, acc), _log_softmax(ref_rows.index_select(0, idx), t_rows, acc))
+    return out

@@ -24,9 +24,12 @@ if TYPE_CHECKING:  # duck-typed: rlkernels.config reads the stage's loss table, 
     from ..config import RolloutCorrection
 
 CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp
+DIVERGENCE_METRICS = ("kl", "reverse_kl", "chi2", "tv")  # SPEC §9: token mean, sequence max and batch max of each
 
 
-def _k_stat(kind: str, delta_hat: torch.Tensor) -> torch.Tensor:
+def _k_stat(kind: str, delta_hat: torch.Tensor, divergences: Optional["DivergenceRecord"]) -> torch.Tensor:
+    if kind == "kl":  # TRM: the vocabulary-level KL(μ_t || π_t) of SPEC §9, not a function of the sampled token
+        return divergences.values["kl"]
     if kind == "k1":
         return -delta_hat
     if kind == "k2":
@@ -60,8 +63,14 @@ class TokenTerms(NamedTuple):
     token_weights: Optional[torch.Tensor]  # [N] truncated token-level IS weights (is_level='token')
 
 
+class DivergenceRecord(NamedTuple):
+    """The per-token divergences between the trainer and the sampler of SPEC §9, for rejection and metrics."""
+    form: str  # "full" or "topk" (the metric names' prefix)
+    values: Dict[str, torch.Tensor]  # name -> [N] detached: kl, reverse_kl, chi2, tv, head masses, membership
+
+
 def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, rc: Optional[RolloutCorrection],
-                table: SequenceTable) -> TokenTerms:
+                table: SequenceTable, divergences: Optional[DivergenceRecord] = None) -> TokenTerms:
     """Step 1. train, rollout: [N], already 0 off the mask. Registers the per-sequence columns."""
     delta = train - rollout
     delta_hat = delta.clamp(-CLAMP, CLAMP)
@@ -72,7 +81,7 @@ def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
     for option, bound in (rc.rs if rc is not None else ()):
         kind = option[-2:]
         if kind not in k_stats:
-            k_stats[kind] = torch.where(mask, _k_stat(kind, delta_hat), torch.zeros_like(delta))
+            k_stats[kind] = torch.where(mask, _k_stat(kind, delta_hat, divergences), torch.zeros_like(delta))
         if option.startswith("token_"):
             option_keep = _keeps(kind, k_stats[kind], bound)
             keep = keep & option_keep
@@ -220,6 +229,32 @@ def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, tabl
     _mismatch_metrics(metrics, terms, sets)
     if weights is not None:
         _weight_metrics(metrics, weights, decisions, rc, sets)
+
+
+def record_divergence_metrics(metrics: Metrics, divergences: DivergenceRecord, mask: torch.Tensor,
+                              table: SequenceTable, norms: Normalisers) -> None:
+    """rollout_corr/{form}_{name}_mean (token mean), _seq_max_mean (the mean over sequences of each one's max) and
+    _max (the batch max) of every divergence of SPEC §9, and the top-k form's head masses and membership, on the
+    original mask."""
+    lengths = table.sum("len")
+    n_tok, nonempty, n_seq = norms.tokens, lengths > 0, norms.seqs
+    dt = divergences.values["kl"].dtype
+    for name in DIVERGENCE_METRICS:
+        x = divergences.values.get(name)
+        if x is None:
+            continue
+        prefix = f"rollout_corr/{divergences.form}_{name}"
+        metrics.mean(f"{prefix}_mean", x, mask, n_tok)
+        metrics.mean(f"{prefix}_seq_max_mean", table.max(f"divergence_{name}"), nonempty, n_seq, True)
+        metrics.extreme(f"{prefix}_max", x, mask, n_tok, largest=True)
+    for name in ("trainer_head_mass", "sampler_head_mass"):
+        if name in divergences.values:
+            metrics.mean(f"rollout_corr/{divergences.form}_{name}_mean", divergences.values[name], mask, n_tok)
+            metrics.extreme(f"rollout_corr/{divergences.form}_{name}_min", divergences.values[name], mask, n_tok,
+                            largest=False)
+    if "sampled_in_head" in divergences.values:
+        metrics.mean(f"rollout_corr/{divergences.form}_sampled_in_head_fraction",
+                     divergences.values["sampled_in_head"].to(dt), mask, n_tok)
 
 
 LENGTH_QUANTILE = 0.9
@@ -371,14 +406,16 @@ def _effective_sample_size(moments: torch.Tensor) -> torch.Tensor:
 
 def correct(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg: Segments,
             rc: Optional[RolloutCorrection], split, kept_sums: Optional[Dict[str, torch.Tensor]] = None,
+            divergences: Optional[DivergenceRecord] = None,
             ) -> Tuple[Optional[TokenTerms], SequenceTable, Decisions, Normalisers, Optional[ISWeights]]:
     """Steps 1-2 and the weights, for `rollout_correction` and the loss stage alike. rollout=None:
     no correction (the normalisers are still computed, for the loss). `kept_sums`: per-token values
     the loss needs summed per sequence over the tokens no token-level rejection drops (a sequence
     that a sequence-level option drops has no token left to use them); a callable under the key
-    "log_weights" is applied to the log of the token-level truncated IS weights computed here."""
+    "log_weights" is applied to the log of the token-level truncated IS weights computed here. `divergences`:
+    SPEC §9's per-token values (TRM's kl options read them; their sequence maxima feed the metrics)."""
     table = SequenceTable(seg, mask, train.dtype)
-    terms = None if rollout is None else token_terms(train, rollout, mask, rc, table)
+    terms = None if rollout is None else token_terms(train, rollout, mask, rc, table, divergences)
     token_keep = mask if terms is None else terms.token_keep
     kept_sums = dict(kept_sums or {})
     transform = kept_sums.get("log_weights")
@@ -388,6 +425,10 @@ def correct(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg:
     for name, x in kept_sums.items():
         if x is not None:
             table.add_sum(name, torch.where(token_keep, x, torch.zeros_like(x)))
+    if divergences is not None:  # the sequence maxima of the divergence metrics
+        for name in DIVERGENCE_METRICS:
+            if divergences.values.get(name) is not None:
+                table.add_max(f"divergence_{name}", divergences.values[name])
     table.reduce(split)
     decisions = decide(terms, mask, table, rc)
     norms = normalisers(table, decisions, rc, split)

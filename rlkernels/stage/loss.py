@@ -211,7 +211,7 @@ def _vaco_keep(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossConf
     return keep
 
 
-def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", split, record: bool = True) -> _Corrected:
+def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", batch, record: bool = True) -> _Corrected:
     """correction.correct's results as the stage reads them, with the rollout_corr/* and response_length/*
     metrics recorded (unless `record` is False: a coefficients-only run)."""
     terms, table, decisions, norms, w = corrected
@@ -219,7 +219,9 @@ def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", split, record:
     if record:
         if terms is not None:
             correction.record_metrics(metrics, terms, x.mask, table, decisions, norms, config.rollout_correction, w)
-        correction.record_length_metrics(metrics, table, norms, split)
+        if batch.divergences is not None:
+            correction.record_divergence_metrics(metrics, batch.divergences, x.mask, table, norms)
+        correction.record_length_metrics(metrics, table, norms, batch.split)
     computed_token_weights = terms is not None and terms.token_weights is not None
     weights, factor = (None, None) if w is None else (w.weights, w.norm_factor)
     if x.given_weights is not None:  # a trainer's own weights stand where computed ones would
@@ -430,6 +432,8 @@ def forward_gradient_blocker(batch, config: "PolicyLossConfig") -> Optional[str]
     the IS weights and rejection are taken of the current policy, any rollout correction or VACO; and bypass
     mode on a split batch, whose collectives must not depend on the form a rank takes."""
     entry = LOSS_TERMS[config.loss_type]
+    if getattr(batch, "sampler_head", None) is not None:
+        return "the sampler's top-k or logits (SPEC §9: its divergences and masks read the current policy's pass)"
     if config.ratio_level == "sequence":
         return "ratio_level='sequence' (each token's ratio is its sequence's mean)"
     if entry.sums is not None:
@@ -455,7 +459,7 @@ def correct(stats, batch, config: "PolicyLossConfig"):
     None it does not depend on stats.logprobs: computed once, it serves every chunk of rows."""
     x = _masked_inputs(stats, batch)
     return correction.correct(x.l_train, x.rollout, x.mask, batch.segments, config.rollout_correction, batch.split,
-                              _kept_sums(x, config))
+                              _kept_sums(x, config), batch.divergences)
 
 
 def kept_mask(corrected) -> Tensor:
@@ -492,8 +496,8 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
         # and Dynamo's guards on a helper's return value across a break (a Metrics object whose records vary by
         # config) fail to evaluate on recompilation
         corrected = correction.correct(x.l_train, x.rollout, x.mask, seg, config.rollout_correction, batch.split,
-                                       _kept_sums(x, config))
-    c = _corrected(x, corrected, config, batch.split, metrics)
+                                       _kept_sums(x, config), batch.divergences)
+    c = _corrected(x, corrected, config, batch, metrics)
     ratio = _policy_ratio(x, c, seg, config)
     term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config))
     weighted = _weigh_and_mask(term, x, c, ratio, seg, config)

@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
-from rlkernels.config import IS_LEVELS, LOSS_AGG_MODES, RS_OPTIONS
+from rlkernels.config import IS_LEVELS, LOG_RATIO_RS_OPTIONS, LOSS_AGG_MODES
 from rlkernels.stage.segments import Segments
 
 from ..support.stage import run_stage
@@ -39,7 +39,7 @@ def test_stage_uses_no_atomic_reduction(layout, is_level, agg):
     lp, old, roll, ref = (-torch.rand(N, generator=g) for _ in range(4))
     ent, adv = torch.rand(N, generator=g), torch.randn(N, generator=g)
     mask = torch.rand(N, generator=g) > 0.2
-    rc = RolloutCorrection(is_level=is_level, is_batch_normalize=True, rs={o: _bounds(o) for o in RS_OPTIONS})
+    rc = RolloutCorrection(is_level=is_level, is_batch_normalize=True, rs={o: _bounds(o) for o in LOG_RATIO_RS_OPTIONS})
     config = PolicyLossConfig(rollout_correction=rc, loss_agg_mode=agg, kl_coef=0.1, entropy_coeff=0.01)
 
     def stage(lp, ent, adv, mask, old, roll, ref):
