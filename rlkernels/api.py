@@ -11,7 +11,13 @@ import torch
 
 from . import ops, stage
 from .backends import statistics_dtype
-from .config import PolicyLossConfig, RolloutCorrection, check_finite_positive, check_memory_budget
+from .config import (
+    SAMPLER_HEAD_LOSSES,
+    PolicyLossConfig,
+    RolloutCorrection,
+    check_finite_positive,
+    check_memory_budget,
+)
 from .inputs import (
     Arguments,
     PreparedBatch,
@@ -31,6 +37,7 @@ from .inputs import (
 from .stage import baseline, correction
 from .stage.divergences import Divergences, partition
 from .stage.metrics import Metrics
+from .stage.policy_terms import HeadContext
 
 vocab_temperature = ops.vocab.temperature_value  # a float (one temperature) or the [N] per-token ones
 
@@ -60,13 +67,20 @@ class CorrectionOutput(NamedTuple):
 
 
 def _policy_output(stats: ops.Statistics, batch: PreparedBatch, config: PolicyLossConfig,
-                   path: str = "logits") -> PolicyLossOutput:
-    """The current policy's statistics (carrying autograd) -> the per-sequence stage -> PolicyLossOutput."""
+                   path: str = "logits", head_logprobs: Optional[torch.Tensor] = None) -> PolicyLossOutput:
+    """The current policy's statistics (carrying autograd) -> the per-sequence stage -> PolicyLossOutput.
+    `head_logprobs`: [N, k] at the sampler's head ids, with autograd, for a loss that reads them (SPEC §9)."""
     lp, entropy = stats.logprobs, stats.entropy
     dt = statistics_dtype(lp.dtype)
     detached = TokenStats(lp.detach().to(dt), None if entropy is None else entropy.detach().to(dt), None)
+    if head_logprobs is not None and config.loss_type in SAMPLER_HEAD_LOSSES:
+        head = batch.sampler_head
+        batch = replace(batch, head_terms=HeadContext(head_logprobs.detach().to(dt), head.logprobs, head.slots))
+    else:
+        head_logprobs = None
     out = stage.select(lp, config.compile_stage)(detached, batch, config)
-    loss = ops.CoefficientLossFunction.apply(out.loss, lp, entropy, out.coef_logprob, out.coef_entropy)
+    loss = ops.CoefficientLossFunction.apply(out.loss, lp, entropy, out.coef_logprob, out.coef_entropy,
+                                             head_logprobs, out.coef_head)
     return _output(loss, detached, out, batch, path)
 
 
@@ -190,8 +204,8 @@ def decoupled_ppo_loss(
                               inplace_backward=config.inplace_backward)
     if batch.sampler_head is None:
         return _policy_output(ops.token_stats(logits, batch, options), batch, config)
-    stats, batch = _with_sampler_divergences(logits, batch, options)
-    return _policy_output(stats, batch, config)
+    stats, batch, head_logprobs = _with_sampler_divergences(logits, batch, options)
+    return _policy_output(stats, batch, config, head_logprobs=head_logprobs)
 
 
 def _record(form: str, div: Divergences, batch: PreparedBatch) -> correction.DivergenceRecord:
@@ -212,19 +226,20 @@ def _topk_record(head_logprobs: torch.Tensor, batch: PreparedBatch) -> correctio
 
 
 def _with_sampler_divergences(logits: torch.Tensor, batch: PreparedBatch, options: ops.PassOptions):
-    """The current policy's statistics and the batch with its trainer-vs-sampler divergences (SPEC §9): the top-k
-    form from the same pass, the full form from one more read of both logits tensors (no autograd either way:
-    they feed metrics and rejection masks)."""
+    """(the current policy's statistics, the batch with its trainer-vs-sampler divergences (SPEC §9), the head's
+    log-probs with autograd or None): the top-k form from the same pass, the full form from one more read of
+    both logits tensors. The divergences carry no autograd (metrics and rejection masks)."""
     head = batch.sampler_head
     if head.ids is not None:
         stats = ops.head_stats(logits, batch, options, head.ids)
         record = _topk_record(stats.head_logprobs, batch)
-        return ops.Statistics(stats.logprobs, stats.entropy, None), replace(batch, divergences=record)
+        return (ops.Statistics(stats.logprobs, stats.entropy, None), replace(batch, divergences=record),
+                stats.head_logprobs)
     stats = ops.token_stats(logits, batch, options)
     t = vocab_temperature(batch.temperature)
     with torch.no_grad():
         div = Divergences(*ops.full_divergences(logits.detach(), head.logits, batch.mask, t, t))
-    return stats, replace(batch, divergences=_record("full", div, batch))
+    return stats, replace(batch, divergences=_record("full", div, batch)), None
 
 
 def policy_loss(
@@ -431,27 +446,18 @@ def linear_decoupled_ppo_loss(
             and stage.forward_gradient_blocker(batch, config) is None:
         return _one_pass_output(hidden, weight, bias, batch, config, options)
     rows = hidden.reshape(-1, hidden.shape[-1])
+    if batch.sampler_head is None:
+        return _policy_output(ops.linear_token_stats(rows, weight, bias, batch, options), batch, config,
+                              "linear_two_pass")
+    if batch.sampler_head.ids is not None:
+        # the head's log-probs from k + 1 gathered rows of the head and the pass's log p_y, with autograd
+        stats = ops.linear_head_stats(rows, weight, bias, batch, options, batch.sampler_head.ids,
+                                      head_grad=config.loss_type in SAMPLER_HEAD_LOSSES)
+        batch = replace(batch, divergences=_topk_record(stats.head_logprobs, batch))
+        return _policy_output(ops.Statistics(*stats[:3]), batch, config, "linear_two_pass", stats.head_logprobs)
     stats = ops.linear_token_stats(rows, weight, bias, batch, options)
-    if batch.sampler_head is not None:
-        batch = _with_linear_sampler_divergences(rows, weight, bias, batch, options, stats)
-    return _policy_output(stats, batch, config, "linear_two_pass")
-
-
-def _with_linear_sampler_divergences(hidden, weight, bias, batch: PreparedBatch, options: ops.PassOptions,
-                                     stats: ops.Statistics) -> PreparedBatch:
-    """The batch with its trainer-vs-sampler divergences (SPEC §9) on the fused-linear path: the top-k form from
-    k + 1 gathered rows of the head and the pass's log p_y, the full form from chunks of logits beside the
-    sampler's; no autograd (metrics and rejection masks)."""
-    head = batch.sampler_head
-    with torch.no_grad():
-        if head.ids is not None:
-            budget = options.memory_budget_bytes or \
-                ops.linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
-            head_lp = ops.linear_head_logprobs(hidden, weight, bias, batch.row_labels, head.ids,
-                                               stats.logprobs.detach(), vocab_temperature(batch.temperature), budget)
-            return replace(batch, divergences=_topk_record(head_lp, batch))
-        div = Divergences(*ops.linear_full_divergences(hidden, weight, bias, head.logits, batch, options))
-    return replace(batch, divergences=_record("full", div, batch))
+    div = Divergences(*ops.linear_full_divergences(rows, weight, bias, batch.sampler_head.logits, batch, options))
+    return _policy_output(stats, replace(batch, divergences=_record("full", div, batch)), config, "linear_two_pass")
 
 
 def linear_token_logprobs(

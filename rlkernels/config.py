@@ -41,6 +41,8 @@ SEQUENCE_RATIO_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entr
 COVARIANCE_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.batch_global)
 # losses whose ratio is p / q against the sampler, its whole correction (computed IS weights would apply it twice)
 ROLLOUT_RATIO_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.rollout_ratio)
+# losses that read the sampler's top-k (SPEC §9: score centering)
+SAMPLER_HEAD_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.sampler_head)
 VACO_DIVERGENCES = ("tv", "kl")
 IS_MODES = ("truncate", "mask")
 SEQ_MEAN_OVER = ("nonempty", "all")
@@ -518,6 +520,10 @@ class PolicyLossConfig:
             raise ValueError("loss_type: 'geo_mean' is one term per sequence; VACO's token mask (vaco_threshold) does "
                              "not apply to it")
         rc = self.rollout_correction
+        if self.loss_type in SAMPLER_HEAD_LOSSES and rc is not None and rc.is_level == "sequence":
+            raise ValueError(f"rollout_correction: loss_type={self.loss_type!r} takes the token-level IS rule as its f "
+                             "(truncation or an IcePop band); is_level='sequence' has no per-token f. Use "
+                             "is_level='token' or None")
         if self.loss_type in ROLLOUT_RATIO_LOSSES and rc is not None and rc.is_level is not None:
             raise ValueError(f"rollout_correction: loss_type={self.loss_type!r} weighs each token by p/q against the "
                              f"sampler itself; IS weights (is_level={rc.is_level!r}) would correct twice. Keep the "

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .backends.base import FOREIGN_TARGET
-from .config import BACKENDS, PolicyLossConfig, RolloutCorrection, check_finite_positive
+from .config import BACKENDS, SAMPLER_HEAD_LOSSES, PolicyLossConfig, RolloutCorrection, check_finite_positive
 from .ops.vocab import temperature_tensor
 from .ops.vocab_parallel import shard_offset
 from .stage.loss import check_split_options
@@ -57,6 +57,7 @@ class PreparedBatch:
     is_weights: Optional[torch.Tensor] = None  # a trainer's own IS weights, detached
     sampler_head: Any = None  # SamplerHead: the sampler's top-k or logits (SPEC §9), or None
     divergences: Any = None  # stage.correction.DivergenceRecord, set after the pass that computes it
+    head_terms: Any = None  # stage.policy_terms.HeadContext for a loss that reads the sampler's top-k, or None
 
 
 class Arguments(NamedTuple):
@@ -494,6 +495,14 @@ def _check_options(config: PolicyLossConfig, args: Arguments) -> None:
         raise ValueError("sampler_topk_ids / sampler_logits: expected the sampler's distribution since "
                          "rollout_correction.rs has a seq_max_kl / seq_mean_kl option (Trust Region Masking's "
                          "KL(μ_t || π_t)), got neither")
+    if config.loss_type in SAMPLER_HEAD_LOSSES:
+        if args.sampler[0] is None or args.sampler[2] is not None or args.sampler_topk_mode != "selected":
+            raise ValueError(f"sampler_topk_ids: loss_type={config.loss_type!r} needs the sampler's top-k ids and "
+                             "log-probs (sampler_topk_ids, sampler_topk_logprobs) in sampler_topk_mode='selected' "
+                             "(the sampler's distribution unfiltered: top_p = 1, top_k = -1)")
+        if args.rollout_logprobs is None:
+            raise ValueError(f"rollout_logprobs: expected a tensor since loss_type={config.loss_type!r} weighs the "
+                             "sampled token by f(p_y / q_y), got None")
     if any(t is not None for t in args.sampler) and (args.tp_group is not None or args.sampling_support is not None):
         raise ValueError("sampler_topk_ids / sampler_logits: not supported with tp_group or sampling_support yet")
     if config.vaco_threshold is not None and args.rollout_logprobs is None:

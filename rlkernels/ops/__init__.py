@@ -214,14 +214,17 @@ def head_stats(logits: torch.Tensor, batch, options: PassOptions, head_ids: torc
 
 
 def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch,
-                      options: PassOptions, head_ids: torch.Tensor) -> HeadStatistics:
+                      options: PassOptions, head_ids: torch.Tensor, head_grad: bool = True) -> HeadStatistics:
     """linear_token_stats with the log-probs at `head_ids` (SPEC §9.1): the fused-linear pass for log p_y, then
-    the k + 1 logits of each row in the loss from gathered rows of the head."""
+    the k + 1 logits of each row in the loss from gathered rows of the head. head_grad=False: the head's log-probs
+    without autograd (metrics only: nothing of the gathered rows is kept for a backward)."""
     _refuse_with_head(batch, "sampler_topk_ids")
     stats = linear_token_stats(hidden, weight, bias, batch, options)
     budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
-    head = linear_head_logprobs(hidden, weight, bias, batch.row_labels, head_ids, stats.logprobs,
-                                vocab.temperature_value(batch.temperature), budget)
+    with torch.set_grad_enabled(head_grad and torch.is_grad_enabled()):
+        head = linear_head_logprobs(hidden, weight, bias, batch.row_labels, head_ids,
+                                    stats.logprobs if head_grad else stats.logprobs.detach(),
+                                    vocab.temperature_value(batch.temperature), budget)
     return HeadStatistics(stats.logprobs, stats.entropy, stats.sum_pi_squared, head)
 
 

@@ -15,22 +15,25 @@ from .vocab import refuse_double_backward
 
 class CoefficientLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, loss, logprobs, entropy, coef_logprob, coef_entropy):
-        # loss: () value; logprobs, entropy: (N,) the differentiable statistics; coef_*: (N,) dLoss/d*
-        ctx.save_for_backward(coef_logprob, coef_entropy)
-        ctx.dtypes = (logprobs.dtype, None if entropy is None else entropy.dtype)
+    def forward(ctx, loss, logprobs, entropy, coef_logprob, coef_entropy, head_logprobs=None, coef_head=None):
+        # loss: () value; logprobs, entropy: (N,) the differentiable statistics; coef_*: (N,) dLoss/d*;
+        # head_logprobs: (N, k) log-probs at the sampler's head ids (SPEC §9.1) with coef_head (N, k), or None
+        ctx.save_for_backward(coef_logprob, coef_entropy, coef_head)
+        ctx.dtypes = (logprobs.dtype, None if entropy is None else entropy.dtype,
+                      None if head_logprobs is None else head_logprobs.dtype)
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
         refuse_double_backward()
-        coef_logprob, coef_entropy = ctx.saved_tensors
-        lp_dtype, ent_dtype = ctx.dtypes
+        coef_logprob, coef_entropy, coef_head = ctx.saved_tensors
+        lp_dtype, ent_dtype, head_dtype = ctx.dtypes
         d_lp = (grad_loss * coef_logprob).to(lp_dtype)
         d_ent = None
         if ent_dtype is not None:
             d_ent = None if coef_entropy is None else (grad_loss * coef_entropy).to(ent_dtype)
-        return None, d_lp, d_ent, None, None
+        d_head = None if head_dtype is None or coef_head is None else (grad_loss * coef_head).to(head_dtype)
+        return None, d_lp, d_ent, None, None, d_head, None
 
 
 class ForwardGradientFunction(torch.autograd.Function):

@@ -11,6 +11,7 @@ from typing import Dict, Optional
 import torch
 
 from . import correction
+from .divergences import head_logprobs
 from .policy_terms import REFERENCE_TERMS, ReferenceContext, per_sequence_mean
 from .sequences import masked_mean, sequence_indices
 from .token_stats import token_stats
@@ -110,10 +111,11 @@ def _vaco_keep(l_train, roll, A, mask, seqs, config, metrics):
 
 def policy_loss(
     logprobs, advantages, response_mask, *, old_logprobs=None, rollout_logprobs=None, ref_logprobs=None,
-    entropy=None, cu_seqlens=None, config, is_weights=None,
+    entropy=None, cu_seqlens=None, config, is_weights=None, head=None,
 ):
     """The full SPEC loss on per-token tensors ([B, T] or [N]); differentiable w.r.t. logprobs/entropy.
-    `is_weights`: a trainer's own IS weights, used in place of computed ones in every mode."""
+    `is_weights`: a trainer's own IS weights, used in place of computed ones in every mode. `head`: (log p at the
+    sampler's top-k ids [..., k] with autograd, the sampler's log-probs there, the ids) for score centering."""
     # Long on purpose: the oracle reads top to bottom in the spec's order, so that it can be checked against
     # docs/spec.md line by line; helpers would hide the order the steps run in.
     shape = tuple(logprobs.shape)
@@ -164,8 +166,12 @@ def policy_loss(
     log_r = per_sequence_mean(raw, new_mask, seqs) if config.ratio_level == "sequence" else raw
     bound = config.log_ratio_clamp
     r = torch.exp(log_r if bound is None else log_r.clamp(-bound, bound))
+    if head is not None:
+        k = head[2].shape[-1]
+        head = (torch.where(m[:, None], head[0].double().reshape(-1, k), torch.zeros((), dtype=torch.float64)),
+                head[1].double().reshape(-1, k), torch.where(m[:, None], head[2].reshape(-1, k), -1))
     term = REFERENCE_TERMS[loss_type](ReferenceContext(lp, A, raw, r, l_old, behaviour, new_mask, seqs, config, w,
-                                                       weighted, token_weights, metrics))
+                                                       weighted, token_weights, metrics, head))
     L, clipped, dual = term.value, term.clipped, term.dual
     kl_metric = term.kl_metric if term.kl_metric is not None else -(raw if bound is None else
                                                                      raw.clamp(-bound, bound)).detach()
@@ -249,16 +255,22 @@ def policy_loss(
 def decoupled_ppo_loss(
     logits, labels, advantages, response_mask, *, old_logprobs=None, rollout_logprobs=None, ref_logprobs=None,
     cu_seqlens=None, config, ignore_index=-100, is_weights=None, temperature=None, sampling_support=None,
+    sampler_topk_ids=None, sampler_topk_logprobs=None,
 ):
     """Logits -> SPEC §2 stats -> `policy_loss`. `loss` is differentiable w.r.t. `logits`.
-    `temperature`: a per-token tensor in place of config.temperature; `sampling_support`: kept ids."""
-    lp, H, _ = token_stats(logits, labels, temperature=config.temperature if temperature is None else temperature,
-                           ignore_index=ignore_index, sampling_support=sampling_support)
+    `temperature`: a per-token tensor in place of config.temperature; `sampling_support`: kept ids;
+    `sampler_topk_ids` / `_logprobs`: the sampler's top-k (score centering, SPEC §9)."""
+    t = config.temperature if temperature is None else temperature
+    lp, H, _ = token_stats(logits, labels, temperature=t, ignore_index=ignore_index,
+                           sampling_support=sampling_support)
+    head = None
+    if sampler_topk_ids is not None:
+        head = (head_logprobs(logits, sampler_topk_ids, t), sampler_topk_logprobs, sampler_topk_ids.long())
     V = logits.shape[-1]
     mask = response_mask.bool() & (labels != ignore_index) & (labels >= 0) & (labels < V)
     out = policy_loss(
         lp, advantages, mask, old_logprobs=_d(old_logprobs), rollout_logprobs=_d(rollout_logprobs),
         ref_logprobs=_d(ref_logprobs), entropy=H if config.needs_entropy else None, cu_seqlens=cu_seqlens,
-        config=config, is_weights=_d(is_weights),
+        config=config, is_weights=_d(is_weights), head=head,
     )
     return out

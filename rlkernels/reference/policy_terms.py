@@ -26,6 +26,7 @@ class ReferenceContext(NamedTuple):
     weighted: bool  # they multiply the policy term (decoupled mode, or given weights)
     token_weights: Optional[torch.Tensor]  # per-token weights (is_level="token", or given), for VESPO
     metrics: Dict[str, torch.Tensor]
+    head: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (log p [N, k] with autograd, log q, ids)
 
 
 class ReferenceTerm(NamedTuple):
@@ -296,3 +297,35 @@ def kpop(ctx):  # prime-rl PR #3283 KPop: both binary KLs of the clamped probabi
 def dppo_binary_tv(ctx):  # prime-rl PR #2434: keep iff p - q in [-low, high], whatever the advantage
     gap = torch.exp(ctx.lp.detach()) - torch.exp(ctx.behaviour)
     return _rollout_trust_region(ctx, (gap >= -ctx.config.binary_tv_low) & (gap <= ctx.config.binary_tv_high))
+
+
+@term("score_centering")
+def score_centering(ctx):  # arXiv 2609.20807: -A (f(r_y) lp_y - sum_H sg[q f(r) - alpha p] log p)
+    rc = ctx.config.rollout_correction
+    if rc is None or rc.is_level is None:
+        def f(r):
+            return torch.ones_like(r)
+    else:
+        lo, hi = rc.is_range
+        if rc.is_icepop:
+            def f(r):
+                return r * ((r >= lo) & (r <= hi)).double()
+        else:
+            def f(r):
+                return r.clamp(lo, hi)
+    log_p, log_q, ids = ctx.head
+    slots = ids >= 0
+    lp_y = ctx.lp
+    r_y = torch.exp((lp_y.detach() - ctx.behaviour).clamp(-CLAMP, CLAMP))
+    p = torch.where(slots, log_p.detach().exp(), torch.zeros_like(log_q))
+    q = torch.where(slots, log_q.exp(), torch.zeros_like(log_q))
+    r = torch.exp((log_p.detach() - log_q).clamp(-CLAMP, CLAMP))
+    rho = (1 - q.sum(-1)).clamp_min(1e-6) / (1 - p.sum(-1)).clamp_min(1e-6)
+    alpha = rho * f(1 / rho)
+    w = torch.where(slots, q * f(r) - alpha[:, None] * p, torch.zeros_like(q))
+    live = slots & (p > 0)
+    centre = torch.where(live, w * torch.where(live, log_p, torch.zeros_like(log_p)), torch.zeros_like(w)).sum(-1)
+    L = -ctx.advantages * (f(r_y) * lp_y - centre)
+    clipped = f(r_y) != r_y if rc is not None and rc.is_level is not None else _none(ctx)
+    return ReferenceTerm(L, clipped, _none(ctx), kl_metric=-(lp_y - ctx.behaviour).detach(), weights_applied=True,
+                         applied_weights=f(r_y))

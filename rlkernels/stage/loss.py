@@ -45,6 +45,7 @@ class StageOutput(NamedTuple):
     is_weights: Optional[Tensor]  # [N] weights multiplying the policy term, None if none do
     mask: Tensor  # [N] bool, the final mask m'
     metrics: Dict[str, Tensor]
+    coef_head: Optional[Tensor] = None  # [N, k] dLoss/dlog p at the sampler's head ids (score centering), or None
 
 
 def aggregation_weights(mask: Tensor, seg: Segments, config: "PolicyLossConfig", dtype,
@@ -246,15 +247,15 @@ def _policy_ratio(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossC
     return _Ratio(log_r, r, within, -delta if bound is None else -delta.clamp(-bound, bound))
 
 
-def _term_context(x: _Inputs, c: _Corrected, ratio: _Ratio, seg: Segments, config: "PolicyLossConfig"
-                  ) -> TermContext:
+def _term_context(x: _Inputs, c: _Corrected, ratio: _Ratio, seg: Segments, config: "PolicyLossConfig",
+                  head=None) -> TermContext:
     d = c.decisions
     sequences = SequenceContext(seg, c.table.sum, d.final_lengths.clamp_min(1), d.final_lengths, d.mask,
                                 c.norms.kept_tokens, c.norms.all_seqs)
     weights = WeightContext(c.is_weights, c.norm_factor, c.weighted,
                             x.given_weights is not None or c.computed_token_weights, d.sequence_weights)
     return TermContext(x.lp, x.advantages, x.lp - x.l_old, ratio.r, x.l_old, x.behaviour, config, sequences, weights,
-                       c.metrics)
+                       c.metrics, head)
 
 
 class _Weighted(NamedTuple):
@@ -263,6 +264,7 @@ class _Weighted(NamedTuple):
     through_ratio: Optional[Tensor]  # g
     applied_weights: Optional[Tensor]
     keep: Optional[Tensor]  # [N] bool, tokens whose policy term a token mask kept (None: every token)
+    head_direct: Optional[Tensor] = None  # [N, k] the term's coefficients on the head's log-probs
 
 
 def _weigh_and_mask(term: PolicyTerm, x: _Inputs, c: _Corrected, ratio: _Ratio, seg: Segments,
@@ -291,10 +293,12 @@ def _weigh_and_mask(term: PolicyTerm, x: _Inputs, c: _Corrected, ratio: _Ratio, 
     if config.vaco_threshold is not None:
         vaco_keep = _vaco_keep(x, c, seg, config)
         keep = vaco_keep if keep is None else keep & vaco_keep
+    head = term.head_direct
     if keep is not None:
         L, d = torch.where(keep, L, zero), torch.where(keep, d, zero)
         g = None if g is None else torch.where(keep, g, zero)
-    return _Weighted(L, d, g, applied, keep)
+        head = None if head is None else torch.where(keep[:, None], head, zero)
+    return _Weighted(L, d, g, applied, keep, head)
 
 
 def _m2po_keep(lp: Tensor, behaviour: Tensor, A: Tensor, mask: Tensor, config: "PolicyLossConfig",
@@ -499,10 +503,14 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
                                        _kept_sums(x, config), batch.divergences)
     c = _corrected(x, corrected, config, batch, metrics)
     ratio = _policy_ratio(x, c, seg, config)
-    term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config))
+    term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config, batch.head_terms))
     weighted = _weigh_and_mask(term, x, c, ratio, seg, config)
     a = aggregation_weights(c.decisions.mask, seg, config, x.lp.dtype, c.decisions.final_lengths, c.norms)
     total = _aggregate(term, weighted, c, a)
+    coef_head = None  # the head's log-probs enter the loss as the token's own (a_t, m', no IS weight)
+    if weighted.head_direct is not None:
+        coef_head = torch.where(c.decisions.mask[:, None], a[:, None] * weighted.head_direct,
+                                torch.zeros((), dtype=a.dtype, device=a.device))
     c.metrics.mean("actor/ppo_kl", ratio.kl_metric if term.kl_metric is None else term.kl_metric,
                    c.decisions.mask, c.norms.kept_tokens)
     if x.ref is not None:
@@ -516,8 +524,9 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
     if scale != 1:
         loss, coef = loss * scale, coef * scale
         coef_entropy = None if coef_entropy is None else coef_entropy * scale
+        coef_head = None if coef_head is None else coef_head * scale
     finished = c.metrics.finish(batch.split) if metrics else {}  # finish: the split's metric combine
-    return StageOutput(loss, coef, coef_entropy, weighted.applied_weights, c.decisions.mask, finished)
+    return StageOutput(loss, coef, coef_entropy, weighted.applied_weights, c.decisions.mask, finished, coef_head)
 
 
 def check_split_options(config: "PolicyLossConfig", dp_group, cp_group) -> None:

@@ -15,7 +15,9 @@ A loss type is registered with `@loss_term(name, ...)`:
 - `ratio_levels`: the loss is written on a ratio r that may be taken per sequence (ratio_level="sequence");
 - `batch_global`: the loss selects tokens over the whole batch (no split batches);
 - `aggregation`: the (loss_agg_mode, seq_mean_over) the loss defines for itself, in place of the config's;
-- `rollout_ratio`: the loss's ratio is p / q against the sampler, the whole correction (no computed IS weights).
+- `rollout_ratio`: the loss's ratio is p / q against the sampler, the whole correction (no computed IS weights);
+- `sampler_head`: the loss reads the sampler's top-k (ctx.head, SPEC §9) and returns coefficients on the
+  trainer's log-probs at those ids (`head_direct`, [N, k]) beside `direct`.
 `LOSS_TYPES` and the option tuples of rlkernels.config are read off this table.
 """
 
@@ -43,6 +45,14 @@ class TermContext(NamedTuple):
     sequences: "SequenceContext"
     weights: "WeightContext"
     metrics: "Metrics"  # noqa: F821 (loss-specific metrics are recorded here)
+    head: Optional["HeadContext"] = None  # the sampler's top-k, for the losses that read it (sampler_head)
+
+
+class HeadContext(NamedTuple):
+    """The sampler's top-k H of each token and the trainer's log-probs there (SPEC §9.1), [N, k], detached."""
+    logprobs: Tensor  # log p at the ids, the current policy (-inf at pads and at ids without mass)
+    sampler_logprobs: Tensor  # log q at the ids, as the sampler reported them (full-vocabulary)
+    slots: Tensor  # bool, the slots holding an id
 
 
 class SequenceContext(NamedTuple):
@@ -81,6 +91,7 @@ class PolicyTerm(NamedTuple):
     kl_metric: Optional[Tensor] = None  # [N] actor/ppo_kl's per-token value (None: -log r, clamped as r is)
     applied_weights: Optional[Tensor] = None  # [N] the weights a `weights_itself` loss applied, or None
     own_mean: Optional[Tuple[Tensor, Tensor]] = None  # (loss, [N] coefficients) of a loss with its own mean
+    head_direct: Optional[Tensor] = None  # [N, k] dL_t / dlog p at the sampler's head ids (sampler_head losses)
 
 
 @dataclass(frozen=True)
@@ -92,18 +103,20 @@ class LossType:
     batch_global: bool = False
     aggregation: Optional[Tuple[str, str]] = None
     rollout_ratio: bool = False
+    sampler_head: bool = False
 
 
 LOSS_TERMS: Dict[str, LossType] = {}
 
 
 def loss_term(*names: str, sums=None, weights_itself: bool = False, ratio_levels: bool = False,
-              batch_global: bool = False, aggregation: Optional[Tuple[str, str]] = None, rollout_ratio: bool = False):
+              batch_global: bool = False, aggregation: Optional[Tuple[str, str]] = None, rollout_ratio: bool = False,
+              sampler_head: bool = False):
     """Register the decorated function as the term of loss type(s) `names` (see the module docstring)."""
     def register(fn):
         for name in names:
             LOSS_TERMS[name] = LossType(fn, sums, weights_itself, ratio_levels, batch_global, aggregation,
-                                        rollout_ratio)
+                                        rollout_ratio, sampler_head)
         return fn
     return register
 
@@ -453,3 +466,50 @@ def dppo_binary_tv(ctx: TermContext) -> PolicyTerm:
     gap = torch.exp(ctx.lp) - torch.exp(ctx.behaviour)
     keep = (gap >= -hyper(gap, ctx.config.binary_tv_low)) & (gap <= hyper(gap, ctx.config.binary_tv_high))
     return _rollout_trust_region(ctx, keep)
+
+
+# Score centering's floors on the tail masses 1 - sum_H q and 1 - sum_H p (as slime and SkyRL floor them)
+SCORE_CENTERING_TAIL_FLOOR = 1e-6
+
+
+def token_is_function(rc) -> Callable[[Tensor], Tensor]:
+    """f of score centering: the token-level IS rule of the rollout correction. No IS level: f = 1; truncation
+    to [lo, hi] (a single C: [0, C], min(r, C)); a mask band (IcePop): f(r) = r 1[lo <= r <= hi]."""
+    if rc is None or rc.is_level is None:
+        return torch.ones_like
+    lo, hi = rc.is_range
+    if rc.is_icepop:
+        return lambda r: torch.where((r >= hyper(r, lo)) & (r <= hyper(r, hi)), r, torch.zeros_like(r))
+    return lambda r: torch.minimum(torch.maximum(r, hyper(r, lo)), hyper(r, hi))
+
+
+@loss_term("score_centering", weights_itself=True, sampler_head=True)
+def score_centering(ctx: TermContext) -> PolicyTerm:
+    """Score centering (arXiv 2609.20807, as slime and SkyRL compose it): subtract E_q[f(r) grad log p] over the
+    sampler's head H from the IS-weighted score, with the tail's share alpha p:
+    L_t = -A (f(r_y) log p_y - sum_H sg[q f(r) - alpha p] log p), alpha = rho f(1/rho),
+    rho = (1 - sum_H q) / (1 - sum_H p); f(r_y) detached, q_y the rollout log-prob."""
+    rc = ctx.config.rollout_correction
+    f = token_is_function(rc)
+    A, zero = ctx.advantages, torch.zeros_like(ctx.lp)
+    r_y = torch.exp((ctx.lp - ctx.behaviour).clamp(-CLAMP, CLAMP))
+    f_y = f(r_y)
+    lp, lq, slots = ctx.head
+    live = slots & (lp > float("-inf"))  # an id without trainer mass has log p = -inf and no gradient
+    p = torch.where(live, torch.exp(lp), torch.zeros_like(lp))
+    q = torch.where(slots, torch.exp(lq.to(lp.dtype)), torch.zeros_like(lp))
+    r = torch.exp((torch.where(live, lp, zero[:, None]) - torch.where(slots, lq.to(lp.dtype), zero[:, None]))
+                  .clamp(-CLAMP, CLAMP))
+    floor = SCORE_CENTERING_TAIL_FLOOR
+    rho = (1 - q.sum(1)).clamp_min(floor) / (1 - p.sum(1)).clamp_min(floor)
+    alpha = rho * f(1 / rho)
+    w = torch.where(slots, q * f(r) - alpha[:, None] * p, zero[:, None])
+    head_value = torch.where(live, w * torch.where(live, lp, zero[:, None]), zero[:, None]).sum(1)
+    value = -A * (f_y * ctx.lp - head_value)
+    head_direct = torch.where(live, A[:, None] * w, zero[:, None])
+    mask, n = ctx.sequences.final_mask, ctx.sequences.kept_tokens
+    ctx.metrics.mean("actor/score_centering_alpha_mean", alpha, mask, n)
+    ctx.metrics.mean("actor/score_centering_weight_abs_mean", w.abs().sum(1), mask, n)
+    clipped = f_y != r_y if rc is not None and rc.is_level is not None else _none(A)  # f truncated or masked r_y
+    return PolicyTerm(value, -A * f_y, None, clipped, _none(A), kl_metric=-(ctx.lp - ctx.behaviour),
+                      applied_weights=f_y, head_direct=head_direct)
