@@ -3,6 +3,7 @@
 from . import schedules
 from .api import (
     CorrectionOutput,
+    DistillationOutput,
     PolicyLossOutput,
     TokenBaseline,
     TokenDivergences,
@@ -16,6 +17,7 @@ from .api import (
     rollout_correction,
     token_divergences,
     token_logprobs,
+    topk_distillation_loss,
     variance_proxy_metrics,
 )
 from .config import PolicyLossConfig, RolloutCorrection
@@ -23,10 +25,9 @@ from .config import PolicyLossConfig, RolloutCorrection
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorrectionOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection", "TokenBaseline",
-    "TokenDivergences", "TokenStats", "decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs",
-    "metrics_to_floats",
-    "optimal_token_baseline", "policy_loss", "rollout_correction", "schedules", "token_divergences", "token_logprobs",
-    "variance_proxy_metrics",
+    "CorrectionOutput", "DistillationOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection",
+    "TokenBaseline", "TokenDivergences", "TokenStats", "decoupled_ppo_loss", "linear_decoupled_ppo_loss",
+    "linear_token_logprobs", "metrics_to_floats", "optimal_token_baseline", "policy_loss", "rollout_correction",
+    "schedules", "token_divergences", "token_logprobs", "topk_distillation_loss", "variance_proxy_metrics",
     "__version__",
 ]

@@ -4,6 +4,7 @@ Only `ops` reads `backend=`. Inputs are never modified (unless `inplace_backward
 dlogits into the logits' storage and bumps their version counter).
 """
 
+import math
 from dataclasses import replace
 from typing import Dict, NamedTuple, Optional, Union
 
@@ -34,7 +35,7 @@ from .inputs import (
     prepare_variance_rows,
     resolve_config,
 )
-from .stage import baseline, correction
+from .stage import baseline, correction, distillation
 from .stage.divergences import Divergences, partition
 from .stage.metrics import Metrics
 from .stage.policy_terms import HeadContext
@@ -393,6 +394,78 @@ def token_divergences(
     out = [shaped(zero(t)) for t in div[:6]]
     member = None if div.sampled_in_head is None else shaped(div.sampled_in_head)
     return TokenDivergences(*out, member, form, _LOWER_BOUNDS[form])
+
+
+class DistillationOutput(NamedTuple):
+    loss: torch.Tensor  # () the aggregated loss, differentiable w.r.t. the student's logits
+    losses: torch.Tensor  # [...] per-token losses after the clamps (0 off the mask), differentiable
+    student_mass: torch.Tensor  # [...] Σ_H p_student, detached
+    teacher_mass: torch.Tensor  # [...] Σ_H p_teacher as given
+    metrics: Dict[str, torch.Tensor]  # distillation/* 0-d device tensors
+
+
+DISTILLATION_KINDS = ("forward_kl", "forward_kl_tail", "reverse_kl")
+
+
+def topk_distillation_loss(
+    logits: torch.Tensor, teacher_topk_ids: torch.Tensor, teacher_topk_logprobs: torch.Tensor,
+    response_mask: Optional[torch.Tensor] = None, *, kind: str = "forward_kl",
+    log_prob_min_clamp: Optional[float] = None, loss_max_clamp: Optional[float] = None,
+    temperature: Union[float, torch.Tensor] = 1.0, loss_agg_mode: str = "token-mean", backend: str = "auto",
+    validate: bool = True,
+) -> DistillationOutput:
+    """On-policy distillation to a teacher's top-k (SPEC §9.3), from the student's logits in one vocabulary pass
+    (the head primitive of §9.1: the student's log-probs at the teacher's ids and their gradient, never a
+    [N, V] log-softmax).
+
+    Args:
+        logits: [..., V] the student's logits.
+        teacher_topk_ids: [..., k] the teacher's top-k ids (-1 pads; vLLM `prompt_logprobs=k`, SGLang
+            `top_logprobs_num`).
+        teacher_topk_logprobs: [..., k] their full-vocabulary log-probs under the teacher.
+        response_mask: [...] bool or 0/1, the tokens in the loss (None: every token).
+        kind: "forward_kl": verl's `forward_kl_topk`, Σ_H t (log t - log s) over the teacher's head, t and s the
+            teacher's and student's probabilities there, with both log-probs clamped at `log_prob_min_clamp`;
+            "forward_kl_tail": the tail-aware form (verl PR #7855), KL(teacher || student) over {the ids, the
+            tail}, the tail bucket's mass 1 - Σ_H; "reverse_kl": KL(student || teacher) over {the ids, the tail}.
+        log_prob_min_clamp: forward_kl's floor on both log-probs (verl's default -10; None: none).
+        loss_max_clamp: clamp of each token's loss to [-c, c] (verl's default 10; None: none); the gradient is 0
+            where it binds.
+        temperature: the student's temperature (a float or a per-token tensor).
+        loss_agg_mode: "token-mean" (over the mask) or "token-sum".
+        backend: the vocabulary pass's backend. validate: the value checks of SPEC §9.2 (one host sync).
+
+    Returns:
+        DistillationOutput(loss, losses, student_mass, teacher_mass, metrics).
+    """
+    if kind not in DISTILLATION_KINDS:
+        raise ValueError(f"kind: expected one of {DISTILLATION_KINDS}, got {kind!r}")
+    if loss_agg_mode not in ("token-mean", "token-sum"):
+        raise ValueError(f"loss_agg_mode: expected 'token-mean' or 'token-sum' (the per-token losses are returned for "
+                         f"any other aggregation), got {loss_agg_mode!r}")
+    for name, value in (("log_prob_min_clamp", log_prob_min_clamp), ("loss_max_clamp", loss_max_clamp)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+            raise ValueError(f"{name}: expected a finite number or None, got {value!r}")
+    if loss_max_clamp is not None and loss_max_clamp <= 0:
+        raise ValueError(f"loss_max_clamp: expected a value > 0, got {loss_max_clamp!r}")
+    check_logits(logits, allow_any_rank=True)
+    token_shape, V = tuple(logits.shape[:-1]), logits.shape[-1]
+    names = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_logits")
+    head = prepare_head(names, (teacher_topk_ids, teacher_topk_logprobs, None), token_shape, V, logits.device,
+                        "selected")
+    batch = prepare_divergence_rows(token_shape, V, logits.device, None, temperature, None, backend, -100,
+                                    mask=response_mask)
+    if validate:
+        check_head_values(batch.checks, head, names[:2], V, batch.rows, None)
+        batch.checks.run()
+    stats = ops.head_stats(logits, batch.prepared, ops.PassOptions(backend=backend), head.ids)
+    losses, parts = distillation.token_losses(stats.head_logprobs, head.logprobs, head.slots, kind,
+                                              log_prob_min_clamp, loss_max_clamp)
+    loss, metrics = distillation.aggregate(losses, parts, batch.rows, loss_agg_mode)
+    zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
+    shaped = lambda t: torch.where(batch.rows, t, zero).reshape(token_shape)  # noqa: E731
+    return DistillationOutput(loss, shaped(losses), shaped(parts["student_mass"]), shaped(parts["teacher_mass"]),
+                              metrics)
 
 
 def linear_decoupled_ppo_loss(

@@ -596,15 +596,19 @@ class DivergenceRows(NamedTuple):
 
 
 def prepare_divergence_rows(token_shape, vocab: int, device, labels, temperature, reference_temperature,
-                            backend: str, ignore_index: int) -> DivergenceRows:
-    """The checks of token_divergences' rows, labels and temperatures (the label range among the value checks)."""
+                            backend: str, ignore_index: int, mask=None) -> DivergenceRows:
+    """The checks of token_divergences' rows, labels and temperatures (the label range among the value checks).
+    `mask`: [...] bool or 0/1, the rows that take part (without labels; None: every row)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     checks = ValueChecks()
     N = math.prod(token_shape)
     if labels is None:
         rows = torch.ones(N, dtype=torch.bool, device=device)
-        row_labels = torch.full((N,), FOREIGN_TARGET, dtype=torch.int64, device=device)
+        if mask is not None:
+            check_tensor("response_mask", mask, kind="mask", shape=token_shape, device=device)
+            rows = mask.reshape(-1).bool()
+        row_labels = torch.where(rows, FOREIGN_TARGET, -1).to(torch.int64)
     else:
         check_tensor("labels", labels, kind="int", shape=token_shape, device=device)
         flat = labels.reshape(-1).long()

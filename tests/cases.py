@@ -132,6 +132,9 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                                                     "as ('kernel.target_column', bf16) with the interpreter's "
                                                     "truncation: one ulp"),
 
+    ("verl.distillation", F64): Tol(1e-6, 1e-7,
+                                    "verl's kl_divergence casts both log-probs to float32 (.float()) before its sum: "
+                                    "~2^-24 relative per term of t (log t - log s), |log| <= ~40 here"),
     # -- SPEC §9: divergences between two distributions, and their gradients -------------------------
     ("divergence", F64): Tol(1e-7, 1e-9,
                              "float64 on both sides in another order; the tail bucket 1 - sum_H p is a subtraction "
