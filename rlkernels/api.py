@@ -372,8 +372,8 @@ def token_divergences(
     if head.logits is None and reference_temperature is not None:
         raise ValueError("reference_temperature: only the full form takes it (top-k log-probs are the sampler's own, "
                          "at its temperature); pass reference_logits or leave it None")
-    batch = prepare_divergence_rows(token_shape, V, logits.device, labels, temperature, reference_temperature, backend,
-                                    ignore_index)
+    batch = prepare_divergence_rows(token_shape, V, logits.device, labels, (temperature, reference_temperature),
+                                    backend, ignore_index)
     if validate:
         checks = batch.checks
         check_head_values(checks, head, names[:2], V, batch.rows, None if labels is None else batch.row_labels)
@@ -453,7 +453,7 @@ def topk_distillation_loss(
     names = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_logits")
     head = prepare_head(names, (teacher_topk_ids, teacher_topk_logprobs, None), token_shape, V, logits.device,
                         "selected")
-    batch = prepare_divergence_rows(token_shape, V, logits.device, None, temperature, None, backend, -100,
+    batch = prepare_divergence_rows(token_shape, V, logits.device, None, (temperature, None), backend, -100,
                                     mask=response_mask)
     if validate:
         check_head_values(batch.checks, head, names[:2], V, batch.rows, None)

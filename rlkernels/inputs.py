@@ -595,10 +595,12 @@ class DivergenceRows(NamedTuple):
     prepared: PreparedBatch  # what ops.head_stats reads
 
 
-def prepare_divergence_rows(token_shape, vocab: int, device, labels, temperature, reference_temperature,
-                            backend: str, ignore_index: int, mask=None) -> DivergenceRows:
-    """The checks of token_divergences' rows, labels and temperatures (the label range among the value checks).
-    `mask`: [...] bool or 0/1, the rows that take part (without labels; None: every row)."""
+def prepare_divergence_rows(token_shape, vocab: int, device, labels, temperatures: Tuple, backend: str,
+                            ignore_index: int, mask=None) -> DivergenceRows:
+    """The checks of token_divergences' rows, labels and temperatures (the trainer's, the reference's or None),
+    the label range among the value checks. `mask`: [...] bool or 0/1, the rows that take part (without labels;
+    None: every row)."""
+    temperature, reference_temperature = temperatures
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     checks = ValueChecks()
