@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied).
-# Runs in under 10 minutes (step limits 130 + 110 + 40 + 60 + 35 + 70 + 55 + 15 + 35 + 20 + 25 s = 9.9 min;
+# Runs in under 10 minutes (step limits 130 + 110 + 40 + 50 + 35 + 60 + 55 + 15 + 35 + 20 + 20 + 25 s = 9.9 min;
 # tests/test_gpu_check.py holds the sum under 600 s): versions, optional CUDA extension build, GPU tests, Triton
 # kernel tests, the per-sequence stage eager vs compiled (Inductor kernel count, no recompilation over a
 # hyperparameter schedule; the loss family's options too), the sampler replay (kept set K = 50 / V, per-token
 # temperature), the 8192 x 151936 bf16 head-to-head (triton vs cuda vs torch backend vs naive, GB/s vs the bytes
 # model), the fused-linear loss against the GEMM alone, the optimal token baseline against verl's (where verl is
-# installed; else alone, and in groups of one), and the quick CUDA suite.
+# installed; else alone, and in groups of one), the trainer-vs-sampler divergences (top-k and full form), and the
+# quick CUDA suite.
 # Logs and JSON go to $OUT (default benchmarks/results/gpu).
 #   BUILD_CUDA=0 benchmarks/gpu_check.sh     # skip the extension build
 set -u
@@ -41,7 +42,7 @@ fi
 
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
 # what a (one-rank, NCCL) dp_group adds to it: packing, merging, two all_gathers, graph breaks
-step stage 60 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
+step stage 50 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
   --case seq_mis+kl+entropy --case geo_rs_token_tis
 # the loss family's options (sequence ratio, bias-corrected k3, OPSM, M2PO's sort) in one compiled stage, and the
 # 2026 trust regions on the sampler (IPO, VACO's sequence mask, the Kimi-K2.5 term) in another
@@ -50,7 +51,7 @@ step stage_family 35 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 
   --json "$OUT/stage-family.json"
 
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
-step headline 70 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
+step headline 60 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
   --providers "naive,rlkernels[torch],rlkernels[triton],rlkernels[cuda]" --warmup 3 --reps 20 --max-seconds 4 --no-plot \
   --shape ppo:seq_mis:8192:151936:bf16 --shape logprobs:-:8192:151936:bf16
 
@@ -71,6 +72,11 @@ step sampler 35 $PY -m benchmarks.sampler --device cuda --N 1024 --V 151936 --dt
 # the optimal token baseline (SPEC §10) at B x T = 1024 x 2048 in groups of 8 and 4096 x 512 in groups of 4:
 # rlkernels eager and compiled against verl's per-group loop (its host syncs), or alone where verl is absent
 step baseline 20 $PY -m benchmarks.baseline --device cuda --variant otb --reps 5 --json "$OUT/baseline.json"
+
+# SPEC §9: the sampler's top-k (k = 128) and logits against the plain log-prob pass and the naive composition at
+# 8192 x 151936 bf16; the goals: the top-k form <= 1.1x the log-prob pass, the full form <= 2.2x
+step divergences 20 $PY -m benchmarks.divergences --device cuda --N 8192 --V 151936 --dtype bf16 --k 128 --reps 5 \
+  --no-memory --json "$OUT/divergences.json"
 
 step quick_suite 25 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
 

@@ -85,6 +85,7 @@ class StudyConfig:
         return self.max_items + 2  # BOS, the numbers, SEP
 
 
+SAMPLER_TOPK = 20  # the sampler's top-k the trm_seq_max_kl arm reads (vLLM's default max_logprobs)
 SMOKE = dict(sft_steps=20, rl_steps=4, prompts_per_step=4, group_size=4, seeds=1, max_items=10)
 
 
@@ -102,6 +103,10 @@ def arms() -> Dict[str, dict]:
                                                       rs={"seq_mean_k1": (0.999, 1.001)}), baseline="group_mean"),
         "trm_seq_max_k2": dict(rc=RolloutCorrection(rs={"seq_max_k2": 0.5 * math.log(1.5) ** 2}),
                                baseline="group_mean"),
+        # TRM's exact criterion (SPEC §9): max_t KL(mu_t || pi_t) over the sampler's top-20 and the tail, a lower
+        # bound on the exact KL, against the bound k2's log 1.5 stands for (KL ~ k2 for a small mismatch)
+        "trm_seq_max_kl": dict(rc=RolloutCorrection.trm(0.5 * math.log(1.5) ** 2), baseline="group_mean",
+                               sampler_topk=True),
         "none_otb": dict(rc=None, baseline="otb"),
         # the control: no mismatch at all (the sampler is the trainer: float32, the same weights)
         "on_policy_reference": dict(rc=None, baseline="group_mean", sampler="fp32", staleness=0),
@@ -253,9 +258,14 @@ def supervised_start(cfg: StudyConfig, seed: int) -> TinyLM:
 def generate(served: TinyLM, cfg: StudyConfig, prompts, valid, g: torch.Generator):
     """Sample responses from the served model, token by token from a KV cache; returns the responses [B, R]
     (PAD after EOS), their lengths (EOS included) and the log-probs of the sampled tokens under the sampler's
-    processed distribution (softmax of the float32-cast logits / T, then top-p renormalised), 0 past the end."""
+    processed distribution (softmax of the float32-cast logits / T, then top-p renormalised), 0 past the end; and the
+    sampler's top-k of that distribution at each position ([B, R, k] ids, -1 past the end, and their log-probs), as
+    vLLM's logprobs=k returns them (drawing them consumes no randomness: the samples are those without them)."""
     B, P = prompts.shape
     R = cfg.max_response
+    k = min(SAMPLER_TOPK, cfg.vocab)
+    topk_ids = torch.full((B, R, k), -1, dtype=torch.long)
+    topk_lp = torch.zeros(B, R, k)
     caches = [[] for _ in served.blocks]
     keys_valid = valid.clone()
     mask = sequence_mask(keys_valid)
@@ -272,13 +282,16 @@ def generate(served: TinyLM, cfg: StudyConfig, prompts, valid, g: torch.Generato
         token = torch.where(alive, token, torch.full_like(token, PAD))
         responses[:, t] = token
         logprobs[:, t] = torch.where(alive, logp.gather(1, token[:, None])[:, 0], torch.zeros(()))
+        top = logp.topk(k, -1)
+        topk_ids[:, t] = torch.where(alive[:, None] & (top.values > -math.inf), top.indices, -1)
+        topk_lp[:, t] = torch.where(alive[:, None], top.values, torch.zeros(()))
         alive = alive & (token != EOS)
         if not alive.any():
             break
         keys_valid = torch.cat([keys_valid, torch.ones(B, 1, dtype=torch.bool)], 1)
         h = served.hidden(token[:, None], position + t, keys_valid[:, None, None, :], caches)
     lengths = ((responses != PAD).sum(1)).clamp_max(R)
-    return responses, lengths, logprobs
+    return responses, lengths, logprobs, (topk_ids, topk_lp)
 
 
 def top_p_logprobs(logp: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -336,7 +349,7 @@ def run_arm(cfg: StudyConfig, arm: dict, start: TinyLM, seed: int, check_naive: 
         G = cfg.group_size
         prompts, valid = prompts.repeat_interleave(G, 0), valid.repeat_interleave(G, 0)
         targets = [t for t in targets for _ in range(G)]
-        responses, lengths, rollout_lp = generate(served, cfg, prompts, valid, g_sample)
+        responses, lengths, rollout_lp, (topk_ids, topk_lp) = generate(served, cfg, prompts, valid, g_sample)
         reward = rewards_of(responses, lengths, targets)
         tokens, seq_valid, mask = trainer_inputs(cfg, prompts, valid, responses, lengths)
         group = torch.arange(len(targets)) // G
@@ -360,9 +373,11 @@ def run_arm(cfg: StudyConfig, arm: dict, start: TinyLM, seed: int, check_naive: 
         grad_norms = []
         for part in order.chunk(cfg.minibatches):
             h = response_hidden(model, cfg, tokens[part], seq_valid[part])
+            sampler = dict(sampler_topk_ids=topk_ids[part], sampler_topk_logprobs=topk_lp[part]) \
+                if arm.get("sampler_topk") else {}
             out = rlkernels.linear_decoupled_ppo_loss(
                 h, model.head.weight, responses[part], advantages[part], mask[part], bias=model.head.bias,
-                old_logprobs=old_lp[part], rollout_logprobs=rollout_lp[part], config=config)
+                old_logprobs=old_lp[part], rollout_logprobs=rollout_lp[part], config=config, **sampler)
             if check_naive and first_check is None:
                 first_check = naive_check(model, cfg, h, responses[part], advantages[part], mask[part],
                                           old_lp[part], rollout_lp[part], arm["rc"], out.loss)
@@ -441,7 +456,7 @@ def measure_mismatch(cfg: StudyConfig, start: TinyLM, n_prompts: int = 64) -> di
             served = sampler_model(start, path)
             g = torch.Generator().manual_seed(7)
             prompts, valid, _ = make_prompts(c, n_prompts, g)
-            responses, lengths, rollout_lp = generate(served, c, prompts, valid, g)
+            responses, lengths, rollout_lp, _ = generate(served, c, prompts, valid, g)
             tokens, seq_valid, mask = trainer_inputs(c, prompts, valid, responses, lengths)
             trainer_logp = torch.log_softmax(start.head(response_hidden(start, c, tokens, seq_valid)), -1)
             lp = trainer_logp.gather(-1, responses[..., None])[..., 0]

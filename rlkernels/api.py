@@ -239,7 +239,8 @@ def _with_sampler_divergences(logits: torch.Tensor, batch: PreparedBatch, option
     stats = ops.token_stats(logits, batch, options)
     t = vocab_temperature(batch.temperature)
     with torch.no_grad():
-        div = Divergences(*ops.full_divergences(logits.detach(), head.logits, batch.mask, t, t))
+        div = Divergences(*ops.full_divergences(logits.detach(), head.logits, batch.mask, t, t,
+                                                backend=options.backend))
     return stats, replace(batch, divergences=_record("full", div, batch)), None
 
 
@@ -383,7 +384,7 @@ def token_divergences(
     shaped = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
     if head.logits is not None:
         div = Divergences(*ops.full_divergences(logits, head.logits, batch.rows, vocab_temperature(batch.temperature),
-                                                vocab_temperature(batch.reference_temperature)))
+                                                vocab_temperature(batch.reference_temperature), backend=backend))
     else:
         options = ops.PassOptions(backend=backend)
         stats = ops.head_stats(logits, batch.prepared, options, head.ids)

@@ -28,6 +28,7 @@ from rlkernels.config import (
     LOSS_AGG_MODES,
     LOSS_TYPES,
     ROLLOUT_RATIO_LOSSES,
+    SAMPLER_HEAD_LOSSES,
     SEQUENCE_RATIO_LOSSES,
     VACO_DIVERGENCES,
 )
@@ -463,7 +464,8 @@ def configs(draw, mode: str, **fixed):
     # clip_cov / kl_cov select tokens by rank or at random: tests/stage/test_loss_family.py holds them to the
     # reference in float64 with the generator seeded alike, not across dtypes here
     loss_type = fixed.get("loss_type") or draw(st.sampled_from(
-        [t for t in LOSS_TYPES if (t != "reinforce" or mode == "bypass") and t not in COVARIANCE_LOSSES]))
+        [t for t in LOSS_TYPES if (t != "reinforce" or mode == "bypass") and t not in COVARIANCE_LOSSES
+         and t not in SAMPLER_HEAD_LOSSES]))  # score centering needs the sampler's top-k: test_score_centering
     rc = draw(rollout_corrections()) if mode != "on-policy" else None
     if loss_type == "vespo" and rc is not None and rc.is_level == "sequence":
         rc = RolloutCorrection(is_level="token", is_threshold=rc.is_threshold, rs=rc.rs)

@@ -79,6 +79,7 @@ def _random_config(rng, mode, dtype, cp=1):
         LOSS_AGG_MODES,
         LOSS_TYPES,
         ROLLOUT_RATIO_LOSSES,
+        SAMPLER_HEAD_LOSSES,
         SEQUENCE_RATIO_LOSSES,
     )
 
@@ -96,7 +97,7 @@ def _random_config(rng, mode, dtype, cp=1):
         kw.update(global_num_tokens=13.0, global_num_seqs=3.0)
     # the batch-global selections (Clip-Cov, KL-Cov, M2PO) refuse split batches (test_family_errors)
     loss_type = rng.choice([t for t in LOSS_TYPES if (t != "reinforce" or mode == "bypass")
-                            and t not in COVARIANCE_LOSSES])
+                            and t not in COVARIANCE_LOSSES and t not in SAMPLER_HEAD_LOSSES])
     if loss_type == "vespo" and rc is not None and rc.is_level == "sequence":
         rc = RolloutCorrection(is_level="token", rs=rc.rs)
     if loss_type in ROLLOUT_RATIO_LOSSES and rc is not None:  # p / q is their whole correction

@@ -70,6 +70,20 @@ def test_readme_links_the_contract():
     assert "docs/spec.md" in (ROOT / "README.md").read_text()
 
 
+def test_readme_sampler_example_runs():
+    """The README's rollout-record example (SPEC §9) runs as written, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The sampler's top-k"):]
+    block = section[section.index("```python") + len("```python"):]
+    block = block[:block.index("```")]
+    code = block + "\nassert torch.isfinite(out.loss) and logits.grad is not None and div.kl.shape == (B, T)\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_distributed_example_runs_under_torchrun(tmp_path):
     """docs/distributed.md's data/context/tensor-parallel example, as written, on 4 gloo processes."""
     text = (ROOT / "docs" / "distributed.md").read_text()

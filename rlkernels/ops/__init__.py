@@ -229,11 +229,17 @@ def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 
 def full_divergences(logits: torch.Tensor, reference: torch.Tensor, active: torch.Tensor, temperature,
-                     reference_temperature, chunk_rows: Optional[int] = None):
+                     reference_temperature, chunk_rows: Optional[int] = None, backend: str = "auto"):
     """(kl, reverse_kl, chi2, tv), each [N], of softmax(logits / T) against softmax(reference / T_r) (SPEC §9.2,
-    the full form); autograd to `logits`. The temperatures: floats or [N] tensors; `active`: [N] bool rows."""
+    the full form); autograd to `logits`. The temperatures: floats or [N] tensors; `active`: [N] bool rows.
+    The Triton kernels serve it where the backend resolves to Triton with one temperature each and the two
+    tensors share a dtype; everything else takes the chunked PyTorch pass."""
     rows = logit_rows(logits, False)
-    return FullDivergenceFunction.apply(rows, reference, active, temperature, reference_temperature, chunk_rows)
+    name = backends.resolve(backend, rows)
+    scalar = not isinstance(temperature, torch.Tensor) and not isinstance(reference_temperature, torch.Tensor)
+    kernel = "triton" if name == "triton" and scalar and reference.dtype == rows.dtype else "torch"
+    return FullDivergenceFunction.apply(rows, reference, active, temperature, reference_temperature, chunk_rows,
+                                        kernel)
 
 
 def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], reference,

@@ -9,8 +9,9 @@ The backward reads both tensors again and forms, for coefficients (a, b, c, d) o
     dz_v = ( a (π_v - μ_v) + b π_v (log π_v - log μ_v - KL(π||μ)) + 2 c (π_v² / μ_v - π_v (χ² + 1))
              + d π_v (s_v - sum_u π_u s_u) / 2 ) / T,              s = sign(π - μ);
 
-autograd reaches the trainer's logits only (μ is a fixed target). This pass is chunked PyTorch on every device:
-it is not yet a fused kernel of the Triton, CUDA or CPU backends (docs/spec.md §9 says so).
+autograd reaches the trainer's logits only (μ is a fixed target). On the Triton backend (one temperature each)
+the two kernels of kernels/triton/divergences.py do it: two reads of both rows forward, one backward. Elsewhere
+(the CPU and CUDA backends, torch, a per-token temperature) it is chunked PyTorch (docs/spec.md §9.2).
 """
 
 from typing import Iterator, Optional, Tuple
@@ -65,13 +66,25 @@ def _stats(lp: Tensor, lq: Tensor) -> Tensor:
     return torch.stack([kl, reverse_kl, chi2, tv], 1)
 
 
+def _triton_kernels():
+    from ..kernels.triton import divergences
+
+    return divergences
+
+
 class FullDivergenceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, reference, active, temperature, reference_temperature, chunk_rows):
+    def forward(ctx, logits, reference, active, temperature, reference_temperature, chunk_rows, backend="torch"):
         # logits: [N, V] or [B, T, V] row-strided (ops.logit_rows); reference: the same shape; active: [N] bool;
-        # the temperatures: floats or [N] tensors
+        # the temperatures: floats or [N] tensors; backend: the resolved name ("triton": the kernels)
         N = active.shape[0]
         acc = statistics_dtype(logits.dtype)
+        if backend == "triton":
+            stats = _triton_kernels().full_divergences_fwd(logits, reference, active, temperature,
+                                                           reference_temperature).stats
+            ctx.save_for_backward(logits, reference, active, stats)
+            ctx.options = (temperature, reference_temperature, chunk_rows, backend)
+            return tuple(stats[:, :4].unbind(1))
         out = torch.zeros(N, 4, dtype=acc, device=logits.device)
         inv_t, inv_r = inverse_temperature(temperature, acc), inverse_temperature(reference_temperature, acc)
         with torch.no_grad():
@@ -79,17 +92,21 @@ class FullDivergenceFunction(torch.autograd.Function):
                 out[s:e] = _stats(_log_softmax(z, _rows(inv_t, s, e), acc), _log_softmax(r, _rows(inv_r, s, e), acc))
         out = torch.where(active[:, None], out, torch.zeros((), dtype=acc, device=out.device))
         ctx.save_for_backward(logits, reference, active, out)
-        ctx.options = (temperature, reference_temperature, chunk_rows)
+        ctx.options = (temperature, reference_temperature, chunk_rows, backend)
         return tuple(out.unbind(1))
 
     @staticmethod
     def backward(ctx, *grads):
         refuse_double_backward()
         logits, reference, active, stats = ctx.saved_tensors
-        temperature, reference_temperature, chunk_rows = ctx.options
+        temperature, reference_temperature, chunk_rows, backend = ctx.options
         acc = stats.dtype
         coef = torch.stack([torch.zeros_like(stats[:, 0]) if g is None else g.to(acc) for g in grads], 1)
         coef = torch.where(active[:, None], coef, torch.zeros((), dtype=acc, device=coef.device))
+        if backend == "triton":
+            grad = _triton_kernels().full_divergences_bwd(logits, reference, stats, coef, temperature,
+                                                          reference_temperature)
+            return grad, None, None, None, None, None, None
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         flat = grad.view(-1, logits.shape[-1])
         inv_t, inv_r = inverse_temperature(temperature, acc), inverse_temperature(reference_temperature, acc)
@@ -108,7 +125,7 @@ class FullDivergenceFunction(torch.autograd.Function):
                 + torch.where(c != 0, 2 * c * (ratio_sq - pi * (chi2 + 1)), zero) \
                 + torch.where(d != 0, 0.5 * d * pi * (sign - (pi * sign).sum(1, keepdim=True)), zero)
             flat[s:e] = (g * t_rows).to(grad.dtype)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 @torch.no_grad()

@@ -356,3 +356,38 @@ def test_inputs_are_not_modified():
     out.kl.sum().backward()
     for a, b in zip((logits, ids, lp), copies):
         assert torch.equal(a.detach(), b)
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not backends.available()["triton"], reason="Triton is not importable here")
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_the_full_form_runs_the_triton_kernels_and_agrees_with_the_chunked_pass(dtype, monkeypatch):
+    """backend="triton" with one temperature takes kernels/triton/divergences.py (two reads forward, one
+    backward); the chunked PyTorch pass of the other backends is the comparison, on the causal-shift view."""
+    from rlkernels.kernels.triton import divergences as kernels
+
+    calls = []
+    fwd, bwd = kernels.full_divergences_fwd, kernels.full_divergences_bwd
+    monkeypatch.setattr(kernels, "full_divergences_fwd", lambda *a: calls.append("fwd") or fwd(*a))
+    monkeypatch.setattr(kernels, "full_divergences_bwd", lambda *a: calls.append("bwd") or bwd(*a))
+    gen = torch.Generator().manual_seed(0)
+    whole = (torch.randn(2, 6, 300, generator=gen) * 3).to(dtype)
+    whole[0, 1, :100] = float("-inf")
+    reference = (torch.randn(2, 5, 300, generator=gen) * 3).to(dtype)
+    results = {}
+    for backend in ("triton", "torch"):
+        leaf = whole.clone().requires_grad_(True)
+        out = rlkernels.token_divergences(leaf[:, :-1], reference_logits=reference, temperature=0.8, backend=backend)
+        loss = out.kl.sum() + out.reverse_kl.sum() + 1e-3 * out.chi2.sum() + out.tv.sum()
+        (grad,) = torch.autograd.grad(loss, leaf)
+        results[backend] = (out, grad)
+    assert calls == ["fwd", "bwd"]
+    (a, ga), (b, gb) = results["triton"], results["torch"]
+    for name in ("kl", "reverse_kl", "chi2", "tv"):
+        assert_close(getattr(a, name), getattr(b, name), **tol("divergence", F32, scale=_scale(getattr(b, name))),
+                     name=name)
+    q = tol("divergence.dlogits", F32, scale=max(1e-3, float(gb.float().abs().max())))
+    if dtype == BF16:  # both round the float32 gradient to bf16 once, maybe to neighbouring values
+        q = tol("dlogits@interpreter", BF16, scale=max(1e-3, float(gb.float().abs().max())))
+    assert_close(ga.float(), gb.float(), **q, name="dlogits")
+    assert not bool(ga[:, -1].any())

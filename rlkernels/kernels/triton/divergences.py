@@ -1,0 +1,234 @@
+"""The full form of SPEC §9.2 as two kernels: per row, KL(μ||π), KL(π||μ), χ²(π||μ) and TV between
+π = softmax(z / T) and μ = softmax(r / T_r), and the gradient of any combination of them w.r.t. z.
+
+Forward: two reads of both rows. The first is the online max / sum-exp of token_stats for z and r together; the
+second forms log π and log μ of every entry from those two-part normalisers and sums the four divergences (TV
+needs both normalisers before its first term, so one pass cannot give it) and Σ π·sign(π − μ), which the TV
+gradient needs. Backward: one read of both rows and one write,
+
+    dz_v = ( a (π_v - μ_v) + b π_v (log π_v - log μ_v - KL(π||μ)) + 2 c (π_v² / μ_v - π_v (χ² + 1))
+             + d π_v (s_v - Σ_u π_u s_u) / 2 ) / T,        s = sign(π - μ),
+
+each term formed only where its coefficient is nonzero (an infinite divergence with a zero coefficient must not
+turn into 0 * inf). Rows outside (active = 0) read nothing and give zeros. One temperature each (a per-token one
+goes through the chunked PyTorch pass).
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .aot_spec import AotSpec
+from .tl_math import TRITON_DTYPES, all_vocab_configs, safe_shift, vocab_config
+from .token_stats import device_guard, grouped_strides
+
+STATS = 9  # kl, reverse_kl, chi2, tv, Σ π s, and (row max, log-normaliser) of z and of r
+
+
+@triton.jit
+def _full_divergences_fwd_kernel(
+    z_ptr, r_ptr, active_ptr, stats_ptr,
+    N, V, rows_per_group,
+    stride_z_g, stride_z_n, stride_r_n,
+    temperature, reference_temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid_n = tl.program_id(0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    active = mask_n & (tl.load(active_ptr + offs_n, mask=mask_n, other=0) != 0)
+    # int64 row offsets; z may be the causal-shift view [B, T, V] (grouped rows), r is [N, V] row-strided
+    z_rows = z_ptr + (offs_n // rows_per_group) * stride_z_g + (offs_n % rows_per_group) * stride_z_n
+    r_rows = r_ptr + offs_n * stride_r_n
+    inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
+    inv_r = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(reference_temperature, tl.float32)
+
+    # pass 1: the online max / sum-exp of both rows (token_stats' recurrence, twice)
+    mz = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    mr = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    lz = tl.zeros([BLOCK_N], tl.float32)
+    lr = tl.zeros([BLOCK_N], tl.float32)
+    v_stop = V * tl.max(active.to(tl.int32), axis=0)
+    for v0 in range(0, v_stop, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask = active[:, None] & (offs_v[None, :] < V)
+        z = tl.load(z_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        r = tl.load(r_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        mz_new = tl.maximum(mz, tl.max(z, axis=1))
+        mr_new = tl.maximum(mr, tl.max(r, axis=1))
+        sz, sr = safe_shift(mz_new), safe_shift(mr_new)
+        lz = tl.exp((mz - sz) * inv_t) * lz + tl.sum(tl.exp((z - sz[:, None]) * inv_t[:, None]), axis=1)
+        lr = tl.exp((mr - sr) * inv_r) * lr + tl.sum(tl.exp((r - sr[:, None]) * inv_r[:, None]), axis=1)
+        mz, mr = mz_new, mr_new
+    sz, sr = safe_shift(mz), safe_shift(mr)
+    nz, nr = tl.log(lz), tl.log(lr)
+    has_mass = active & (lz > 0.0) & (lr > 0.0)  # a row without a finite entry has no distribution: zeros
+
+    # pass 2: log π, log μ of every entry, and the four sums
+    kl = tl.zeros([BLOCK_N], tl.float32)
+    rkl = tl.zeros([BLOCK_N], tl.float32)
+    chi = tl.zeros([BLOCK_N], tl.float32)
+    tv = tl.zeros([BLOCK_N], tl.float32)
+    s_bar = tl.zeros([BLOCK_N], tl.float32)
+    v_stop = V * tl.max(has_mass.to(tl.int32), axis=0)
+    for v0 in range(0, v_stop, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask = has_mass[:, None] & (offs_v[None, :] < V)
+        z = tl.load(z_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        r = tl.load(r_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        lp = (z - sz[:, None]) * inv_t[:, None] - nz[:, None]
+        lq = (r - sr[:, None]) * inv_r[:, None] - nr[:, None]
+        pi, mu = tl.exp(lp), tl.exp(lq)
+        live_p, live_q = pi > 0.0, mu > 0.0
+        # each term only where its left-hand mass is positive (0 log 0 = 0); mass against none gives +inf
+        kl += tl.sum(tl.where(live_q, mu * (lq - lp), 0.0), axis=1)
+        rkl += tl.sum(tl.where(live_p, pi * (lp - lq), 0.0), axis=1)
+        chi += tl.sum(tl.where(live_p, tl.exp(2.0 * lp - lq), 0.0), axis=1)
+        diff = pi - mu
+        tv += tl.sum(tl.abs(diff), axis=1)
+        s_bar += tl.sum(tl.where(diff > 0.0, pi, tl.where(diff < 0.0, -pi, 0.0)), axis=1)
+    base = stats_ptr + offs_n * 9
+    tl.store(base + 0, tl.where(has_mass, kl, 0.0), mask=mask_n)
+    tl.store(base + 1, tl.where(has_mass, rkl, 0.0), mask=mask_n)
+    tl.store(base + 2, tl.where(has_mass, chi - 1.0, 0.0), mask=mask_n)
+    tl.store(base + 3, tl.where(has_mass, 0.5 * tv, 0.0), mask=mask_n)
+    tl.store(base + 4, tl.where(has_mass, s_bar, 0.0), mask=mask_n)
+    tl.store(base + 5, tl.where(has_mass, sz, 0.0), mask=mask_n)
+    tl.store(base + 6, tl.where(has_mass, nz, 0.0), mask=mask_n)
+    tl.store(base + 7, tl.where(has_mass, sr, 0.0), mask=mask_n)
+    tl.store(base + 8, tl.where(has_mass, nr, 0.0), mask=mask_n)
+
+
+@triton.jit
+def _full_divergences_bwd_kernel(
+    z_ptr, r_ptr, stats_ptr, coef_ptr, grad_ptr,
+    N, V, rows_per_group,
+    stride_z_g, stride_z_n, stride_r_n, stride_grad_n,
+    temperature, reference_temperature,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid_n = tl.program_id(0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    a = tl.load(coef_ptr + offs_n * 4 + 0, mask=mask_n, other=0.0)
+    b = tl.load(coef_ptr + offs_n * 4 + 1, mask=mask_n, other=0.0)
+    c = tl.load(coef_ptr + offs_n * 4 + 2, mask=mask_n, other=0.0)
+    d = tl.load(coef_ptr + offs_n * 4 + 3, mask=mask_n, other=0.0)
+    base = stats_ptr + offs_n * 9
+    rkl = tl.load(base + 1, mask=mask_n, other=0.0)
+    chi2 = tl.load(base + 2, mask=mask_n, other=0.0)
+    s_bar = tl.load(base + 4, mask=mask_n, other=0.0)
+    sz = tl.load(base + 5, mask=mask_n, other=0.0)
+    nz = tl.load(base + 6, mask=mask_n, other=0.0)
+    sr = tl.load(base + 7, mask=mask_n, other=0.0)
+    nr = tl.load(base + 8, mask=mask_n, other=0.0)
+    # a row is read only when it carries a coefficient (the caller zeroed the rows outside)
+    live_row = mask_n & ((a != 0.0) | (b != 0.0) | (c != 0.0) | (d != 0.0))
+    z_rows = z_ptr + (offs_n // rows_per_group) * stride_z_g + (offs_n % rows_per_group) * stride_z_n
+    r_rows = r_ptr + offs_n * stride_r_n
+    g_rows = grad_ptr + offs_n * stride_grad_n
+    inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
+    inv_r = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(reference_temperature, tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        in_v = mask_n[:, None] & (offs_v[None, :] < V)
+        mask = live_row[:, None] & (offs_v[None, :] < V)
+        z = tl.load(z_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        r = tl.load(r_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        lp = (z - sz[:, None]) * inv_t[:, None] - nz[:, None]
+        lq = (r - sr[:, None]) * inv_r[:, None] - nr[:, None]
+        pi, mu = tl.exp(lp), tl.exp(lq)
+        live_p = pi > 0.0
+        g = tl.where(a[:, None] != 0.0, a[:, None] * (pi - mu), 0.0)
+        g += tl.where((b[:, None] != 0.0) & live_p, b[:, None] * pi * (lp - lq - rkl[:, None]), 0.0)
+        g += tl.where((c[:, None] != 0.0) & live_p,
+                      2.0 * c[:, None] * (tl.exp(2.0 * lp - lq) - pi * (chi2[:, None] + 1.0)), 0.0)
+        sign = tl.where(pi > mu, 1.0, tl.where(pi < mu, -1.0, 0.0))
+        g += tl.where(d[:, None] != 0.0, 0.5 * d[:, None] * pi * (sign - s_bar[:, None]), 0.0)
+        g = tl.where(mask, g * inv_t[:, None], 0.0)
+        tl.store(g_rows[:, None] + offs_v[None, :], g.to(grad_ptr.dtype.element_ty), mask=in_v)
+
+
+class FullDivergences(NamedTuple):
+    stats: torch.Tensor  # [N, 9] float32: kl, reverse_kl, chi2, tv, Σ π s, row max / log-norm of z, of r
+
+
+def _checked(logits: torch.Tensor, reference: torch.Tensor):
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits: expected shape (N, V) or (B, T, V), got {tuple(logits.shape)}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    V = logits.shape[-1]
+    reference = reference.reshape(-1, V)
+    if reference.stride(-1) != 1:
+        reference = reference.contiguous()
+    return logits, reference
+
+
+def full_divergences_fwd(logits: torch.Tensor, reference: torch.Tensor, active: torch.Tensor, temperature: float,
+                         reference_temperature: float) -> FullDivergences:
+    """The [N, 9] statistics of softmax(logits / T) against softmax(reference / T_r) on the active rows."""
+    logits, reference = _checked(logits, reference)
+    V = logits.shape[-1]
+    N = logits.numel() // V
+    stats = torch.zeros(N, STATS, dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return FullDivergences(stats)
+    rows_per_group, stride_g, stride_n = grouped_strides(logits)
+    cfg = vocab_config(V)
+    grid = (triton.cdiv(N, cfg.BLOCK_N),)
+    with device_guard(logits):
+        _full_divergences_fwd_kernel[grid](
+            logits, reference, active.to(torch.int8).contiguous(), stats, N, V, rows_per_group, stride_g, stride_n,
+            reference.stride(0), float(temperature), float(reference_temperature),
+            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return FullDivergences(stats)
+
+
+def full_divergences_bwd(logits: torch.Tensor, reference: torch.Tensor, stats: torch.Tensor, coef: torch.Tensor,
+                         temperature: float, reference_temperature: float) -> torch.Tensor:
+    """dLoss/dlogits (logits' shape, contiguous, their dtype) for coef = [N, 4] dLoss/d(kl, reverse_kl, chi2, tv)."""
+    logits, reference = _checked(logits, reference)
+    V = logits.shape[-1]
+    N = logits.numel() // V
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if N == 0:
+        return grad
+    rows_per_group, stride_g, stride_n = grouped_strides(logits)
+    cfg = vocab_config(V)
+    grid = (triton.cdiv(N, cfg.BLOCK_N),)
+    with device_guard(logits):
+        _full_divergences_bwd_kernel[grid](
+            logits, reference, stats.contiguous(), coef.to(torch.float32).contiguous(), grad, N, V, rows_per_group,
+            stride_g, stride_n, reference.stride(0), V, float(temperature), float(reference_temperature),
+            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return grad
+
+
+def aot_specs():
+    """One AotSpec per (logits dtype, tier) for each of the two kernels (the reference shares the logits' dtype)."""
+    specs = []
+    for dtype in TRITON_DTYPES.values():
+        for cfg in all_vocab_configs():
+            constexprs = {"BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V}
+            fwd = {"z_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "active_ptr": "*i8", "stats_ptr": "*fp32",
+                   "N": "i32", "V": "i32", "rows_per_group": "i32", "stride_z_g": "i64", "stride_z_n": "i32",
+                   "stride_r_n": "i32", "temperature": "fp32", "reference_temperature": "fp32",
+                   **{k: "constexpr" for k in constexprs}}
+            bwd = {"z_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "stats_ptr": "*fp32", "coef_ptr": "*fp32",
+                   "grad_ptr": f"*{dtype}", "N": "i32", "V": "i32", "rows_per_group": "i32", "stride_z_g": "i64",
+                   "stride_z_n": "i32", "stride_r_n": "i32", "stride_grad_n": "i32", "temperature": "fp32",
+                   "reference_temperature": "fp32", **{k: "constexpr" for k in constexprs}}
+            tag = f"{dtype},BLOCK_N={cfg.BLOCK_N},BLOCK_V={cfg.BLOCK_V}"
+            aligned = ("z_ptr", "r_ptr", "V", "stride_z_g", "stride_z_n", "stride_r_n")
+            specs.append(AotSpec(name=f"full_divergences_fwd[{tag}]", fn=_full_divergences_fwd_kernel,
+                                 signature=fwd, constexprs=constexprs, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages, aligned=aligned + ("stats_ptr",)))
+            specs.append(AotSpec(name=f"full_divergences_bwd[{tag}]", fn=_full_divergences_bwd_kernel,
+                                 signature=bwd, constexprs=constexprs, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages, aligned=aligned + ("grad_ptr", "stride_grad_n")))
+    return specs
