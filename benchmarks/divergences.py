@@ -18,14 +18,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from typing import Callable, Dict
 
 import torch
 
-from benchmarks.harness import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
+from benchmarks.harness import (
+    WORKER_LINE,
+    peak_rss_bytes,
+    release_free_heap,
+    reset_peak_rss,
+    rss_bytes,
+    run_memory_worker,
+)
 
 PROVIDERS = ("logprob", "naive[topk]", "rlkernels[topk]", "naive[full]", "rlkernels[full]")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -148,14 +153,9 @@ def measure_memory(provider: str, args) -> Dict:
 
 
 def _memory_subprocess(provider: str, k: int, args) -> Dict:
-    cmd = [sys.executable, "-m", "benchmarks.divergences", "--memory-worker", provider, "--k-worker", str(k),
-           "--N", str(args.N), "--V", str(args.V), "--dtype", args.dtype, "--device", args.device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@"):
-            return json.loads(line[2:])
-    return dict(provider=provider, k=k, error=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
+    argv = ["--memory-worker", provider, "--k-worker", str(k), "--N", str(args.N), "--V", str(args.V),
+            "--dtype", args.dtype, "--device", args.device]
+    return run_memory_worker("benchmarks.divergences", argv, dict(provider=provider, k=k))
 
 
 def main(argv=None):
@@ -173,7 +173,7 @@ def main(argv=None):
     ap.add_argument("--k-worker", type=int, default=20, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_worker:
-        print("@@" + json.dumps(measure_memory(args.memory_worker, args)), flush=True)
+        print(WORKER_LINE + json.dumps(measure_memory(args.memory_worker, args)), flush=True)
         return None
     args.providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     rows = []

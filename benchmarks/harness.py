@@ -15,9 +15,11 @@ Bytes model (essential traffic of the [N, V] logits): fwd = 1 read; fwdbwd = 2 r
 import ctypes
 import datetime
 import gc
+import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from typing import Callable, List, Optional
 
@@ -142,6 +144,22 @@ def release_free_heap() -> None:
 
 
 # ---------------------------------------------------------------- timing
+# ---------------------------------------------------------------- a measurement in a fresh process
+WORKER_LINE = "@@"  # the line a memory worker prints its JSON record on
+
+
+def run_memory_worker(module: str, argv: List[str], fallback: dict, timeout_s: float = 1800) -> dict:
+    """`python -m <module> <argv>` in a fresh process (its peak RSS is one provider's), its record from the line
+    that starts with WORKER_LINE; on failure `fallback` with the process's last stderr line as the error."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=timeout_s,
+                          cwd=root)
+    for line in proc.stdout.splitlines():
+        if line.startswith(WORKER_LINE):
+            return json.loads(line[len(WORKER_LINE):])
+    return dict(fallback, error=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

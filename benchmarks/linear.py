@@ -33,7 +33,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Dict
@@ -43,7 +42,7 @@ import torch
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection
 
-from .harness import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
+from .harness import WORKER_LINE, peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes, run_memory_worker
 from .naive import naive_decoupled_ppo_loss
 
 PROVIDERS = ("naive", "naive[compile]", "rlkernels[logits]", "rlkernels[linear]", "rlkernels[linear-two-pass]",
@@ -233,15 +232,9 @@ def measure_gemms(args, fraction: float) -> Dict[str, Dict]:
 
 
 def _memory_subprocess(provider: str, fraction: float, args) -> Dict:
-    cmd = [sys.executable, "-m", "benchmarks.linear", "--memory-worker", provider, "--fraction", str(fraction),
-           "--N", str(args.N), "--H", str(args.H), "--V", str(args.V), "--dtype", args.dtype, "--device", args.device,
-           "--case", args.case]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@"):
-            return json.loads(line[2:])
-    return dict(provider=provider, fraction=fraction, error=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
+    argv = ["--memory-worker", provider, "--fraction", str(fraction), "--N", str(args.N), "--H", str(args.H),
+            "--V", str(args.V), "--dtype", args.dtype, "--device", args.device, "--case", args.case]
+    return run_memory_worker("benchmarks.linear", argv, dict(provider=provider, fraction=fraction))
 
 
 def main(argv=None):
@@ -263,7 +256,7 @@ def main(argv=None):
     ap.add_argument("--fraction", type=float, default=0.5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_worker:
-        print("@@" + json.dumps(measure_memory(args.memory_worker, args)), flush=True)
+        print(WORKER_LINE + json.dumps(measure_memory(args.memory_worker, args)), flush=True)
         return None
     args.providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     if args.device == "cuda" and "gemm" not in args.providers:

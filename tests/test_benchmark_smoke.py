@@ -99,3 +99,18 @@ def test_linear_benchmark_counts_three_gemms_for_the_one_pass_form(tmp_path):
     assert 3 * f * N < by["rlkernels[linear-two-pass]"]["gemm_rows"] <= 4 * f * N
     with open(tmp_path / "smoke.json") as fh:
         assert len(json.load(fh)["rows"]) == 3
+
+
+def test_divergences_benchmark_runs_every_provider(tmp_path):
+    """benchmarks/divergences.py end to end on a tiny vocabulary (time, fresh-process memory, the JSON): every
+    provider's value is finite and the rlkernels forms agree with the naive ones on the loss they time."""
+    divergences = pytest.importorskip("benchmarks.divergences")
+    out = tmp_path / "div.json"
+    rows = divergences.main(["--N", "32", "--V", "96", "--k", "5", "--reps", "1", "--json", str(out)])
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    assert {p for p, _ in by} == set(divergences.PROVIDERS)
+    value = {p: by[(p, "fwd")]["value"] for p in divergences.PROVIDERS}
+    assert value["rlkernels[topk]"] == pytest.approx(value["naive[topk]"], rel=1e-4, abs=1e-5)
+    assert value["rlkernels[full]"] == pytest.approx(value["naive[full]"], rel=1e-4, abs=1e-5)
+    assert all(r["peak_working_bytes"] is not None for r in rows)
+    assert out.exists()

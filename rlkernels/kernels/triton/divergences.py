@@ -28,6 +28,16 @@ STATS = 9  # kl, reverse_kl, chi2, tv, Σ π s, and (row max, log-normaliser) of
 
 
 @triton.jit
+def _log_probs(z_rows, r_rows, offs_v, mask, sz, nz, sr, nr, inv_t, inv_r):
+    """log π and log μ of one [BLOCK_N, BLOCK_V] block from the rows' two-part normalisers (-inf off `mask`)."""
+    z = tl.load(z_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+    r = tl.load(r_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+    lp = (z - sz[:, None]) * inv_t[:, None] - nz[:, None]
+    lq = (r - sr[:, None]) * inv_r[:, None] - nr[:, None]
+    return lp, lq
+
+
+@triton.jit
 def _full_divergences_fwd_kernel(
     z_ptr, r_ptr, active_ptr, stats_ptr,
     N, V, rows_per_group,
@@ -76,10 +86,7 @@ def _full_divergences_fwd_kernel(
     for v0 in range(0, v_stop, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask = has_mass[:, None] & (offs_v[None, :] < V)
-        z = tl.load(z_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        r = tl.load(r_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        lp = (z - sz[:, None]) * inv_t[:, None] - nz[:, None]
-        lq = (r - sr[:, None]) * inv_r[:, None] - nr[:, None]
+        lp, lq = _log_probs(z_rows, r_rows, offs_v, mask, sz, nz, sr, nr, inv_t, inv_r)
         pi, mu = tl.exp(lp), tl.exp(lq)
         live_p, live_q = pi > 0.0, mu > 0.0
         # each term only where its left-hand mass is positive (0 log 0 = 0); mass against none gives +inf
@@ -135,10 +142,7 @@ def _full_divergences_bwd_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V)
         in_v = mask_n[:, None] & (offs_v[None, :] < V)
         mask = live_row[:, None] & (offs_v[None, :] < V)
-        z = tl.load(z_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        r = tl.load(r_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        lp = (z - sz[:, None]) * inv_t[:, None] - nz[:, None]
-        lq = (r - sr[:, None]) * inv_r[:, None] - nr[:, None]
+        lp, lq = _log_probs(z_rows, r_rows, offs_v, mask, sz, nz, sr, nr, inv_t, inv_r)
         pi, mu = tl.exp(lp), tl.exp(lq)
         live_p = pi > 0.0
         g = tl.where(a[:, None] != 0.0, a[:, None] * (pi - mu), 0.0)
