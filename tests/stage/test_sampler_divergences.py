@@ -194,3 +194,30 @@ def test_the_one_pass_form_steps_aside_for_the_sampler():
                                               sampler_topk_logprobs=torch.full((8, 3), -2.0))
     assert out.path == "linear_two_pass"
     assert "rollout_corr/topk_kl_mean" in out.metrics
+
+
+@pytest.mark.parametrize("loss_type", ["vanilla", "score_centering"])
+def test_the_compiled_stage_reads_the_sampler_head_as_the_eager_one(loss_type):
+    """compile_stage=True: the divergence record and the head's coefficients pass through the compiled stage."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, V, k = 3, 5, 40, 6
+    logits = torch.randn(B, T, V, generator=gen)
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    mu = torch.log_softmax(logits + torch.randn(B, T, V, generator=gen) * 0.5, -1)
+    ids = mu.topk(k, -1).indices
+    rollout = mu.gather(-1, labels[..., None]).squeeze(-1)
+    results = []
+    for compile_stage in (False, True):
+        leaf = logits.clone().requires_grad_(True)
+        config = PolicyLossConfig(loss_type=loss_type, compile_stage=compile_stage,
+                                  rollout_correction=RolloutCorrection.trm(0.2))
+        out = rlkernels.decoupled_ppo_loss(leaf, labels, torch.linspace(-1, 1, B), torch.ones(B, T),
+                                           old_logprobs=rollout, rollout_logprobs=rollout, config=config,
+                                           sampler_topk_ids=ids, sampler_topk_logprobs=mu.gather(-1, ids))
+        results.append((out, torch.autograd.grad(out.loss, leaf)[0]))
+    (eager, g_eager), (compiled, g_compiled) = results
+    assert_close(compiled.loss, eager.loss, **tol("reordered", F32), name="loss")
+    assert_close(g_compiled, g_eager, **tol("reordered", F32), name="dlogits")
+    assert torch.equal(compiled.mask, eager.mask)
+    for name in ("rollout_corr/topk_kl_mean", "rollout_corr/topk_tv_seq_max_mean"):
+        assert_close(compiled.metrics[name], eager.metrics[name], **tol("reordered", F32), name=name)
