@@ -400,6 +400,7 @@ class SamplerHead(NamedTuple):
     mode: str = "selected"  # "selected" (candidates before filtering) or "support" (the kept set)
     logits: Optional[torch.Tensor] = None  # [..., V] the full form's logits, shaped like the trainer's
     temperature: Any = None  # the full form's temperature: a float, or [N] per token
+    given_ids: Optional[torch.Tensor] = None  # [N, k] the ids as given (the value checks read these)
 
     @property
     def slots(self) -> torch.Tensor:
@@ -442,7 +443,11 @@ def prepare_head(names: Tuple[str, str, str], given: Tuple, token_shape, vocab: 
         raise ValueError(f"{ids_name}: expected k <= V = {vocab} ids per row, got k = {ids.shape[-1]}")
     check_tensor(lp_name, logprobs, kind="float", shape=tuple(ids.shape), device=device)
     k = ids.shape[-1]
-    return SamplerHead(ids.reshape(-1, k).long(), logprobs.reshape(-1, k).detach(), mode)
+    given = ids.reshape(-1, k).long()
+    # an id outside [0, V) is a pad for the passes: never gathered, on any row (the value checks raise for the rows
+    # in the loss; rows outside it, and validate=False, must still read nothing out of bounds)
+    safe = torch.where((given >= 0) & (given < vocab), given, torch.full_like(given, -1))
+    return SamplerHead(safe, logprobs.reshape(-1, k).detach(), mode, given_ids=given)
 
 
 def check_head_values(checks: ValueChecks, head: SamplerHead, names: Tuple[str, str], vocab: int, rows: torch.Tensor,
@@ -454,7 +459,8 @@ def check_head_values(checks: ValueChecks, head: SamplerHead, names: Tuple[str, 
     if head is None or head.ids is None:
         return
     ids_name, lp_name = names
-    ids, lp, slots = head.ids, head.logprobs, head.ids >= 0
+    ids, lp = head.given_ids, head.logprobs
+    slots = ids >= 0
     live = slots & rows[:, None]
     checks.add((rows[:, None] & ((ids < -1) | (ids >= vocab))).any(),
                f"{ids_name}: expected token ids in [0, {vocab}) or -1 (padding)")
@@ -464,10 +470,15 @@ def check_head_values(checks: ValueChecks, head: SamplerHead, names: Tuple[str, 
     checks.add((live & torch.isnan(lp)).any(), f"{lp_name}: expected no NaN at the ids, got NaN")
     checks.add((live & (lp > 0)).any(), f"{lp_name}: expected log-probs <= 0, got a positive value")
     if head.mode == "selected":
-        mass = torch.where(live, lp.double().exp(), torch.zeros((), dtype=torch.float64, device=lp.device)).sum(1)
-        checks.add((mass > 1 + HEAD_MASS_SLACK).any(),
+        zero = torch.zeros((), dtype=torch.float64, device=lp.device)
+        mu = torch.where(live, lp.double().exp(), zero)
+        # plus the rounding of each log-prob to its dtype (|log μ| eps / 2 relative in μ): bf16 log-probs of a
+        # peaked row sum past 1 + 1e-4 by themselves
+        spread = torch.where(live, mu * lp.double().abs(), zero).sum(1)
+        slack = HEAD_MASS_SLACK + 0.5 * torch.finfo(lp.dtype).eps * spread
+        checks.add((mu.sum(1) > 1 + slack).any(),
                    f"{lp_name}: expected full-vocabulary log-probs (sum of exp over a row's ids <= 1 + "
-                   f"{HEAD_MASS_SLACK}), got a row whose mass exceeds that")
+                   f"{HEAD_MASS_SLACK} plus the log-probs' own rounding), got a row whose mass exceeds that")
     elif labels is not None:
         checks.add((rows & (labels >= 0) & ~(live & (ids == labels[:, None])).any(1)).any(),
                    f"{ids_name}: mode='support' but a sampled token is not among its row's ids (the sampler's kept "
@@ -503,6 +514,10 @@ def _check_options(config: PolicyLossConfig, args: Arguments) -> None:
         if args.rollout_logprobs is None:
             raise ValueError(f"rollout_logprobs: expected a tensor since loss_type={config.loss_type!r} weighs the "
                              "sampled token by f(p_y / q_y), got None")
+        if args.is_weights is not None:
+            raise ValueError(f"is_weights: loss_type={config.loss_type!r} takes its weights f(p / q) from the "
+                             "rollout correction's token IS rule; a trainer's own weights would not enter it. Pass "
+                             "is_weights=None")
     if any(t is not None for t in args.sampler) and (args.tp_group is not None or args.sampling_support is not None):
         raise ValueError("sampler_topk_ids / sampler_logits: not supported with tp_group or sampling_support yet")
     if config.vaco_threshold is not None and args.rollout_logprobs is None:

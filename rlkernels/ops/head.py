@@ -118,7 +118,9 @@ def _fixed_columns(saved, coefficients, inv_t, V: int):
         # -e p (log p + H), with p log p = 0 at p = 0
         value = value - e[:, None] * (torch.xlogy(p, p) + p * entropy[:, None])
     value = value * inv_t  # a float, or the [N, 1] per-row 1 / T
-    slot = torch.cat([head_slot, has_label[:, None]], 1)
+    # a head slot holding the label defers to the label's slot: one value per column (a scatter with two values for
+    # one index keeps either, on a GPU nondeterministically)
+    slot = torch.cat([head_slot & ~match, has_label[:, None]], 1)
     donor = torch.where(has_label, torch.full_like(labels, k), slot[:, :k].to(torch.int8).argmax(1))
     return idx, value, slot, donor
 

@@ -56,21 +56,28 @@ def token_divergences(
     ids = reference_topk_ids.long()
     pi_head = head_logprobs(logits, ids, temperature).exp()
     lq = torch.where(ids >= 0, reference_topk_logprobs.double(), torch.full_like(pi_head, float("-inf")))
-    if mode == "support":
-        lq = lq - torch.logsumexp(lq, -1, keepdim=True)
-    mu_head = lq.exp()
-    P, Q = pi_head.sum(-1), mu_head.sum(-1)
-    # a tail within the head mass's rounding error (k ulps of the dtype it was summed in: the fast path's
-    # float32, the log-probs' own for μ) is empty (SPEC §9.2)
+    Q = lq.exp().sum(-1)  # the sampler's head mass as given
+    P = pi_head.sum(-1)
+    # each tail's rounding error (SPEC §9.2): k ulps of the sum's dtype (the fast path's float32), and for μ the
+    # rounding of every given log-prob to its dtype, Σ_H μ |log μ| eps / 2
     k = ids.shape[-1]
-    eps_pi = torch.finfo(torch.float64 if logits.dtype == torch.float64 else torch.float32).eps
-    eps_mu = max(eps_pi, torch.finfo(reference_topk_logprobs.dtype).eps)
-
-    def tail(mass, eps):
-        return torch.where(1 - mass > k * eps, 1 - mass, torch.zeros_like(mass))
-
-    pi = torch.cat([pi_head, tail(P, eps_pi)[..., None]], -1)
-    mu = torch.cat([mu_head, tail(Q, eps_mu)[..., None]], -1)
+    eps_sum = torch.finfo(torch.float64 if logits.dtype == torch.float64 else torch.float32).eps
+    mu_given = lq.exp()
+    spread = torch.where(mu_given > 0, mu_given * lq.abs(), torch.zeros_like(mu_given)).sum(-1)
+    bound_p = k * eps_sum
+    bound_q = bound_p + 0.5 * torch.finfo(reference_topk_logprobs.dtype).eps * spread
+    if mode == "support":  # μ lives on the ids; π's tail is real or noise (empty)
+        lq = lq - torch.logsumexp(lq, -1, keepdim=True)
+        pi = torch.cat([pi_head, torch.where(1 - P > bound_p, 1 - P, torch.zeros_like(P))[..., None]], -1)
+        mu = torch.cat([lq.exp(), torch.zeros_like(P)[..., None]], -1)
+    else:
+        # a noise tail is empty when the other is too, else it stands at its bound
+        noise_p, noise_q = 1 - P <= bound_p, 1 - Q <= bound_q
+        both = noise_p & noise_q
+        tail_p = torch.where(both, torch.zeros_like(P), torch.where(noise_p, bound_p * torch.ones_like(P), 1 - P))
+        tail_q = torch.where(both, torch.zeros_like(Q), torch.where(noise_q, bound_q, 1 - Q))
+        pi = torch.cat([pi_head, tail_p[..., None]], -1)
+        mu = torch.cat([mu_given, tail_q[..., None]], -1)
     out = _divergences(pi, mu)
     out.update(trainer_head_mass=P, sampler_head_mass=Q)
     if labels is not None:

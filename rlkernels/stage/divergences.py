@@ -10,7 +10,7 @@ kl = KL(μ||π) = sum_H μ log(μ/π) and tv = (sum_H |π - μ| + 1 - P) / 2 are
 are +inf whenever π has mass outside H, so they are not reported (None).
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -38,12 +38,27 @@ def _kl_terms(a: Tensor, log_a: Tensor, log_b: Tensor) -> Tensor:
     return torch.where(live, a * (torch.where(live, log_a, zero) - torch.where(live, log_b, zero)), zero)
 
 
-def tail_mass(head_mass: Tensor, k: int, eps: float) -> Tensor:
-    """1 - head mass, the tail bucket; 0 where it lies within the sum's rounding error (k ulps of 1, `eps` the
-    ulp of the dtype the masses were summed in): there it is noise, and a noise tail against an empty one would
-    make KL or χ² infinite (a head covering the whole vocabulary)."""
-    tail = 1 - head_mass
-    return torch.where(tail > k * eps, tail, torch.zeros_like(tail))
+def tail_bounds(lq: Tensor, k: int, eps_sum: float, eps_logprobs: float) -> Tuple[float, Tensor]:
+    """The rounding error of each tail bucket 1 - Σ_H: k ulps of 1 for a sum in the statistics' dtype (`eps_sum`),
+    and for the sampler's side also the rounding of each reported log-prob to its dtype (`eps_logprobs`: a log-prob
+    rounded by |log μ| eps / 2 moves μ by that relative amount; bf16 log-probs carry percents)."""
+    zero = torch.zeros((), dtype=lq.dtype, device=lq.device)
+    mu = lq.exp()
+    spread = torch.where(mu > 0, mu * torch.where(mu > 0, lq, zero).abs(), zero).sum(1)
+    return k * eps_sum, k * eps_sum + 0.5 * eps_logprobs * spread
+
+
+def tail_masses(P: Tensor, Q: Tensor, bound_p, bound_q) -> Tuple[Tensor, Tensor]:
+    """(1 - P, 1 - Q) where they are real. A tail within its rounding error is noise: when both are, both buckets
+    are empty (a head covering the vocabulary); when only one is, that one stands at its bound, so that noise
+    against a real tail never makes a divergence infinite (the value stays a lower bound up to that rounding)."""
+    tail_p, tail_q = 1 - P, 1 - Q
+    noise_p, noise_q = tail_p <= bound_p, tail_q <= bound_q
+    both = noise_p & noise_q
+    zero = torch.zeros_like(tail_p)
+    tail_p = torch.where(both, zero, torch.where(noise_p, torch.full_like(tail_p, 1.0) * bound_p, tail_p))
+    tail_q = torch.where(both, zero, torch.where(noise_q, bound_q * torch.ones_like(tail_q), tail_q))
+    return tail_p, tail_q
 
 
 def _safe_log(x: Tensor) -> Tensor:
@@ -54,26 +69,24 @@ def partition(head_logprobs: Tensor, sampler_logprobs: Tensor, slots: Tensor, mo
     """head_logprobs: [N, k] log π at the head ids (-inf at pads), with autograd; sampler_logprobs: [N, k] log μ
     there as the sampler reports them; slots: [N, k] bool, the slots holding an id (elsewhere μ is read as 0)."""
     lq = torch.where(slots, sampler_logprobs.to(head_logprobs.dtype), head_logprobs.new_full((), float("-inf")))
-    eps = (torch.finfo(head_logprobs.dtype).eps, max(torch.finfo(head_logprobs.dtype).eps,
-                                                     torch.finfo(sampler_logprobs.dtype).eps))
-    return _partition(head_logprobs, lq, mode, eps)
+    bounds = tail_bounds(lq.detach(), lq.shape[1], torch.finfo(head_logprobs.dtype).eps,
+                         torch.finfo(sampler_logprobs.dtype).eps)
+    return _partition(head_logprobs, lq, mode, bounds)
 
 
-def _partition(lp: Tensor, lq: Tensor, mode: str, eps) -> Divergences:
-    k = lp.shape[1]
+def _partition(lp: Tensor, lq: Tensor, mode: str, bounds) -> Divergences:
     pi, mu = lp.exp(), lq.exp()
     P, Q = pi.sum(1), mu.sum(1)
-    pi_tail = tail_mass(P, k, eps[0])
-    log_pi_tail = _safe_log(pi_tail)
-    if mode == "support":
+    if mode == "support":  # μ has no tail: π's is real or noise (empty)
+        pi_tail = torch.where(1 - P > bounds[0], 1 - P, torch.zeros_like(P))
         norm = torch.logsumexp(lq, 1, keepdim=True)
         lq = lq - torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))  # a row without ids stays empty
         mu = lq.exp()
         kl = _kl_terms(mu, lq, lp).sum(1)
         tv = 0.5 * ((pi - mu).abs().sum(1) + pi_tail)
         return Divergences(kl, None, None, tv, P, Q)
-    mu_tail = tail_mass(Q, k, eps[1])
-    log_mu_tail = _safe_log(mu_tail)
+    pi_tail, mu_tail = tail_masses(P, Q, *bounds)
+    log_pi_tail, log_mu_tail = _safe_log(pi_tail), _safe_log(mu_tail)
     kl = _kl_terms(mu, lq, lp).sum(1) + _kl_terms(mu_tail, log_mu_tail, log_pi_tail)
     reverse_kl = _kl_terms(pi, lp, lq).sum(1) + _kl_terms(pi_tail, log_pi_tail, log_mu_tail)
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)

@@ -498,8 +498,9 @@ def score_centering(ctx: TermContext) -> PolicyTerm:
     live = slots & (lp > float("-inf"))  # an id without trainer mass has log p = -inf and no gradient
     p = torch.where(live, torch.exp(lp), torch.zeros_like(lp))
     q = torch.where(slots, torch.exp(lq.to(lp.dtype)), torch.zeros_like(lp))
-    r = torch.exp((torch.where(live, lp, zero[:, None]) - torch.where(slots, lq.to(lp.dtype), zero[:, None]))
-                  .clamp(-CLAMP, CLAMP))
+    r = torch.where(live, torch.exp((torch.where(live, lp, zero[:, None])
+                                     - torch.where(slots, lq.to(lp.dtype), zero[:, None])).clamp(-CLAMP, CLAMP)),
+                    zero[:, None])  # p = 0 at an id the trainer gives no mass: r = 0
     floor = SCORE_CENTERING_TAIL_FLOOR
     rho = (1 - q.sum(1)).clamp_min(floor) / (1 - p.sum(1)).clamp_min(floor)
     alpha = rho * f(1 / rho)

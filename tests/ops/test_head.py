@@ -7,13 +7,15 @@ come in every kind the suite uses (-inf entries, offsets of +-1e4, near one-hot 
 causal-shift view [B, T, V], on every backend this machine runs (Triton through its interpreter).
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlkernels
-from rlkernels import backends
+from rlkernels import RolloutCorrection, backends
 from rlkernels.backends.base import FOREIGN_TARGET
 from rlkernels.ops import head as head_ops
 from rlkernels.ops.vocab import temperature_tensor
@@ -391,3 +393,76 @@ def test_the_full_form_runs_the_triton_kernels_and_agrees_with_the_chunked_pass(
         q = tol("dlogits@interpreter", BF16, scale=max(1e-3, float(gb.float().abs().max())))
     assert_close(ga.float(), gb.float(), **q, name="dlogits")
     assert not bool(ga[:, -1].any())
+
+
+# ---- regressions found in review -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, torch.float16, BF16])
+def test_half_precision_sampler_logprobs_keep_a_real_tail(dtype):
+    """A 12 % sampler tail given as bf16 log-probs is not mistaken for rounding noise: every divergence stays a
+    finite lower bound of the exact one (the tail's noise bound counts the log-probs' own rounding)."""
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randn(1, 1000, generator=gen, dtype=F64) * 4.2
+    mu = torch.log_softmax(s, -1)
+    ids = mu.topk(20, -1).indices
+    z = s + 0.3
+    z[0, ids[0, :5]] += 0.5
+    top = rlkernels.token_divergences(z.float(), reference_topk_ids=ids, reference_topk_logprobs=mu.gather(-1, ids)
+                                      .to(dtype))
+    full = rlkernels.token_divergences(z.float(), reference_logits=s.float())
+    for name in ("kl", "reverse_kl", "chi2", "tv"):
+        value = float(getattr(top, name))
+        assert math.isfinite(value) and value >= 0, (name, value)
+        assert value <= float(getattr(full, name)) * 1.02 + 1e-6, name  # a bound, up to the log-probs' rounding
+
+
+def test_a_noise_tail_against_a_real_one_never_rejects_what_the_exact_criterion_keeps():
+    """Trainer tail 1e-6 (below k float32 ulps), sampler tail 1e-5: the top-k KL is finite and below the exact
+    one, so TRM keeps the tokens the exact form keeps; the reverse-KL distillation has finite gradients."""
+    V, k, T = 200, 20, 4
+    head = torch.randn(k, dtype=F64, generator=torch.Generator().manual_seed(0)) * 2
+
+    def with_tail(tail):
+        r = torch.empty(V, dtype=F64)
+        r[:k] = torch.log(torch.softmax(head, 0) * (1 - tail))
+        r[k:] = math.log(tail / (V - k))
+        return r
+
+    z = torch.stack([with_tail(1e-6)] * T)[None].float()
+    s = torch.stack([with_tail(1e-5)] * T)[None]
+    mu = torch.log_softmax(s, -1)
+    ids, lq = torch.arange(k).expand(1, T, k), mu[..., :k].float()
+    full = rlkernels.token_divergences(z, reference_logits=s.float())
+    top = rlkernels.token_divergences(z, reference_topk_ids=ids, reference_topk_logprobs=lq)
+    assert bool(torch.isfinite(top.kl).all()) and bool((top.kl <= full.kl * 1.01 + 1e-7).all())
+    labels, mask = torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.bool)
+    rollout = mu[..., 0].float()
+    out = rlkernels.decoupled_ppo_loss(z, labels, torch.ones(1, T), mask, old_logprobs=rollout,
+                                       rollout_logprobs=rollout, rollout_correction=RolloutCorrection.trm(0.01),
+                                       sampler_topk_ids=ids, sampler_topk_logprobs=lq)
+    assert bool(out.mask.all())
+    leaf = z.clone().requires_grad_(True)
+    dist = rlkernels.topk_distillation_loss(leaf, ids, lq, kind="reverse_kl")
+    (grad,) = torch.autograd.grad(dist.loss, leaf)
+    assert bool(torch.isfinite(grad).all()) and math.isfinite(float(dist.loss))
+
+
+def test_out_of_range_ids_on_rows_outside_the_loss_are_never_read():
+    logits = torch.randn(2, 3, 11, requires_grad=True)
+    labels = torch.tensor([[1, 2, -100], [3, 4, 5]])
+    ids = torch.tensor([[[1, 2], [2, 3], [11, 40]], [[3, 0], [4, 1], [5, 2]]])  # row (0, 2) is ignored
+    lp = torch.full((2, 3, 2), -3.0)
+    out = rlkernels.token_divergences(logits, labels, reference_topk_ids=ids, reference_topk_logprobs=lp)
+    assert float(out.kl[0, 2]) == 0.0
+    out.kl.sum().backward()
+    assert not bool(logits.grad[0, 2].any())
+    loss = rlkernels.decoupled_ppo_loss(logits, labels, torch.ones(2), torch.ones(2, 3), sampler_topk_ids=ids,
+                                        sampler_topk_logprobs=lp)
+    assert math.isfinite(float(loss.loss))
+
+
+def test_peaked_bf16_sampler_logprobs_pass_the_head_mass_check():
+    gen = torch.Generator().manual_seed(0)
+    mu = torch.log_softmax(torch.randn(64, 50, generator=gen, dtype=F64) * 12, -1)
+    ids = mu.topk(8, -1).indices
+    rlkernels.token_divergences(torch.randn(64, 50, generator=gen), reference_topk_ids=ids,
+                                reference_topk_logprobs=mu.gather(-1, ids).to(BF16))

@@ -171,5 +171,8 @@ def test_score_centering_inputs_are_checked():
     with pytest.raises(ValueError, match="rollout_logprobs: expected a tensor since loss_type='score_centering'"):
         rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, config=config, sampler_topk_ids=ids,
                                      sampler_topk_logprobs=lq)
+    with pytest.raises(ValueError, match="is_weights: loss_type='score_centering' takes its weights"):
+        rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, rollout_logprobs=torch.zeros(3, 5), config=config,
+                                     sampler_topk_ids=ids, sampler_topk_logprobs=lq, is_weights=torch.ones(3, 5))
     with pytest.raises(ValueError, match="is_level='sequence' has no per-token f"):
         PolicyLossConfig(loss_type="score_centering", rollout_correction=RolloutCorrection.seq_tis())
