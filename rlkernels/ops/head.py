@@ -144,7 +144,10 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
     # the backend's own backward for c + sum_j C_j: p is the softmax of the whole row, label or not
     dlogits = token_grad(logits, labels, row_max, log_norm, entropy, c_total,
                          row_max.new_empty(0) if e is None else e, temperature, backend, chunk_rows)
-    inv_t = inverse_temperature(temperature_value(temperature), acc)
+    # 1/T from the tensor itself (a 0-d CPU tensor multiplies device tensors as a scalar): a host read here would
+    # be a graph break in the backward torch.compile traces
+    inv_t = 1.0 / temperature.to(acc)
+    inv_t = inv_t if inv_t.dim() == 0 else inv_t.reshape(-1, 1)
     saved = (labels, head_ids, logprobs, entropy if use_entropy else None, head)
     idx, value, slot, donor = _fixed_columns(saved, (c, e, C), inv_t, V)
     flat = dlogits.view(-1, V)

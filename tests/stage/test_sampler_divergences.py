@@ -221,3 +221,33 @@ def test_the_compiled_stage_reads_the_sampler_head_as_the_eager_one(loss_type):
     assert torch.equal(compiled.mask, eager.mask)
     for name in ("rollout_corr/topk_kl_mean", "rollout_corr/topk_tv_seq_max_mean"):
         assert_close(compiled.metrics[name], eager.metrics[name], **tol("reordered", F32), name=name)
+
+
+@pytest.mark.parametrize("loss_type", ["vanilla", "score_centering"])
+def test_the_sampler_arguments_compile_in_one_graph(loss_type):
+    """torch.compile(fullgraph=True) over the loss with the sampler's top-k, and over token_divergences: the head
+    op's backward reads the temperature as a tensor (a host read would break the graph), values as eager."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, V, k = 2, 5, 40, 6
+    logits = torch.randn(B, T, V, generator=gen)
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    mu = torch.log_softmax(logits + torch.randn(B, T, V, generator=gen) * 0.5, -1)
+    ids = mu.topk(k, -1).indices
+    lq, rollout = mu.gather(-1, ids), mu.gather(-1, labels[..., None]).squeeze(-1)
+
+    def step(z):
+        loss = rlkernels.decoupled_ppo_loss(z, labels, torch.ones(B), torch.ones(B, T), old_logprobs=rollout,
+                                            rollout_logprobs=rollout, sampler_topk_ids=ids, sampler_topk_logprobs=lq,
+                                            validate=False, loss_type=loss_type, temperature=0.9).loss
+        div = rlkernels.token_divergences(z, labels, reference_topk_ids=ids, reference_topk_logprobs=lq,
+                                          temperature=0.9, validate=False)
+        return loss + div.kl.mean() + div.tv.mean()
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaf = logits.clone().requires_grad_(True)
+        value = fn(leaf)
+        results.append((value, torch.autograd.grad(value, leaf)[0]))
+    (eager, g_eager), (compiled, g_compiled) = results
+    assert_close(compiled, eager, **tol("reordered", F32), name="value")
+    assert_close(g_compiled, g_eager, **tol("reordered", F32), name="dlogits")
