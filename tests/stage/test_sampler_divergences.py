@@ -196,16 +196,21 @@ def test_the_one_pass_form_steps_aside_for_the_sampler():
     assert "rollout_corr/topk_kl_mean" in out.metrics
 
 
-@pytest.mark.parametrize("loss_type", ["vanilla", "score_centering"])
-def test_the_compiled_stage_reads_the_sampler_head_as_the_eager_one(loss_type):
-    """compile_stage=True: the divergence record and the head's coefficients pass through the compiled stage."""
+def _rollout_with_topk(B: int, T: int = 5, V: int = 40, k: int = 6):
+    """(logits, labels, the sampler's top-k ids and log-probs, the rollout log-probs) of a sampler near the trainer."""
     gen = torch.Generator().manual_seed(0)
-    B, T, V, k = 3, 5, 40, 6
     logits = torch.randn(B, T, V, generator=gen)
     labels = torch.randint(0, V, (B, T), generator=gen)
     mu = torch.log_softmax(logits + torch.randn(B, T, V, generator=gen) * 0.5, -1)
     ids = mu.topk(k, -1).indices
-    rollout = mu.gather(-1, labels[..., None]).squeeze(-1)
+    return logits, labels, ids, mu.gather(-1, ids), mu.gather(-1, labels[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("loss_type", ["vanilla", "score_centering"])
+def test_the_compiled_stage_reads_the_sampler_head_as_the_eager_one(loss_type):
+    """compile_stage=True: the divergence record and the head's coefficients pass through the compiled stage."""
+    logits, labels, ids, lq, rollout = _rollout_with_topk(B=3)
+    B, T = labels.shape
     results = []
     for compile_stage in (False, True):
         leaf = logits.clone().requires_grad_(True)
@@ -213,7 +218,7 @@ def test_the_compiled_stage_reads_the_sampler_head_as_the_eager_one(loss_type):
                                   rollout_correction=RolloutCorrection.trm(0.2))
         out = rlkernels.decoupled_ppo_loss(leaf, labels, torch.linspace(-1, 1, B), torch.ones(B, T),
                                            old_logprobs=rollout, rollout_logprobs=rollout, config=config,
-                                           sampler_topk_ids=ids, sampler_topk_logprobs=mu.gather(-1, ids))
+                                           sampler_topk_ids=ids, sampler_topk_logprobs=lq)
         results.append((out, torch.autograd.grad(out.loss, leaf)[0]))
     (eager, g_eager), (compiled, g_compiled) = results
     assert_close(compiled.loss, eager.loss, **tol("reordered", F32), name="loss")
@@ -227,13 +232,8 @@ def test_the_compiled_stage_reads_the_sampler_head_as_the_eager_one(loss_type):
 def test_the_sampler_arguments_compile_in_one_graph(loss_type):
     """torch.compile(fullgraph=True) over the loss with the sampler's top-k, and over token_divergences: the head
     op's backward reads the temperature as a tensor (a host read would break the graph), values as eager."""
-    gen = torch.Generator().manual_seed(0)
-    B, T, V, k = 2, 5, 40, 6
-    logits = torch.randn(B, T, V, generator=gen)
-    labels = torch.randint(0, V, (B, T), generator=gen)
-    mu = torch.log_softmax(logits + torch.randn(B, T, V, generator=gen) * 0.5, -1)
-    ids = mu.topk(k, -1).indices
-    lq, rollout = mu.gather(-1, ids), mu.gather(-1, labels[..., None]).squeeze(-1)
+    logits, labels, ids, lq, rollout = _rollout_with_topk(B=2)
+    B, T = labels.shape
 
     def step(z):
         loss = rlkernels.decoupled_ppo_loss(z, labels, torch.ones(B), torch.ones(B, T), old_logprobs=rollout,
