@@ -40,8 +40,6 @@ from .stage.divergences import Divergences, partition
 from .stage.metrics import Metrics
 from .stage.policy_terms import HeadContext
 
-vocab_temperature = ops.vocab.temperature_value  # a float (one temperature) or the [N] per-token ones
-
 
 class PolicyLossOutput(NamedTuple):
     loss: torch.Tensor  # () differentiable w.r.t. logits (or logprobs / entropy for policy_loss)
@@ -237,7 +235,7 @@ def _with_sampler_divergences(logits: torch.Tensor, batch: PreparedBatch, option
         return (ops.Statistics(stats.logprobs, stats.entropy, None), replace(batch, divergences=record),
                 stats.head_logprobs)
     stats = ops.token_stats(logits, batch, options)
-    t = vocab_temperature(batch.temperature)
+    t = batch.temperature
     with torch.no_grad():
         div = Divergences(*ops.full_divergences(logits.detach(), head.logits, batch.mask, t, t,
                                                 backend=options.backend))
@@ -383,8 +381,8 @@ def token_divergences(
     zero = lambda t: None if t is None else torch.where(batch.rows, t, torch.zeros_like(t))  # noqa: E731
     shaped = lambda t: None if t is None else t.reshape(token_shape)  # noqa: E731
     if head.logits is not None:
-        div = Divergences(*ops.full_divergences(logits, head.logits, batch.rows, vocab_temperature(batch.temperature),
-                                                vocab_temperature(batch.reference_temperature), backend=backend))
+        div = Divergences(*ops.full_divergences(logits, head.logits, batch.rows, batch.temperature,
+                                                batch.reference_temperature, backend=backend))
     else:
         options = ops.PassOptions(backend=backend)
         stats = ops.head_stats(logits, batch.prepared, options, head.ids)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .backends.base import FOREIGN_TARGET
+from .backends.temperature import Temperature
 from .config import BACKENDS, SAMPLER_HEAD_LOSSES, PolicyLossConfig, RolloutCorrection, check_finite_positive
-from .ops.vocab import temperature_tensor
 from .ops.vocab_parallel import shard_offset
 from .stage.loss import check_split_options
 from .stage.segments import Segments
@@ -46,9 +46,7 @@ class PreparedBatch:
     row_labels: Optional[torch.Tensor] = None  # [N] int64 label of each row, -1 on rows that take no part
     vocab_size: int = 0  # V of the labels (the whole vocabulary under tp_group)
     tp_group: Any = None  # the vocabulary-parallel group, or None
-    # one temperature as a 0-d float64 CPU tensor (a run-time input of a compiled graph, read on the host
-    # without a device sync), or the [N] per-token temperatures (detached, on the device)
-    temperature: Optional[torch.Tensor] = None
+    temperature: Optional[Temperature] = None  # one temperature, or the [N] per-token ones
     support: Optional[torch.Tensor] = None  # [N, K] int64 kept ids of the sampler (-1 pads), or None
     advantages: Optional[torch.Tensor] = None  # [N], per token
     old_logprobs: Optional[torch.Tensor] = None
@@ -347,14 +345,14 @@ def vocab_size(local_vocab: int, device, tp_group, inplace: bool = False) -> int
 # ---------------------------------------------------------------- the sampler's inputs
 def _sampler(args: Arguments, token_shape, vocab: int, device, labels: torch.Tensor, keep: torch.Tensor,
              checks: Optional[ValueChecks]):
-    """The temperature (0-d CPU tensor, or [N]) and the sampler's kept ids ([N, K] int64, or None), checked:
+    """The Temperature and the sampler's kept ids ([N, K] int64, or None), checked:
     types, shapes and devices always; with `checks`, positive finite temperatures, ids in [-1, V), no id twice
     in a row, and every label in the loss among its row's ids. A float temperature was checked already
     (PolicyLossConfig, or prepare_stats)."""
     temperature = args.temperature
     per_token = isinstance(temperature, torch.Tensor)
-    temperature = (_per_token_temperature(temperature, token_shape, device) if per_token
-                   else temperature_tensor(temperature))
+    temperature = Temperature(_per_token_temperature(temperature, token_shape, device)) if per_token \
+        else Temperature.of(temperature)
     support = None
     if args.sampling_support is not None:
         given = args.sampling_support
@@ -368,7 +366,7 @@ def _sampler(args: Arguments, token_shape, vocab: int, device, labels: torch.Ten
                          "tp_group yet")
     if checks is not None:
         if per_token:
-            checks.add((~torch.isfinite(temperature) | (temperature <= 0)).any(),
+            checks.add((~torch.isfinite(temperature.tensor) | (temperature.tensor <= 0)).any(),
                        "temperature: expected finite values > 0")
         if support is not None:
             _check_support(checks, support, vocab, labels, keep)
@@ -399,7 +397,6 @@ class SamplerHead(NamedTuple):
     logprobs: Optional[torch.Tensor] = None  # [N, k] as given (full-vocabulary log-probs)
     mode: str = "selected"  # "selected" (candidates before filtering) or "support" (the kept set)
     logits: Optional[torch.Tensor] = None  # [..., V] the full form's logits, shaped like the trainer's
-    temperature: Any = None  # the full form's temperature: a float, or [N] per token
     given_ids: Optional[torch.Tensor] = None  # [N, k] the ids as given (the value checks read these)
 
     @property
@@ -604,8 +601,8 @@ class DivergenceRows(NamedTuple):
     """token_divergences' rows: which take part, their labels for the pass, the temperatures, the value checks."""
     rows: torch.Tensor  # [N] bool
     row_labels: torch.Tensor  # [N] int64: the label, -1 outside, FOREIGN_TARGET on rows without a label
-    temperature: torch.Tensor  # 0-d float64 CPU tensor, or [N]
-    reference_temperature: torch.Tensor  # the same forms
+    temperature: Temperature
+    reference_temperature: Temperature
     checks: ValueChecks
     prepared: PreparedBatch  # what ops.head_stats reads
 
@@ -633,13 +630,13 @@ def prepare_divergence_rows(token_shape, vocab: int, device, labels, temperature
         rows = (flat >= 0) & (flat < vocab) & (flat != ignore_index)
         row_labels = _row_labels(flat, rows)
 
-    def one(name, t):
+    def one(name, t) -> Temperature:
         if isinstance(t, torch.Tensor):
             per_token = _per_token_temperature(t, token_shape, device)
             checks.add((~torch.isfinite(per_token) | (per_token <= 0)).any(), f"{name}: expected finite values > 0")
-            return per_token
+            return Temperature(per_token)
         check_finite_positive(name, t)
-        return temperature_tensor(t)
+        return Temperature.of(t)
 
     t = one("temperature", temperature)
     t_ref = t if reference_temperature is None else one("reference_temperature", reference_temperature)

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "rlkernels"
 ALLOWED = {
     "kernels": set(),
     "backends": {"kernels", "_C"},  # _C: the compiled CUDA extension
-    "ops": {"backends", "kernels"},
+    "ops": {"backends"},
     "stage": {"backends"},
     "reference": set(),
     "config": {"stage", "integrations"},  # the loss table; the trainer constructors delegate to integrations

@@ -1,4 +1,11 @@
-"""What a backend implements: the only two passes that touch the [N, V] logits (SPEC §2).
+"""What a backend implements: the passes that read the [N, V] logits (SPEC §2, §9), behind one protocol.
+
+Every vocabulary pass of the package goes through `Backend`: the sampled token's statistics and their
+gradient, the same with the log-probs at a second set of ids per row (the sampler's top-k, SPEC §9.1), and
+the full-form divergences between two logits tensors (SPEC §9.2). The chunked PyTorch backend
+(torch_backend.TorchBackend) implements all of them and is the base class of the others, which override the
+passes they have kernels for; what a backend does not override runs in its chunked PyTorch form, stated by
+the class (backends/__init__ answers which backend runs).
 
 Conventions shared by every backend (and checked by tests/backends against the reference):
 - `logits` is [N, V], or [B, T, V] standing for N = B*T rows, with unit stride along V and any other
@@ -8,9 +15,11 @@ Conventions shared by every backend (and checked by tests/backends against the r
   Triton and CUDA kernels never read their logits; the torch backend computes whole chunks and
   selects those rows away.
 - `FOREIGN_TARGET` (-2) marks a row whose target lies in another vocabulary shard (tensor
-  parallelism, rlkernels.distributed): its row_max, log_norm, entropy and sum p^2 are computed, its
-  logprob is 0, and its gradient is that of a row without the target column. Every backend
-  supports it.
+  parallelism, rlkernels.distributed), or a row with no label at all (divergences): its row_max,
+  log_norm, entropy and sum p^2 are computed, its logprob is 0, and its gradient is that of a row
+  without the target column. Every backend supports it.
+- `temperature` is a `Temperature` (backends/temperature.py); a float or an [N] tensor given instead is
+  read as one (`Temperature.of`).
 - Statistics are float32 (float64 for float64 logits, which only the torch backend accepts).
 """
 
@@ -25,14 +34,6 @@ def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of every per-token statistic for inputs of `dtype`: float32, or float64 for float64
     inputs (only the torch backend and the oracle see those)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def inverse_temperature(temperature, acc: torch.dtype):
-    """1/T for the torch code paths: a float for one temperature, an [N, 1] tensor in `acc` for a per-row
-    ([N]) one."""
-    if isinstance(temperature, torch.Tensor):
-        return (1.0 / temperature.to(acc)).reshape(-1, 1)
-    return 1.0 / temperature
 
 
 def rows_form_one_sequence(logits: torch.Tensor) -> bool:
@@ -84,26 +85,69 @@ class RowStats(NamedTuple):
     sum_pi_squared: Optional[torch.Tensor]  # [N] or None
 
 
+# The full form's statistics per row (SPEC §9.2): the four divergences first, then what a backend keeps for its
+# backward (the Triton and C++ kernels: Σ π sign(π - μ) and the two rows' (row max, log-normaliser))
+DIVERGENCES = ("kl", "reverse_kl", "chi2", "tv")
+DIVERGENCE_STATS = 9
+
+
+def gather_columns(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[N, K] logits at the ids [N, K] (in [0, V)) of each row, from [N, V] or [B, T, V] rows, gathered where
+    they lie along the vocabulary (autograd scatters into zeros of the logits' shape)."""
+    if logits.dim() == 3:
+        B, T, _ = logits.shape
+        return logits.gather(2, ids.view(B, T, ids.shape[1])).reshape(-1, ids.shape[1])  # (-1: ambiguous at 0 rows)
+    return logits.gather(1, ids)
+
+
+def head_logprobs(logits: torch.Tensor, head_ids: torch.Tensor, stats: RowStats, labels: torch.Tensor,
+                  temperature) -> torch.Tensor:
+    """[N, k] log p at the head ids (-1 pads) from the pass's two-part normaliser (never a second reduction over
+    V): (z_j - row_max) / T - log_norm; -inf at pads and at ids without mass, 0 on rows outside the pass.
+    `temperature`: a backends.temperature.Temperature."""
+    acc = stats.row_max.dtype
+    z = gather_columns(logits, head_ids.clamp_min(0)).to(acc)
+    lp = (z - stats.row_max[:, None]) * temperature.inverse(acc) - stats.log_norm[:, None]
+    V = logits.shape[-1]
+    active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
+    has_distribution = torch.isfinite(stats.log_norm) & active
+    minus_inf = torch.full((), float("-inf"), dtype=acc, device=lp.device)
+    lp = torch.where((head_ids >= 0) & has_distribution[:, None] & (z > float("-inf")), lp, minus_inf)
+    return torch.where(active[:, None], lp, torch.zeros_like(lp))
+
+
 class Backend(Protocol):
+    """The vocabulary passes. `temperature` / `reference_temperature`: Temperature values."""
+
     name: str
 
     def supports(self, logits: torch.Tensor) -> bool:
         """Whether this backend can run on these logits (device, dtype)."""
 
-    def token_stats_fwd(
-        self, logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool,
-        compute_sum_pi_squared: bool,
-    ) -> RowStats:
+    def token_stats_fwd(self, logits, labels, temperature, compute_entropy: bool,
+                        compute_sum_pi_squared: bool) -> RowStats:
         """One read of the logits: lse, logprob, and on request entropy and sum p^2 per row."""
 
-    def token_grad_bwd(
-        self, logits: torch.Tensor, labels: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
-        entropy: Optional[torch.Tensor],
-        coef_logprob: torch.Tensor, coef_entropy: Optional[torch.Tensor], temperature: float, inplace: bool,
-    ) -> torch.Tensor:
+    def token_grad_bwd(self, logits, labels, row_max, log_norm, entropy: Optional[torch.Tensor], coef_logprob,
+                       coef_entropy: Optional[torch.Tensor], temperature, inplace: bool) -> torch.Tensor:
         """dlogits = (c*(onehot - p) + e*(-p*(log p + H))) / T in the logits dtype; one read, one write.
 
         log p = (z - row_max) / T - log_norm, formed in that order (see RowStats).
 
         With `inplace` the result may be written into the logits' storage (the caller bumps the
         version counter)."""
+
+    def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy: bool,
+                       compute_sum_pi_squared: bool) -> Tuple[RowStats, torch.Tensor]:
+        """token_stats_fwd and the [N, k] log-probs at `head_ids` (-1 pads) from the same pass (SPEC §9.1), with
+        the row's normaliser on every active row (also where log p_y is -inf, and on FOREIGN_TARGET rows). The
+        backward is token_grad_bwd's (ops/head.py adds the head's columns)."""
+
+    def full_divergences_fwd(self, logits, reference, active, temperature,
+                             reference_temperature) -> torch.Tensor:
+        """[N, DIVERGENCE_STATS] float32 (float64 for float64 logits): the DIVERGENCES of softmax(logits / T)
+        against softmax(reference / T_r) per row, then the backend's own columns; zeros on inactive rows."""
+
+    def full_divergences_bwd(self, logits, reference, stats, coef, temperature,
+                             reference_temperature) -> torch.Tensor:
+        """dlogits (the logits' shape and dtype, contiguous) for coef = [N, 4] dLoss/d(DIVERGENCES)."""

@@ -5,15 +5,17 @@ csrc/cpu/token_passes.cpp) take the same arguments: logits [N, V] with unit stri
 stride, int64 labels, float32 [N] statistics and coefficients, and a temperature that is one float or
 (a per-token temperature) the rows' float32 1/T. This class adapts the backend protocol
 (base.Backend) to them: casts, and one call per batch row for [B, T, V] views whose rows are not one
-strided sequence (the causal shift), read where they lie instead of copied.
+strided sequence (the causal shift), read where they lie instead of copied. The passes without a compiled
+op here (the head ids, and the full-form divergences on CUDA) are the torch backend's, inherited.
 """
 
 from typing import Optional
 
 import torch
 
-from ..kernels.temperature import row_temperature
 from .base import RowStats, paired_row_groups, row_groups
+from .temperature import Temperature
+from .torch_backend import TorchBackend
 
 
 def register_fakes(namespace: str) -> None:
@@ -39,17 +41,20 @@ def register_fakes(namespace: str) -> None:
         return None
 
 
-class ExtensionBackend:
+class ExtensionBackend(TorchBackend):
     name = ""
     namespace = ""
 
     def _ops(self):
         return getattr(torch.ops, self.namespace)
 
+    def _normalising_pass(self) -> "ExtensionBackend":
+        return self  # the kernels compute every active row's normaliser
+
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
         # logits: (N, V) or (B, T, V) with unit stride along V; labels: (N,) int64, -1 on skipped rows
         labels = _labels(labels)
-        scalar, inverse = row_temperature(temperature)
+        scalar, inverse = Temperature.of(temperature).kernel_args()
         pieces = [
             self._ops().token_stats_fwd(
                 rows, labels[start:start + rows.shape[0]], scalar, bool(compute_entropy),
@@ -76,7 +81,7 @@ class ExtensionBackend:
             _f32(coef_logprob), _f32(coef_entropy) if has_entropy else None,
         )
         out = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        scalar, inverse = row_temperature(temperature)
+        scalar, inverse = Temperature.of(temperature).kernel_args()
         for start, rows, out_rows in paired_row_groups(logits, out):
             stop = start + rows.shape[0]
             args = (rows, *(None if v is None else v[start:stop] for v in vectors), scalar)

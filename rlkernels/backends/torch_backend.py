@@ -1,4 +1,5 @@
-"""The chunked PyTorch backend: the CPU default and the fallback everywhere.
+"""The chunked PyTorch backend: the fallback everywhere, and the base class of the other backends (each
+overrides the passes it has kernels for and inherits the rest in this form).
 
 Rows are processed `chunk_rows` at a time, so at most a few float32 [chunk, V] temporaries exist at
 once (peak extra memory O(chunk * V + N)); the full log-softmax is never materialised.
@@ -9,6 +10,14 @@ log_softmax (one fused kernel), the backward recomputes p with ATen's fused soft
 -c * p / T straight into the gradient, then overwrites the target column with c * (1 - p_y) / T
 formed in float32. The backward therefore does not replay the saved (row_max, log_norm): a fused
 softmax over a cache-resident chunk is cheaper here than the separate passes replaying would take.
+
+The full-form divergences (SPEC §9.2) read both logits tensors a chunk of rows at a time, and the backward
+reads them again and forms, for coefficients (a, b, c, d) of the four,
+
+    dz_v = ( a (π_v - μ_v) + b π_v (log π_v - log μ_v - KL(π||μ)) + 2 c (π_v² / μ_v - π_v (χ² + 1))
+             + d π_v (s_v - sum_u π_u s_u) / 2 ) / T,              s = sign(π - μ);
+
+autograd reaches the trainer's logits only (μ is a fixed target).
 """
 
 from typing import Iterator, Optional, Tuple
@@ -16,14 +25,16 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from .base import (
+    DIVERGENCE_STATS,
     FOREIGN_TARGET,
     RowStats,
-    inverse_temperature,
+    head_logprobs,
     num_rows,
     paired_row_groups,
     row_groups,
     statistics_dtype,
 )
+from .temperature import Temperature
 
 # Rows per chunk: ~1 Mi elements (4 MiB in float32) keeps a chunk cache-resident, so the handful of
 # elementwise passes below cost about one read of the logits and one write of the gradient from
@@ -74,6 +85,13 @@ class TorchBackend:
     def _rows(inv_t, s, e):
         return inv_t[s:e] if isinstance(inv_t, torch.Tensor) else inv_t
 
+    def _normalising_pass(self) -> "TorchBackend":
+        """This backend's token_stats_fwd with the row's normaliser on every active row. The torch pass derives
+        log_norm from log p_y, which is -inf at a label with a -inf logit and absent on a FOREIGN_TARGET row;
+        its vocabulary-shard form computes it from the largest log p instead (one more reduction, only there).
+        The kernel backends compute the normaliser directly and return themselves."""
+        return self if self.vocab_shard else TorchBackend(self.chunk_rows, vocab_shard=True)
+
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
         N, V = num_rows(logits), logits.shape[-1]
         acc = statistics_dtype(logits.dtype)
@@ -88,7 +106,8 @@ class TorchBackend:
         target = torch.zeros_like(row_max)
         # a row with a foreign target recovers log_norm from its largest log p (= -log_norm exactly)
         log_p_max = torch.zeros_like(row_max) if self.vocab_shard else None
-        inv_t = inverse_temperature(temperature, acc)
+        temperature = Temperature.of(temperature)
+        inv_t = temperature.inverse(acc)
         for s, e, chunk, _ in self._chunks(logits):
             target[s:e] = chunk.gather(1, safe_labels[s:e]).squeeze(1).to(acc)
             m = chunk.amax(1).to(acc)
@@ -111,8 +130,8 @@ class TorchBackend:
         # lse = row_max/T + log_norm holds in the two parts the other backends keep
         no_mass = torch.isnan(logprobs)
         logprobs = logprobs.masked_fill(no_mass, float("-inf"))
-        per_row = isinstance(temperature, torch.Tensor)
-        log_norm = (target - row_max) * inv_t.squeeze(1) if per_row else (target - row_max) / temperature
+        log_norm = (target - row_max) * inv_t.squeeze(1) if temperature.per_row else \
+            (target - row_max) / temperature.value()
         log_norm = log_norm - logprobs
         if self.vocab_shard:
             # also where the label's logit is -inf (log p_y = -inf leaves the label's form NaN): the head ids of
@@ -138,7 +157,7 @@ class TorchBackend:
         has_coef = (coef_logprob != 0) | (coef_entropy != 0 if coef_entropy is not None else False)
         active = (valid | foreign) & has_coef
         zero = torch.zeros((), dtype=acc, device=device)
-        inv_t = inverse_temperature(temperature, acc)
+        inv_t = Temperature.of(temperature).inverse(acc)
         inv_t_flat = inv_t.squeeze(1) if isinstance(inv_t, torch.Tensor) else inv_t
         # inactive rows have c = e = 0 and so come out exactly 0 from the products below
         c = torch.where(active, coef_logprob.to(acc), zero) * inv_t_flat
@@ -176,6 +195,82 @@ class TorchBackend:
                 g.scatter_add_(1, y, ct_rows)  # + c at the target, in float32 before the rounding
                 out_chunk.copy_(g)
         return out
+
+
+    def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy, compute_sum_pi_squared):
+        temperature = Temperature.of(temperature)
+        stats = self._normalising_pass().token_stats_fwd(logits, labels, temperature, compute_entropy,
+                                                         compute_sum_pi_squared)
+        return stats, head_logprobs(logits, head_ids, stats, labels, temperature)
+
+    def _pair_chunks(self, logits, reference):
+        """(first row, end row, logits chunk, reference chunk): the trainer's rows where they lie, and the
+        reference's matching [rows, V] rows."""
+        ref_rows = reference.reshape(-1, logits.shape[-1])  # a view unless its strides forbid one
+        for s, e, chunk, _ in self._chunks(logits):
+            yield s, e, chunk, ref_rows[s:e]
+
+    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature):
+        acc = statistics_dtype(logits.dtype)
+        out = torch.zeros(active.shape[0], DIVERGENCE_STATS, dtype=acc, device=logits.device)
+        inv_t = Temperature.of(temperature).inverse(acc)
+        inv_r = Temperature.of(reference_temperature).inverse(acc)
+        with torch.no_grad():
+            for s, e, z, r in self._pair_chunks(logits, reference):
+                lp = _log_softmax(z, self._rows(inv_t, s, e), acc)
+                out[s:e, :4] = _divergences(lp, _log_softmax(r, self._rows(inv_r, s, e), acc))
+        return torch.where(active[:, None], out, torch.zeros((), dtype=acc, device=out.device))
+
+    def full_divergences_bwd(self, logits, reference, stats, coef, temperature, reference_temperature):
+        acc = stats.dtype
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat = grad.view(-1, logits.shape[-1])
+        inv_t = Temperature.of(temperature).inverse(acc)
+        inv_r = Temperature.of(reference_temperature).inverse(acc)
+        zero = torch.zeros((), dtype=acc, device=logits.device)
+        for s, e, z, r in self._pair_chunks(logits, reference):
+            t_rows = self._rows(inv_t, s, e)
+            lp, lq = _log_softmax(z, t_rows, acc), _log_softmax(r, self._rows(inv_r, s, e), acc)
+            pi, mu, live, ratio_sq = _terms(lp, lq)
+            a, b, c, d = (coef[s:e, i:i + 1] for i in range(4))
+            reverse_kl, chi2 = stats[s:e, 1:2], stats[s:e, 2:3]
+            log_ratio = torch.where(live, torch.where(live, lp, zero) - torch.where(live, lq, zero), zero)
+            sign = torch.sign(pi - mu)
+            # a divergence without a coefficient contributes nothing, even where it is +inf (0 * inf = NaN)
+            g = torch.where(a != 0, a * (pi - mu), zero) \
+                + torch.where(b != 0, b * (pi * (log_ratio - reverse_kl)), zero) \
+                + torch.where(c != 0, 2 * c * (ratio_sq - pi * (chi2 + 1)), zero) \
+                + torch.where(d != 0, 0.5 * d * pi * (sign - (pi * sign).sum(1, keepdim=True)), zero)
+            flat[s:e] = (g * t_rows).to(grad.dtype)
+        return grad
+
+
+def _log_softmax(rows: torch.Tensor, inv_t, acc) -> torch.Tensor:
+    z = rows.to(acc)
+    top = z.amax(1, keepdim=True)
+    z = z - torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # shift first: exact differences at 1e4
+    return torch.log_softmax(z * inv_t, dim=1)
+
+
+def _terms(lp: torch.Tensor, lq: torch.Tensor):
+    """(π, μ, live π > 0, π²/μ where π > 0) with the empty branches' logs replaced before any product."""
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    pi, mu = lp.exp(), lq.exp()
+    live = pi > 0
+    ratio_sq = torch.where(live, torch.exp(2 * torch.where(live, lp, zero) - torch.where(live, lq, zero)), zero)
+    return pi, mu, live, ratio_sq
+
+
+def _divergences(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+    """[rows, 4] (kl, reverse_kl, chi2, tv) of the rows' log π and log μ."""
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    pi, mu, live, ratio_sq = _terms(lp, lq)
+    mu_live = mu > 0
+    kl = torch.where(mu_live, mu * (torch.where(mu_live, lq, zero) - torch.where(mu_live, lp, zero)), zero).sum(1)
+    reverse_kl = torch.where(live, pi * (torch.where(live, lp, zero) - torch.where(live, lq, zero)), zero).sum(1)
+    chi2 = ratio_sq.sum(1) - 1
+    tv = 0.5 * (pi - mu).abs().sum(1)
+    return torch.stack([kl, reverse_kl, chi2, tv], 1)
 
 
 def _zero_rows(t: torch.Tensor, rows: torch.Tensor) -> None:

@@ -1,17 +1,24 @@
-"""The Triton backend: launchers only (layout checks, allocation, grid and BLOCK_* live in kernels/triton)."""
+"""The Triton backend: launchers only (layout checks, allocation, grid and BLOCK_* live in kernels/triton).
+
+The full-form divergences have kernels for one temperature each and one dtype for both tensors; a per-token
+temperature or two dtypes take the chunked PyTorch form (inherited from TorchBackend).
+"""
 
 import os
 
 import torch
 
+from ..kernels.triton import divergences as divergence_kernels
 from ..kernels.triton.token_grad import token_grad_bwd
 from ..kernels.triton.token_stats import token_stats_fwd
 from .base import RowStats
+from .temperature import Temperature
+from .torch_backend import TorchBackend
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class TritonBackend:
+class TritonBackend(TorchBackend):
     name = "triton"
 
     def supports(self, logits: torch.Tensor) -> bool:
@@ -22,12 +29,31 @@ class TritonBackend:
             return True
         return logits.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
+    def _normalising_pass(self) -> "TritonBackend":
+        return self  # the kernel computes every active row's normaliser
+
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
-        return RowStats(*token_stats_fwd(logits, labels, temperature, compute_entropy, compute_sum_pi_squared))
+        return RowStats(*token_stats_fwd(logits, labels, Temperature.of(temperature).value(), compute_entropy,
+                                         compute_sum_pi_squared))
 
     def token_grad_bwd(
         self, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inplace,
     ) -> torch.Tensor:
-        return token_grad_bwd(
-            logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, inplace
-        )
+        return token_grad_bwd(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy,
+                              Temperature.of(temperature).value(), inplace)
+
+    @staticmethod
+    def _kernels_take(logits, reference, temperature: Temperature, reference_temperature: Temperature) -> bool:
+        return not temperature.per_row and not reference_temperature.per_row and reference.dtype == logits.dtype
+
+    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature):
+        t, t_r = Temperature.of(temperature), Temperature.of(reference_temperature)
+        if not self._kernels_take(logits, reference, t, t_r):
+            return super().full_divergences_fwd(logits, reference, active, t, t_r)
+        return divergence_kernels.full_divergences_fwd(logits, reference, active, t.value(), t_r.value()).stats
+
+    def full_divergences_bwd(self, logits, reference, stats, coef, temperature, reference_temperature):
+        t, t_r = Temperature.of(temperature), Temperature.of(reference_temperature)
+        if not self._kernels_take(logits, reference, t, t_r):
+            return super().full_divergences_bwd(logits, reference, stats, coef, t, t_r)
+        return divergence_kernels.full_divergences_bwd(logits, reference, stats, coef, t.value(), t_r.value())

@@ -28,6 +28,7 @@ import torch
 
 from .. import backends
 from ..backends.base import rows_form_one_sequence
+from ..backends.temperature import Temperature
 from . import kept_set, linear, vocab, vocab_parallel
 from .coefficients import CoefficientLossFunction, ForwardGradientFunction
 from .divergences import FullDivergenceFunction, linear_full_divergence_values
@@ -108,7 +109,7 @@ def token_stats(logits: torch.Tensor, batch, options: PassOptions) -> Statistics
         if kept_set.gathers(batch.support.shape[1], rows.shape[-1]):
             return Statistics(*kept_set.kept_set_stats(
                 kept_set.logits_kept(rows, batch.support), batch.support >= 0,
-                kept_set.label_slots(batch.support, batch.row_labels), vocab.temperature_value(batch.temperature),
+                kept_set.label_slots(batch.support, batch.row_labels), batch.temperature,
                 options.entropy, options.sum_pi_squared))
         # a large kept set: the vocabulary pass over logits masked to -inf outside it (a temporary of
         # ours, so its gradient may overwrite it in place)
@@ -119,9 +120,9 @@ def token_stats(logits: torch.Tensor, batch, options: PassOptions) -> Statistics
     name = backends.resolve(options.backend, rows)
     if batch.tp_group is not None:
         return Statistics(*vocab_parallel.vocab_parallel_token_stats(
-            rows, batch.row_labels, vocab.host_float(batch.temperature), options.entropy, options.sum_pi_squared,
+            rows, batch.row_labels, batch.temperature, options.entropy, options.sum_pi_squared,
             name, options.chunk_rows, batch.tp_group))
-    return _present(vocab.token_stats(rows, batch.row_labels, batch.temperature, options.entropy,
+    return _present(vocab.token_stats(rows, batch.row_labels, batch.temperature.tensor, options.entropy,
                                       options.sum_pi_squared, inplace, name, options.chunk_rows or 0), options)
 
 
@@ -136,24 +137,23 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
     if batch.tp_group is not None:
         return Statistics(*vocab_parallel.vocab_parallel_linear_token_stats(
-            hidden, weight, bias, batch.row_labels, vocab.host_float(batch.temperature), options.entropy,
+            hidden, weight, bias, batch.row_labels, batch.temperature, options.entropy,
             options.sum_pi_squared, name, chunk_rows, batch.tp_group))
     return _present(linear.linear_token_stats(
-        hidden, weight, bias, batch.row_labels, batch.temperature, options.entropy, options.sum_pi_squared, name,
-        chunk_rows, False, batch.support), options)  # a large kept set: masked chunks of logits
+        hidden, weight, bias, batch.row_labels, batch.temperature.tensor, options.entropy, options.sum_pi_squared,
+        name, chunk_rows, False, batch.support), options)  # a large kept set: masked chunks of logits
 
 
 def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) -> Statistics:
     """The kept-set statistics of the rows in the loss (the others stay 0 and never touch the head)."""
     N = hidden.shape[0]
-    row_labels, support, temperature = batch.row_labels, batch.support, vocab.temperature_value(batch.temperature)
+    row_labels, support = batch.row_labels, batch.support
     rows = torch.nonzero(row_labels >= 0).squeeze(1)  # a sync, as the fused-linear path's own row selection
     budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
     sub = support.index_select(0, rows)
     kept = kept_set.linear_logits_kept(hidden.index_select(0, rows), weight, bias, sub, budget)
-    t_rows = temperature.index_select(0, rows) if isinstance(temperature, torch.Tensor) else temperature
     stats = kept_set.kept_set_stats(kept, sub >= 0, kept_set.label_slots(sub, row_labels.index_select(0, rows)),
-                                    t_rows, options.entropy, options.sum_pi_squared)
+                                    batch.temperature.rows(rows), options.entropy, options.sum_pi_squared)
     acc = backends.statistics_dtype(hidden.dtype)
 
     def full(t):
@@ -224,29 +224,27 @@ def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     with torch.set_grad_enabled(head_grad and torch.is_grad_enabled()):
         head = linear_head_logprobs(hidden, weight, bias, batch.row_labels, head_ids,
                                     stats.logprobs if head_grad else stats.logprobs.detach(),
-                                    vocab.temperature_value(batch.temperature), budget)
+                                    batch.temperature, budget)
     return HeadStatistics(stats.logprobs, stats.entropy, stats.sum_pi_squared, head)
 
 
-def full_divergences(logits: torch.Tensor, reference: torch.Tensor, active: torch.Tensor, temperature,
-                     reference_temperature, chunk_rows: Optional[int] = None, backend: str = "auto"):
+def full_divergences(logits: torch.Tensor, reference: torch.Tensor, active: torch.Tensor, temperature: Temperature,
+                     reference_temperature: Temperature, chunk_rows: Optional[int] = None, backend: str = "auto"):
     """(kl, reverse_kl, chi2, tv), each [N], of softmax(logits / T) against softmax(reference / T_r) (SPEC §9.2,
-    the full form); autograd to `logits`. The temperatures: floats or [N] tensors; `active`: [N] bool rows.
-    The Triton kernels serve it where the backend resolves to Triton with one temperature each and the two
-    tensors share a dtype; everything else takes the chunked PyTorch pass."""
+    the full form); autograd to `logits`. `active`: [N] bool rows. The backend is resolved here and runs both
+    passes (its kernels where it has them for these inputs; backends.base.Backend)."""
     rows = logit_rows(logits, False)
     name = backends.resolve(backend, rows)
-    scalar = not isinstance(temperature, torch.Tensor) and not isinstance(reference_temperature, torch.Tensor)
-    kernel = "triton" if name == "triton" and scalar and reference.dtype == rows.dtype else "torch"
-    return FullDivergenceFunction.apply(rows, reference, active, temperature, reference_temperature, chunk_rows,
-                                        kernel)
+    return FullDivergenceFunction.apply(rows, reference, active, temperature, reference_temperature, name,
+                                        chunk_rows)
 
 
 def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], reference,
                             batch, options: PassOptions):
     """full_divergences of logits = hidden @ weight.T + bias ([N, H] hidden) against `reference` logits, at the
     batch's temperature, on the rows in the loss; no autograd (the loss's metrics and TRM's mask)."""
+    name = backends.resolve(options.backend, hidden)
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
-    values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask,
-                                           vocab.temperature_value(batch.temperature), chunk_rows)
+    values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, name,
+                                           chunk_rows)
     return tuple(values.unbind(1))

@@ -3,9 +3,9 @@ top-k), from the same vocabulary pass that gives the sampled token's log-prob, e
 
     log p_j = (z_j - row_max) / T - log_norm          for each id j of the row's head H (k ids, -1 pads)
 
-The forward is the backend's token_stats pass plus a gather of k logits per row: the head's log-probs come from
-the pass's two-part normaliser (backends.base.RowStats), never from a second reduction over V. The backward takes
-an [N, k] coefficient matrix C = dLoss/dlog p_H beside the pass's (c, e): its gradient is
+The forward is the backend's head_stats_fwd (its token_stats pass plus a gather of k logits per row): the head's
+log-probs come from the pass's two-part normaliser (backends.base.RowStats), never from a second reduction over
+V. The backward takes an [N, k] coefficient matrix C = dLoss/dlog p_H beside the pass's (c, e): its gradient is
 
     dz_v = ( c 1[v = y] + sum_j C_j 1[v = h_j] - (c + sum_j C_j) p_v - e p_v (log p_v + H) ) / T,
 
@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..backends.base import FOREIGN_TARGET, inverse_temperature, statistics_dtype
-from .kept_set import linear_logits_kept, logits_kept
-from .vocab import refuse_double_backward, temperature_value, token_grad
+from ..backends.base import FOREIGN_TARGET, statistics_dtype
+from ..backends.temperature import Temperature
+from .kept_set import linear_logits_kept
+from .vocab import refuse_double_backward, token_grad
 
 
 class HeadStatistics(NamedTuple):
@@ -36,32 +37,6 @@ class HeadStatistics(NamedTuple):
     head_logprobs: Tensor  # [N, k] log p at the head ids, with autograd; -inf at pads and at ids p gives no mass
 
 
-def _instance(name: str, chunk_rows: int):
-    # the head's log-probs need the row's normaliser itself. The torch backend derives it from log p_y unless it
-    # is a vocabulary shard (then from the largest log p, one more reduction), and log p_y is -inf at a label
-    # with a -inf logit, or absent on a row without a label (FOREIGN_TARGET): so it is always asked for the
-    # shard form. The kernels compute the normaliser directly
-    return backends.instance(name, chunk_rows or None, vocab_shard=True)
-
-
-def _head_logits(logits: Tensor, ids: Tensor) -> Tensor:
-    """[N, k] logits at the ids (pads read column 0; masked by the caller), from [N, V] or [B, T, V] rows."""
-    return logits_kept(logits, ids.clamp_min(0))
-
-
-def _head_logprobs(logits, ids, row_max, log_norm, labels, temperature) -> Tensor:
-    acc = row_max.dtype
-    inv_t = inverse_temperature(temperature, acc)
-    z = _head_logits(logits, ids).to(acc)
-    lp = (z - row_max[:, None]) * inv_t - log_norm[:, None]
-    V = logits.shape[-1]
-    active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
-    has_distribution = torch.isfinite(log_norm) & active
-    minus_inf = torch.full((), float("-inf"), dtype=acc, device=lp.device)
-    lp = torch.where((ids >= 0) & has_distribution[:, None] & (z > float("-inf")), lp, minus_inf)
-    return torch.where(active[:, None], lp, torch.zeros_like(lp))
-
-
 @torch.library.custom_op("rlkernels::head_stats", mutates_args=())
 def head_stats(
     logits: Tensor, labels: Tensor, head_ids: Tensor, temperature: Tensor, compute_entropy: bool,
@@ -69,11 +44,9 @@ def head_stats(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # logits: (N, V) or (B, T, V) row-strided; labels: (N,) int64 (-1: outside, FOREIGN_TARGET: no label);
     # head_ids: (N, k) int64, -1 pads
-    t = temperature_value(temperature)
-    stats = _instance(backend, chunk_rows).token_stats_fwd(logits, labels, t, compute_entropy,
-                                                                  compute_sum_pi_squared)
+    stats, head = backends.select(backend, logits, chunk_rows or None).head_stats_fwd(
+        logits, labels, head_ids, Temperature(temperature), compute_entropy, compute_sum_pi_squared)
     absent = lambda x: stats.logprobs.new_empty(0) if x is None else x  # noqa: E731 (outputs may not alias)
-    head = _head_logprobs(logits, head_ids, stats.row_max, stats.log_norm, labels, t)
     return stats.row_max, stats.log_norm, stats.logprobs, absent(stats.entropy), absent(stats.sum_pi_squared), head
 
 
@@ -144,10 +117,8 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
     # the backend's own backward for c + sum_j C_j: p is the softmax of the whole row, label or not
     dlogits = token_grad(logits, labels, row_max, log_norm, entropy, c_total,
                          row_max.new_empty(0) if e is None else e, temperature, backend, chunk_rows)
-    # 1/T from the tensor itself (a 0-d CPU tensor multiplies device tensors as a scalar): a host read here would
-    # be a graph break in the backward torch.compile traces
-    inv_t = 1.0 / temperature.to(acc)
-    inv_t = inv_t if inv_t.dim() == 0 else inv_t.reshape(-1, 1)
+    # 1/T from the tensor itself: a host read here would be a graph break in the backward torch.compile traces
+    inv_t = Temperature(temperature).inverse_tensor(acc)
     saved = (labels, head_ids, logprobs, entropy if use_entropy else None, head)
     idx, value, slot, donor = _fixed_columns(saved, (c, e, C), inv_t, V)
     flat = dlogits.view(-1, V)
@@ -166,18 +137,18 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
 head_stats.register_autograd(_backward, setup_context=_setup_context)
 
 
-def head_token_stats(logits: Tensor, labels: Tensor, head_ids: Tensor, temperature: Tensor, entropy: bool,
+def head_token_stats(logits: Tensor, labels: Tensor, head_ids: Tensor, temperature: Temperature, entropy: bool,
                      sum_pi_squared: bool, backend: str, chunk_rows: int = 0) -> HeadStatistics:
     """The vocabulary pass with head ids: logits [N, V] or [B, T, V] (logit_rows), labels [N] (-1 outside the
     loss; FOREIGN_TARGET for rows with statistics but no label), head_ids [N, k] (-1 pads),
-    the temperature as the custom ops take it (vocab.temperature_tensor, or [N] per row). `backend` is resolved."""
-    out = head_stats(logits, labels, head_ids, temperature, entropy, sum_pi_squared, backend, chunk_rows)
+    a Temperature. `backend` is resolved."""
+    out = head_stats(logits, labels, head_ids, temperature.tensor, entropy, sum_pi_squared, backend, chunk_rows)
     _, _, lp, ent, s2, head = out
     return HeadStatistics(lp, ent if entropy else None, s2 if sum_pi_squared else None, head)
 
 
 def linear_head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, head_ids: Tensor,
-                         logprobs: Tensor, temperature, budget_bytes: int) -> Tensor:
+                         logprobs: Tensor, temperature: Temperature, budget_bytes: int) -> Tensor:
     """[N, k] log p at the head ids of logits = hidden @ weight.T + bias, for rows with a label (labels >= 0;
     the others 0): (z_j - z_y) / T + log p_y, with log p_y ([N], autograd) from the fused-linear pass and the
     k + 1 logits from gathered rows of the head (kept_set.linear_logits_kept: no V-wide product). One host
@@ -187,8 +158,7 @@ def linear_head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     rows = torch.nonzero(labels >= 0).squeeze(1)
     ids = torch.cat([head_ids.index_select(0, rows), labels.index_select(0, rows)[:, None]], 1)
     z = linear_logits_kept(hidden.index_select(0, rows), weight, bias, ids.clamp_min(0), budget_bytes).to(acc)
-    t = temperature.index_select(0, rows) if isinstance(temperature, Tensor) else temperature
-    inv_t = inverse_temperature(t, acc)
+    inv_t = temperature.rows(rows).inverse(acc)
     lp = (z[:, :k] - z[:, k:]) * inv_t + logprobs.index_select(0, rows)[:, None].to(acc)
     minus_inf = torch.full((), float("-inf"), dtype=acc, device=hidden.device)
     lp = torch.where((ids[:, :k] >= 0) & (z[:, :k] > float("-inf")), lp, minus_inf)

@@ -22,20 +22,21 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..backends.base import inverse_temperature, statistics_dtype
+from ..backends.base import gather_columns, statistics_dtype
+from ..backends.temperature import Temperature
 
 PAD = -1  # a support slot without an id
 
 
 def kept_set_stats(
-    kept_logits: torch.Tensor, kept: torch.Tensor, label_slot: torch.Tensor, temperature,
+    kept_logits: torch.Tensor, kept: torch.Tensor, label_slot: torch.Tensor, temperature: Temperature,
     compute_entropy: bool, compute_sum_pi_squared: bool,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Statistics of softmax(z / T) over each row's kept ids.
 
     kept_logits: [N, K] the logits of the kept ids (any value in padded slots), with autograd;
     kept: [N, K] bool, the slots holding an id; label_slot: [N] int64, the slot of the row's label, or
-    -1 for a row outside the loss (its statistics are 0). temperature: a float or an [N] tensor.
+    -1 for a row outside the loss (its statistics are 0).
     Returns (logprobs, entropy, sum_pi_squared), [N] in float32 (float64 for float64 logits)."""
     acc = statistics_dtype(kept_logits.dtype)
     active = label_slot >= 0
@@ -45,7 +46,7 @@ def kept_set_stats(
     # (backends.base.RowStats): z - max is exact where it matters, z / T of a logit of 1e4 is not
     shift = z.detach().amax(1, keepdim=True)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    z = (z - shift) * inverse_temperature(temperature, acc)
+    z = (z - shift) * temperature.inverse(acc)
     log_p = torch.log_softmax(torch.where(active[:, None], z, torch.zeros_like(z)), dim=-1)
     zero = torch.zeros((), dtype=acc, device=z.device)
     logprobs = torch.where(active, log_p.gather(1, label_slot.clamp_min(0)[:, None]).squeeze(1), zero)
@@ -90,14 +91,9 @@ def kept_mask(support: torch.Tensor, V: int) -> torch.Tensor:
 
 
 def logits_kept(rows: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
-    """[N, K] the logits of the kept ids, gathered (autograd scatters into zeros of [N, V]). `rows` is
-    [N, V], or [B, T, V] when its rows are not one strided sequence (the causal-shift view): gathered
-    where they lie, along the vocabulary."""
-    ids = support.clamp_min(0)
-    if rows.dim() == 3:
-        B, T, _ = rows.shape
-        return rows.gather(2, ids.view(B, T, ids.shape[1])).reshape(-1, ids.shape[1])  # (-1 is ambiguous at 0 rows)
-    return rows.gather(1, ids)
+    """[N, K] the logits of the kept ids, gathered from [N, V] rows or a [B, T, V] causal-shift view (where they
+    lie); autograd scatters into zeros of the logits' shape. Padded slots read column 0."""
+    return gather_columns(rows, support.clamp_min(0))
 
 
 def linear_logits_kept(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

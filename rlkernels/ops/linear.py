@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends
+from ..backends.temperature import Temperature
 from .kept_set import kept_mask
-from .vocab import refuse_double_backward, temperature_value
+from .vocab import refuse_double_backward
 
 # Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
 # thousand rows to run at full rate (512 MiB is ~1,700 rows at V = 151,936 in bf16, a fifth of the
@@ -130,11 +131,6 @@ def _kept(logits: Tensor, support: Optional[Tensor], idx: Tensor) -> Tensor:
     return logits.masked_fill_(~kept_mask(support.index_select(0, idx), logits.shape[-1]), float("-inf"))
 
 
-def _rows_of(temperature, idx: torch.Tensor):
-    """The temperature of the chunk's rows: the float, or those rows of a per-row tensor."""
-    return temperature.index_select(0, idx) if isinstance(temperature, torch.Tensor) else temperature
-
-
 @torch.library.custom_op("rlkernels::linear_token_stats", mutates_args=())
 def linear_token_stats(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, temperature: Tensor,
@@ -149,7 +145,7 @@ def linear_token_stats(
     (see backends.select). support: (N, K) kept ids (sampler replay, a large kept set): the logits
     outside them are set to -inf before the pass (p = 0 there, and a zero gradient)."""
     impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
-    T = temperature_value(temperature)
+    T = Temperature(temperature)
     N = hidden.shape[0]
     acc = backends.statistics_dtype(hidden.dtype)
     new = lambda n=N: torch.zeros(n, dtype=acc, device=hidden.device)  # noqa: E731
@@ -161,7 +157,7 @@ def linear_token_stats(
         idx = rows[start:start + chunk_rows]
         logits = _kept(_head(hidden.index_select(0, idx), weight, bias), support, idx)
         stats = impl.token_stats_fwd(
-            logits, row_labels.index_select(0, idx), _rows_of(T, idx), compute_entropy, compute_sum_pi_squared
+            logits, row_labels.index_select(0, idx), T.rows(idx), compute_entropy, compute_sum_pi_squared
         )
         for out, value in ((row_max, stats.row_max), (log_norm, stats.log_norm), (logprobs, stats.logprobs),
                            (entropy, stats.entropy), (sum_pi_squared, stats.sum_pi_squared)):
@@ -187,7 +183,7 @@ def linear_token_grad(
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
     impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
-    T = temperature_value(temperature)
+    T = Temperature(temperature)
     c = coef_logprob
     e = coef_entropy if coef_entropy.numel() > 0 else None
     live = (row_labels != -1) & ((c != 0) | (e != 0 if e is not None else False))
@@ -199,7 +195,7 @@ def linear_token_grad(
         grad_logits = impl.token_grad_bwd(
             _kept(_head(h, weight, bias), support, idx), row_labels.index_select(0, idx), row_max.index_select(0, idx),
             log_norm.index_select(0, idx), None if e is None else entropy.index_select(0, idx),
-            c.index_select(0, idx), None if e is None else e.index_select(0, idx), _rows_of(T, idx),
+            c.index_select(0, idx), None if e is None else e.index_select(0, idx), T.rows(idx),
             True,  # the chunk's logits are ours: the gradient overwrites them
         )
         grads.add(idx, grad_logits, h)
@@ -264,7 +260,7 @@ class ForwardGradient(NamedTuple):
 class OnePassPlan(NamedTuple):
     """The rows and options of one one-pass call."""
     row_labels: Tensor  # [N] int64, -1 on rows outside the loss
-    temperature: object  # a float, 0-d tensor or [N] per-row tensor
+    temperature: Temperature
     support: Optional[Tensor]  # [N, K] kept ids (a large kept set), or None
     compute_entropy: bool
     compute_sum_pi_squared: bool
@@ -293,7 +289,7 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
     row_labels, compute_entropy, compute_sum_pi_squared = plan.row_labels, plan.compute_entropy, \
         plan.compute_sum_pi_squared
     impl = backends.select(plan.backend, hidden)
-    T = temperature_value(plan.temperature)
+    T = plan.temperature
     N = hidden.shape[0]
     acc = backends.statistics_dtype(hidden.dtype)
     new = lambda n=N: torch.zeros(n, dtype=acc, device=hidden.device)  # noqa: E731
@@ -312,7 +308,7 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
             idx = rows[start:start + plan.chunk_rows]
             h = hidden.index_select(0, idx)
             logits = _kept(_head(h, weight, bias), plan.support, idx)
-            labels, t_rows = row_labels.index_select(0, idx), _rows_of(T, idx)
+            labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
             stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
             lp = stats.logprobs.to(acc)
             ent = None if stats.entropy is None else stats.entropy.to(acc)

@@ -7,10 +7,8 @@ writes into the logits' storage; the op's schema declares the mutation, so autog
 logits' version counter and any other user of the old values fails loudly).
 
 Absent optional outputs (entropy, sum p^2) are returned as empty [0] tensors: custom ops return
-tensors only. The temperature arrives as a 0-d float64 *CPU* tensor: a `float` argument of a custom
-op specialises a compiled graph on its value (a recompilation per temperature), while a CPU scalar
-tensor stays a graph input and is read here without touching the device. A per-token temperature
-arrives as the [N] device tensor of the rows' temperatures.
+tensors only. The temperature arrives as `Temperature.tensor` (a 0-d float64 CPU tensor, or the [N]
+per-row one; see backends/temperature.py for why) and is wrapped again here.
 """
 
 from typing import Tuple
@@ -19,17 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-
-
-def host_float(t: Tensor) -> float:
-    """The value of a 0-d CPU tensor (the temperature): a host read, never a device synchronisation."""
-    return float(t)
-
-
-def temperature_value(t: Tensor):
-    """The temperature a backend takes: a float (0-d CPU tensor, read on the host), or the [N] per-row
-    temperatures themselves (a per-token temperature, which every backend takes)."""
-    return host_float(t) if t.dim() == 0 else t
+from ..backends.temperature import Temperature
 
 
 def refuse_double_backward() -> None:
@@ -47,12 +35,6 @@ def _backend(name: str, logits: Tensor, chunk_rows: int):
     return backends.select(name, logits, chunk_rows or None)
 
 
-def temperature_tensor(temperature) -> Tensor:
-    """One temperature as the ops take it (a 0-d float64 CPU tensor): built by arithmetic, so that
-    torch.compile keeps a per-step float a run-time input (see stage.segments.hyper)."""
-    return torch.zeros((), dtype=torch.float64) + temperature
-
-
 @torch.library.custom_op("rlkernels::token_stats", mutates_args=())
 def token_stats(
     logits: Tensor, labels: Tensor, temperature: Tensor, compute_entropy: bool, compute_sum_pi_squared: bool,
@@ -61,7 +43,7 @@ def token_stats(
     # logits: (N, V) or (B, T, V) row-strided; labels: (N,) int64, -1 on rows that take no part. `inplace_backward` only
     # matters to the backward (see the module docstring).
     stats = _backend(backend, logits, chunk_rows).token_stats_fwd(
-        logits, labels, temperature_value(temperature), compute_entropy, compute_sum_pi_squared
+        logits, labels, Temperature(temperature), compute_entropy, compute_sum_pi_squared
     )
     absent = lambda t: stats.logprobs.new_empty(0) if t is None else t  # noqa: E731 (outputs may not alias)
     return stats.row_max, stats.log_norm, stats.logprobs, absent(stats.entropy), absent(stats.sum_pi_squared)
@@ -82,7 +64,7 @@ def token_grad(
     has_entropy = coef_entropy.numel() > 0
     return _backend(backend, logits, chunk_rows).token_grad_bwd(
         logits, labels, row_max, log_norm, entropy if has_entropy else None, coef_logprob,
-        coef_entropy if has_entropy else None, temperature_value(temperature), False,
+        coef_entropy if has_entropy else None, Temperature(temperature), False,
     )
 
 
@@ -99,7 +81,7 @@ def token_grad_(
     has_entropy = coef_entropy.numel() > 0
     out = _backend(backend, logits, chunk_rows).token_grad_bwd(
         logits, labels, row_max, log_norm, entropy if has_entropy else None, coef_logprob,
-        coef_entropy if has_entropy else None, temperature_value(temperature), True,
+        coef_entropy if has_entropy else None, Temperature(temperature), True,
     )
     if out.data_ptr() != logits.data_ptr():  # a backend that could not work in place
         logits.copy_(out)

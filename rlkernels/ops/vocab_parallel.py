@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from .. import backends
 from ..backends.base import FOREIGN_TARGET, RowStats
+from ..backends.temperature import Temperature
 from . import linear
-from .vocab import refuse_double_backward, temperature_tensor
+from .vocab import refuse_double_backward
 
 _SHARDS: Dict[Tuple[int, int, str], Tuple[int, int]] = {}
 
@@ -114,14 +115,14 @@ def _gather_and_merge(stats, local: torch.Tensor, temperature: float, group):
 
 class VocabParallelTokenStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, row_labels, temperature: float, compute_entropy: bool, compute_sum_pi_squared: bool,
-                backend_name: str, chunk_rows: Optional[int], group):
+    def forward(ctx, logits, row_labels, temperature: Temperature, compute_entropy: bool,
+                compute_sum_pi_squared: bool, backend_name: str, chunk_rows: Optional[int], group):
         # logits: (N, V_r) or (B, T, V_r) this rank's shard; row_labels: (N,) global ids, -1 skipped
         backend = backends.select(backend_name, logits, chunk_rows, vocab_shard=True)
         local = _local_labels(row_labels, logits.shape[-1], group, logits.device)
         # the entropy is needed to merge it, and the backward needs the merged one
         stats = backend.token_stats_fwd(logits, local, temperature, compute_entropy, compute_sum_pi_squared)
-        logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature, group)
+        logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature.value(), group)
         ctx.save_for_backward(logits, local, stats.row_max, bw_log_norm, entropy)
         ctx.options = (temperature, backend_name, chunk_rows, compute_entropy)
         ctx.mark_non_differentiable(sum_pi_squared)
@@ -145,15 +146,15 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
     with one all_reduce; d_weight and d_bias are this rank's slices."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, row_labels, temperature: float, compute_entropy: bool,
+    def forward(ctx, hidden, weight, bias, row_labels, temperature: Temperature, compute_entropy: bool,
                 compute_sum_pi_squared: bool, backend_name: str, chunk_rows: int, group):
         local = _local_labels(row_labels, weight.shape[0], group, hidden.device)
-        T = temperature_tensor(temperature)
+        T = temperature.tensor
         stats = RowStats(*linear.linear_token_stats(hidden, weight, bias, local, T, compute_entropy,
                                                     compute_sum_pi_squared, backend_name, chunk_rows, True))
         stats = stats._replace(entropy=stats.entropy if compute_entropy else None,
                                sum_pi_squared=stats.sum_pi_squared if compute_sum_pi_squared else None)
-        logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature, group)
+        logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature.value(), group)
         ctx.save_for_backward(hidden, weight, bias, local, stats.row_max, bw_log_norm, entropy, T)
         ctx.options = (backend_name, chunk_rows, compute_entropy, group)
         ctx.mark_non_differentiable(sum_pi_squared)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import rlkernels
 from rlkernels import RolloutCorrection, backends
 from rlkernels.backends.base import FOREIGN_TARGET
+from rlkernels.backends.temperature import Temperature
 from rlkernels.ops import head as head_ops
-from rlkernels.ops.vocab import temperature_tensor
 from rlkernels.reference import divergences as oracle
 from rlkernels.reference import token_stats as oracle_stats
 
@@ -91,7 +91,7 @@ def test_head_stats_and_every_coefficient_match_the_oracle(backend, dtype, p):
         row_labels = torch.where(keep, labels, torch.full_like(labels, -1))
     else:
         row_labels, keep = torch.full_like(labels, FOREIGN_TARGET), torch.ones_like(keep)
-    t_op = T if isinstance(T, torch.Tensor) else temperature_tensor(T)
+    t_op = Temperature.of(T)
     out = head_ops.head_token_stats(rows_in, row_labels, ids, t_op, True, True, backend)
     gen = torch.Generator().manual_seed(p["seed"] + 2)
     w_lp, w_h = torch.randn(N, generator=gen, dtype=F64), torch.randn(N, generator=gen, dtype=F64)
@@ -272,7 +272,7 @@ def test_linear_head_logprobs_match_the_oracle(dtype, p):
     labels, ids, T = p["labels"], p["ids"], p["temperature"]
     keep = labels >= 0
     row_labels = torch.where(keep, labels, torch.full_like(labels, -1))
-    t_op = T if isinstance(T, torch.Tensor) else temperature_tensor(T)
+    t_op = Temperature.of(T)
     batch = PreparedBatch(token_shape=(N,), mask=keep, row_labels=row_labels, vocab_size=V, temperature=t_op)
     out = linear_head_stats(*leaves, batch, PassOptions(memory_budget_bytes=64), ids)
     refs = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]

@@ -6,10 +6,11 @@ shapes -- what torch.compile relies on. Inputs include the causal-shift [B, T, V
 import pytest
 import torch
 
+from rlkernels.backends.temperature import Temperature
 from rlkernels.ops import linear
 from rlkernels.ops import vocab as custom_ops
 
-T = custom_ops.temperature_tensor(0.7)
+T = Temperature.of(0.7).tensor
 LABELS = torch.tensor([0, 3, -1, 10, 2, 5])
 
 
