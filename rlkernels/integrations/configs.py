@@ -2,9 +2,13 @@
 
 `RolloutCorrection.from_verl` / `.from_trl` and `PolicyLossConfig.from_verl_actor` / `.from_trl` call
 these; the verl plugin's loss-mode names (`rlkernels[_<type>]`, `rlkernels_logits[_<type>]`,
-`rlkernels_linear[_<type>]`) are parsed and written here too. Nothing here imports a trainer: the
+`rlkernels_linear[_<type>]`) and verl's global batch counts are read here too. Nothing here imports a trainer: the
 mappings read dicts, OmegaConf nodes and the trainers' config objects by key or attribute. Every error
 names the trainer's option, not this library's field.
+
+One module for both trainers, not a part in `integrations/verl/` and one in `integrations/trl/`: `from_verl` /
+`from_trl` must work where neither trainer is installed, and importing any module inside those folders first runs
+their `__init__`, which imports the trainer (and for verl registers the plugin's names in verl's registries).
 """
 
 import math
@@ -225,6 +229,23 @@ def policy_loss_config_from_verl_actor(actor, rollout_correction: Optional[Rollo
     verl_names = {"loss_type": "actor.policy_loss.loss_mode", "kl_coef": "actor.kl_loss_coef"}
     verl_names.update({k: f"actor.policy_loss.{k}" for k in kw if k in ("dro_beta",) + _VERL_POLICY_OPTIONS})
     return _built(PolicyLossConfig, kw, overrides, lambda name: verl_names.get(name, f"actor.{name}"))
+
+
+def verl_global_counts(info: dict) -> dict:
+    """verl's global batch info (the actor config's `global_batch_info`) -> the global counts of
+    `PolicyLossConfig.from_verl_actor`. verl divides by the whole batch's count and multiplies by dp_size (so that
+    DDP's mean of the ranks' gradients is the whole batch's); dividing by count / dp_size is the same."""
+    dp = info.get("dp_size", 1) or 1
+    out = {}
+    # a count of 0 means the rejection removed every token of the mini-batch: every sum is then 0, and any
+    # positive divisor gives the loss 0 with zero gradients (verl divides 0 by 0: NaN)
+    if info.get("batch_num_tokens") is not None:
+        out["global_num_tokens"] = float(info["batch_num_tokens"]) / dp or 1.0
+    if info.get("global_batch_size") is not None:
+        out["global_num_seqs"] = float(info["global_batch_size"]) / dp or 1.0
+    if info.get("loss_scale_factor") is not None:
+        out["loss_scale_factor"] = float(info["loss_scale_factor"])
+    return out
 
 
 # ---------------------------------------------------------------- TRL: GRPOConfig

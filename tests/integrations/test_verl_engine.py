@@ -41,6 +41,7 @@ from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig  
 from verl.workers.utils import losses as verl_losses  # noqa: E402
 
 from rlkernels.integrations import verl as rlk_verl  # noqa: E402
+from rlkernels.integrations.verl import routes as rlk_routes  # noqa: E402
 
 from ..support.peers import load_example  # noqa: E402
 
@@ -114,7 +115,7 @@ def _compare(rank, world, cases, wrapper=None):
     worst = {path: [0.0, 0.0] for path in PATHS}
     calls = {"decoupled_ppo_loss": 0, "linear_decoupled_ppo_loss": 0}  # which of the library's losses ran
     for name in calls:
-        setattr(rlk_verl, name, _counting(getattr(rlk_verl, name), calls, name))
+        setattr(rlk_routes, name, _counting(getattr(rlk_routes, name), calls, name))
     for i, (loss_type, agg, temperature, correction, extras, pad) in enumerate(cases):
         engine = example.cpu_engine(model, pad)
         fields = _batch(batch_model, temperature, seed=i, rows=slice(rank, None, world))
@@ -234,47 +235,47 @@ def test_a_fully_rejected_mini_batch_gives_zero_loss_and_gradient():
 def test_unsupported_engine_settings_fall_back_with_a_warning_naming_the_setting():
     """use_fused_kernels (verl's own fused head: no logits) keeps verl's log-prob path: the same loss,
     computed by the registered `rlkernels_logits` loss, and one warning saying why."""
-    rlk_verl._warned.clear()
+    rlk_routes._warned.clear()
     actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B,
                             policy_loss=VerlPolicyLossConfig(loss_mode="rlkernels_logits"))
     td = TensorDict({}, batch_size=[])
     tu.assign_non_tensor(td, use_fused_kernels=True)
     output = SimpleNamespace(logits=torch.zeros(1, 3, example.VOCAB))
     engine = example.cpu_engine(None)
-    assert "use_fused_kernels=True" in rlk_verl._route_blocker(engine, output, td)
+    assert "use_fused_kernels=True" in rlk_routes._route_blocker(engine, output, td)
     plain = TensorDict({}, batch_size=[])
-    assert rlk_verl._route_blocker(engine, output, plain) is None
+    assert rlk_routes._route_blocker(engine, output, plain) is None
     tu.assign_non_tensor(plain, return_model_output=True)  # verl's Tinker worker reads every position's log-prob
-    assert "return_model_output=True" in rlk_verl._route_blocker(engine, output, plain)
+    assert "return_model_output=True" in rlk_routes._route_blocker(engine, output, plain)
 
     def distillation_ppo_loss(config, model_output, data, dp_group=None):  # another actor loss bound by verl
         raise AssertionError("not called")
-    assert rlk_verl._route_actor_config(partial(rlk_verl.ppo_loss, config=actor)) == (actor, "logits", None)
-    _, kind, blocker = rlk_verl._route_actor_config(partial(distillation_ppo_loss, config=actor))
+    assert rlk_routes._route_actor_config(partial(rlk_verl.ppo_loss, config=actor)) == (actor, "logits", None)
+    _, kind, blocker = rlk_routes._route_actor_config(partial(distillation_ppo_loss, config=actor))
     assert kind == "logits" and "'distillation_ppo_loss'" in blocker
     calls = []
     verl_ppo_loss = verl_losses.ppo_loss
     verl_losses.ppo_loss = lambda *args: calls.append(args) or (torch.zeros(()), {})
     try:
         with pytest.warns(UserWarning, match="use_fused_kernels=True"):
-            rlk_verl.ppo_loss(actor, {rlk_verl._BLOCKER: rlk_verl._route_blocker(engine, output, td)}, td)
+            rlk_verl.ppo_loss(actor, {rlk_routes._BLOCKER: rlk_routes._route_blocker(engine, output, td)}, td)
     finally:
         verl_losses.ppo_loss = verl_ppo_loss
-    assert len(calls) == 1 and rlk_verl._BLOCKER not in calls[0][1]
+    assert len(calls) == 1 and rlk_routes._BLOCKER not in calls[0][1]
 
 
 def test_installed_routes_wrap_the_engine_and_leave_verls_actor_loss():
     """install_routes() wraps the engine's three methods; verl's ppo_loss stays verl's: the forward_step hook runs
     the route's actor loss in its place for the routes' loss modes only."""
     assert verl_losses.ppo_loss.__module__ == "verl.workers.utils.losses"
-    assert ti.FSDPEngineWithLMHead.prepare_model_outputs is rlk_verl._prepare_model_outputs
+    assert ti.FSDPEngineWithLMHead.prepare_model_outputs is rlk_routes._prepare_model_outputs
     actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=B,
                             policy_loss=VerlPolicyLossConfig(loss_mode="rlkernels_linear_cispo"))
-    swapped = rlk_verl._route_loss_function(partial(verl_losses.ppo_loss, config=actor))
+    swapped = rlk_routes._route_loss_function(partial(verl_losses.ppo_loss, config=actor))
     assert swapped.func is rlk_verl.ppo_loss and swapped.keywords == {"config": actor}
     plain = partial(verl_losses.ppo_loss, config=FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=B,
                                                                   ppo_micro_batch_size_per_gpu=B))
-    assert rlk_verl._route_loss_function(plain) is plain  # verl's own loss mode: verl's function
+    assert rlk_routes._route_loss_function(plain) is plain  # verl's own loss mode: verl's function
     from verl.trainer.ppo import core_algos
 
     for name in ("rlkernels_logits", "rlkernels_logits_cispo", "rlkernels_linear_gspo"):
@@ -283,8 +284,8 @@ def test_installed_routes_wrap_the_engine_and_leave_verls_actor_loss():
 
 def _run_example(rank, world):
     calls = []
-    route_loss = rlk_verl.linear_decoupled_ppo_loss
-    rlk_verl.linear_decoupled_ppo_loss = lambda *args, **kwargs: calls.append(1) or route_loss(*args, **kwargs)
+    route_loss = rlk_routes.linear_decoupled_ppo_loss
+    rlk_routes.linear_decoupled_ppo_loss = lambda *args, **kwargs: calls.append(1) or route_loss(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a fallback to verl's log-probs fails the test
         history = example.main(steps=3)
@@ -328,11 +329,11 @@ def test_linear_route_leaves_vision_inputs_to_the_models_own_forward(monkeypatch
     monkeypatch.setattr(ti.FSDPEngineWithLMHead, "_verl_prepare_model_inputs",
                         lambda self, micro_batch: (dict(inputs), {}))
     td = TensorDict({}, batch_size=[])
-    model_inputs, _ = rlk_verl._prepare_model_inputs(engine, td)
+    model_inputs, _ = rlk_routes._prepare_model_inputs(engine, td)
     assert "rlkernels_loss" not in model_inputs
     assert "pixel_values" in engine._rlkernels_linear_blocker
     monkeypatch.setattr(ti.FSDPEngineWithLMHead, "_verl_prepare_model_inputs",
                         lambda self, micro_batch: ({k: v for k, v in inputs.items() if k != "pixel_values"},
                                                    {"input_ids_rmpad_rolled": torch.zeros(4, dtype=torch.long)}))
-    model_inputs, _ = rlk_verl._prepare_model_inputs(engine, td)
+    model_inputs, _ = rlk_routes._prepare_model_inputs(engine, td)
     assert "rlkernels_loss" in model_inputs and engine._rlkernels_linear_blocker is None

@@ -66,3 +66,23 @@ def test_without_sum_pi_squared_the_estimator_says_what_it_needs():
     fn = core_algos.get_adv_estimator_fn("rlkernels_optimal_token_baseline")
     with pytest.raises(ValueError, match="actor.calculate_sum_pi_squared=True"):
         fn(token_level_rewards=torch.zeros(2, 3), response_mask=torch.ones(2, 3), index=np.array(["a", "b"]))
+
+
+def _estimate(fn, rewards, mask, uid):
+    """A caller that holds no batch: the estimator does not look further up."""
+    return fn(token_level_rewards=rewards, response_mask=mask, index=uid)
+
+
+def test_the_estimators_read_only_the_batch_that_handed_them_the_mask():
+    """The inputs verl hands only to its own OTB names come from the direct caller's `data`, and only when that
+    batch holds the very response_mask the estimator was handed (integrations/verl/estimators.py says why)."""
+    fn = core_algos.get_adv_estimator_fn("rlkernels_optimal_token_baseline")
+    tensors, uid = _batch(0, False)
+    data = DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid})
+    rewards, mask = data.batch["token_level_rewards"], data.batch["response_mask"]
+    advantages, _ = fn(token_level_rewards=rewards, response_mask=mask, index=uid)  # `data` here: this batch
+    assert advantages.shape == mask.shape
+    with pytest.raises(ValueError, match="actor.calculate_sum_pi_squared=True"):
+        fn(token_level_rewards=rewards, response_mask=mask.clone(), index=uid)  # not this batch's mask
+    with pytest.raises(ValueError, match="actor.calculate_sum_pi_squared=True"):
+        _estimate(fn, rewards, mask, uid)  # the batch is two frames up

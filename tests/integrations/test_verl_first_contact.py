@@ -56,7 +56,7 @@ def test_verls_rollout_correction_stays_verls_unless_asked_for():
     assert installed == plain  # the same function, the same mask and weights
     assert plain["function"] == ["verl.trainer.ppo.rollout_corr_helper", "compute_rollout_correction_and_add_to_batch"]
     opted_in = _run("correction", RLKERNELS_VERL_CORRECTION="1")
-    assert opted_in["function"][0] == "rlkernels.integrations.verl"
+    assert opted_in["function"][0] == "rlkernels.integrations.verl.correction"
     # asymmetric k1 bounds: rlkernels keeps lo <= rho <= hi (verl's docs), verl's code 1/hi <= rho <= 1/lo
     assert opted_in["mask"] != plain["mask"] and opted_in["weights"] == pytest.approx(plain["weights"])
 
@@ -86,7 +86,7 @@ def test_a_route_installs_its_hooks_when_verl_first_looks_its_loss_up():
     assert first["calls"] == ["policy_loss", "linear_decoupled_ppo_loss"]
     assert second["calls"] == ["linear_decoupled_ppo_loss"] * 2 and not second["warnings"]
     assert len(first["warnings"]) == 1 and "RLKERNELS_VERL_ROUTES=1" in first["warnings"][0]
-    assert result["installed"] and all(module == "rlkernels.integrations.verl" for module, _ in
+    assert result["installed"] and all(module == "rlkernels.integrations.verl.routes" for module, _ in
                                        result["engine"].values())
     assert result["ppo_loss"] == ["verl.workers.utils.losses", "ppo_loss"]  # replaced per call, not in verl
     for got, want in zip((s["loss"] for s in result["steps"]), _verl_losses()):

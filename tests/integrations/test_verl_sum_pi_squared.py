@@ -28,6 +28,7 @@ except ImportError as exc:  # pragma: no cover - reported by the skip
 from verl.utils import tensordict_utils as tu  # noqa: E402
 
 from rlkernels.integrations import verl as rlk_verl  # noqa: E402
+from rlkernels.integrations.verl import routes as rlk_routes  # noqa: E402
 
 from ..support.peers import load_example  # noqa: E402
 
@@ -49,12 +50,12 @@ def _instrument(model):
     """Counts of the plugin's library calls, and the widths of the LM head's tensor outputs (the logits)."""
     calls, head_widths = Counter(), []
     for name in LIBRARY:
-        fn = getattr(rlk_verl, name)
+        fn = getattr(rlk_routes, name)
 
         def counted(*args, _fn=fn, _name=name, **kwargs):
             calls[_name] += 1
             return _fn(*args, **kwargs)
-        setattr(rlk_verl, name, counted)
+        setattr(rlk_routes, name, counted)
     model.lm_head.register_forward_hook(
         lambda module, args, out: head_widths.append(out.shape[-1]) if torch.is_tensor(out) else None)
     return calls, head_widths

@@ -88,11 +88,14 @@ def routes(loss_mode):
 
     example = load_example("verl_actor.py")
     from rlkernels.integrations import verl as rlk_verl
+    from rlkernels.integrations.verl import losses as rlk_losses
+    from rlkernels.integrations.verl import routes as rlk_routes
 
     calls = []
-    for name in ("decoupled_ppo_loss", "linear_decoupled_ppo_loss", "policy_loss"):
-        fn = getattr(rlk_verl, name)
-        setattr(rlk_verl, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    for module, name in ((rlk_routes, "decoupled_ppo_loss"), (rlk_routes, "linear_decoupled_ppo_loss"),
+                         (rlk_losses, "policy_loss")):
+        fn = getattr(module, name)
+        setattr(module, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
     model = example.tiny_model()
     engine = example.cpu_engine(model)
     actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4,

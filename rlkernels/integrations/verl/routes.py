@@ -1,59 +1,33 @@
-"""rlkernels inside verl 0.9.1, loaded by verl itself through its `verl.plugins` entry point.
+"""The routes: rlkernels' hooks in verl's FSDP engine (`FSDPEngineWithLMHead.forward_step`, `prepare_model_inputs`,
+`prepare_model_outputs`), installed by `install_routes()` (the opt-in) or at the first lookup of a route's loss.
 
-With rlkernels installed, `import verl` imports this module (pyproject: `[project.entry-points."verl.plugins"]`),
-which registers rlkernels' policy losses with verl and does nothing else: a verl run that selects none of
-them is verl as shipped (same functions, same numbers). The names:
-- `actor.policy_loss.loss_mode=rlkernels` (PPO clip) or `rlkernels_<loss_type>` (any of rlkernels' loss
-  types: `rlkernels_cispo`, `rlkernels_gspo`, ...): the loss on verl's log-probs, configured from the actor
-  config by `PolicyLossConfig.from_verl_actor` and taking verl's `rollout_is_weights` and global counts;
-- `loss_mode=rlkernels_logits[_<loss_type>]` / `rlkernels_linear[_<loss_type>]`, the routes: verl's FSDP
-  engine hands the packed logits (logits route) or the model's last hidden states and LM head (linear
-  route, no logits formed) of each micro-batch to `decoupled_ppo_loss` / `linear_decoupled_ppo_loss`, which
-  compute the log-probs, entropy, policy loss, entropy bonus and KL penalty in their fused passes. Where
-  the engine's settings rule that out it warns once, naming the setting, and the same loss is computed
-  from verl's log-probs.
-
-The routes need hooks in verl's engine (`install_routes`: three methods of `FSDPEngineWithLMHead`). They
-are installed when a run selects a route, at the moment verl first looks its loss up -- inside verl's
-`ppo_loss` after the first micro-batch's forward, which therefore runs verl's path (same loss; a warning
-says so) -- or, for the route from the first micro-batch, by the explicit opt-in `RLKERNELS_VERL_ROUTES=1`
-in the workers' environment (Ray: `ray_kwargs.ray_init.runtime_env.env_vars`), or a call of
-`install_routes()`.
-
-The driver-side rollout correction stays verl's unless asked for (`RLKERNELS_VERL_CORRECTION=1` in the
-driver's environment, or `install_correction()`): then `rollout_corr_helper.compute_rollout_correction_and_add_to_batch`
-is `compute_rollout_correction_and_add_to_batch` below, built on `rlkernels.rollout_correction`. Its
-differences from verl's are those of SPEC §14: k1 bounds keep lo <= rho <= hi
-as verl's docs state (verl's code keeps 1/hi <= rho <= 1/lo; equal for symmetric bounds), metrics of empty
-rows, sequence-level metric weighting. The losses equal verl's registered functions of the same name
-(tests/integrations/test_verl_plugin.py).
+For `loss_mode=rlkernels_logits[_<loss_type>]` the engine hands the packed logits of each micro-batch to
+`decoupled_ppo_loss`; for `rlkernels_linear[_<loss_type>]` the model's forward hands its last hidden states and LM
+head to `linear_decoupled_ppo_loss` (no logits formed). Each computes the log-probs, entropy, policy loss, entropy
+bonus and KL penalty in its fused pass; where the engine's settings rule that out it warns once, naming the setting,
+and verl's own actor loss runs on verl's log-probs. On a run that takes a route, the log-prob passes (no loss
+function) that ask for sum pi^2 take it too. Any other micro-batch runs verl's methods unchanged.
 """
 
 import os
-import sys
 import warnings
 from functools import partial
 from typing import Optional
 
-import numpy as np
 import torch
-from verl.trainer.ppo import core_algos
 
-from ..api import (
+from ...api import (
     decoupled_ppo_loss,
     linear_decoupled_ppo_loss,
     linear_token_logprobs,
     metrics_to_floats,
-    optimal_token_baseline,
-    policy_loss,
-    rollout_correction,
     token_logprobs,
 )
-from ..config import PolicyLossConfig, RolloutCorrection
-from .configs import parse_loss_mode, plugin_loss_modes
-from .hf import add_loss_forward, hidden_state_loss_blocker
+from ...config import PolicyLossConfig
+from ..configs import parse_loss_mode, verl_global_counts
+from ..hf import add_loss_forward, hidden_state_loss_blocker
 
-ROUTES_ENV, CORRECTION_ENV = "RLKERNELS_VERL_ROUTES", "RLKERNELS_VERL_CORRECTION"  # the explicit opt-ins ("1")
+ROUTES_ENV = "RLKERNELS_VERL_ROUTES"  # the opt-in: "1", or the route of the log-prob passes ("linear" / "logits")
 
 
 def _verl_losses():
@@ -71,100 +45,9 @@ def verl_ppo_loss(config, model_output, data, dp_group=None):
     return _verl_losses().ppo_loss(config, model_output, data, dp_group)
 
 
-def verl_compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
-    """verl's own driver-side correction, whether or not `install_correction()` replaced it."""
-    from verl.trainer.ppo import rollout_corr_helper
-
-    verl_fn = getattr(rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch",
-                      rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
-    return verl_fn(batch, rollout_corr_config)
-
-
-def _global_counts(info: dict) -> dict:
-    """verl's global batch info -> this library's global counts. verl divides by the whole batch's
-    count and multiplies by dp_size (so that DDP's mean of the ranks' gradients is the whole batch's);
-    dividing by count / dp_size is the same."""
-    dp = info.get("dp_size", 1) or 1
-    out = {}
-    # a count of 0 means the rejection removed every token of the mini-batch: every sum is then 0, and any
-    # positive divisor gives the loss 0 with zero gradients (verl divides 0 by 0: NaN)
-    if info.get("batch_num_tokens") is not None:
-        out["global_num_tokens"] = float(info["batch_num_tokens"]) / dp or 1.0
-    if info.get("global_batch_size") is not None:
-        out["global_num_seqs"] = float(info["global_batch_size"]) / dp or 1.0
-    if info.get("loss_scale_factor") is not None:
-        out["loss_scale_factor"] = float(info["loss_scale_factor"])
-    return out
-
-
-def make_policy_loss(loss_type: str, route: Optional[str] = None):
-    """verl's registered-loss signature around `rlkernels.policy_loss` with this loss type. `route`: the
-    function registered under a route's name ("logits" / "linear"), which verl calls where the route was not
-    taken; its first call installs the routes (see the module docstring)."""
-
-    def compute_policy_loss_rlkernels(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                      config=None, rollout_is_weights=None):
-        if config is None:
-            raise ValueError("config: verl's actor config is required by the rlkernels policy loss")
-        if route is not None and not routes_installed():
-            _install_routes_on_first_lookup(config)
-        info = dict(getattr(config, "global_batch_info", None) or {})
-        dp = info.get("dp_size", 1) or 1
-        # the aggregation is the actor's (verl passes config.loss_agg_mode), or the one verl's function of this
-        # loss type fixes (from_verl_actor)
-        rl_config = PolicyLossConfig.from_verl_actor(config, loss_type=loss_type, validate=False,
-                                                     **_global_counts(info)).with_overrides(
-            kl_coef=0.0, entropy_coeff=0.0)  # verl adds its KL and entropy terms outside the policy loss
-        out = policy_loss(log_prob, advantages, response_mask.bool(), old_logprobs=old_log_prob,
-                          is_weights=rollout_is_weights, config=rl_config)
-        loss = out.loss * dp if rl_config.loss_agg_mode == "token-sum" else out.loss  # verl's token-sum is x dp_size
-        metrics = {k: v for k, v in metrics_to_floats(out.metrics).items() if k.startswith("actor/")}
-        metrics.pop("actor/pg_loss", None)  # verl logs the loss it returns itself
-        return loss, metrics
-
-    compute_policy_loss_rlkernels.__name__ = f"compute_policy_loss_rlkernels_{loss_type}"
-    return compute_policy_loss_rlkernels
-
-
-def _install_routes_on_first_lookup(config) -> None:
-    """A run selected a route: verl looked its loss up for the first time, inside its own ppo_loss, after
-    this micro-batch's forward on verl's path. Install the hooks for the next micro-batches, and say so."""
-    installed = install_routes()
-    mode = _loss_mode(config)
-    if installed and torch.is_grad_enabled():
-        warnings.warn(f"actor.policy_loss.loss_mode={mode}: rlkernels' engine hooks are installed now, at the first "
-                      "lookup of the loss; this micro-batch ran verl's path (the same loss), the next ones take the "
-                      f"route. Set {ROUTES_ENV}=1 in the workers' environment to take it from the first micro-batch",
-                      stacklevel=3)
-    elif not installed:
-        _warn_once(f"actor.policy_loss.loss_mode={mode}: verl's FSDP engine (verl.workers.engine.fsdp) does not "
-                   "import here, so the route cannot be taken; the loss is computed from verl's log-probs")
-
-
-def compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
-    """verl's driver-side rollout correction (same signature and effect: the batch's response_mask with
-    the rejection applied, `rollout_is_weights` added when an IS level is set, rollout_corr/* metrics as
-    floats), computed by `rlkernels.rollout_correction`. In place of verl's only after `install_correction()`
-    (or RLKERNELS_VERL_CORRECTION=1)."""
-    from verl.protocol import DataProto
-
-    get = rollout_corr_config.get
-    rc = RolloutCorrection.from_verl(get("rollout_is", None), get("rollout_is_threshold", 2.0),
-                                     get("rollout_rs", None), get("rollout_rs_threshold", None),
-                                     get("rollout_is_batch_normalize", False))
-    mask = batch.batch["response_mask"]
-    out = rollout_correction(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], mask.bool(), config=rc,
-                             validate=False)
-    batch.batch["response_mask"] = out.mask.to(mask.dtype)
-    if out.weights is not None:
-        weights = out.weights.to(batch.batch["old_log_probs"].dtype)  # verl's weights are in the log-probs' dtype
-        batch = batch.union(DataProto.from_dict(tensors={"rollout_is_weights": weights}))
-    return batch, metrics_to_floats(out.metrics)
-
-
 # ---------------------------------------------------------------- the logits route
 # verl's FSDP engine turns the logits into log-probs (and entropy) in `prepare_model_outputs` and hands only
-# those to the actor loss. For a logits loss mode the engine's method (patched by install()) hands the packed
+# those to the actor loss. For a logits loss mode the engine's method (hooked by install_routes()) hands the packed
 # logits, their labels and temperatures instead, under _ROUTE, and the actor loss below computes everything
 # with decoupled_ppo_loss. _BLOCKER carries why a micro-batch could not take the route.
 _ROUTE, _BLOCKER = "rlkernels_logits_route", "rlkernels_logits_blocker"
@@ -483,7 +366,7 @@ def _route_inputs(config, data, n, entropy):
         x = padded[name]
         return x.new_zeros(n).index_put_(index, x[keep])
 
-    counts = _global_counts(info)
+    counts = verl_global_counts(info)
     if "loss_scale_factor" not in counts:  # read by seq-mean-token-sum-norm only
         counts["loss_scale_factor"] = float(mask.shape[-1])  # verl's horizon: the padded response width
     rl_config = PolicyLossConfig.from_verl_actor(config, validate=False, compute_entropy=entropy, **counts)
@@ -563,96 +446,16 @@ def uninstall_routes() -> None:
             delattr(engine, f"_verl_{name}")
 
 
-def install_correction() -> None:
-    """The explicit opt-in (also RLKERNELS_VERL_CORRECTION=1): verl's driver-side
-    `compute_rollout_correction_and_add_to_batch` replaced by this module's (idempotent)."""
-    from verl.trainer.ppo import rollout_corr_helper
-
-    if not hasattr(rollout_corr_helper, "_verl_compute_rollout_correction_and_add_to_batch"):
-        rollout_corr_helper._verl_compute_rollout_correction_and_add_to_batch = (
-            rollout_corr_helper.compute_rollout_correction_and_add_to_batch)
-    rollout_corr_helper.compute_rollout_correction_and_add_to_batch = compute_rollout_correction_and_add_to_batch
-
-
-def uninstall_correction() -> None:
-    from verl.trainer.ppo import rollout_corr_helper
-
-    original = rollout_corr_helper.__dict__.pop("_verl_compute_rollout_correction_and_add_to_batch", None)
-    if original is not None:
-        rollout_corr_helper.compute_rollout_correction_and_add_to_batch = original
-
-
-def register_losses() -> None:
-    """rlkernels' names in verl's policy-loss registry (idempotent); nothing else of verl is touched."""
-    for name, route, loss_type in plugin_loss_modes():
-        if name not in core_algos.POLICY_LOSS_REGISTRY:
-            core_algos.register_policy_loss(name)(make_policy_loss(loss_type, route))
-
-
-# ---------------------------------------------------------------- advantage estimators
-OTB_ESTIMATORS = {"rlkernels_optimal_token_baseline": False, "rlkernels_tir_optimal_token_baseline": True}
-
-
-def _callers_batch():
-    """The DataProto of verl's `compute_advantage` that called the estimator: verl 0.9.1 hands sum_pi_squared,
-    old_log_probs and rollout_is_weights only to its own two OTB names, so an estimator registered under
-    another name reads them from its caller's `data` (read only; a few frames up at most)."""
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            break
-        data = frame.f_locals.get("data")
-        if data is not None and hasattr(data, "batch") and "sum_pi_squared" in data.batch.keys():
-            return data
-        frame = frame.f_back
-    return None
-
-
-def make_advantage_estimator(multi_turn: bool):
-    """verl's advantage-estimator signature around `rlkernels.optimal_token_baseline` (verl's OTB, or with
-    multi_turn its TIR-OTB): the same inputs (`index` numpy ids) and values, segmented (no loop over groups)."""
-
-    def compute_rlkernels_optimal_token_baseline(token_level_rewards, response_mask, index=None, old_log_probs=None,
-                                                 sum_pi_squared=None, rollout_is_weights=None, handle_zero_tail=True,
-                                                 epsilon=1e-8, **kwargs):
-        if sum_pi_squared is None or old_log_probs is None:
-            data = _callers_batch()
-            if data is None:
-                raise ValueError("sum_pi_squared: the optimal token baseline needs sum_pi_squared and old_log_probs "
-                                 "from the actor's log-prob pass (actor.calculate_sum_pi_squared=True)")
-            old_log_probs, sum_pi_squared = data.batch["old_log_probs"], data.batch["sum_pi_squared"]
-            if rollout_is_weights is None and "rollout_is_weights" in data.batch.keys():
-                rollout_is_weights = data.batch["rollout_is_weights"]
-        if index is None:
-            raise ValueError("index: the optimal token baseline needs verl's prompt ids (non_tensor_batch['uid'])")
-        groups = torch.as_tensor(np.unique(np.asarray(index), return_inverse=True)[1].reshape(-1),
-                                 device=token_level_rewards.device)
-        out = optimal_token_baseline(token_level_rewards, response_mask, groups, old_log_probs, sum_pi_squared,
-                                     is_weights=rollout_is_weights, multi_turn=multi_turn,
-                                     handle_zero_tail=handle_zero_tail, eps=epsilon, validate=False)
-        return out.advantages, out.returns
-
-    compute_rlkernels_optimal_token_baseline.__name__ = (
-        f"compute_rlkernels_{'tir_' if multi_turn else ''}optimal_token_baseline")
-    return compute_rlkernels_optimal_token_baseline
-
-
-def register_advantage_estimators() -> None:
-    """rlkernels' names in verl's advantage-estimator registry (idempotent)."""
-    for name, multi_turn in OTB_ESTIMATORS.items():
-        if name not in core_algos.ADV_ESTIMATOR_REGISTRY:
-            core_algos.register_adv_est(name)(make_advantage_estimator(multi_turn))
-
-
-def _opted_in(variable: str) -> bool:
-    """RLKERNELS_VERL_ROUTES=1 (or linear / logits, which also names the route of the log-prob passes),
-    RLKERNELS_VERL_CORRECTION=1."""
-    return os.environ.get(variable, "0").strip().lower() in ("1", "true", "yes", "linear", "logits")
-
-
-register_losses()
-register_advantage_estimators()
-if _opted_in(ROUTES_ENV):
-    install_routes()
-if _opted_in(CORRECTION_ENV):
-    install_correction()
+def install_routes_at_first_lookup(config) -> None:
+    """A run selected a route: verl looked its loss up for the first time, inside its own ppo_loss, after
+    this micro-batch's forward on verl's path. Install the hooks for the next micro-batches, and say so."""
+    installed = install_routes()
+    mode = _loss_mode(config)
+    if installed and torch.is_grad_enabled():
+        warnings.warn(f"actor.policy_loss.loss_mode={mode}: rlkernels' engine hooks are installed now, at the first "
+                      "lookup of the loss; this micro-batch ran verl's path (the same loss), the next ones take the "
+                      f"route. Set {ROUTES_ENV}=1 in the workers' environment to take it from the first micro-batch",
+                      stacklevel=3)
+    elif not installed:
+        _warn_once(f"actor.policy_loss.loss_mode={mode}: verl's FSDP engine (verl.workers.engine.fsdp) does not "
+                   "import here, so the route cannot be taken; the loss is computed from verl's log-probs")
