@@ -30,7 +30,7 @@ if os.environ.get("RLKERNELS_BUILD_CUDA") == "1":
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     # nvcc flags: keep in sync with NVCC_FLAGS / NVCC_ARCH_FLAGS in rlkernels/backends/cuda_backend.py
-    # (tests/test_cuda_compile.py checks). Default targets sm_80, sm_90 (+ PTX); TORCH_CUDA_ARCH_LIST, when
+    # (tests/backends/test_cuda_compile.py checks). Default targets sm_80, sm_90 (+ PTX); TORCH_CUDA_ARCH_LIST, when
     # set, replaces them (torch ignores that variable as soon as any -gencode flag is given).
     nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo"]
     nvcc_arch_flags = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else [

@@ -51,7 +51,7 @@ def otb_inputs(B: int, T: int, group_size: int, device: str, seed: int = 0, mult
 
 def _verl_functions():
     try:
-        from tests.support.peers import import_verl
+        from rlkernels.testing.peers import import_verl
 
         _, core_algos, _ = import_verl()
     except ImportError:

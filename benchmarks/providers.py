@@ -11,7 +11,7 @@ import torch
 
 import rlkernels
 from rlkernels import backends as rk_backends
-from tests.support.peers import import_verl
+from rlkernels.testing.peers import import_verl
 
 from .naive import naive_decoupled_ppo_loss, naive_token_logprobs
 from .problems import Case

@@ -3,7 +3,7 @@
 Spawns gloo groups on the CPU (2 ranks per group kind; a 2 x 2 grid for the combinations), runs
 `decoupled_ppo_loss` forward and backward on a packed batch, and prints, per group kind, the
 all_gather / all_reduce calls and the bytes each rank sent -- counted by wrapping torch.distributed,
-as tests/test_batch_split.py does (it asserts the call counts; this prints the sizes). The counts do
+as tests/stage/test_batch_split.py does (it asserts the call counts; this prints the sizes). The counts do
 not depend on the hardware; run it anywhere:
 
     python -m benchmarks.split [--tokens 4096] [--seqs 16]
@@ -15,7 +15,7 @@ import random
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.ranks import Collectives, spawn
+from rlkernels.testing.spawn import Collectives, spawn
 
 CONFIGS = {
     "plain (token-mean, no correction)": dict(),

@@ -29,7 +29,7 @@ import torch._inductor.metrics as inductor_metrics
 from rlkernels import PolicyLossConfig, RolloutCorrection
 from rlkernels import stage as rk_stage
 from rlkernels.stage.segments import Segments
-from tests.support.stage import run_stage
+from rlkernels.testing.stage import run_stage
 
 CASES = {
     "seq_mis+kl+entropy": lambda: PolicyLossConfig(

@@ -28,7 +28,7 @@ from functools import partial
 
 import torch
 
-from tests.support.peers import import_verl, load_example
+from rlkernels.testing.peers import import_verl, load_example
 
 from .harness import peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes
 

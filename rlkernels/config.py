@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Tuple, Union
 
 import torch
 
-from .stage.policy_terms import LOSS_TERMS
+from .stage.policy_terms import LOSS_TERMS, TOKEN_MASKS, Option
 
 # Option names of SPEC §5. k1 options take ratio bounds (lo, hi); k2/k3 options an upper bound. The kl options are
 # Trust Region Masking's criterion on the vocabulary-level KL(μ_t || π_t) of SPEC §9 (the sampler's distribution to
@@ -39,10 +39,10 @@ LOSS_TYPES = tuple(LOSS_TERMS)
 SEQUENCE_RATIO_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.ratio_levels)
 # losses whose selection is batch-global (a host sync, as in verl; no split batches)
 COVARIANCE_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.batch_global)
-# losses whose ratio is p / q against the sampler, its whole correction (computed IS weights would apply it twice)
-ROLLOUT_RATIO_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.rollout_ratio)
 # losses that read the sampler's top-k (SPEC §9: score centering)
 SAMPLER_HEAD_LOSSES = tuple(name for name, entry in LOSS_TERMS.items() if entry.sampler_head)
+# the fields of single loss types, each once (several losses may read one: the IPO family's ipo_kl_tau)
+LOSS_OPTIONS = {option.name: option for entry in LOSS_TERMS.values() for option in entry.options}
 VACO_DIVERGENCES = ("tv", "kl")
 IS_MODES = ("truncate", "mask")
 SEQ_MEAN_OVER = ("nonempty", "all")
@@ -104,6 +104,17 @@ def _ratio_bounds(name: str, value, open_ends: bool = False) -> Tuple[float, flo
             raise ValueError(f"{name}: expected lo <= hi, got lo={lo!r} > hi={hi!r}")
         return (lo, hi)
     raise TypeError(f"{name}: expected a number or a (lo, hi) pair, got {value!r}")
+
+
+def _checked_option(option: Option, value):
+    """A loss type's field checked by its declared rule (stage/policy_terms.Option), normalised to a float."""
+    if option.rule == "number":
+        if not is_number(value):
+            raise TypeError(f"{option.name}: expected a number, got {value!r}")
+        return value
+    if option.rule == "optional_positive" and value is None:
+        return None
+    return check_finite_positive(option.name, value, allow_zero=option.rule == "non_negative")
 
 
 @dataclass(frozen=True)
@@ -411,13 +422,6 @@ class PolicyLossConfig:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
         self._check_family()
-        for name in ("tau_pos", "tau_neg"):
-            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name)))
-        if self.dro_beta is not None:
-            object.__setattr__(self, "dro_beta", check_finite_positive("dro_beta", self.dro_beta))
-        elif self.loss_type == "dro":
-            raise ValueError("dro_beta: expected a number > 0 with loss_type='dro' (verl's policy_loss.dro_beta), "
-                             "got None")
         for name in ("clip_ratio_low", "clip_ratio_high"):
             object.__setattr__(self, name, check_finite_positive(name, getattr(self, name), allow_zero=True))
         if _checking_values() and self.clip_ratio_low >= 1.0:
@@ -451,10 +455,6 @@ class PolicyLossConfig:
                 "rollout_correction: expected a RolloutCorrection or None, "
                 f"got {type(self.rollout_correction).__name__}"
             )
-        if self.loss_type == "vespo" and self.rollout_correction is not None and \
-                self.rollout_correction.is_level == "sequence":
-            raise ValueError("rollout_correction: loss_type='vespo' folds token-level IS weights into its sequence "
-                             "ratio; is_level='sequence' has no such form (TRL raises too)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass"):
@@ -467,7 +467,8 @@ class PolicyLossConfig:
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
 
     def _check_family(self) -> None:
-        """The loss-family fields: types, ranges, and combinations that have no meaning."""
+        """The loss-family fields: types, ranges, and combinations that have no meaning. The fields of single loss
+        types, and what each loss type refuses, are declared by its row of the stage's table (LOSS_TERMS)."""
         if self.ratio_level not in ("token", "sequence"):
             raise ValueError(f"ratio_level: expected 'token' or 'sequence', got {self.ratio_level!r}")
         if self.ratio_level == "sequence" and self.loss_type not in SEQUENCE_RATIO_LOSSES:
@@ -478,7 +479,7 @@ class PolicyLossConfig:
         if self.entropy_agg_mode is not None and self.entropy_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"entropy_agg_mode: expected None or one of {LOSS_AGG_MODES}, "
                              f"got {self.entropy_agg_mode!r}")
-        for name in ("log_ratio_clamp", "cispo_cap", "m2po_threshold"):
+        for name in ("log_ratio_clamp", "m2po_threshold"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, check_finite_positive(name, getattr(self, name)))
         if self.off_policy_mask_threshold is not None:
@@ -486,48 +487,39 @@ class PolicyLossConfig:
                 raise TypeError(f"off_policy_mask_threshold: expected a number or None, got "
                                 f"{self.off_policy_mask_threshold!r}")
             object.__setattr__(self, "off_policy_mask_threshold", float(self.off_policy_mask_threshold))
-        for name in ("vespo_k_pos", "vespo_k_neg"):
-            if not is_number(getattr(self, name)):
-                raise TypeError(f"{name}: expected a number, got {getattr(self, name)!r}")
-        for name in ("vespo_lambda_pos", "vespo_lambda_neg", "clip_cov_ratio", "kl_cov_ratio"):
-            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name)))
-        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
-            if not is_number(getattr(self, name)):
-                raise TypeError(f"{name}: expected a number, got {getattr(self, name)!r}")
-        for name in ("topr_negative_ratio_lower", "topr_negative_ratio_upper"):
-            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name), allow_zero=True))
-        if _checking_values() and self.topr_negative_ratio_lower > self.topr_negative_ratio_upper:
-            raise ValueError("topr_negative_ratio_lower: expected <= topr_negative_ratio_upper, got "
-                             f"{self.topr_negative_ratio_lower!r} > {self.topr_negative_ratio_upper!r}")
-        if self.loss_type == "geo_mean" and (self.off_policy_mask_threshold is not None or
-                                             self.m2po_threshold is not None):
-            raise ValueError("loss_type: 'geo_mean' is one term per sequence; the token masks "
-                             "off_policy_mask_threshold / m2po_threshold do not apply to it")
         for name in ("kl_bias_correction", "m2po_quadrant", "adaptive_entropy"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        self._check_rollout_trust_regions()
-
-    def _check_rollout_trust_regions(self) -> None:
-        """The 2026 options (SPEC §6.1): ranges, and the combinations that would apply a correction twice."""
-        for name in ("log_ratio_sq_coef", "ipo_eps", "ipo_kl_tau", "kpop_phi", "binary_tv_low", "binary_tv_high"):
-            object.__setattr__(self, name, check_finite_positive(name, getattr(self, name), allow_zero=True))
+        object.__setattr__(self, "log_ratio_sq_coef",
+                           check_finite_positive("log_ratio_sq_coef", self.log_ratio_sq_coef, allow_zero=True))
         if self.vaco_threshold is not None:
             object.__setattr__(self, "vaco_threshold", check_finite_positive("vaco_threshold", self.vaco_threshold))
         if self.vaco_divergence not in VACO_DIVERGENCES:
             raise ValueError(f"vaco_divergence: expected one of {VACO_DIVERGENCES}, got {self.vaco_divergence!r}")
-        if self.loss_type == "geo_mean" and self.vaco_threshold is not None:
-            raise ValueError("loss_type: 'geo_mean' is one term per sequence; VACO's token mask (vaco_threshold) does "
-                             "not apply to it")
+        for option in LOSS_OPTIONS.values():  # every loss's fields are valid, whichever loss is chosen
+            object.__setattr__(self, option.name, _checked_option(option, getattr(self, option.name)))
+        self._check_loss_type(LOSS_TERMS[self.loss_type])
+
+    def _check_loss_type(self, entry) -> None:
+        """What the chosen loss type's row declares: its required fields, its ordered pairs, the token masks and
+        the IS levels it refuses."""
+        name = self.loss_type
+        for option in entry.options:
+            if option.required and getattr(self, option.name) is None:
+                raise ValueError(f"{option.name}: expected a number > 0 with loss_type={name!r}, got None")
+        if _checking_values():
+            for lo, hi in entry.ordered:
+                if getattr(self, lo) > getattr(self, hi):
+                    raise ValueError(f"{lo}: expected <= {hi}, got {getattr(self, lo)!r} > {getattr(self, hi)!r}")
+        if entry.no_token_masks:
+            given = [f"{mask}={getattr(self, mask)!r}" for mask in TOKEN_MASKS if getattr(self, mask) is not None]
+            if given:
+                raise ValueError(f"loss_type: {name!r} {entry.no_token_masks}; the token masks {TOKEN_MASKS} do not "
+                                 f"apply to it, got {', '.join(given)}")
         rc = self.rollout_correction
-        if self.loss_type in SAMPLER_HEAD_LOSSES and rc is not None and rc.is_level == "sequence":
-            raise ValueError(f"rollout_correction: loss_type={self.loss_type!r} takes the token-level IS rule as its f "
-                             "(truncation or an IcePop band); is_level='sequence' has no per-token f. Use "
-                             "is_level='token' or None")
-        if self.loss_type in ROLLOUT_RATIO_LOSSES and rc is not None and rc.is_level is not None:
-            raise ValueError(f"rollout_correction: loss_type={self.loss_type!r} weighs each token by p/q against the "
-                             f"sampler itself; IS weights (is_level={rc.is_level!r}) would correct twice. Keep the "
-                             "rejection options (rs) and set is_level=None")
+        if rc is not None and rc.is_level not in entry.is_levels:
+            raise ValueError(f"rollout_correction: loss_type={name!r} "
+                             f"{entry.is_level_refusal.format(is_level=repr(rc.is_level))}")
 
     @property
     def needs_entropy(self) -> bool:

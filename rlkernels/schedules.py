@@ -22,6 +22,8 @@ from its base each step (`LambdaLR`) should read `scale` instead:
 import math
 from typing import Dict, Optional
 
+__all__ = ["ResponseLengthLR"]
+
 
 def _number(name: str, value, low: float, high: float = math.inf, *, low_open: bool = False,
             high_open: bool = False) -> float:

@@ -20,18 +20,8 @@ import torch
 from hypothesis import strategies as st
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
-from rlkernels.config import (
-    COVARIANCE_LOSSES,
-    IS_LEVELS,
-    KL_TYPES,
-    LOG_RATIO_RS_OPTIONS,
-    LOSS_AGG_MODES,
-    LOSS_TYPES,
-    ROLLOUT_RATIO_LOSSES,
-    SAMPLER_HEAD_LOSSES,
-    SEQUENCE_RATIO_LOSSES,
-    VACO_DIVERGENCES,
-)
+from rlkernels.config import KL_TYPES, LOG_RATIO_RS_OPTIONS, LOSS_AGG_MODES, VACO_DIVERGENCES
+from rlkernels.stage.policy_terms import LOSS_TERMS
 
 # Every property test states its CI example budget; HYPOTHESIS_SCALE=10 runs ten times as many.
 EXAMPLE_SCALE = int(os.environ.get("HYPOTHESIS_SCALE", "1"))
@@ -434,99 +424,141 @@ def batches(draw, layout=None, max_seqs=5, max_len=8, max_vocab=19, dtype=F64, a
     return make_batch(layout, lengths, V, dtype=dtype, seed=seed, logit_kind=kind, mismatch=scale, mask_p=mask_p)
 
 
-def _ratio_bound(draw):
-    lo = draw(st.sampled_from([0.3, 0.5, 0.9, 0.999]))
-    hi = draw(st.sampled_from([1.001, 1.1, 2.0, 5.0]))
-    return (lo, hi) if draw(st.booleans()) else hi
+# ---- configurations ---------------------------------------------------------------------------------
+# One generator of PolicyLossConfig keyword arguments, read by the hypothesis strategy `configs` and by the seeded
+# draw of spawned ranks (`seeded_config`, tests/stage/test_batch_split.py): every loss type's own fields, the IS levels
+# and modes it takes and the token masks it refuses come from its row of the stage's table (LOSS_TERMS), so a new
+# loss or field is drawn without an edit here.
 
 
-@st.composite
-def rollout_corrections(draw):
-    if draw(st.integers(0, 5)) == 0:
+class _Hypothesis:
+    """Choices drawn by hypothesis (shrinkable)."""
+
+    def __init__(self, draw):
+        self.draw = draw
+
+    def choice(self, values):
+        return self.draw(st.sampled_from(list(values)))
+
+    def one_in(self, n: int) -> bool:
+        return self.draw(st.integers(0, n - 1)) == 0
+
+    def subset(self, values, max_size: int):
+        return self.draw(st.lists(st.sampled_from(list(values)), max_size=max_size, unique=True))
+
+
+class _Seeded:
+    """The same choices from a random.Random (spawned ranks draw in lock step from one seed)."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def choice(self, values):
+        return self.rng.choice(list(values))
+
+    def one_in(self, n: int) -> bool:
+        return self.rng.randrange(n) == 0
+
+    def subset(self, values, max_size: int):
+        return self.rng.sample(list(values), self.rng.randint(0, max_size))
+
+
+def _ratio_bound(pick):
+    lo = pick.choice([0.3, 0.5, 0.9, 0.999])
+    hi = pick.choice([1.001, 1.1, 2.0, 5.0])
+    return (lo, hi) if pick.one_in(2) else hi
+
+
+def _rollout_correction(pick, is_levels) -> Optional[RolloutCorrection]:
+    """A rollout correction over the option product, with an IS level the loss type takes."""
+    if pick.one_in(6):
         return None
-    is_level = draw(st.sampled_from(IS_LEVELS))
-    threshold = draw(st.sampled_from([2.0, 1.2, 10.0, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0), (0.5, math.inf)]))
-    is_mode = draw(st.sampled_from([None, "truncate", "mask"]))
-    options = draw(st.lists(st.sampled_from(LOG_RATIO_RS_OPTIONS), max_size=3, unique=True))
-    rs = {}
-    for option in options:
-        rs[option] = _ratio_bound(draw) if option.endswith("k1") else draw(st.sampled_from([0.001, 0.05, 0.5, 4.0]))
+    threshold = pick.choice([2.0, 1.2, 10.0, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0), (0.5, math.inf)])
+    is_mode = pick.choice([None, "truncate", "mask"])
     if is_mode == "truncate" and isinstance(threshold, tuple) and threshold[1] == math.inf:
         is_mode = "mask"  # truncation at inf is no truncation: draw the mask instead
-    return RolloutCorrection(is_level=is_level, is_threshold=threshold, is_batch_normalize=draw(st.booleans()), rs=rs,
-                             is_mode=is_mode)
+    rs = {}
+    for option in pick.subset(LOG_RATIO_RS_OPTIONS, 3):
+        rs[option] = _ratio_bound(pick) if option.endswith("k1") else pick.choice([0.001, 0.05, 0.5, 4.0])
+    return RolloutCorrection(is_level=pick.choice(is_levels), is_threshold=threshold,
+                             is_batch_normalize=pick.one_in(2), rs=rs, is_mode=is_mode)
+
+
+def drawable_loss_types(mode: str):
+    """The loss types the generator draws in `mode`: those defined there (their row's `modes`), except the
+    batch-global selections (Clip-Cov and KL-Cov select tokens by rank or at random: tests/stage/test_loss_family.py
+    holds them to the reference in float64 with the generator seeded alike; and no split batch takes them) and the
+    losses that read the sampler's top-k (tests/stage/test_score_centering.py draws those with their inputs)."""
+    return [name for name, entry in LOSS_TERMS.items()
+            if mode in entry.modes and not entry.batch_global and not entry.sampler_head]
+
+
+def config_options(pick, mode: str, split: Optional[str] = None, **fixed) -> dict:
+    """PolicyLossConfig keyword arguments over the whole option product, consistent with the mode; `split` ("dp",
+    "cp" or None): what a split batch supports (stage.loss.check_split_options: no batch-global selection, no M2PO,
+    no sequence-level ratio under cp). `fixed` overrides any draw."""
+    loss_type = fixed.get("loss_type") or pick.choice(drawable_loss_types(mode))
+    entry = LOSS_TERMS[loss_type]
+    kl = pick.choice((None,) + KL_TYPES)  # None: no KL penalty
+    kw = dict(
+        loss_type=loss_type,
+        clip_ratio_low=pick.choice([0.2, 0.1]),
+        clip_ratio_high=pick.choice([0.2, 0.28]),
+        clip_ratio_c=pick.choice([3.0, None, 1.5]),
+        loss_agg_mode=pick.choice(LOSS_AGG_MODES),
+        temperature=pick.choice([1.0, 0.7]),
+        entropy_coeff=pick.choice([0.0, 0.01]),
+        compute_entropy=pick.one_in(2),
+        kl_coef=0.0 if kl is None else 0.05,
+        kl_type=kl or "k3",
+        rollout_correction=None if mode == "on-policy" else _rollout_correction(pick, entry.is_levels),
+    )
+    for option in entry.options:  # the loss type's own fields, as its row declares them
+        kw[option.name] = pick.choice(option.draws)
+    for lo, hi in entry.ordered:
+        if kw[lo] > kw[hi]:
+            kw[lo], kw[hi] = kw[hi], kw[lo]
+    if pick.one_in(8):
+        kw["global_num_tokens"] = 13.0
+        kw["global_num_seqs"] = 3.0
+    if pick.one_in(8):
+        kw["loss_scale_factor"] = 4.0
+    # the conventions of the loss family (TRL's where they differ from verl's)
+    if entry.ratio_levels and split != "cp":
+        kw["ratio_level"] = pick.choice(["token", "sequence"])
+    # None (TRL's: no clamp) overflows exp() in float32 where float64 does not, so the dtype comparisons
+    # here draw finite clamps; tests/peers/test_trl_losses.py runs None in float64
+    kw["log_ratio_clamp"] = pick.choice([20.0, 20.0, 5.0, 30.0])
+    kw["seq_mean_over"] = pick.choice(["nonempty", "all"])
+    kw["entropy_agg_mode"] = pick.choice((None,) + LOSS_AGG_MODES)
+    kw["kl_bias_correction"] = pick.one_in(2)
+    if kw["kl_bias_correction"] and kw.get("ratio_level") == "sequence" and kw["kl_type"].startswith("k3_unclamped"):
+        # per sequence, k3 x r's gradient sums (1 - e^d) r and the sequence's share of e^d r: both sides
+        # (autograd in the oracle too) cancel e^d terms of up to e^40 here, so neither is an oracle
+        kw["kl_type"] = "k3"
+    if not entry.no_token_masks:
+        kw["off_policy_mask_threshold"] = pick.choice([None, None, 0.0, 0.5])
+        if split is None:
+            kw["m2po_threshold"] = pick.choice([None, None, 0.04, 1.0])
+            kw["m2po_quadrant"] = pick.one_in(2)
+        if mode != "on-policy":  # VACO's divergence is the training policy's against the sampler
+            kw["vaco_threshold"] = pick.choice([None, None, 0.05, 0.3])
+            kw["vaco_divergence"] = pick.choice(VACO_DIVERGENCES)
+    kw["log_ratio_sq_coef"] = pick.choice([0.0, 0.0, 1e-3, 0.1])
+    kw["adaptive_entropy"] = pick.one_in(2)
+    kw.update(fixed)
+    return kw
 
 
 @st.composite
 def configs(draw, mode: str, **fixed):
-    """A PolicyLossConfig over the whole option product, consistent with the mode."""
-    # REINFORCE is a bypass-mode loss (no old log-probs to form a PPO ratio against)
-    # clip_cov / kl_cov select tokens by rank or at random: tests/stage/test_loss_family.py holds them to the
-    # reference in float64 with the generator seeded alike, not across dtypes here
-    loss_type = fixed.get("loss_type") or draw(st.sampled_from(
-        [t for t in LOSS_TYPES if (t != "reinforce" or mode == "bypass") and t not in COVARIANCE_LOSSES
-         and t not in SAMPLER_HEAD_LOSSES]))  # score centering needs the sampler's top-k: test_score_centering
-    rc = draw(rollout_corrections()) if mode != "on-policy" else None
-    if loss_type == "vespo" and rc is not None and rc.is_level == "sequence":
-        rc = RolloutCorrection(is_level="token", is_threshold=rc.is_threshold, rs=rc.rs)
-    if loss_type in ROLLOUT_RATIO_LOSSES and rc is not None and rc.is_level is not None:
-        rc = RolloutCorrection(is_level=None, rs=rc.rs) if rc.rs else None  # their p / q is the whole correction
-    kl = draw(st.sampled_from((None,) + KL_TYPES))  # None: no KL penalty
-    kw = dict(
-        loss_type=loss_type,
-        tau_pos=draw(st.sampled_from([1.0, 2.0])),
-        tau_neg=draw(st.sampled_from([1.05, 0.5])),
-        dro_beta=draw(st.sampled_from([0.1, 1.0])),
-        clip_ratio_low=draw(st.sampled_from([0.2, 0.1])),
-        clip_ratio_high=draw(st.sampled_from([0.2, 0.28])),
-        clip_ratio_c=draw(st.sampled_from([3.0, None, 1.5])),
-        loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
-        temperature=draw(st.sampled_from([1.0, 0.7])),
-        entropy_coeff=draw(st.sampled_from([0.0, 0.01])),
-        compute_entropy=draw(st.booleans()),
-        kl_coef=0.0 if kl is None else 0.05,
-        kl_type=kl or "k3",
-        rollout_correction=rc,
-    )
-    if draw(st.integers(0, 7)) == 0:
-        kw["global_num_tokens"] = 13.0
-        kw["global_num_seqs"] = 3.0
-    if draw(st.integers(0, 7)) == 0:
-        kw["loss_scale_factor"] = 4.0
-    # the conventions of the loss family (TRL's where they differ from verl's)
-    if loss_type in SEQUENCE_RATIO_LOSSES:
-        kw["ratio_level"] = draw(st.sampled_from(["token", "sequence"]))
-    if loss_type == "cispo":
-        kw["cispo_cap"] = draw(st.sampled_from([None, 5.0, 1.1]))
-    # None (TRL's: no clamp) overflows exp() in float32 where float64 does not, so the dtype comparisons
-    # here draw finite clamps; tests/peers/test_trl_losses.py runs None in float64
-    kw["log_ratio_clamp"] = draw(st.sampled_from([20.0, 20.0, 5.0, 30.0]))
-    kw["seq_mean_over"] = draw(st.sampled_from(["nonempty", "all"]))
-    kw["entropy_agg_mode"] = draw(st.sampled_from((None,) + LOSS_AGG_MODES))
-    kw["kl_bias_correction"] = draw(st.booleans())
-    if kw["kl_bias_correction"] and kw.get("ratio_level") == "sequence" and kw["kl_type"] == "k3_unclamped":
-        # per sequence, k3 x r's gradient sums (1 - e^d) r and the sequence's share of e^d r: both sides
-        # (autograd in the oracle too) cancel e^d terms of up to e^40 here, so neither is an oracle
-        kw["kl_type"] = "k3"
-    if loss_type != "geo_mean":
-        kw["off_policy_mask_threshold"] = draw(st.sampled_from([None, None, 0.0, 0.5]))
-        kw["m2po_threshold"] = draw(st.sampled_from([None, None, 0.04, 1.0]))
-        kw["m2po_quadrant"] = draw(st.booleans())
-        if mode != "on-policy":  # VACO's divergence is the training policy's against the sampler
-            kw["vaco_threshold"] = draw(st.sampled_from([None, None, 0.05, 0.3]))
-            kw["vaco_divergence"] = draw(st.sampled_from(VACO_DIVERGENCES))
-    # the 2026 trust regions on the rollout policy (SPEC §6.1)
-    kw["ipo_eps"] = draw(st.sampled_from([0.3, 0.05, 1.0]))
-    kw["ipo_kl_tau"] = draw(st.sampled_from([0.0, 0.0, 0.01]))
-    kw["kpop_phi"] = draw(st.sampled_from([0.1, 0.01]))
-    kw["binary_tv_low"] = draw(st.sampled_from([0.2, 0.05]))
-    kw["binary_tv_high"] = draw(st.sampled_from([0.2, 0.5]))
-    kw["log_ratio_sq_coef"] = draw(st.sampled_from([0.0, 0.0, 1e-3, 0.1]))
-    kw["adaptive_entropy"] = draw(st.booleans())
-    kw["topr_negative_ratio_upper"] = draw(st.sampled_from([1.0, 2.0]))
-    kw["vespo_k_neg"] = draw(st.sampled_from([3.0, 1.0]))
-    kw.update(fixed)
-    return PolicyLossConfig(**kw)
+    """A PolicyLossConfig over the whole option product, consistent with the mode (config_options)."""
+    return PolicyLossConfig(**config_options(_Hypothesis(draw), mode, **fixed))
+
+
+def seeded_config(rng, mode: str, split: Optional[str] = None, **fixed) -> PolicyLossConfig:
+    """config_options drawn from a random.Random: the same configuration on every spawned rank."""
+    return PolicyLossConfig(**config_options(_Seeded(rng), mode, split, **fixed))
 
 
 @st.composite

@@ -4,13 +4,18 @@
   kernels (nothing of rlkernels) < backends < ops; the stage stands apart from the passes (it may ask
   `backends` whether Triton exists, to decide whether to compile itself); config reads the stage's loss
   table; inputs and api sit on top; integrations use the public layer; reference imports nothing else.
-- No function outside kernels/, backends/ and reference/ takes more than 8 parameters, except the public
-  entry points, torch.library op schemas (and their fake implementations) and autograd forward/backward.
+- No function outside kernels/, backends/, reference/ and testing/ takes more than 8 parameters, except the
+  public entry points, torch.library op schemas (and their fake implementations) and autograd forward/backward.
 - No function body is over 80 lines without a comment that starts "# Long on purpose" and says why.
+- api.py is thin: it raises nothing (every check is in inputs), and each public function's body, past its
+  docstring, is at most API_BODY_LINES lines (its arguments to inputs, one call of step or the stage).
+- The newcomer's map stays true: every module under rlkernels/ is named in docs/development.md's layout.
+- The front page stays one: README.md has at most README_LINES lines (the detail has its page under docs/).
 """
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 import rlkernels
@@ -25,10 +30,13 @@ ALLOWED = {
     "stage": {"backends"},
     "reference": set(),
     "config": {"stage", "integrations"},  # the loss table; the trainer constructors delegate to integrations
-    "inputs": {"config", "stage", "ops", "backends"},
-    "api": {"config", "stage", "ops", "backends", "inputs"},
+    "outputs": set(),  # the public result types
+    "inputs": {"config", "stage", "ops", "backends", "outputs"},
+    "step": {"config", "stage", "ops", "backends", "inputs", "outputs"},
+    "api": {"config", "stage", "ops", "backends", "inputs", "outputs", "step"},
     "integrations": {"api", "config", "integrations"},
     "schedules": set(),
+    "testing": {"api", "config", "stage", "inputs", "outputs", "ops", "backends"},  # helpers for tests and benchmarks
     "__init__": {"api", "config", "schedules"},
     "demo": {"__init__", "api", "config", "backends"},
 }
@@ -37,6 +45,9 @@ ALLOWED = {
 PUBLIC = {name for name in rlkernels.__all__ if inspect.isfunction(getattr(rlkernels, name))}
 PEER_SIGNATURES = {"compute_rlkernels_optimal_token_baseline"}
 LONG_LINES = 80
+API_BODY_LINES = 10
+README_LINES = 160
+REPO = ROOT.parent
 
 
 def _layer(path: Path) -> str:
@@ -121,8 +132,8 @@ def _functions(tree):
 def test_seams_take_at_most_eight_parameters():
     offenders = []
     for path, tree in _sources():
-        if _layer(path) in ("kernels", "backends", "reference"):
-            continue
+        if _layer(path) in ("kernels", "backends", "reference", "testing"):
+            continue  # launchers, the oracle's formulas and test helpers take their tensors loose, by design
         for fn, parents in _functions(tree):
             a = fn.args
             n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
@@ -148,3 +159,47 @@ def test_the_checks_see_the_package():
     layers = {_layer(p) for p, _ in _sources()}
     assert {"kernels", "backends", "ops", "stage", "reference", "inputs", "api", "integrations"} <= layers
     assert sum(1 for p, t in _sources() for _ in _functions(t)) > 200
+
+
+def test_api_raises_nothing_and_its_functions_stay_thin():
+    path = ROOT / "api.py"
+    tree = ast.parse(path.read_text())
+    raises = [f"api.py:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Raise)]
+    assert not raises, f"api.py raises (checks belong in rlkernels/inputs): {raises}"
+    public = [n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    assert {n.name for n in public} == PUBLIC, "api.py's public functions are rlkernels' public functions"
+    fat = {}
+    for fn in public:
+        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) else fn.body  # past the docstring
+        lines = body[-1].end_lineno - body[0].lineno + 1
+        if lines > API_BODY_LINES:
+            fat[fn.name] = lines
+    assert not fat, f"api.py functions over {API_BODY_LINES} lines past the docstring: {fat}"
+    assert not [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name.startswith("_")], \
+        "api.py holds private helpers (their room is step, inputs or the stage)"
+
+
+def _layout_block() -> str:
+    text = (REPO / "docs" / "development.md").read_text()
+    section = text[text.index("## Layout"):]
+    return section[section.index("```"):section.index("```", section.index("```") + 3)]
+
+
+def test_every_module_is_named_in_the_development_map():
+    """Each module appears in the layout under its folder: by its file name, or (for a list of several) in a
+    line of the folder's entry; a package by its folder name."""
+    block = _layout_block()
+    missing = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        name = rel.parent.name + "/" if rel.name == "__init__.py" else rel.name
+        if rel == Path("__init__.py"):
+            continue
+        if not re.search(rf"(?<![\w/]){re.escape(name)}", block):
+            missing.append(str(rel))
+    assert not missing, f"modules not named in docs/development.md's layout: {missing}"
+
+
+def test_readme_stays_a_front_page():
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= README_LINES, f"README.md has {lines} lines (at most {README_LINES}): move the detail to docs/"

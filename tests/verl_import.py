@@ -7,7 +7,7 @@ import pytest
 def import_verl_or_skip():
     """(rollout_corr_helper, core_algos, ActorConfig); afterwards `verl.*` imports as usual."""
     try:
-        from .support.peers import import_verl
+        from rlkernels.testing.peers import import_verl
 
         return import_verl()
     except ImportError as exc:  # pragma: no cover - reported by the skip

@@ -138,7 +138,7 @@ _unavailable = {
 def instance(name: str, chunk_rows=None, vocab_shard: bool = False) -> Backend:
     """The backend object of a resolved name (eager code: the custom ops' bodies).
 
-    vocab_shard: the logits are one shard of a vocabulary-parallel head (rlkernels.distributed):
+    vocab_shard: the logits are one shard of a vocabulary-parallel head (ops/vocab_parallel.py):
     rows may carry FOREIGN_TARGET, and the backward must form p from the given (row_max, log_norm),
     the whole vocabulary's normaliser. The kernels (Triton, CUDA, CPU) do both always; the torch
     backend is told to (it otherwise recomputes the softmax of the rows it has, and skips the

@@ -15,7 +15,7 @@ Conventions shared by every backend (and checked by tests/backends against the r
   Triton and CUDA kernels never read their logits; the torch backend computes whole chunks and
   selects those rows away.
 - `FOREIGN_TARGET` (-2) marks a row whose target lies in another vocabulary shard (tensor
-  parallelism, rlkernels.distributed), or a row with no label at all (divergences): its row_max,
+  parallelism, ops/vocab_parallel.py), or a row with no label at all (divergences): its row_max,
   log_norm, entropy and sum p^2 are computed, its logprob is 0, and its gradient is that of a row
   without the target column. Every backend supports it.
 - `temperature` is a `Temperature` (backends/temperature.py); a float or an [N] tensor given instead is

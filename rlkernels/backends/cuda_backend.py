@@ -21,7 +21,7 @@ from .extension import ExtensionBackend, register_fakes
 OPS_NAMESPACE = "rlkernels_cuda"
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("bindings.cpp", "token_stats.cu", "token_grad.cu")
-# nvcc flags of the build, beyond torch's own (keep in sync with setup.py; tests/test_cuda_compile.py checks)
+# nvcc flags of the build, beyond torch's own (keep in sync with setup.py; tests/backends/test_cuda_compile.py checks)
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo"]
 NVCC_ARCH_FLAGS = [
     "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",

@@ -49,7 +49,7 @@ class TorchBackend:
 
     def __init__(self, chunk_rows: Optional[int] = None, vocab_shard: bool = False):
         self.chunk_rows = chunk_rows
-        # A shard of a vocabulary-parallel head (rlkernels.distributed). Its rows may have their
+        # A shard of a vocabulary-parallel head (ops/vocab_parallel.py). Its rows may have their
         # target elsewhere (FOREIGN_TARGET): their log_norm comes from the largest log p (an extra
         # reduction, only then). Its backward cannot recompute p with a fused softmax of the rows (the
         # normal, cheaper way here): p is normalised over the whole vocabulary, so it is replayed as

@@ -11,10 +11,18 @@ from typing import Optional
 
 import torch
 
-from .loss import StageOutput, correct, correction_reads_current_policy, forward_gradient_blocker, kept_mask, run
+from .loss import (
+    SamplerEvidence,
+    StageOutput,
+    correct,
+    correction_reads_current_policy,
+    forward_gradient_blocker,
+    kept_mask,
+    run,
+)
 
-__all__ = ["StageOutput", "correct", "correction_reads_current_policy", "forward_gradient_blocker", "kept_mask",
-           "run", "select"]
+__all__ = ["SamplerEvidence", "StageOutput", "correct", "correction_reads_current_policy", "forward_gradient_blocker",
+           "kept_mask", "run", "select"]
 
 # Graphs the compiled stage may hold: Dynamo specialises sizes 0 and 1 even with dynamic=True, so one
 # option set can take ~5 graphs (padded B > 1, B = 1, T = 1, packed, one sequence); the default limit
@@ -32,11 +40,11 @@ def _compiled():
         return _COMPILED[0]
     compiled = torch.compile(run, dynamic=True)
 
-    def compiled_run(stats, batch, config):
+    def compiled_run(stats, batch, config, evidence=None):
         # no_grad: the stage's inputs are detached anyway, and Dynamo guards on grad mode (one graph
         # for training steps and one for evaluation otherwise)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=STAGE_RECOMPILE_LIMIT):
-            return compiled(stats, batch, config)
+            return compiled(stats, batch, config, evidence=evidence)
 
     _COMPILED.append(compiled_run)
     return compiled_run

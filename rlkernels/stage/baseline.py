@@ -14,7 +14,7 @@ the inputs' precision (float32 at least), as verl does; the packed path sums alo
 prefix sums run over the whole token axis, whose totals float32 could not resolve to a row's few tokens.
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -211,8 +211,9 @@ class VarianceInputs(NamedTuple):
     padded_width: Optional[int]  # T of a padded [R, T] batch, None when packed
 
 
-def variance_proxy_metrics(x: VarianceInputs, grad_norm: Optional[float]) -> dict:
-    """verl's `compute_variance_proxy_metrics` (its names, its IS convention and clamps) as 0-d tensors."""
+def variance_proxy_metrics(x: VarianceInputs, grad_norm: Union[float, Tensor, None]) -> dict:
+    """verl's `compute_variance_proxy_metrics` (its names, its IS convention and clamps) as 0-d tensors.
+    `grad_norm`: a float or a 0-d tensor (clip_grad_norm_'s, read without a host sync), or None."""
     dt = torch.float64
     m = x.mask.to(dt)
     starts = None if x.row is None else _row_starts(x.row, x.num_rows)
@@ -235,7 +236,11 @@ def variance_proxy_metrics(x: VarianceInputs, grad_norm: Optional[float]) -> dic
     else:
         proxy2 = (a_row ** 2 * w_row.clamp_min(0.0)).mean()
     zero = torch.zeros((), dtype=dt, device=m.device)
-    proxy1 = zero if grad_norm is None else zero + grad_norm ** 2
+    if isinstance(grad_norm, Tensor):
+        # squared in its own dtype, as verl squares the tensor it is given (clip_grad_norm_'s is float32)
+        proxy1 = zero + (grad_norm ** 2).to(device=m.device, dtype=dt)
+    else:
+        proxy1 = zero if grad_norm is None else zero + grad_norm ** 2
     proxy3 = zero
     if grad_norm is not None and x.num_rows > 1:
         proxy3 = ((proxy2 - proxy1) / (x.num_rows - 1)).clamp_min(0.0)

@@ -22,6 +22,7 @@ from . import correction
 from .metrics import Metrics
 from .policy_terms import (
     LOSS_TERMS,
+    HeadContext,
     PolicyTerm,
     SequenceContext,
     SumInputs,
@@ -46,6 +47,18 @@ class StageOutput(NamedTuple):
     mask: Tensor  # [N] bool, the final mask m'
     metrics: Dict[str, Tensor]
     coef_head: Optional[Tensor] = None  # [N, k] dLoss/dlog p at the sampler's head ids (score centering), or None
+
+
+class SamplerEvidence(NamedTuple):
+    """What the pass learnt of the sampler's distribution (SPEC §9), for the stage: the divergences (rejection
+    and metrics) and, for a loss that reads the sampler's top-k, the trainer's log-probs at its ids."""
+    record: correction.DivergenceRecord  # the per-token divergences on the mask, detached
+    head_logprobs: Optional[Tensor] = None  # [N, k] log p at batch.sampler_head.ids, detached, or None
+
+    def head(self, batch) -> Optional[HeadContext]:
+        if self.head_logprobs is None:
+            return None
+        return HeadContext(self.head_logprobs, batch.sampler_head.logprobs, batch.sampler_head.slots)
 
 
 def aggregation_weights(mask: Tensor, seg: Segments, config: "PolicyLossConfig", dtype,
@@ -212,7 +225,8 @@ def _vaco_keep(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossConf
     return keep
 
 
-def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", batch, record: bool = True) -> _Corrected:
+def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", batch, evidence: Optional[SamplerEvidence],
+               record: bool = True) -> _Corrected:
     """correction.correct's results as the stage reads them, with the rollout_corr/* and response_length/*
     metrics recorded (unless `record` is False: a coefficients-only run)."""
     terms, table, decisions, norms, w = corrected
@@ -220,8 +234,8 @@ def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", batch, record:
     if record:
         if terms is not None:
             correction.record_metrics(metrics, terms, x.mask, table, decisions, norms, config.rollout_correction, w)
-        if batch.divergences is not None:
-            correction.record_divergence_metrics(metrics, batch.divergences, x.mask, table, norms)
+        if evidence is not None:
+            correction.record_divergence_metrics(metrics, evidence.record, x.mask, table, norms)
         correction.record_length_metrics(metrics, table, norms, batch.split)
     computed_token_weights = terms is not None and terms.token_weights is not None
     weights, factor = (None, None) if w is None else (w.weights, w.norm_factor)
@@ -460,10 +474,11 @@ def forward_gradient_blocker(batch, config: "PolicyLossConfig") -> Optional[str]
 def correct(stats, batch, config: "PolicyLossConfig"):
     """The rollout correction of `run` on its own (correction.correct's results: weights, rejection, the
     batch's normalisers, the sequence table), for `run(..., corrected=)`. Where forward_gradient_blocker is
-    None it does not depend on stats.logprobs: computed once, it serves every chunk of rows."""
+    None it does not depend on stats.logprobs (and there is no sampler evidence): computed once, it serves
+    every chunk of rows."""
     x = _masked_inputs(stats, batch)
     return correction.correct(x.l_train, x.rollout, x.mask, batch.segments, config.rollout_correction, batch.split,
-                              _kept_sums(x, config), batch.divergences)
+                              _kept_sums(x, config))
 
 
 def kept_mask(corrected) -> Tensor:
@@ -479,7 +494,8 @@ def correction_reads_current_policy(batch) -> bool:
     return batch.old_logprobs is None and batch.rollout_logprobs is not None
 
 
-def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool = True) -> StageOutput:
+def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool = True,
+        evidence: Optional[SamplerEvidence] = None) -> StageOutput:
     """The loss of SPEC §1-§8 from the current policy's statistics.
 
     stats: `.logprobs`, `.entropy` ([N] detached, the statistics' dtype; entropy may be None).
@@ -492,6 +508,7 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
     corrected: `correct(...)`'s results, computed once for a batch whose coefficients are per-token
         (forward_gradient_blocker None), or None to compute them here.
     metrics: False: the coefficients only (the metrics come back empty; with `corrected`, no collective runs).
+    evidence: the sampler's divergences and head (SPEC §9) from the pass, or None.
     """
     seg = batch.segments
     x = _masked_inputs(stats, batch)
@@ -500,10 +517,11 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
         # and Dynamo's guards on a helper's return value across a break (a Metrics object whose records vary by
         # config) fail to evaluate on recompilation
         corrected = correction.correct(x.l_train, x.rollout, x.mask, seg, config.rollout_correction, batch.split,
-                                       _kept_sums(x, config), batch.divergences)
-    c = _corrected(x, corrected, config, batch, metrics)
+                                       _kept_sums(x, config), None if evidence is None else evidence.record)
+    c = _corrected(x, corrected, config, batch, evidence, metrics)
     ratio = _policy_ratio(x, c, seg, config)
-    term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config, batch.head_terms))
+    head = None if evidence is None else evidence.head(batch)
+    term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config, head))
     weighted = _weigh_and_mask(term, x, c, ratio, seg, config)
     a = aggregation_weights(c.decisions.mask, seg, config, x.lp.dtype, c.decisions.final_lengths, c.norms)
     total = _aggregate(term, weighted, c, a)

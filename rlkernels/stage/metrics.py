@@ -15,7 +15,7 @@ the result on a split batch equal to the result on the whole batch:
 
 Without a split nothing is combined or packed: every metric is finished from its own value (which
 is then the whole batch's). With one, the records are packed by kind into one vector and combined
-with one collective per group (`distributed.BatchSplit.combine_metrics`). Per-sequence records are
+with one collective per group (`split.BatchSplit.combine_metrics`). Per-sequence records are
 already whole on every rank of a context-parallel group (sequences were combined before the stage),
 so across that group they are taken once, not summed.
 """

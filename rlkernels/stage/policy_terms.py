@@ -15,9 +15,15 @@ A loss type is registered with `@loss_term(name, ...)`:
 - `ratio_levels`: the loss is written on a ratio r that may be taken per sequence (ratio_level="sequence");
 - `batch_global`: the loss selects tokens over the whole batch (no split batches);
 - `aggregation`: the (loss_agg_mode, seq_mean_over) the loss defines for itself, in place of the config's;
-- `rollout_ratio`: the loss's ratio is p / q against the sampler, the whole correction (no computed IS weights);
 - `sampler_head`: the loss reads the sampler's top-k (ctx.head, SPEC §9) and returns coefficients on the
   trainer's log-probs at those ids (`head_direct`, [N, k]) beside `direct`.
+What a row declares of the config (rlkernels.config checks it, tests/cases.py draws from it, docs/losses.md names
+it; tests/stage/test_loss_table.py holds the three to the table):
+- `options`: the config fields only this loss reads (`Option`: the rule its value keeps, the values tests draw);
+- `ordered`: pairs of its options that must be ordered (lo <= hi);
+- `no_token_masks`: why the token masks (TOKEN_MASKS) have no meaning for it ("" when they apply);
+- `is_levels`, `is_level_refusal`: the rollout correction's IS levels it takes, and why the others have no meaning;
+- `modes`: SPEC §1's modes it is defined in (without "decoupled", old log-probs are refused).
 `LOSS_TYPES` and the option tuples of rlkernels.config are read off this table.
 """
 
@@ -94,6 +100,20 @@ class PolicyTerm(NamedTuple):
     head_direct: Optional[Tensor] = None  # [N, k] dL_t / dlog p at the sampler's head ids (sampler_head losses)
 
 
+MODES = ("decoupled", "bypass", "on-policy")  # SPEC §1: old + rollout log-probs, rollout only, neither
+IS_LEVELS = (None, "token", "sequence")
+# the options that zero single tokens' policy terms (any loss type whose term is per token)
+TOKEN_MASKS = ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold")
+
+
+class Option(NamedTuple):
+    """A config field that only some loss types read: the rule its value keeps and the values the tests draw."""
+    name: str
+    rule: str  # "positive" (> 0), "non_negative" (>= 0), "number", "optional_positive" (> 0 or None)
+    draws: Tuple = ()  # the values tests/cases.py draws
+    required: bool = False  # None is refused with this loss type (an optional_positive field)
+
+
 @dataclass(frozen=True)
 class LossType:
     term: Callable[[TermContext], PolicyTerm]
@@ -102,21 +122,24 @@ class LossType:
     ratio_levels: bool = False
     batch_global: bool = False
     aggregation: Optional[Tuple[str, str]] = None
-    rollout_ratio: bool = False
     sampler_head: bool = False
+    options: Tuple[Option, ...] = ()
+    ordered: Tuple[Tuple[str, str], ...] = ()
+    no_token_masks: str = ""
+    is_levels: Tuple[Optional[str], ...] = IS_LEVELS
+    is_level_refusal: str = ""  # may name {is_level}
+    modes: Tuple[str, ...] = MODES
 
 
 LOSS_TERMS: Dict[str, LossType] = {}
 
 
-def loss_term(*names: str, sums=None, weights_itself: bool = False, ratio_levels: bool = False,
-              batch_global: bool = False, aggregation: Optional[Tuple[str, str]] = None, rollout_ratio: bool = False,
-              sampler_head: bool = False):
-    """Register the decorated function as the term of loss type(s) `names` (see the module docstring)."""
+def loss_term(*names: str, **declared):
+    """Register the decorated function as the term of loss type(s) `names`; `declared`: the LossType fields past
+    `term` (see the module docstring)."""
     def register(fn):
         for name in names:
-            LOSS_TERMS[name] = LossType(fn, sums, weights_itself, ratio_levels, batch_global, aggregation,
-                                        rollout_ratio, sampler_head)
+            LOSS_TERMS[name] = LossType(fn, **declared)
         return fn
     return register
 
@@ -148,7 +171,7 @@ def ppo_clip(ctx: TermContext) -> PolicyTerm:
     return _ppo_clip(ctx.ratio, ctx.advantages, ctx.config)
 
 
-@loss_term("reinforce", weights_itself=True)
+@loss_term("reinforce", weights_itself=True, modes=("bypass", "on-policy"))
 def reinforce(ctx: TermContext) -> PolicyTerm:
     """-A sg(w) lp: bypass mode's REINFORCE with the IS weights (1 without)."""
     w = ctx.weights.is_weights
@@ -164,7 +187,8 @@ def gpg(ctx: TermContext) -> PolicyTerm:
     return PolicyTerm(-ctx.advantages * ctx.lp, -ctx.advantages, None, none, none)
 
 
-@loss_term("sapo", ratio_levels=True)
+@loss_term("sapo", ratio_levels=True, options=(Option("tau_pos", "positive", (1.0, 2.0)),
+                                                    Option("tau_neg", "positive", (1.05, 0.5))))
 def sapo(ctx: TermContext) -> PolicyTerm:
     """Soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau, tau by the advantage's sign."""
     r, A, config = ctx.ratio, ctx.advantages, ctx.config
@@ -208,7 +232,7 @@ def _geo_sums(s: SumInputs) -> Dict[str, object]:
     return {"gm_delta": d_min, "gm_adv": s.advantages, "log_weights": log_weights}
 
 
-@loss_term("geo_mean", sums=_geo_sums, weights_itself=True)
+@loss_term("geo_mean", sums=_geo_sums, weights_itself=True, no_token_masks="is one term per sequence")
 def geo_mean(ctx: TermContext) -> PolicyTerm:
     """GMPO: -mean_i(A_i exp(mean_t d_min)) over every sequence of the batch (its own mean, as verl's)."""
     seq, w = ctx.sequences, ctx.weights
@@ -234,7 +258,7 @@ def geo_mean(ctx: TermContext) -> PolicyTerm:
                       applied_weights=applied, own_mean=own_mean)
 
 
-@loss_term("cispo", ratio_levels=True)
+@loss_term("cispo", ratio_levels=True, options=(Option("cispo_cap", "optional_positive", (None, 5.0, 1.1)),))
 def cispo(ctx: TermContext) -> PolicyTerm:
     """-sg(c) A lp, c the clipped (verl) or capped (TRL's cispo_cap) ratio."""
     r, A, config = ctx.ratio, ctx.advantages, ctx.config
@@ -247,7 +271,7 @@ def cispo(ctx: TermContext) -> PolicyTerm:
     return PolicyTerm(-c * A * ctx.lp, -c * A, None, clipped, torch.zeros_like(clipped))
 
 
-@loss_term("dro")
+@loss_term("dro", options=(Option("dro_beta", "optional_positive", (0.1, 1.0), required=True),))
 def dro(ctx: TermContext) -> PolicyTerm:
     """-(lp A - beta/2 (lp - l_old)^2), the log-ratio unclamped."""
     d, A = ctx.log_ratio, ctx.advantages
@@ -318,7 +342,9 @@ def _covariance_selection(loss_type: str, lp: Tensor, A: Tensor, mask: Tensor, c
     return chosen
 
 
-@loss_term("clip_cov", batch_global=True)
+@loss_term("clip_cov", batch_global=True, options=(
+    Option("clip_cov_ratio", "positive", (0.0002, 0.2)), Option("clip_cov_lb", "number", (1.0, -1.0)),
+    Option("clip_cov_ub", "number", (5.0, 2.0))))
 def clip_cov(ctx: TermContext) -> PolicyTerm:
     """PPO clip (no dual clip) on the unclamped ratio; a random few high-covariance tokens get no gradient."""
     A, lp, d = ctx.advantages, ctx.lp, ctx.log_ratio
@@ -328,7 +354,8 @@ def clip_cov(ctx: TermContext) -> PolicyTerm:
     return PolicyTerm(base.value * keep, base.direct, base.through_ratio * keep, chosen, _none(A), kl_metric=-d)
 
 
-@loss_term("kl_cov", batch_global=True)
+@loss_term("kl_cov", batch_global=True, options=(Option("kl_cov_ratio", "positive", (0.0002, 0.2)),
+                                                Option("ppo_kl_coef", "number", (1.0, 0.1))))
 def kl_cov(ctx: TermContext) -> PolicyTerm:
     """The top-covariance tokens get a |log-ratio| penalty, the rest the unclipped -A r (unclamped)."""
     A, lp, d = ctx.advantages, ctx.lp, ctx.log_ratio
@@ -347,7 +374,9 @@ def _topr_sums(s: SumInputs) -> Dict[str, object]:
     return {"pg_delta": s.log_ratio, "adv": s.advantages}
 
 
-@loss_term("topr", sums=_topr_sums)
+@loss_term("topr", sums=_topr_sums, options=(Option("topr_negative_ratio_lower", "non_negative", (0.0, 0.5)),
+                                             Option("topr_negative_ratio_upper", "non_negative", (1.0, 2.0))),
+           ordered=(("topr_negative_ratio_lower", "topr_negative_ratio_upper"),))
 def topr(ctx: TermContext) -> PolicyTerm:
     """-A sg(tau_i) lp; tau_i = clip(exp(mean log-ratio), lo, hi) if the sequence's mean A < 0, else 1."""
     seq, config = ctx.sequences, ctx.config
@@ -379,7 +408,11 @@ def _vespo_sums(s: SumInputs) -> Dict[str, object]:
     return {"vespo_delta": s.log_ratio.clamp(-CLAMP, CLAMP), "log_weights": log_weights}
 
 
-@loss_term("vespo", sums=_vespo_sums, weights_itself=True, ratio_levels=True)
+@loss_term("vespo", sums=_vespo_sums, weights_itself=True, ratio_levels=True, options=(
+    Option("vespo_k_pos", "number", (2.0, 1.0)), Option("vespo_lambda_pos", "positive", (3.0, 1.5)),
+    Option("vespo_k_neg", "number", (3.0, 1.0)), Option("vespo_lambda_neg", "positive", (2.0, 4.0))),
+    is_levels=(None, "token"), is_level_refusal="folds token-level IS weights into its sequence ratio; "
+    "is_level='sequence' has no such form (TRL raises too)")
 def vespo(ctx: TermContext) -> PolicyTerm:
     """-sg(phi) A lp, phi = e^lambda w^k e^(-lambda w) of the sequence ratio w (token IS weights folded in)."""
     seq, config, lp = ctx.sequences, ctx.config, ctx.lp
@@ -429,7 +462,15 @@ def _rollout_trust_region(ctx: TermContext, keep: Tensor) -> PolicyTerm:
                       applied_weights=w)
 
 
-@loss_term("ipo", weights_itself=True, rollout_ratio=True)
+# the IPO family (prime-rl): -A p/q against the sampler on the tokens it keeps, tau (log p/q)^2 there
+_IPO_KL_TAU = Option("ipo_kl_tau", "non_negative", (0.0, 0.0, 0.01))
+_ROLLOUT_TRUST_REGION = dict(
+    weights_itself=True, is_levels=(None,),
+    is_level_refusal="weighs each token by p/q against the sampler itself; IS weights (is_level={is_level}) would "
+    "correct twice. Keep the rejection options (rs) and set is_level=None")
+
+
+@loss_term("ipo", options=(Option("ipo_eps", "non_negative", (0.3, 0.05, 1.0)), _IPO_KL_TAU), **_ROLLOUT_TRUST_REGION)
 def ipo(ctx: TermContext) -> PolicyTerm:
     """IPO (prime-rl): keep iff |p - q| <= ipo_eps, whatever the advantage's sign."""
     high, low = torch.maximum(ctx.lp, ctx.behaviour), torch.minimum(ctx.lp, ctx.behaviour)
@@ -451,7 +492,7 @@ def binary_kl(log_a: Tensor, log_b: Tensor, eps: float) -> Tensor:
     return a * (log_a_c - log_b_c) + torch.exp(log_a_rest) * (log_a_rest - log_b_rest)
 
 
-@loss_term("kpop", weights_itself=True, rollout_ratio=True)
+@loss_term("kpop", options=(Option("kpop_phi", "non_negative", (0.1, 0.01)), _IPO_KL_TAU), **_ROLLOUT_TRUST_REGION)
 def kpop(ctx: TermContext) -> PolicyTerm:
     """KPop (prime-rl PR #3283): keep iff both binary KLs between p and q are <= kpop_phi."""
     phi = hyper(ctx.lp, ctx.config.kpop_phi)
@@ -460,7 +501,9 @@ def kpop(ctx: TermContext) -> PolicyTerm:
     return _rollout_trust_region(ctx, keep)
 
 
-@loss_term("dppo_binary_tv", weights_itself=True, rollout_ratio=True)
+@loss_term("dppo_binary_tv", options=(Option("binary_tv_low", "non_negative", (0.2, 0.05)),
+                                       Option("binary_tv_high", "non_negative", (0.2, 0.5)), _IPO_KL_TAU),
+           **_ROLLOUT_TRUST_REGION)
 def dppo_binary_tv(ctx: TermContext) -> PolicyTerm:
     """Symmetric DPPO binary-TV (prime-rl PR #2434): keep iff -binary_tv_low <= p - q <= binary_tv_high."""
     gap = torch.exp(ctx.lp) - torch.exp(ctx.behaviour)
@@ -483,7 +526,10 @@ def token_is_function(rc) -> Callable[[Tensor], Tensor]:
     return lambda r: torch.minimum(torch.maximum(r, hyper(r, lo)), hyper(r, hi))
 
 
-@loss_term("score_centering", weights_itself=True, sampler_head=True)
+@loss_term("score_centering", weights_itself=True, sampler_head=True, modes=("decoupled", "bypass"),
+           is_levels=(None, "token"),
+           is_level_refusal="takes the token-level IS rule as its f (truncation or an IcePop band); "
+           "is_level='sequence' has no per-token f. Use is_level='token' or None")
 def score_centering(ctx: TermContext) -> PolicyTerm:
     """Score centering (arXiv 2609.20807, as slime and SkyRL compose it): subtract E_q[f(r) grad log p] over the
     sampler's head H from the IS-weighted score, with the tail's share alpha p:

@@ -1,4 +1,5 @@
-"""The one dispatch point: which backend each name and device get, and how the one per-sequence stage runs."""
+"""Backend dispatch (backends.resolve / select: which backend each name, device and dtype get) and stage.select (the
+per-sequence stage, eager or compiled)."""
 
 import os
 import subprocess

@@ -14,8 +14,9 @@ import warnings
 import pytest
 import torch
 
+from rlkernels.testing.peers import load_example
+
 from ..cases import tol
-from ..support.peers import load_example
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -338,6 +339,6 @@ def _check_ddp(rank, world, tmp_dir):
 def test_drop_in_trainer_under_ddp_and_fsdp2_matches_trls(tmp_path):
     """Two gloo ranks: the loss runs inside the DDP-wrapped (then FSDP2-sharded) forward, so the wrapper
     reduces its gradients (and gathers the head) as for TRL's own fused head."""
-    from ..ranks import spawn
+    from rlkernels.testing.spawn import spawn
 
     spawn(2, _check_ddp, str(tmp_path))

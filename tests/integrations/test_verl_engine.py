@@ -12,7 +12,7 @@ two micro-batches and every parameter's gradient. Both run in float32 over at mo
 tokens of O(1) terms, in different summation orders: differences are a few float32 roundings of O(1)
 quantities (~1e-6 of the larger of 1 and the loss, whose token-sum reaches ~20); the issue's 1e-5 is
 asserted, on the loss relative to max(1, |loss|) and on the gradient relative to its largest entry.
-Ranks are real gloo process groups (tests/ranks.py): one rank for the option product, two for the
+Ranks are real gloo process groups (rlkernels/testing/spawn.py): one rank for the option product, two for the
 data-parallel mapping (verl's dp_size and all-reduced token count).
 """
 
@@ -24,7 +24,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ..ranks import spawn
+from rlkernels.testing.spawn import spawn
+
 from ..verl_import import import_verl_or_skip
 
 import_verl_or_skip()
@@ -42,8 +43,7 @@ from verl.workers.utils import losses as verl_losses  # noqa: E402
 
 from rlkernels.integrations import verl as rlk_verl  # noqa: E402
 from rlkernels.integrations.verl import routes as rlk_routes  # noqa: E402
-
-from ..support.peers import load_example  # noqa: E402
+from rlkernels.testing.peers import load_example  # noqa: E402
 
 example = load_example("verl_actor.py")  # its tiny model (and batches) serve these tests too
 # these tests drive the routes: the explicit opt-in (a run that selects a route without it installs the hooks at the

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ..support.peers import verl_source_function
+from rlkernels.testing.peers import verl_source_function
+
 from ..verl_import import import_verl_or_skip
 
 _, core_algos, _ = import_verl_or_skip()

@@ -16,7 +16,8 @@ from collections import Counter
 import pytest
 import torch
 
-from ..ranks import spawn
+from rlkernels.testing.spawn import spawn
+
 from ..verl_import import import_verl_or_skip
 
 import_verl_or_skip()
@@ -29,8 +30,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 
 from rlkernels.integrations import verl as rlk_verl  # noqa: E402
 from rlkernels.integrations.verl import routes as rlk_routes  # noqa: E402
-
-from ..support.peers import load_example  # noqa: E402
+from rlkernels.testing.peers import load_example  # noqa: E402
 
 example = load_example("verl_actor.py")
 rlk_verl.install_routes()

@@ -80,8 +80,9 @@ def test_sequence_statistics_of_the_current_policy_keep_two_passes(options, reas
     assert out.path == "linear_two_pass"
     from rlkernels.inputs import Arguments, prepare_loss
 
-    args = Arguments(batch.labels, batch.advantages, batch.response_mask, batch.old_logprobs, batch.rollout_logprobs,
-                     None, None, None, batch.cu_seqlens)
+    args = Arguments(labels=batch.labels, advantages=batch.advantages, response_mask=batch.response_mask,
+                     old_logprobs=batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs,
+                     cu_seqlens=batch.cu_seqlens)
     prepared = prepare_loss("hidden", tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, args, config)
     assert reason in rlkernels.stage.forward_gradient_blocker(prepared, config)
 

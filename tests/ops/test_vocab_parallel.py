@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ..ranks import Collectives, spawn
+from rlkernels.testing.spawn import Collectives, spawn
 
 
 def _shards(V: int, world: int):

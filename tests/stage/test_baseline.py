@@ -197,7 +197,9 @@ def _variance_batch(seed, B=6, T=5, weighted=False):
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["on_policy", "is_weights"])
-@pytest.mark.parametrize("grad_norm", [None, 0.3, 5.0])
+# a 0-d tensor is what clip_grad_norm_ returns, and verl's function takes one too
+@pytest.mark.parametrize("grad_norm", [None, 0.3, 5.0, torch.tensor(0.3), torch.tensor(5.0, dtype=torch.float64)],
+                         ids=["none", "0.3", "5.0", "tensor_0.3", "tensor_5.0_f64"])
 def test_variance_proxies_match_verl(weighted, grad_norm):
     import_verl_or_skip()
     from verl.protocol import DataProto
@@ -210,10 +212,14 @@ def test_variance_proxies_match_verl(weighted, grad_norm):
             tensors["rollout_is_weights"] = isw
         want = compute_variance_proxy_metrics(DataProto.from_dict(tensors=tensors), gradient_norm=grad_norm)
         got = rlkernels.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=grad_norm)
-        oracle = reference.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=grad_norm)
+        # the oracle takes a Python float; verl squares a tensor in its own dtype, so it is compared on the float
+        number = None if grad_norm is None else float(grad_norm)
+        want_float = compute_variance_proxy_metrics(DataProto.from_dict(tensors=tensors), gradient_norm=number)
+        oracle = reference.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=number)
         assert set(got) == set(want) == set(oracle)
         for name, value in want.items():
             assert abs(float(got[name]) - value) <= TOL * max(1.0, abs(value)), f"{name}: {float(got[name])} vs {value}"
+            value = float(want_float[name])
             assert abs(float(oracle[name]) - value) <= TOL * max(1.0, abs(value)), f"oracle {name}"
 
 
@@ -275,7 +281,7 @@ def test_the_example_runs_as_written():
     import subprocess
     import sys
 
-    from ..support.peers import EXAMPLES, load_example
+    from rlkernels.testing.peers import EXAMPLES, load_example
 
     out = load_example("otb.py").main()
     mask, group, rewards = out["batch"]
@@ -321,3 +327,22 @@ def test_no_floating_point_atomics_off_the_cpu(monkeypatch, multi_turn, packed):
     floating = [(name, dtype) for name, dtype in atomic if dtype.is_floating_point]
     assert not floating, f"floating-point atomic ops: {floating}"
     assert atomic, "the integer group counts are traced (the test sees the graph)"
+
+
+def test_a_tensor_grad_norm_is_not_read_to_the_host(monkeypatch):
+    """clip_grad_norm_'s 0-d tensor stays on the device: no .item(), float() or bool() of it (a sync on a GPU)."""
+    adv, mask, old, s2, isw = _variance_batch(1, weighted=True)
+    grad_norm = torch.tensor(0.7)
+    expected = rlkernels.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=0.7)
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("the gradient norm was read to the host")
+
+    for name in ("item", "__float__", "__bool__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    got = rlkernels.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=grad_norm)
+    monkeypatch.undo()
+    for name in expected:  # 0.7 squared in float32 against float64: float32's rounding, relative 6e-8
+        assert abs(float(got[name]) - float(expected[name])) <= 1e-7 * max(1.0, abs(float(expected[name]))), name
+    with pytest.raises(TypeError, match="grad_norm: expected a number, a 0-d float tensor or None"):
+        rlkernels.variance_proxy_metrics(adv, mask, old, s2, grad_norm=torch.ones(2))

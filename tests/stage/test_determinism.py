@@ -15,8 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from rlkernels import PolicyLossConfig, RolloutCorrection
 from rlkernels.config import IS_LEVELS, LOG_RATIO_RS_OPTIONS, LOSS_AGG_MODES
 from rlkernels.stage.segments import Segments
-
-from ..support.stage import run_stage
+from rlkernels.testing.stage import run_stage
 
 ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
               "index_put", "index_put_", "_index_put_impl_", "put_", "index_reduce", "index_reduce_"}

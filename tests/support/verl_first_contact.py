@@ -20,7 +20,7 @@ import sys
 import warnings
 from functools import partial
 
-from tests.support.peers import inert_ray_transformers, load_example
+from rlkernels.testing.peers import inert_ray_transformers, load_example
 
 MODULES = ("verl.trainer.ppo.core_algos", "verl.trainer.ppo.rollout_corr_helper", "verl.workers.utils.losses",
            "verl.workers.engine.fsdp.transformer_impl", "verl.utils.metric", "verl.protocol")

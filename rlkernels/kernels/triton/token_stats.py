@@ -36,7 +36,7 @@ def _token_stats_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
-    # label -2: the target lies in another vocabulary shard (rlkernels.distributed): the row's
+    # label -2: the target lies in another vocabulary shard (ops/vocab_parallel.py): the row's
     # statistics are computed, its logprob is not
     has_target = mask_n & (labels >= 0) & (labels < V)
     active = has_target | (mask_n & (labels == -2))

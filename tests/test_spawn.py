@@ -1,5 +1,5 @@
-"""The spawned-rank harness (tests/ranks.py) tells a hang from slow progress: a real deadlock fails within the
-idle limit, a rank that computes (or compiles) for longer than that limit does not."""
+"""The spawned-rank harness (rlkernels/testing/spawn.py) tells a hang from slow progress: a real deadlock fails
+within the idle limit, a rank that computes (or compiles) for longer than that limit does not."""
 
 import time
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .ranks import spawn
+from rlkernels.testing.spawn import spawn
 
 
 def _deadlock(rank, world):

@@ -10,7 +10,7 @@ restarts whenever they make progress. Ranks blocked in a collective that will ne
 CPU (measured: ~3 ms per second in a gloo wait), so `idle_s` (60 s) without progress means a hang; a
 rank compiling on a machine that is busy with other work is slow, not hung, and keeps the test alive
 up to `CAP_S`. The group's own timeout is that cap too, so a rank waiting at a collective for a peer
-that is still compiling does not time out. tests/test_ranks.py shows a real deadlock (a rank
+that is still compiling does not time out. tests/test_spawn.py shows a real deadlock (a rank
 that skips a collective) failing within the idle limit.
 
 `Collectives` wraps torch.distributed functions (the library calls them through the module) to

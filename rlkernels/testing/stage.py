@@ -1,9 +1,9 @@
 """The per-sequence stage called on loose [N] tensors (tests and benchmarks of the stage alone)."""
 
-from rlkernels import stage
-from rlkernels.api import TokenStats
-from rlkernels.inputs import PreparedBatch
-from rlkernels.stage.split import LOCAL
+from .. import stage
+from ..inputs import PreparedBatch
+from ..outputs import TokenStats
+from ..stage.split import LOCAL
 
 
 def stage_batch(mask, segments, advantages, old=None, rollout=None, ref=None, split=LOCAL, is_weights=None):

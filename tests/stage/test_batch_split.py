@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .ranks import Collectives, spawn
+from rlkernels.testing.spawn import Collectives, spawn
 
 V = 11
 LENGTHS = [5, 0, 7, 3, 1, 6, 4, 2]  # packed; sequence 3 is all-masked
@@ -67,59 +67,6 @@ def _zigzag(lengths, cp):
             ranks[c] += [chunks[c], chunks[2 * cp - 1 - c]]
         start += n
     return [torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long) for parts in ranks]
-
-
-def _random_config(rng, mode, dtype, cp=1):
-    from rlkernels import PolicyLossConfig, RolloutCorrection
-    from rlkernels.config import (
-        COVARIANCE_LOSSES,
-        IS_LEVELS,
-        KL_TYPES,
-        LOG_RATIO_RS_OPTIONS,
-        LOSS_AGG_MODES,
-        LOSS_TYPES,
-        ROLLOUT_RATIO_LOSSES,
-        SAMPLER_HEAD_LOSSES,
-        SEQUENCE_RATIO_LOSSES,
-    )
-
-    rc = None
-    if mode != "on-policy":
-        rs = {}
-        for option in rng.sample(LOG_RATIO_RS_OPTIONS, rng.randint(0, 3)):
-            rs[option] = ((rng.choice([0.3, 0.7]), rng.choice([1.3, 3.0])) if option.endswith("k1")
-                          else rng.choice([0.02, 0.1, 2.0]))
-        rc = RolloutCorrection(is_level=rng.choice(IS_LEVELS), is_threshold=rng.choice([2.0, 1.2, (0.5, 5.0)]),
-                               is_batch_normalize=rng.random() < 0.5, rs=rs)
-    kl = rng.choice((None,) + KL_TYPES)
-    kw = {}
-    if rng.random() < 0.15:
-        kw.update(global_num_tokens=13.0, global_num_seqs=3.0)
-    # the batch-global selections (Clip-Cov, KL-Cov, M2PO) refuse split batches (test_family_errors)
-    loss_type = rng.choice([t for t in LOSS_TYPES if (t != "reinforce" or mode == "bypass")
-                            and t not in COVARIANCE_LOSSES and t not in SAMPLER_HEAD_LOSSES])
-    if loss_type == "vespo" and rc is not None and rc.is_level == "sequence":
-        rc = RolloutCorrection(is_level="token", rs=rc.rs)
-    if loss_type in ROLLOUT_RATIO_LOSSES and rc is not None:  # p / q is their whole correction
-        rc = RolloutCorrection(is_level=None, rs=rc.rs) if rc.rs else None
-    if mode != "on-policy" and loss_type != "geo_mean" and rng.random() < 0.3:  # VACO: per-sequence sums
-        kw.update(vaco_threshold=rng.choice([0.02, 0.2]), vaco_divergence=rng.choice(["tv", "kl"]))
-    kw["log_ratio_sq_coef"] = rng.choice([0.0, 1e-3])
-    if loss_type in SEQUENCE_RATIO_LOSSES and cp == 1 and rng.random() < 0.5:
-        kw["ratio_level"] = "sequence"
-    if loss_type != "geo_mean" and rng.random() < 0.3:
-        kw["off_policy_mask_threshold"] = rng.choice([0.0, 0.3])
-    kw.update(seq_mean_over=rng.choice(["nonempty", "all"]), kl_bias_correction=rng.random() < 0.3,
-              entropy_agg_mode=rng.choice([None, "token-mean", "seq-mean-token-mean"]))
-    if kw["kl_bias_correction"] and kl in ("k3_unclamped", "k3_unclamped+") and kw.get("ratio_level") == "sequence":
-        kl = "k3"  # see tests/cases.py: the sequence-level e^d cancellation
-    return PolicyLossConfig(
-        loss_type=loss_type,
-        loss_agg_mode=rng.choice(LOSS_AGG_MODES), clip_ratio_c=rng.choice([3.0, None]),
-        entropy_coeff=rng.choice([0.0, 0.01]), compute_entropy=rng.random() < 0.5, kl_coef=0.0 if kl is None else 0.05,
-        kl_type=kl or "k3", temperature=rng.choice([1.0, 0.7]), rollout_correction=rc, backend="torch", dro_beta=0.2,
-        **kw,
-    )
 
 
 class _Share:
@@ -160,7 +107,7 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
     import rlkernels
     from rlkernels.stage.metrics import KINDS  # noqa: F401  (imported to fail early if the module moved)
 
-    from .cases import assert_close, make_batch, tol
+    from ..cases import assert_close, make_batch, seeded_config, tol
 
     dtype = getattr(torch, dtype_name)
     groups = _make_groups(tp, dp, cp)
@@ -179,7 +126,7 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
         mode = rng.choice(["decoupled", "bypass", "on-policy"]) if entry != "correction" else "decoupled"
         if vaco:  # VACO in every case: its per-sequence divergence needs the training policy and the sampler
             mode = rng.choice(["decoupled", "bypass"])
-        config = _random_config(rng, mode, dtype, cp)
+        config = seeded_config(rng, mode, split="cp" if cp > 1 else "dp", backend="torch")
         if vaco and config.loss_type != "geo_mean":
             config = config.with_overrides(vaco_threshold=rng.choice([0.01, 0.05]),
                                            vaco_divergence=rng.choice(["tv", "kl"]))
@@ -370,7 +317,7 @@ def _check_errors(rank, world):
     import rlkernels
     from rlkernels import PolicyLossConfig
 
-    from .cases import make_batch
+    from ..cases import make_batch
 
     group = dist.new_group(list(range(world)))
     batch = make_batch("packed", [4, 5], V, seed=3)
@@ -401,7 +348,7 @@ def test_split_batch_errors_name_the_argument():
 def test_group_arguments_are_checked_without_a_group():
     import rlkernels
 
-    from .cases import make_batch
+    from ..cases import make_batch
 
     batch = make_batch("packed", [3], V, seed=1)
     args = (batch.logits, batch.labels, batch.advantages, batch.response_mask)
@@ -418,11 +365,11 @@ def _check_one_gpu(rank, world):
     compiled (compile_stage=None compiles on CUDA) and the collectives as graph breaks."""
     import rlkernels
 
-    from .cases import assert_close, make_batch, tol
+    from ..cases import assert_close, make_batch, seeded_config, tol
 
     rng = random.Random(7)
     for case in range(3):
-        config = _random_config(rng, "decoupled", torch.float32).with_overrides(backend="auto")
+        config = seeded_config(rng, "decoupled", split="dp", backend="auto")
         batch = make_batch("packed", LENGTHS, V, dtype=torch.float32, seed=case, mask_p=0.8)
         cuda = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch.kwargs("decoupled").items()}
         args = [t.cuda() for t in (batch.logits, batch.labels, batch.advantages, batch.response_mask)]

@@ -1,5 +1,6 @@
 """The peers' own code, importable on a CPU machine without their whole stacks, and the examples' tiny
-models: shared by the tests (tests/peers, tests/integrations) and the benchmarks.
+models (in a checkout: examples/ beside the package): shared by the tests (tests/peers, tests/integrations) and
+the benchmarks.
 
 verl imports ray (and, in places, transformers) at module level, but its loss functions, driver-side
 rollout correction and FSDP engine code need neither on a CPU. `inert_ray_transformers` stands in for the

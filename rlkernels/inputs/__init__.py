@@ -1,0 +1,37 @@
+"""Every argument check and layout step of the public functions (SPEC §11): each public function hands its
+arguments to one `prepare_*` here and gets back what the computation reads, or an error naming the argument
+before any kernel runs.
+
+    checks.py       the shared tensor checks and the value checks (one host sync per call)
+    batch.py        the losses' and statistics' per-token inputs -> PreparedBatch (and rollout_correction's)
+    sampler.py      the sampler's temperature, kept ids and top-k / logits (SamplerHead)
+    divergences.py  a second distribution beside the logits: token_divergences, topk_distillation_loss
+    baseline.py     the optimal token baseline and the variance proxies
+"""
+
+from .baseline import check_baseline_options, prepare_baseline_rows, prepare_variance_rows
+from .batch import (
+    Arguments,
+    CorrectionInputs,
+    PreparedBatch,
+    prepare_correction,
+    prepare_hidden_loss,
+    prepare_linear_stats,
+    prepare_logits_loss,
+    prepare_loss,
+    prepare_policy,
+    prepare_stats,
+)
+from .divergences import (
+    DistillationInputs,
+    DistillationOptions,
+    DivergenceInputs,
+    prepare_distillation,
+    prepare_divergences,
+)
+from .sampler import SamplerHead
+
+__all__ = ["Arguments", "CorrectionInputs", "DistillationInputs", "DistillationOptions", "DivergenceInputs",
+           "PreparedBatch", "SamplerHead", "check_baseline_options", "prepare_baseline_rows", "prepare_correction",
+           "prepare_distillation", "prepare_divergences", "prepare_hidden_loss", "prepare_linear_stats",
+           "prepare_logits_loss", "prepare_loss", "prepare_policy", "prepare_stats", "prepare_variance_rows"]

@@ -1,0 +1,61 @@
+"""What the public functions return: named tuples of tensors, shaped like the caller's tokens."""
+
+from typing import Dict, NamedTuple, Optional
+
+import torch
+
+
+class PolicyLossOutput(NamedTuple):
+    loss: torch.Tensor  # () differentiable w.r.t. logits (or logprobs / entropy for policy_loss)
+    logprobs: torch.Tensor  # [B, T] or [N] float32, detached; 0 off the mask
+    entropy: Optional[torch.Tensor]  # like logprobs, or None
+    is_weights: Optional[torch.Tensor]  # weights multiplying the policy term, or None
+    mask: torch.Tensor  # bool, the final mask after rejection
+    metrics: Dict[str, torch.Tensor]  # 0-d device tensors named as in SPEC §8
+    # how the gradient is formed (SPEC §2.1): "logits" (the logits' backward pass), "linear_two_pass" (the
+    # fused-linear backward recomputes the logits) or "linear_one_pass" (formed in the forward, scaled after)
+    path: str = "logits"
+
+
+class TokenStats(NamedTuple):
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    sum_pi_squared: Optional[torch.Tensor]
+
+
+class CorrectionOutput(NamedTuple):
+    weights: Optional[torch.Tensor]  # IS weights (0 off the mask), or None when is_level is None
+    mask: torch.Tensor  # bool mask after rejection
+    metrics: Dict[str, torch.Tensor]
+
+
+class TokenDivergences(NamedTuple):
+    """Per-token divergences between the trainer's π and a second distribution μ (SPEC §9), shaped like the
+    labels (logits.shape[:-1]); float32 (float64 for float64 logits), 0 on rows outside (ignore_index)."""
+    kl: torch.Tensor  # KL(μ || π), the direction of TRM's criterion; autograd to the logits
+    reverse_kl: Optional[torch.Tensor]  # KL(π || μ); None in "support" mode (+inf wherever π leaves μ's support)
+    chi2: Optional[torch.Tensor]  # χ²(π || μ) = Σ π²/μ - 1; None in "support" mode
+    tv: torch.Tensor  # ½ Σ |π - μ|
+    trainer_head_mass: Optional[torch.Tensor]  # Σ_H π (top-k form), no autograd
+    sampler_head_mass: Optional[torch.Tensor]  # Σ_H μ as given (top-k form)
+    sampled_in_head: Optional[torch.Tensor]  # bool, the label is one of the row's ids (top-k form with labels)
+    form: str  # "full", "topk_selected" or "topk_support"
+    lower_bounds: tuple  # the names above that are lower bounds on the exact divergence (the rest are exact)
+
+
+class DistillationOutput(NamedTuple):
+    loss: torch.Tensor  # () the aggregated loss, differentiable w.r.t. the student's logits
+    losses: torch.Tensor  # [...] per-token losses after the clamps (0 off the mask), differentiable
+    student_mass: torch.Tensor  # [...] Σ_H p_student, detached
+    teacher_mass: torch.Tensor  # [...] Σ_H p_teacher as given
+    metrics: Dict[str, torch.Tensor]  # distillation/* 0-d device tensors
+
+
+class TokenBaseline(NamedTuple):
+    advantages: torch.Tensor  # like token_rewards: (G - B) * m, no gradient
+    returns: torch.Tensor  # like token_rewards: G, the masked reward-to-go
+
+
+def shaped(t: Optional[torch.Tensor], token_shape) -> Optional[torch.Tensor]:
+    """A flat [N] result in the caller's token shape (None stays None)."""
+    return None if t is None else t.reshape(token_shape)

@@ -1,0 +1,11 @@
+"""Helpers for testing code that uses rlkernels, shared by the project's tests and benchmarks (neither imports
+the other's helpers):
+
+    spawn.py   real gloo (or NCCL) process groups spawned with torch.multiprocessing, a hung rank failing within
+               a minute without progress, and a counter of the collectives each group runs
+    stage.py   the per-sequence stage run on loose [N] tensors
+    peers.py   the peer trainers' own code importable on a CPU without their whole stacks (verl without ray),
+               and the repository's examples as modules (in a checkout)
+
+Nothing of the library imports this package.
+"""
