@@ -2,12 +2,6 @@
 
 from . import schedules
 from .api import (
-    CorrectionOutput,
-    DistillationOutput,
-    PolicyLossOutput,
-    TokenBaseline,
-    TokenDivergences,
-    TokenStats,
     decoupled_ppo_loss,
     linear_decoupled_ppo_loss,
     linear_token_logprobs,
@@ -21,6 +15,7 @@ from .api import (
     variance_proxy_metrics,
 )
 from .config import PolicyLossConfig, RolloutCorrection
+from .outputs import CorrectionOutput, DistillationOutput, PolicyLossOutput, TokenBaseline, TokenDivergences, TokenStats
 
 __version__ = "0.1.0"
 

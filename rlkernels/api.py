@@ -34,14 +34,13 @@ from .outputs import (
     TokenBaseline,
     TokenDivergences,
     TokenStats,
-    shaped,
+    shaped_stats,
 )
 from .stage import baseline
 
-__all__ = ["CorrectionOutput", "DistillationOutput", "PolicyLossOutput", "TokenBaseline", "TokenDivergences",
-           "TokenStats", "decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs",
-           "metrics_to_floats", "optimal_token_baseline", "policy_loss", "rollout_correction", "token_divergences",
-           "token_logprobs", "topk_distillation_loss", "variance_proxy_metrics"]
+__all__ = ["decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs", "metrics_to_floats",
+           "optimal_token_baseline", "policy_loss", "rollout_correction", "token_divergences", "token_logprobs",
+           "topk_distillation_loss", "variance_proxy_metrics"]
 
 
 def decoupled_ppo_loss(
@@ -107,12 +106,7 @@ def decoupled_ppo_loss(
         TypeError: an argument of the wrong type, named, before any kernel runs (SPEC §11).
         ValueError: an argument of the wrong shape, device or value, named, before any kernel runs.
     """
-    args = Arguments(labels=labels, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
-                     rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, is_weights=is_weights,
-                     cu_seqlens=cu_seqlens, token_index=token_index, tp_group=tp_group, dp_group=dp_group,
-                     cp_group=cp_group, sampling_support=sampling_support, ignore_index=ignore_index,
-                     sampler_topk_ids=sampler_topk_ids, sampler_topk_logprobs=sampler_topk_logprobs,
-                     sampler_logits=sampler_logits, sampler_topk_mode=sampler_topk_mode)
+    args = Arguments.of(locals())
     config, batch = prepare_logits_loss(logits, args, config, overrides)
     return step.logits_loss(logits, batch, config)
 
@@ -156,12 +150,7 @@ def linear_decoupled_ppo_loss(
         TypeError: an argument of the wrong type, named, before any kernel runs (SPEC §11).
         ValueError: an argument of the wrong shape, device or value, named, before any kernel runs.
     """
-    args = Arguments(labels=labels, advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
-                     rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, is_weights=is_weights,
-                     cu_seqlens=cu_seqlens, token_index=token_index, tp_group=tp_group, dp_group=dp_group,
-                     cp_group=cp_group, sampling_support=sampling_support, ignore_index=ignore_index,
-                     sampler_topk_ids=sampler_topk_ids, sampler_topk_logprobs=sampler_topk_logprobs,
-                     sampler_logits=sampler_logits, sampler_topk_mode=sampler_topk_mode)
+    args = Arguments.of(locals())
     config, batch = prepare_hidden_loss(hidden, weight, bias, args, config, overrides)
     return step.hidden_loss(hidden, weight, bias, batch, config)
 
@@ -188,10 +177,7 @@ def policy_loss(
     Returns:
         PolicyLossOutput; `loss` is differentiable w.r.t. logprobs and entropy.
     """
-    args = Arguments(advantages=advantages, response_mask=response_mask, old_logprobs=old_logprobs,
-                     rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, is_weights=is_weights,
-                     entropy=entropy, cu_seqlens=cu_seqlens, token_index=token_index, dp_group=dp_group,
-                     cp_group=cp_group)
+    args = Arguments.of(locals())
     config, batch = prepare_policy(logprobs, args, config, overrides)
     stats = ops.Statistics(logprobs.reshape(-1), None if entropy is None else entropy.reshape(-1), None)
     return step.policy_output(stats, batch, config)
@@ -227,11 +213,10 @@ def token_logprobs(
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
         to logits from logprobs and entropy.
     """
-    args = Arguments(labels=labels, tp_group=tp_group, dp_group=dp_group, cp_group=cp_group, temperature=temperature,
-                     sampling_support=sampling_support, ignore_index=ignore_index)
+    args = Arguments.of(locals())
     batch = prepare_stats(logits, args, backend, validate, inplace_backward)
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, inplace_backward=inplace_backward)
-    return TokenStats(*(shaped(t, batch.token_shape) for t in ops.token_stats(logits, batch, options)))
+    return shaped_stats(ops.token_stats(logits, batch, options), batch.token_shape)
 
 
 def linear_token_logprobs(
@@ -259,13 +244,12 @@ def linear_token_logprobs(
         from logprobs and entropy to hidden, weight and bias. Under torch.no_grad() this is the lean
         pass trainers run for old and reference log-probs.
     """
-    args = Arguments(labels=labels, tp_group=tp_group, dp_group=dp_group, cp_group=cp_group, temperature=temperature,
-                     sampling_support=sampling_support, ignore_index=ignore_index)
+    args = Arguments.of(locals())
     batch = prepare_linear_stats(hidden, weight, bias, args, backend, validate, memory_budget_bytes)
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend,
                               memory_budget_bytes=memory_budget_bytes)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
-    return TokenStats(*(shaped(t, batch.token_shape) for t in stats))
+    return shaped_stats(stats, batch.token_shape)
 
 
 def token_divergences(
@@ -366,8 +350,7 @@ def rollout_correction(
     Returns:
         CorrectionOutput(weights or None, mask, metrics); nothing carries autograd.
     """
-    args = Arguments(rollout_logprobs=rollout_logprobs, response_mask=response_mask, cu_seqlens=cu_seqlens,
-                     token_index=token_index, dp_group=dp_group, cp_group=cp_group)
+    args = Arguments.of(locals())
     given = prepare_correction(train_logprobs, args, config, validate, divergences)
     return step.rollout_correction(train_logprobs, given.batch, config, given.divergences, given.form)
 

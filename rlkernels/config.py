@@ -421,6 +421,11 @@ class PolicyLossConfig:
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: expected one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
+            raise TypeError(
+                "rollout_correction: expected a RolloutCorrection or None, "
+                f"got {type(self.rollout_correction).__name__}"
+            )
         self._check_family()
         for name in ("clip_ratio_low", "clip_ratio_high"):
             object.__setattr__(self, name, check_finite_positive(name, getattr(self, name), allow_zero=True))
@@ -450,11 +455,6 @@ class PolicyLossConfig:
         base, plus = self.kl_type.rstrip("+"), "+" if self.kl_type.endswith("+") else ""
         base = _KL_ALIASES.get(base, base)
         object.__setattr__(self, "kl_type", base + ("" if base == "k2" else plus))  # k2+ is k2
-        if self.rollout_correction is not None and not isinstance(self.rollout_correction, RolloutCorrection):
-            raise TypeError(
-                "rollout_correction: expected a RolloutCorrection or None, "
-                f"got {type(self.rollout_correction).__name__}"
-            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass"):

@@ -59,3 +59,8 @@ class TokenBaseline(NamedTuple):
 def shaped(t: Optional[torch.Tensor], token_shape) -> Optional[torch.Tensor]:
     """A flat [N] result in the caller's token shape (None stays None)."""
     return None if t is None else t.reshape(token_shape)
+
+
+def shaped_stats(stats, token_shape) -> TokenStats:
+    """Flat [N] statistics (log-probs, entropy, Σπ²) as TokenStats in the caller's token shape."""
+    return TokenStats(*(shaped(t, token_shape) for t in stats))

@@ -1,4 +1,5 @@
-// The two vocabulary passes (SPEC §2) on the CPU: one parallel loop over rows per pass.
+// The two vocabulary passes (SPEC §2) on the CPU, and the full-form divergences between two distributions
+// (SPEC §9.2): one parallel loop over rows per pass.
 //
 // Why not ATen ops: the chunked torch backend runs several ATen ops per ~1 Mi-element chunk, each its
 // own parallel region; on a machine shared with another multi-threaded process every region waits at
@@ -20,7 +21,19 @@
 // has row_max 0, log_norm -inf, logprob -inf (0 for a foreign target), entropy and sum p^2 0; the
 // backward replays p from (row_max, log_norm) and writes zeros without reading a row whose
 // coefficients are both 0. Row offsets are 64-bit.
-
+//
+// The divergences (full_divergences_fwd / _bwd, the two Triton kernels of
+// rlkernels/kernels/triton/divergences.py, with per-row temperatures as well): per row, pi = softmax(z / T) and
+// mu = softmax(r / T_r) of the logits z and a reference r (each with its own row stride),
+//   forward   [N, 9] float32: KL(mu||pi), KL(pi||mu), chi2(pi||mu), TV, sum pi sign(pi - mu), and the
+//             (row max, log-normaliser) of z and of r; zeros for inactive rows (never read) and rows without
+//             a distribution
+//   backward  dz = (a (pi - mu) + b pi (log pi - log mu - KL(pi||mu)) + 2 c (pi^2 / mu - pi (chi2 + 1))
+//                   + d pi (s - sum pi s) / 2) / T, s = sign(pi - mu), each term only where its coefficient
+//             is nonzero; rows whose four coefficients are 0 are written with zeros, never read.
+// The forward streams each row pair from memory once and sweeps the cached copy once more (see the section's
+// comment below: two exponentials and one division per entry); the backward reads both rows once and writes
+// dz once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -326,6 +339,465 @@ void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, cons
               temperature, out, inv_temperature);
 }
 
+
+// ---- The full-form divergences (SPEC §9.2): rlkernels/kernels/triton/divergences.py on the CPU ----------------
+//
+// Per row, z the logits and q the reference (each as float32), s = 1/T and t = 1/T_r, M = max z, K = max q:
+//   dz = (z - M) s, dq = (q - K) t,  ep = exp(dz), eq = exp(dq),  P = sum ep, Q = sum eq,
+//   pi = ep / P, mu = eq / Q, log pi = dz - log P, log mu = dq - log Q (affine in the logits: no log per entry).
+// Each divergence is a sum of unnormalised terms, normalised once per row (float64):
+//   KL(pi||mu) = A / P + log Q - log P,   A = sum_{ep > 0} ep (dz - dq)
+//   KL(mu||pi) = B / Q + log P - log Q,   B = sum_{eq > 0} eq (dq - dz)
+//   chi2 + 1   = sum pi^2 / mu = U Q / P^2,  U = sum_{ep > 0} ep (ep / eq)
+// so the two exponentials of an entry serve every sum but TV, which needs P and Q before its first term.
+//
+// The forward: one sweep streams both rows into the cache for their max (and min), a second forms the two
+// exponentials of every entry from there and sums P, Q, A, B, U (kLanes float32 partial sums per block of
+// kBlock entries, block totals in float64), keeping ep and eq in two per-thread row buffers, and a third, over
+// those buffers, sums |pi - mu| and pi sign(pi - mu) with one multiplication each. Two exponentials and one
+// division per entry in all, where the Triton kernel's two reads form five exponentials. (An online variant,
+// one read of the rows with the sums rescaled as the block maxima rise, measured slower on a 2-core AVX2
+// machine: its per-block max passes wait on memory, and its arithmetic is no smaller.)
+//
+// ep / eq is a division where the Triton kernel takes exp(2 log pi - log mu): the same value (eq is at least
+// exp(-87) ~ 1.6e-38, a normal number, so ep / eq <= 6e37 stays finite), except where eq underflowed to 0 on a
+// finite q (dq < -87) under an entry with mass, whose term is finite where the division gives +inf; a block
+// whose float32 U is not finite is summed again in float64 with exp(2 dz - dq) there (block_u_exact).
+//
+// A row without a -inf on either side (the common case: the min says) needs no select but U's; otherwise
+// selects keep 0 * inf out of the sums and the entries with mass against none are counted apart.
+//
+// Conventions, as in the Triton kernel: a term is formed only where its left-hand mass is positive (0 log 0 = 0;
+// "positive" is exp_nonpositive's: exp(x) for x >= -87, else 0, the float32 normal range, as the GPU's flushing
+// exponential), mass against none (q = -inf under pi > 0, or z = -inf under mu > 0) gives +inf; a row whose z
+// or q has no finite entry has no distribution and gets zeros, and an inactive row is never read and gets zeros.
+//
+// The backward reads both rows once and writes dz once, from the forward's (M, log P, K, log Q, KL(pi||mu),
+// chi2, sum pi s). Each term is selected only where its coefficient is nonzero (an infinite divergence with a
+// zero coefficient must not become 0 * inf = NaN), and a row needs mu (two exponentials per entry) only for
+// the a, c, d terms and exp(2 log pi - log mu) (a third) only for c: the row picks one of three loops.
+
+constexpr int64_t kStats = 9;  // kl, reverse_kl, chi2, tv, sum pi s, (row max, log-normaliser) of z, of q
+
+// exp(x) over the whole float range (x <= 88.7 finite, above +inf, -inf -> 0, NaN -> NaN, below -87 0 as in
+// exp_nonpositive): chi2's terms exp(2 log pi - log mu) have a positive argument wherever pi^2 > mu. The same
+// reduction and polynomial as exp_nonpositive, with 2^n applied in two halves so that n up to 128 (overflow to
+// +inf) needs no special case.
+RLK_ALWAYS_INLINE float exp_any(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 89.0f);  // NaN stays NaN; above 88.72 p 2^n overflows to +inf
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, xc));
+  float p = 1.98412698e-4f;
+  p = std::fma(p, r, 1.38888889e-3f);
+  p = std::fma(p, r, 8.33333333e-3f);
+  p = std::fma(p, r, 4.16666667e-2f);
+  p = std::fma(p, r, 1.66666667e-1f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  const int32_t ni = static_cast<int32_t>(n), n1 = ni >> 1, n2 = ni - n1;  // each in [-63, 64]
+  const int32_t bits1 = (n1 + 127) << 23, bits2 = (n2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &bits1, sizeof(s1));
+  std::memcpy(&s2, &bits2, sizeof(s2));
+  const float y = (p * s1) * s2;
+  return x < -87.0f ? 0.0f : y;
+}
+
+// Loads and stores of one entry as float32. The c10 conversions call the scalar F16C intrinsics (Half) or
+// branch on NaN (BFloat16), which keeps the fused loops below from vectorising (GCC 12 vectorises neither);
+// these are the same conversions (exact widening; round to nearest even, overflow to inf, a NaN stays a NaN;
+// checked bit for bit against F16C over every half and every float32) as integer operations and selects.
+RLK_ALWAYS_INLINE float load_float(float v) {
+  return v;
+}
+RLK_ALWAYS_INLINE float load_float(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+RLK_ALWAYS_INLINE float load_float(c10::Half v) {
+  // half's exponent and mantissa moved into float position and rebiased; infinities and NaN take the
+  // larger bias, zeros and subnormals are renormalised by one float subtraction (exact)
+  const uint32_t em = static_cast<uint32_t>(v.x & 0x7fffu) << 13;
+  const uint32_t exponent = em & (0x7c00u << 13);
+  const uint32_t normal = em + ((127u - 15u) << 23);
+  const uint32_t inf_nan = normal + ((128u - 16u) << 23);
+  const uint32_t shifted = normal + (1u << 23);
+  float sub;
+  std::memcpy(&sub, &shifted, sizeof(sub));
+  sub -= 6.103515625e-05f;  // 2^-14
+  uint32_t sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof(sub_bits));
+  uint32_t bits = exponent == (0x7c00u << 13) ? inf_nan : (exponent == 0 ? sub_bits : normal);
+  bits |= static_cast<uint32_t>(v.x & 0x8000u) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// float32 -> half bits, round to nearest even: overflow to inf, NaN to a quiet NaN, the half-subnormal range
+// rounded by the FPU (adding 0.5 puts the half's last place at float's), the normal range by integer rounding
+RLK_ALWAYS_INLINE uint16_t half_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  const uint32_t big = u > (255u << 23) ? 0x7e00u : 0x7c00u;
+  float a;
+  std::memcpy(&a, &u, sizeof(a));
+  const float shifted = a + 0.5f;
+  uint32_t shifted_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  const uint32_t small = shifted_bits - 0x3f000000u;
+  const uint32_t normal = (u + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+  const uint32_t bits = u >= (143u << 23) ? big : (u < (113u << 23) ? small : normal);
+  return static_cast<uint16_t>(bits | (sign >> 16));
+}
+
+template <typename T>
+RLK_ALWAYS_INLINE T store_float(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+    return T(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), T::from_bits());
+  } else {
+    return T(half_bits(f), T::from_bits());
+  }
+}
+
+// max and min over a row (or a block of one) of T as float32 (row_max_of for any input dtype), read where it
+// lies. The min (free beside the load from memory) says whether it holds a -inf.
+template <typename T>
+RLK_ALWAYS_INLINE void row_range(const T* x, int64_t V, float& max_out, float& min_out) {
+  float hi[kLanes], lo[kLanes];
+  for (int k = 0; k < kLanes; ++k) hi[k] = -kInf, lo[k] = kInf;
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes)
+    // kept a loop for the vectoriser: unrolled first, the lanes become kLanes scalar min / max reductions,
+    // which GCC 12 does not vectorise (a < b ? b : a is no MAX_EXPR without -ffinite-math-only)
+#pragma GCC unroll 1
+    for (int k = 0; k < kLanes; ++k) {
+      const float v = load_float(x[j + k]);
+      hi[k] = std::max(hi[k], v), lo[k] = std::min(lo[k], v);
+    }
+  float m = -kInf, n = kInf;
+  for (int k = 0; k < kLanes; ++k) m = std::max(m, hi[k]), n = std::min(n, lo[k]);
+  for (; j < V; ++j) m = std::max(m, load_float(x[j])), n = std::min(n, load_float(x[j]));
+  max_out = m, min_out = n;  // a NaN never wins a max or a min: the sums propagate it
+}
+
+// The sums of one row, in float64 (each block's float32 lane totals added in)
+struct RowSums {
+  double P = 0, Q = 0, A = 0, B = 0, U = 0;
+  float none_z = -kInf, none_q = -kInf;  // max z over entries with q = -inf, max q over entries with z = -inf
+};
+
+// One entry into lane k, against the row maxima M, K. kFinite: the row holds no -inf on either side, so dz and
+// dq are finite and only U needs a select (an entry whose ep underflowed would give 0 / 0 where eq did too).
+// Otherwise the selects keep 0 * inf out of every sum, and the entries with mass against none (q = -inf, or
+// z = -inf) go to none_z / none_q instead, which decide once per row whether a divergence is +inf.
+template <bool kFinite>
+RLK_ALWAYS_INLINE void block_entry(float zv, float qv, float M, float K, float s, float t, float& ep_out,
+                                   float& eq_out, float& lp, float& lq, float& la, float& lb, float& lu, float& nz,
+                                   float& nq) {
+  const float dz = (zv - M) * s, dq = (qv - K) * t;
+  const float ep = exp_nonpositive(dz), eq = exp_nonpositive(dq);
+  ep_out = ep, eq_out = eq;
+  lp += ep, lq += eq;
+  const float diff = dz - dq;
+  // eq = 0 under mass on a finite q (an underflow) gives +inf here: the block's U is then summed again
+  const float u = (ep / eq) * ep;
+  if constexpr (kFinite) {
+    la += ep * diff;
+    lb -= eq * diff;
+    lu += ep > 0.f ? u : 0.f;
+  } else {
+    // selects on values, not on (ep > 0 && ...): GCC 12 does not vectorise a select on two conditions one of
+    // which it folds into exp_nonpositive's own select
+    const bool both = zv > -kInf && qv > -kInf;  // else diff is infinite (or NaN) and the entry is set apart
+    const float w = both ? diff : 0.f, u_both = both ? u : 0.f;
+    la += ep * w;
+    lb -= eq * w;
+    lu += ep > 0.f ? u_both : 0.f;
+    nz = std::max(nz, qv > -kInf ? -kInf : zv);
+    nq = std::max(nq, zv > -kInf ? -kInf : qv);
+  }
+}
+
+// U of one block summed again in float64 where its float32 sum is not finite: an eq that underflowed under an
+// ep > 0 on a finite q (its term is exp(2 dz - dq), finite or not, as the Triton kernel's exp(2 log pi - log mu)),
+// or float32 partial sums that overflowed. Rare (a reference spread over more than 87 T_r, or masked with a
+// large finite negative), and the block is still in the L1 cache.
+template <typename T>
+double block_u_exact(const T* z, const T* q, const float* ep, const float* eq, int64_t n, float M, float K,
+                     float s, float t) {
+  double u = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float qv = load_float(q[j]);
+    if (!(ep[j] > 0.f) || qv == -kInf) continue;
+    const double dz = (load_float(z[j]) - M) * s, dq = (qv - K) * t;
+    u += eq[j] > 0.f ? static_cast<double>(ep[j]) * ep[j] / eq[j] : std::exp(2 * dz - dq);
+  }
+  return u;
+}
+
+// One block of kBlock entries (or the row's tail): kLanes partial sums in float32, totals into the row's sums in
+// float64 (as stats_rows); ep and eq go to the row buffers for the second sweep.
+template <typename T, bool kFinite>
+RLK_ALWAYS_INLINE void block_sums(const T* __restrict__ z, const T* __restrict__ q, int64_t n, float M, float K,
+                                  float s, float t, float* __restrict__ ep, float* __restrict__ eq, RowSums& acc) {
+  float lp[kLanes] = {}, lq[kLanes] = {}, la[kLanes] = {}, lb[kLanes] = {}, lu[kLanes] = {}, nz[kLanes], nq[kLanes];
+  for (int k = 0; k < kLanes; ++k) nz[k] = -kInf, nq[k] = -kInf;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int k = 0; k < kLanes; ++k)
+      block_entry<kFinite>(load_float(z[j + k]), load_float(q[j + k]), M, K, s, t, ep[j + k], eq[j + k], lp[k],
+                           lq[k], la[k], lb[k], lu[k], nz[k], nq[k]);
+  for (; j < n; ++j)
+    block_entry<kFinite>(load_float(z[j]), load_float(q[j]), M, K, s, t, ep[j], eq[j], lp[0], lq[0], la[0], lb[0],
+                         lu[0], nz[0], nq[0]);
+  float bp = 0.f, bq = 0.f, ba = 0.f, bb = 0.f, bu = 0.f;
+  for (int k = 0; k < kLanes; ++k) {
+    bp += lp[k], bq += lq[k], ba += la[k], bb += lb[k], bu += lu[k];
+    acc.none_z = std::max(acc.none_z, nz[k]), acc.none_q = std::max(acc.none_q, nq[k]);
+  }
+  acc.P += bp, acc.Q += bq, acc.A += ba, acc.B += bb;
+  acc.U += std::isfinite(bu) ? static_cast<double>(bu) : block_u_exact(z, q, ep, eq, n, M, K, s, t);
+}
+
+// x * y rounded to float32 on its own: -ffp-contract=fast would fuse a plain product into the subtraction
+// pi - mu (one side exact, the other rounded), which is then not 0 where pi == mu (identical rows: TV 0 and
+// sign 0 in the Triton kernel). An fma with a zero addend is the rounded product and contracts with nothing.
+RLK_ALWAYS_INLINE float rounded_product(float x, float y) {
+  return std::fma(x, y, 0.0f);
+}
+
+// The second sweep, over the row buffers: sum |pi - mu| and sum pi sign(pi - mu)
+RLK_ALWAYS_INLINE void second_sweep(const float* ep, const float* eq, int64_t V, float inv_P, float inv_Q,
+                                    double& tv, double& s_bar) {
+  tv = 0, s_bar = 0;
+  for (int64_t start = 0; start < V; start += kBlock) {
+    const int64_t stop = std::min(start + kBlock, V);
+    float lt[kLanes] = {}, ls[kLanes] = {};
+    int64_t j = start;
+    for (; j + kLanes <= stop; j += kLanes) {
+      for (int k = 0; k < kLanes; ++k) {
+        const float pi = rounded_product(ep[j + k], inv_P), diff = pi - rounded_product(eq[j + k], inv_Q);
+        lt[k] += std::fabs(diff);
+        ls[k] += diff > 0.f ? pi : (diff < 0.f ? -pi : 0.f);
+      }
+    }
+    for (; j < stop; ++j) {
+      const float pi = rounded_product(ep[j], inv_P), diff = pi - rounded_product(eq[j], inv_Q);
+      lt[0] += std::fabs(diff);
+      ls[0] += diff > 0.f ? pi : (diff < 0.f ? -pi : 0.f);
+    }
+    float bt = 0.f, bs = 0.f;
+    for (int k = 0; k < kLanes; ++k) bt += lt[k], bs += ls[k];
+    tv += bt, s_bar += bs;
+  }
+}
+
+template <typename T>
+void divergence_rows(const T* logits, int64_t z_stride, const T* reference, int64_t q_stride, const uint8_t* active,
+                     int64_t N, int64_t V, float temperature, float reference_temperature, const float* inv_t_rows,
+                     const float* inv_r_rows, float* stats) {
+  const float inv_t_all = 1.0f / temperature, inv_r_all = 1.0f / reference_temperature;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    // ep and eq of the row being processed (per thread): 2 V floats, which the second sweep reads from the
+    // cache (256 KiB at V = 32768, beside the rows' own 256 KiB in float32)
+    std::vector<float> ep(V), eq(V);
+    for (int64_t r = begin; r < end; ++r) {
+      float* out = stats + r * kStats;
+      std::fill(out, out + kStats, 0.f);
+      if (active[r] == 0) continue;  // never read
+      const float s = inv_t_rows != nullptr ? inv_t_rows[r] : inv_t_all;  // per-token temperatures
+      const float t = inv_r_rows != nullptr ? inv_r_rows[r] : inv_r_all;
+      const T* z = logits + r * z_stride;
+      const T* q = reference + r * q_stride;
+      // the sweep that streams both rows into the cache: their max, and their min (a -inf picks the variant with
+      // selects)
+      float M, K, z_min, q_min;
+      row_range(z, V, M, z_min);
+      row_range(q, V, K, q_min);
+      if (M == -kInf || K == -kInf) continue;  // no finite entry on one side: no distribution, zeros
+      RowSums acc;
+      const bool finite = z_min > -kInf && q_min > -kInf;
+      for (int64_t start = 0; start < V; start += kBlock) {
+        const int64_t n = std::min(kBlock, V - start);
+        if (finite) {
+          block_sums<T, true>(z + start, q + start, n, M, K, s, t, ep.data() + start, eq.data() + start, acc);
+        } else {
+          block_sums<T, false>(z + start, q + start, n, M, K, s, t, ep.data() + start, eq.data() + start, acc);
+        }
+      }
+      double tv, s_bar;
+      second_sweep(ep.data(), eq.data(), V, static_cast<float>(1.0 / acc.P), static_cast<float>(1.0 / acc.Q), tv,
+                   s_bar);
+      // mass against none: pi > 0 where mu = 0 makes KL(pi||mu) and chi2 +inf, mu > 0 where pi = 0 KL(mu||pi)
+      const bool pi_against_none = exp_nonpositive((acc.none_z - M) * s) > 0.f;
+      const bool mu_against_none = exp_nonpositive((acc.none_q - K) * t) > 0.f;
+      const double log_P = std::log(acc.P), log_Q = std::log(acc.Q);
+      out[0] = mu_against_none ? kInf : static_cast<float>(acc.B / acc.Q + log_P - log_Q);
+      out[1] = pi_against_none ? kInf : static_cast<float>(acc.A / acc.P + log_Q - log_P);
+      out[2] = pi_against_none ? kInf : static_cast<float>(acc.U * acc.Q / (acc.P * acc.P) - 1.0);
+      out[3] = static_cast<float>(0.5 * tv);
+      out[4] = static_cast<float>(s_bar);
+      out[5] = M, out[6] = static_cast<float>(log_P);
+      out[7] = K, out[8] = static_cast<float>(log_Q);
+    }
+  });
+}
+
+// The row's scalars for the backward, by value (see grad_row): no store to the output row can alias them
+struct DivergenceGradRow {
+  float M, log_P, s, K, log_Q, t;
+  float a, b, c, d;  // the coefficients as given: each term is formed where its own is nonzero
+  float reverse_kl, chi2_plus_1, s_bar;
+};
+
+// One entry of dz. Each term is selected where its coefficient is nonzero, not multiplied by it (0 * inf).
+template <bool kMu, bool kChi2>
+RLK_ALWAYS_INLINE float divergence_grad_entry(float zv, float qv, const DivergenceGradRow g) {
+  const float lp = (zv - g.M) * g.s - g.log_P;
+  const float lq = (qv - g.K) * g.t - g.log_Q;
+  const float pi = exp_nonpositive(std::min(lp, 0.f));
+  const bool live = pi > 0.f;  // 0 log 0 = 0: no term where pi has no mass
+  // two selects, not one on (b != 0 && live): GCC 12 does not vectorise a select on a loop-invariant bool
+  // and'ed with a per-entry one
+  const float b_term = live ? g.b * (pi * (lp - lq - g.reverse_kl)) : 0.f;
+  float v = g.b != 0.f ? b_term : 0.f;
+  if constexpr (kMu) {
+    const float mu = exp_nonpositive(std::min(lq, 0.f));
+    v += g.a != 0.f ? g.a * (pi - mu) : 0.f;
+    // exp(2 log pi - log mu), not pi * (pi / mu): mu may have underflowed under a finite term
+    if constexpr (kChi2) v += live ? 2.f * g.c * (exp_any(2.f * lp - lq) - pi * g.chi2_plus_1) : 0.f;
+    const float sign = pi > mu ? 1.f : (pi < mu ? -1.f : 0.f);
+    v += g.d != 0.f ? 0.5f * g.d * (pi * (sign - g.s_bar)) : 0.f;
+  }
+  return v * g.s;
+}
+
+// dz over one row (no reduction: a plain loop, which the compiler vectorises). kMu: the row needs mu (a, c or
+// d nonzero); kChi2: c is nonzero.
+template <typename T, bool kMu, bool kChi2>
+RLK_ALWAYS_INLINE void divergence_grad_row(const T* __restrict__ z, const T* __restrict__ q, T* __restrict__ o,
+                                           int64_t V, const DivergenceGradRow g) {
+  for (int64_t j = 0; j < V; ++j)
+    o[j] = store_float<T>(divergence_grad_entry<kMu, kChi2>(load_float(z[j]), load_float(q[j]), g));
+}
+
+template <typename T>
+void divergence_grad_rows(const T* logits, int64_t z_stride, const T* reference, int64_t q_stride, const float* stats,
+                          const float* coef, T* out, int64_t N, int64_t V, float temperature,
+                          float reference_temperature, const float* inv_t_rows, const float* inv_r_rows) {
+  const float inv_t_all = 1.0f / temperature, inv_r_all = 1.0f / reference_temperature;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = coef + r * 4;
+      const float* st = stats + r * kStats;
+      T* o = out + r * V;
+      const T* z = logits + r * z_stride;
+      const T* q = reference + r * q_stride;
+      bool zeros = c[0] == 0.f && c[1] == 0.f && c[2] == 0.f && c[3] == 0.f;  // then never read
+      if (!zeros && std::all_of(st, st + kStats, [](float x) { return x == 0.f; })) {
+        // the forward's zeros: a row without a distribution, or one whose statistics all happen to be 0
+        // (one entry with mass at logit 0 on both sides); only a look at the row tells them apart
+        float M, K, unused;
+        row_range(z, V, M, unused);
+        row_range(q, V, K, unused);
+        zeros = M == -kInf || K == -kInf;
+      }
+      if (zeros) {
+        std::fill(o, o + V, T(0));
+        continue;
+      }
+      const float s = inv_t_rows != nullptr ? inv_t_rows[r] : inv_t_all;  // per-token temperatures
+      const float t = inv_r_rows != nullptr ? inv_r_rows[r] : inv_r_all;
+      const DivergenceGradRow g{st[5], st[6], s, st[7], st[8], t, c[0], c[1], c[2], c[3], st[1], st[2] + 1.f, st[4]};
+      if (c[2] != 0.f) {
+        divergence_grad_row<T, true, true>(z, q, o, V, g);
+      } else if (c[0] != 0.f || c[3] != 0.f) {
+        divergence_grad_row<T, true, false>(z, q, o, V, g);
+      } else {
+        divergence_grad_row<T, false, false>(z, q, o, V, g);
+      }
+    }
+  });
+}
+
+void check_pair(const char* op, const at::Tensor& logits, const at::Tensor& reference) {
+  for (const at::Tensor* x : {&logits, &reference}) {
+    TORCH_CHECK(x->device().is_cpu(), op, ": logits and reference must be on the CPU");
+    TORCH_CHECK(x->dim() == 2, op, ": logits and reference must be [N, V], got ", x->dim(), " dims");
+    TORCH_CHECK(x->stride(1) == 1 || x->size(1) <= 1 || x->numel() == 0, op,
+                ": logits and reference need unit stride along V");
+  }
+  TORCH_CHECK(reference.sizes() == logits.sizes(), op, ": reference must be shaped like logits, got ",
+              reference.sizes(), " and ", logits.sizes());
+  TORCH_CHECK(reference.scalar_type() == logits.scalar_type(), op, ": reference must have the logits' dtype");
+}
+
+const float* optional_f32(const std::optional<at::Tensor>& t, const char* op, const char* name, int64_t N) {
+  return t.has_value() ? f32(*t, op, name, N) : nullptr;
+}
+
+at::Tensor full_divergences_fwd(const at::Tensor& logits, const at::Tensor& reference, const at::Tensor& active,
+                                double temperature, double reference_temperature,
+                                const std::optional<at::Tensor>& inv_temperature,
+                                const std::optional<at::Tensor>& inv_reference_temperature) {
+  const char* op = "full_divergences_fwd";
+  check_pair(op, logits, reference);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK((active.scalar_type() == at::kBool || active.scalar_type() == at::kChar ||
+               active.scalar_type() == at::kByte) && active.is_contiguous() && active.numel() == N,
+              op, ": active must be contiguous bool or int8 [N]");
+  const float* inv_t = optional_f32(inv_temperature, op, "inv_temperature", N);
+  const float* inv_r = optional_f32(inv_reference_temperature, op, "inv_reference_temperature", N);
+  at::Tensor stats = at::empty({N, kStats}, logits.options().dtype(at::kFloat));
+  if (V == 0) return stats.zero_();
+  const auto* act = static_cast<const uint8_t*>(active.data_ptr());  // bool and int8 are one byte, 0 = inactive
+  dispatch(op, logits, [&](auto tag) {
+    using T = decltype(tag);
+    divergence_rows<T>(logits.data_ptr<T>(), logits.stride(0), reference.data_ptr<T>(), reference.stride(0), act,
+                       N, V, static_cast<float>(temperature), static_cast<float>(reference_temperature), inv_t,
+                       inv_r, stats.data_ptr<float>());
+  });
+  return stats;
+}
+
+at::Tensor full_divergences_bwd(const at::Tensor& logits, const at::Tensor& reference, const at::Tensor& stats,
+                                const at::Tensor& coef, double temperature, double reference_temperature,
+                                const std::optional<at::Tensor>& inv_temperature,
+                                const std::optional<at::Tensor>& inv_reference_temperature) {
+  const char* op = "full_divergences_bwd";
+  check_pair(op, logits, reference);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() && stats.dim() == 2 &&
+                  stats.size(0) == N && stats.size(1) == kStats,
+              op, ": stats must be contiguous float32 [N, 9] (full_divergences_fwd's)");
+  TORCH_CHECK(coef.scalar_type() == at::kFloat && coef.is_contiguous() && coef.dim() == 2 && coef.size(0) == N &&
+                  coef.size(1) == 4,
+              op, ": coef must be contiguous float32 [N, 4]");
+  const float* inv_t = optional_f32(inv_temperature, op, "inv_temperature", N);
+  const float* inv_r = optional_f32(inv_reference_temperature, op, "inv_reference_temperature", N);
+  at::Tensor dlogits = at::empty({N, V}, logits.options());  // contiguous, every entry written once
+  if (V == 0) return dlogits;
+  dispatch(op, logits, [&](auto tag) {
+    using T = decltype(tag);
+    divergence_grad_rows<T>(logits.data_ptr<T>(), logits.stride(0), reference.data_ptr<T>(), reference.stride(0),
+                            stats.data_ptr<float>(), coef.data_ptr<float>(), dlogits.data_ptr<T>(), N, V,
+                            static_cast<float>(temperature), static_cast<float>(reference_temperature), inv_t,
+                            inv_r);
+  });
+  return dlogits;
+}
+
 }  // namespace
 
 // The same schemas as the CUDA extension's ops (csrc/bindings.cpp), in their own namespace.
@@ -340,6 +812,12 @@ TORCH_LIBRARY(rlkernels_cpu, m) {
   m.def("token_grad_bwd_out(Tensor logits, Tensor labels, Tensor row_max, Tensor log_norm, Tensor? entropy, "
         "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor(a!) dlogits, "
         "Tensor? inv_temperature=None) -> ()");
+  m.def("full_divergences_fwd(Tensor logits, Tensor reference, Tensor active, float temperature, "
+        "float reference_temperature, Tensor? inv_temperature=None, Tensor? inv_reference_temperature=None) "
+        "-> Tensor");
+  m.def("full_divergences_bwd(Tensor logits, Tensor reference, Tensor stats, Tensor coef, float temperature, "
+        "float reference_temperature, Tensor? inv_temperature=None, Tensor? inv_reference_temperature=None) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_cpu, CPU, m) {
@@ -347,4 +825,6 @@ TORCH_LIBRARY_IMPL(rlkernels_cpu, CPU, m) {
   m.impl("token_grad_bwd", &token_grad_bwd);
   m.impl("token_grad_bwd_inplace", &token_grad_bwd_inplace);
   m.impl("token_grad_bwd_out", &token_grad_bwd_out);
+  m.impl("full_divergences_fwd", &full_divergences_fwd);
+  m.impl("full_divergences_bwd", &full_divergences_bwd);
 }

@@ -1,5 +1,5 @@
-"""The CPU kernels: the two vocabulary passes as fused C++ loops (csrc/cpu/token_passes.cpp), over
-`torch.ops.rlkernels_cpu.*`.
+"""The CPU kernels: the vocabulary passes as fused C++ loops (csrc/cpu/token_passes.cpp), over
+`torch.ops.rlkernels_cpu.*`: the token statistics and their gradient, and the full-form divergences.
 
 Why they exist: the torch backend's chunked ATen ops open several parallel regions per chunk, and on
 a machine shared with another multi-threaded process each region waits for a descheduled thread;
@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
+from .base import DIVERGENCE_STATS, paired_row_groups, row_groups
 from .extension import ExtensionBackend, register_fakes
+from .temperature import Temperature
 
 OPS_NAMESPACE = "rlkernels_cpu"
 # a checkout (or editable install) reads csrc/ at the repository root; a built package carries a copy
@@ -119,7 +121,22 @@ def _load_ops() -> bool:
                       stacklevel=3)
         return False
     register_fakes(OPS_NAMESPACE)
+    _register_divergence_fakes()
     return True
+
+
+def _register_divergence_fakes() -> None:
+    """Shapes of the full form's two ops (the CPU library has them; the CUDA extension does not)."""
+
+    @torch.library.register_fake(f"{OPS_NAMESPACE}::full_divergences_fwd")
+    def _(logits, reference, active, temperature, reference_temperature, inv_temperature=None,
+          inv_reference_temperature=None):
+        return logits.new_empty((logits.shape[0], DIVERGENCE_STATS), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{OPS_NAMESPACE}::full_divergences_bwd")
+    def _(logits, reference, stats, coef, temperature, reference_temperature, inv_temperature=None,
+          inv_reference_temperature=None):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 class CpuBackend(ExtensionBackend):
@@ -131,3 +148,42 @@ class CpuBackend(ExtensionBackend):
 
     def supports(self, logits: torch.Tensor) -> bool:
         return logits.device.type == "cpu" and logits.dtype in _SUPPORTED
+
+    # The full form (SPEC §9.2) as two C++ passes: two reads of both rows forward, one backward, as the Triton
+    # kernels; a reference of another dtype takes the inherited chunked form (the ops read one dtype).
+    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature):
+        if reference.dtype != logits.dtype:
+            return super().full_divergences_fwd(logits, reference, active, temperature, reference_temperature)
+        (t, inv_t), (t_r, inv_r) = Temperature.of(temperature).kernel_args(), \
+            Temperature.of(reference_temperature).kernel_args()
+        ref_rows = reference.reshape(-1, logits.shape[-1])
+        flags = active.to(torch.bool).contiguous()
+        pieces = [
+            torch.ops.rlkernels_cpu.full_divergences_fwd(
+                rows, ref_rows[start:start + rows.shape[0]], flags[start:start + rows.shape[0]], t, t_r,
+                *(None if inv is None else inv[start:start + rows.shape[0]] for inv in (inv_t, inv_r)))
+            for start, rows in row_groups(logits)
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def full_divergences_bwd(self, logits, reference, stats, coef, temperature, reference_temperature):
+        if reference.dtype != logits.dtype:
+            return super().full_divergences_bwd(logits, reference, stats, coef, temperature, reference_temperature)
+        (t, inv_t), (t_r, inv_r) = Temperature.of(temperature).kernel_args(), \
+            Temperature.of(reference_temperature).kernel_args()
+        ref_rows = reference.reshape(-1, logits.shape[-1])
+        stats, coef = stats.to(torch.float32).contiguous(), coef.to(torch.float32).contiguous()
+
+        def rows_grad(rows, start):
+            stop = start + rows.shape[0]
+            return torch.ops.rlkernels_cpu.full_divergences_bwd(
+                rows, ref_rows[start:stop], stats[start:stop], coef[start:stop], t, t_r,
+                *(None if inv is None else inv[start:stop] for inv in (inv_t, inv_r)))
+
+        groups = row_groups(logits)
+        if len(groups) == 1:  # the op's contiguous result is the gradient: no copy
+            return rows_grad(groups[0][1], 0).view(logits.shape)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for start, rows, out_rows in paired_row_groups(logits, grad):  # the causal-shift view: one call per row
+            out_rows.copy_(rows_grad(rows, start))
+        return grad

@@ -67,28 +67,34 @@ class PreparedBatch:
 
 
 class Arguments(NamedTuple):
-    """A public call's tensor and layout arguments, as the caller passed them (unchecked); built by keyword."""
-    labels: Optional[torch.Tensor] = None
-    advantages: Optional[torch.Tensor] = None
-    response_mask: Optional[torch.Tensor] = None
-    old_logprobs: Optional[torch.Tensor] = None
-    rollout_logprobs: Optional[torch.Tensor] = None
-    ref_logprobs: Optional[torch.Tensor] = None
-    is_weights: Optional[torch.Tensor] = None
-    entropy: Optional[torch.Tensor] = None
-    cu_seqlens: Optional[torch.Tensor] = None
-    token_index: Optional[torch.Tensor] = None
-    tp_group: Optional[dist.ProcessGroup] = None
-    dp_group: Optional[dist.ProcessGroup] = None
-    cp_group: Optional[dist.ProcessGroup] = None
-    temperature: Union[float, torch.Tensor] = 1.0
-    sampling_support: Optional[torch.Tensor] = None
+    """A public call's tensor and layout arguments, as the caller passed them (unchecked): built by keyword, or
+    from the call's own arguments (`Arguments.of(locals())`: the public functions name them as these fields)."""
+    labels: Optional[torch.Tensor] = None  # [B, T] / [N] integer sampled tokens
+    advantages: Optional[torch.Tensor] = None  # per token, or one per sequence
+    response_mask: Optional[torch.Tensor] = None  # bool or 0/1
+    old_logprobs: Optional[torch.Tensor] = None  # the proximal policy's (decoupled mode)
+    rollout_logprobs: Optional[torch.Tensor] = None  # the sampler's
+    ref_logprobs: Optional[torch.Tensor] = None  # the KL penalty's reference
+    is_weights: Optional[torch.Tensor] = None  # a trainer's own IS weights
+    entropy: Optional[torch.Tensor] = None  # given with the log-probs (policy_loss)
+    cu_seqlens: Optional[torch.Tensor] = None  # [S + 1] offsets of the packed layout
+    token_index: Optional[torch.Tensor] = None  # this rank's global positions under cp_group
+    tp_group: Optional[dist.ProcessGroup] = None  # the vocabulary split
+    dp_group: Optional[dist.ProcessGroup] = None  # the batch split
+    cp_group: Optional[dist.ProcessGroup] = None  # the sequence split
+    temperature: Union[float, torch.Tensor] = 1.0  # a float, or per token / per sequence
+    sampling_support: Optional[torch.Tensor] = None  # [..., K] the sampler's kept ids (-1 pads)
     ignore_index: int = -100
     # the sampler's distribution (SPEC §9): its top-k ids and their log-probs, or its logits; and the top-k's mode
     sampler_topk_ids: Optional[torch.Tensor] = None
     sampler_topk_logprobs: Optional[torch.Tensor] = None
     sampler_logits: Optional[torch.Tensor] = None
     sampler_topk_mode: str = "selected"
+
+    @classmethod
+    def of(cls, call: dict) -> "Arguments":
+        """The fields among a call's named arguments (a public function's `locals()`)."""
+        return cls(**{name: value for name, value in call.items() if name in cls._fields})
 
     @property
     def sampler(self) -> Tuple:

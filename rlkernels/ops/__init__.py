@@ -31,7 +31,7 @@ from ..backends.base import rows_form_one_sequence
 from ..backends.temperature import Temperature
 from . import kept_set, linear, vocab, vocab_parallel
 from .coefficients import CoefficientLossFunction, ForwardGradientFunction
-from .divergences import FullDivergenceFunction, linear_full_divergence_values
+from .divergences import full_divergence_stats, linear_full_divergence_values
 from .head import HeadStatistics, head_token_stats, linear_head_logprobs
 
 __all__ = ["CoefficientLossFunction", "ForwardGradientFunction", "HeadStatistics", "PassOptions", "Statistics",
@@ -235,8 +235,7 @@ def full_divergences(logits: torch.Tensor, reference: torch.Tensor, active: torc
     passes (its kernels where it has them for these inputs; backends.base.Backend)."""
     rows = logit_rows(logits, False)
     name = backends.resolve(backend, rows)
-    return FullDivergenceFunction.apply(rows, reference, active, temperature, reference_temperature, name,
-                                        chunk_rows)
+    return full_divergence_stats(rows, reference, active, temperature, reference_temperature, name, chunk_rows)
 
 
 def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], reference,

@@ -3,10 +3,12 @@ distribution μ = softmax(r / T_r) given as logits (recomputed rollout logits, a
 
     kl = KL(μ||π),  reverse_kl = KL(π||μ),  chi2 = χ²(π||μ) = sum π²/μ - 1,  tv = ½ sum |π - μ|
 
-Autograd around the backend's two passes (backends.base.Backend.full_divergences_fwd / _bwd: the Triton and
-C++ kernels read both rows twice forward and once backward; the chunked PyTorch form elsewhere); autograd reaches
-the trainer's logits only (μ is a fixed target). The fused-linear form forms the trainer's logits a chunk of rows
-at a time and hands each chunk to the same forward pass.
+`rlkernels::full_divergences` and its backward `rlkernels::full_divergences_grad` are custom ops around the
+backend's two passes (backends.base.Backend.full_divergences_fwd / _bwd: the Triton and C++ kernels read both
+rows twice forward and once backward; the chunked PyTorch form elsewhere), so torch.compile sees opaque ops whose
+temperatures stay tensor inputs (a float argument would specialise the graph, and a kernel cannot take the
+symbolic float a traced host read gives). Autograd reaches the trainer's logits only (μ is a fixed target). The
+fused-linear form forms the trainer's logits a chunk of rows at a time and hands each chunk to the same pass.
 """
 
 from typing import Optional
@@ -15,34 +17,67 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..backends.base import DIVERGENCES
+from ..backends.base import DIVERGENCE_STATS, DIVERGENCES
 from ..backends.temperature import Temperature
 from .vocab import refuse_double_backward
 
 
-class FullDivergenceFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, reference, active, temperature: Temperature, reference_temperature: Temperature,
-                backend: str, chunk_rows: Optional[int] = None):
-        # logits: [N, V] or [B, T, V] row-strided (ops.logit_rows); reference: the same shape; active: [N] bool;
-        # backend: the resolved name
-        impl = backends.instance(backend, chunk_rows)
-        stats = impl.full_divergences_fwd(logits, reference, active, temperature, reference_temperature)
-        ctx.save_for_backward(logits, reference, active, stats)
-        ctx.options = (temperature, reference_temperature, backend, chunk_rows)
-        return tuple(stats[:, :len(DIVERGENCES)].unbind(1))
+@torch.library.custom_op("rlkernels::full_divergences", mutates_args=())
+def full_divergences_op(logits: Tensor, reference: Tensor, active: Tensor, temperature: Tensor,
+                        reference_temperature: Tensor, backend: str, chunk_rows: int) -> Tensor:
+    # logits: (N, V) or (B, T, V) row-strided (ops.logit_rows); reference: the same shape; active: (N,) bool;
+    # the temperatures: Temperature.tensor; backend: the resolved name. Returns (N, DIVERGENCE_STATS).
+    impl = backends.instance(backend, chunk_rows or None)
+    return impl.full_divergences_fwd(logits, reference, active, Temperature(temperature),
+                                     Temperature(reference_temperature))
 
-    @staticmethod
-    def backward(ctx, *grads):
-        refuse_double_backward()
-        logits, reference, active, stats = ctx.saved_tensors
-        temperature, reference_temperature, backend, chunk_rows = ctx.options
-        acc = stats.dtype
-        coef = torch.stack([torch.zeros_like(stats[:, 0]) if g is None else g.to(acc) for g in grads], 1)
-        coef = torch.where(active[:, None], coef, torch.zeros((), dtype=acc, device=coef.device))
-        grad = backends.instance(backend, chunk_rows).full_divergences_bwd(logits, reference, stats, coef,
-                                                                            temperature, reference_temperature)
-        return grad, None, None, None, None, None, None
+
+@full_divergences_op.register_fake
+def _(logits, reference, active, temperature, reference_temperature, backend, chunk_rows):
+    return logits.new_empty((active.shape[0], DIVERGENCE_STATS), dtype=backends.statistics_dtype(logits.dtype))
+
+
+@torch.library.custom_op("rlkernels::full_divergences_grad", mutates_args=())
+def full_divergences_grad(logits: Tensor, reference: Tensor, stats: Tensor, coef: Tensor, temperature: Tensor,
+                          reference_temperature: Tensor, backend: str, chunk_rows: int) -> Tensor:
+    impl = backends.instance(backend, chunk_rows or None)
+    return impl.full_divergences_bwd(logits, reference, stats, coef, Temperature(temperature),
+                                     Temperature(reference_temperature))
+
+
+@full_divergences_grad.register_fake
+def _(logits, reference, stats, coef, temperature, reference_temperature, backend, chunk_rows):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, reference, active, temperature, reference_temperature, backend, chunk_rows = inputs
+    ctx.save_for_backward(logits, reference, active, output, temperature, reference_temperature)
+    ctx.options = (backend, chunk_rows)
+
+
+def _backward(ctx, grad_stats):
+    refuse_double_backward()
+    logits, reference, active, stats, temperature, reference_temperature = ctx.saved_tensors
+    backend, chunk_rows = ctx.options
+    if grad_stats is None:
+        return None, None, None, None, None, None, None
+    coef = grad_stats[:, :len(DIVERGENCES)].to(stats.dtype)
+    coef = torch.where(active[:, None], coef, torch.zeros((), dtype=stats.dtype, device=coef.device))
+    grad = full_divergences_grad(logits, reference, stats, coef, temperature, reference_temperature, backend,
+                                 chunk_rows)
+    return grad, None, None, None, None, None, None
+
+
+full_divergences_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def full_divergence_stats(logits: Tensor, reference: Tensor, active: Tensor, temperature: Temperature,
+                          reference_temperature: Temperature, backend: str, chunk_rows: Optional[int] = None):
+    """(kl, reverse_kl, chi2, tv), each [N], with autograd to `logits` (a resolved `backend`)."""
+    stats = full_divergences_op(logits, reference, active, temperature.tensor, reference_temperature.tensor, backend,
+                                chunk_rows or 0)
+    return tuple(stats[:, :len(DIVERGENCES)].unbind(1))
 
 
 @torch.no_grad()

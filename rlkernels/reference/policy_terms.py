@@ -57,8 +57,9 @@ def _none(ctx):
 
 def per_sequence_mean(values, mask, seqs):
     """Each token gets the mean of `values` over its sequence's tokens in `mask` (0 for an empty one);
-    differentiable."""
-    out = torch.zeros_like(values)
+    differentiable (without any sequence too: zeros that still hang off `values`, so a loss of no tokens has the
+    zero gradient instead of none)."""
+    out = torch.where(torch.zeros_like(mask, dtype=torch.bool), values, torch.zeros_like(values))
     for idx in seqs:
         keep = mask[idx]
         n = max(int(keep.sum()), 1)

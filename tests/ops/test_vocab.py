@@ -49,3 +49,23 @@ def test_linear_ops(bias, chunk_rows):
     c, e = torch.randn(6, generator=g), torch.randn(6, generator=g)
     _check(linear.linear_token_grad, (h.detach(), w.detach(), None if b is None else b.detach(), LABELS, row_max,
                                       log_norm, ent, c, e, T, "torch", chunk_rows, True, True, bias))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("layout", ["rows", "shifted_view"])
+def test_full_divergence_ops(backend, layout):
+    """The full form's two ops (SPEC §9.2) on the backend's passes, one temperature and one per row."""
+    from rlkernels import backends
+    from rlkernels.ops import divergences
+
+    if not backends.is_available(backend):
+        pytest.skip(f"backend {backend!r} is not available here")
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(6, 11, generator=g) if layout == "rows" else torch.randn(2, 4, 11, generator=g)[:, :3]
+    r = torch.randn(z.shape, generator=g)
+    active = torch.tensor([True, True, False, True, True, True])
+    for t in (T, 0.5 + torch.rand(6, generator=g)):
+        _check(divergences.full_divergences_op, (z.requires_grad_(True), r, active, t, T, backend, 0))
+        stats = divergences.full_divergences_op(z.detach(), r, active, t, T, backend, 0)
+        coef = torch.randn(6, 4, generator=g)
+        _check(divergences.full_divergences_grad, (z.detach(), r, stats, coef, t, T, backend, 0))

@@ -127,6 +127,8 @@ def _check_split(rank, world, tp, dp, cp, layout, zigzag, dtype_name, entry, num
         if vaco:  # VACO in every case: its per-sequence divergence needs the training policy and the sampler
             mode = rng.choice(["decoupled", "bypass"])
         config = seeded_config(rng, mode, split="cp" if cp > 1 else "dp", backend="torch")
+        while entry == "correction" and config.rollout_correction is None:  # rollout_correction needs one
+            config = seeded_config(rng, mode, split="cp" if cp > 1 else "dp", backend="torch")
         if vaco and config.loss_type != "geo_mean":
             config = config.with_overrides(vaco_threshold=rng.choice([0.01, 0.05]),
                                            vaco_divergence=rng.choice(["tv", "kl"]))

@@ -251,3 +251,33 @@ def test_the_sampler_arguments_compile_in_one_graph(loss_type):
     (eager, g_eager), (compiled, g_compiled) = results
     assert_close(compiled, eager, **tol("reordered", F32), name="value")
     assert_close(g_compiled, g_eager, **tol("reordered", F32), name="dlogits")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_full_form_compiles_in_one_graph(backend):
+    """torch.compile(fullgraph=True) over the loss with the sampler's logits and over token_divergences' full form
+    (the rlkernels::full_divergences ops, whose temperatures stay tensor inputs), values as eager."""
+    if not rlkernels.backends.is_available(backend):
+        pytest.skip(f"backend {backend!r} is not available here")
+    logits, labels, ids, lq, rollout = _rollout_with_topk(B=2)
+    B, T = labels.shape
+    sampler = logits.detach() + 0.2 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
+
+    def step(z, temperature):
+        loss = rlkernels.decoupled_ppo_loss(z, labels, torch.ones(B), torch.ones(B, T), old_logprobs=rollout,
+                                            rollout_logprobs=rollout, sampler_logits=sampler, validate=False,
+                                            temperature=temperature, backend=backend).loss
+        div = rlkernels.token_divergences(z, labels, reference_logits=sampler, temperature=temperature,
+                                          backend=backend, validate=False)
+        return loss + div.kl.mean() + div.tv.mean() + 1e-3 * div.chi2.mean()
+
+    compiled = torch.compile(step, fullgraph=True)
+    for temperature in (0.9, 0.7):  # a second temperature reuses the graph's tensor input
+        results = []
+        for fn in (step, compiled):
+            leaf = logits.clone().requires_grad_(True)
+            value = fn(leaf, temperature)
+            results.append((value, torch.autograd.grad(value, leaf)[0]))
+        (eager, g_eager), (got, g_got) = results
+        assert_close(got, eager, **tol("reordered", F32), name="value")
+        assert_close(g_got, g_eager, **tol("reordered", F32), name="dlogits")
