@@ -33,9 +33,11 @@ def scaled(n: int) -> int:
 
 # ---- tolerances -------------------------------------------------------------------------------------
 # One table for the whole suite: TOL[what is compared, dtype] -> Tol(rtol, atol, why). Tests read it
-# through tol() (keyword arguments for assert_close, atol times a scale the test states) or approx()
-# (pytest.approx against a hand-computed value). A test that needs another number adds an entry here
-# with its reason; exact comparisons (torch.equal, rtol = atol = 0) stay exact and are not listed.
+# through tol() (keyword arguments for assert_close, atol times a scale the test states), approx()
+# (pytest.approx against a Python float: a hand-computed value, a peer's metric) or at_most() (a one-sided
+# bound); a test that measures a relative error itself compares it with an entry's rtol / atol. A test that
+# needs another number adds an entry here with its reason; exact comparisons (torch.equal, rtol = atol = 0)
+# stay exact and are not listed. tests/test_cases.py fails on a numeric tolerance written anywhere else.
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,34 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                              "tail bucket's 1 - sum_H p add a few ulps of the head mass. atol scales by the value"),
     ("divergence.dlogits", F64): Tol(1e-7, 1e-9, "as ('divergence', fp64): the tail's derivative is 1 / tail"),
     ("divergence.dlogits", F32): Tol(1e-4, 1e-5, "as ('divergence', fp32): the same products, once more in the "
-                                                 "backward's closed form; atol scales by max(1e-3, max |expected|)"),
+                                                 "backward's closed form; atol scales by max(1e-3, max |expected|), "
+                                                 "or by the sum of the terms' magnitudes at the entry where the "
+                                                 "terms may cancel (tests/backends/test_cpu_divergences.py)"),
+    ("divergence.dlogits", BF16): Tol(1e-4 + ULP[BF16], 1e-5,
+                                      "the fp32 row, then the result rounded once to bf16; assert_close rounds the "
+                                      "float64 oracle to bf16 too, so the two may land one ulp (2^-7) apart"),
+    ("divergence.dlogits", F16): Tol(1e-4 + ULP[F16], 1e-5,
+                                     "the fp32 row, then one rounding to fp16: one ulp (2^-10) apart at most"),
+    ("divergence.sign_tie", F32): Tol(2e-5, 0.0,
+                                      "sign(pi - mu) is discontinuous: where |pi - mu| <= rtol (pi + mu), the CPU "
+                                      "kernels' fp32 pi (~|log pi| 2^-24 ~ 1e-6 relative, 2e-5 leaving room for "
+                                      "|log pi| ~ 90) and the oracle's may take opposite signs: such entries are "
+                                      "allowed the difference a flipped sign makes"),
+    # one-sided: the top-k partition's divergence is at most the full one (data processing), up to rounding
+    ("divergence.topk_bound", F64): Tol(0.0, 1e-9,
+                                        "float64 on both sides: the partition's tail bucket 1 - sum_H p and the logs "
+                                        "of both forms round at ~1e-15 of O(1) values; 1e-9 absolute slack"),
+    ("divergence.topk_bound", F32): Tol(0.01, 1e-7,
+                                        "fp32 on both sides, a trainer tail of 1e-6 (below k fp32 ulps of 1) and KLs "
+                                        "of ~1e-5: sums of mu log(mu / pi) that cancel to 1e-5, whose fp32 value lands "
+                                        "~2e-7 from the float64 one (1.377e-5 vs 1.403e-5 measured): 1% of the value "
+                                        "plus 1e-7 (~|log p| 2^-24 of the head's log-probs)"),
+    ("divergence.topk_bound.rounded_logprobs", BF16): Tol(0.02, 1e-6,
+                                                          "sampler log-probs given in bf16 (held to the same bound "
+                                                          "in fp16 and fp32): half an ulp, 2^-9 relative, of "
+                                                          "|log mu| <~ 5 moves each mu by ~1%, so the top-k value "
+                                                          "bounds the full fp32 one only to ~2%; 1e-6 absolute "
+                                                          "for fp32 rounding where the divergence is ~0"),
     # -- the Triton backend against the torch backend through the public API -------------------------
     ("backends", F32): Tol(1e-5, 1e-5,
                            "two fp32 backends on the same small inputs: the same formulas in a different "
@@ -213,12 +242,76 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                                  "per logit"),
     ("identity.small", F64): Tol(1e-9, 1e-12,
                                  "float64 quantities of order 1 or smaller (IS weights, sum p^2, d loss / d "
-                                 "statistic): summation order only; 1e-12 absorbs cancellation near 0"),
+                                 "statistic, a divergence's closed-form d / dz against autograd through the oracle): "
+                                 "summation order only; 1e-12 absorbs cancellation near 0"),
+    ("kept_set.full_support", F64): Tol(1e-12, 1e-12,
+                                        "a kept set holding every id against no kept set, on the same float64 logits "
+                                        "and per-row temperatures: the same log-softmax of z / T over the same V = 9 "
+                                        "entries by another route, a few ulps (2^-53 ~ 1e-16) of O(1) values"),
+    ("is_weights.doubled", F64): Tol(1e-12, 1e-12,
+                                     "a token-sum loss with every is_weight 2 against twice the loss without: a "
+                                     "factor 2 is exact in binary floating point, so only where the weight enters "
+                                     "each term's product (a rounding or two, 2^-53 relative) can differ"),
+    ("mode_paths", F64): Tol(1e-15, 0.0,
+                             "the same float64 loss on the same log-probs reached through another mode (old "
+                             "log-probs given or not, r = p / q either way): the same operations, at most an ulp "
+                             "(2^-53 ~ 1.1e-16 relative) of reassociation; pytest's 1e-12 absolute floor covers 0"),
+    ("fraction", F64): Tol(0.0, 1e-12,
+                           "a fraction of tokens or sequences in float64 against one counted here: integer counts, "
+                           "exact in float64, divided once (or a mean of 0/1 values): one or two roundings of a "
+                           "value <= 1, ~1e-16"),
+    ("fraction", F32): Tol(1e-6, 0.0,
+                           "a float32 mean of 0/1 values (the count exact below 2^24, divided once) against the "
+                           "float64 count: one fp32 rounding, 2^-24 ~ 6e-8 relative"),
+    # -- the optimal token baseline and the variance proxies (SPEC §10) --------------------------------
+    ("otb", F64): Tol(0.0, 1e-12,
+                      "float64: the fast path's segmented reduction over sorted tokens against verl's loops and the "
+                      "oracle (packed against padded, the metrics of the variance proxies): sums of O(1) terms in "
+                      "other orders, a few roundings of 2^-53; atol scales by max(1, the largest |return|) (the "
+                      "value itself for a metric)"),
+    ("otb", F32): Tol(0.0, 1e-6,
+                      "float32 inputs (examples/otb.py, benchmarks/baseline.py): float32 advantages and returns, "
+                      "sums of O(1) terms, against the float64 oracle or against verl's and the compiled path's "
+                      "other summation orders: a few 2^-24 ~ 6e-8 of the largest return; atol scales by it"),
+    ("otb.returns", F64): Tol(0.0, 1e-15,
+                              "a reversed cumulative sum of <= 5 O(1) float64 rewards (the advantage where the "
+                              "baseline is 0) against flip-cumsum-flip: the same additions in another grouping, an "
+                              "ulp or two of values below ~4 (2^-52 * 4 ~ 9e-16)"),
+    ("otb.closed_form", F64): Tol(0.0, 1e-14,
+                                  "one-token sequences: the baseline sum(G W) / (sum W + eps) of 4 O(1) terms "
+                                  "against the same expression written out: a few ulps, atol a few times 2^-53 * "
+                                  "the largest partial sum"),
+    ("otb.eps", F64): Tol(0.0, 1e-7,
+                          "identical trajectories: the advantage is G eps / (n W + eps), not 0, with eps = 1e-8; "
+                          "returns |G| <= ~3 and n W ~ 0.5 give ~6e-8 here: below 1e-7 (a model term, not rounding)"),
+    ("variance_proxy.tensor_grad_norm", F32): Tol(1e-7, 1e-7,
+                                                  "a 0-d float32 grad_norm 0.7 against the Python float: 0.7 rounded "
+                                                  "to float32 (2^-24 ~ 6e-8 relative) and squared, 1.2e-7 at most, "
+                                                  "entering the metrics linearly; approx: the larger of 1e-7 |value| "
+                                                  "and 1e-7"),
     ("verl", F64): Tol(2e-8, 2e-8,
                        "float64 against verl's own function in float64: verl's masked means and its "
                        "seq-mean-token-mean divide by n + 1e-8, a relative 1e-8 / n (n >= 1) of each "
                        "sequence's term; terms of opposite sign cancel in a total, so atol scales by the sum of "
                        "the terms' magnitudes; the rest is summation order at 1e-15"),
+    ("verl.metrics", F64): Tol(1e-7, 1e-7,
+                               "verl's actor/* and rollout_corr/* metrics (Python floats) against ours, float64: "
+                               "verl's masked means divide by n + 1e-8, a relative 1e-8 / n that its sequence-level "
+                               "metrics (means of means, exps and logs of them) carry on a few times; approx takes "
+                               "the larger of 1e-7 |value| and 1e-7"),
+    ("verl.actor", F64): Tol(1e-7, 1e-7,
+                             "PolicyLossConfig.from_verl_actor's loss and gradient against verl's function on O(1) "
+                             "terms and log-ratios (spread 0.4), unscaled: verl's 1e-8 / n deviation (see 'verl'), "
+                             "amplified at most ~2x by GMPO's exponent, stays below 1e-7"),
+    ("verl.plugin", F64): Tol(0.0, 1e-7,
+                              "the plugin's driver-side correction and registered loss over two micro-batches "
+                              "against verl's own: verl's 1e-8 / n deviation of each micro-batch's means (see "
+                              "'verl'); atol scales by the sum of the terms' magnitudes (times max(1, max |grad|) "
+                              "for the gradient)"),
+    ("verl.is_weights", F64): Tol(1e-12, 0.0,
+                                  "IS weights (token or sequence, truncated or masked) against verl's, float64: exp "
+                                  "of a sum of <= 7 log-ratios in another order, a few ulps of |sum| <= ~20 in the "
+                                  "exponent (~1e-15 relative); no mean, so no n + 1e-8"),
     ("same_path", F64): Tol(1e-12, 1e-14,
                             "the fused loss against token_logprobs + policy_loss on the same float64 logits: the "
                             "same stage on the same statistics, formed by a different call: a few ulps at most"),
@@ -231,6 +324,14 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
     ("by_hand", F64): Tol(0.0, 1e-12,
                           "float64 results of a handful of operations on O(1) values, against the value computed "
                           "by hand: exact to a few ulps (~1e-16)"),
+    ("by_hand.below_one", F64): Tol(0.0, 1e-15,
+                                    "a fraction or a mean of a few values of size <= 1 (open-instruct's test vector) "
+                                    "against its hand-computed value: a few ulps of 2^-53 ~ 1.1e-16"),
+    ("by_hand.relative", F64): Tol(1e-12, 0.0,
+                                   "float64 results of a handful of operations (products, a mean of <= 10 terms, a "
+                                   "quantile's interpolation, a clamp) against the value worked by hand as a float64 "
+                                   "expression: a few ulps (2^-53 ~ 1.1e-16) relative; pytest's 1e-12 absolute floor "
+                                   "covers zeros"),
     ("closed_form", F64): Tol(1e-9, 0.0,
                               "float64 closed forms (1.001^T, a loss scaled by e^0.5, mean(-A lp)) against float64 "
                               "reductions over at most 1000 terms: ~1e-13 relative"),
@@ -245,6 +346,54 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                             "benchmarks/run.py's naive PyTorch loss and sum |dlogits| against rlkernels[torch] on "
                             "one small fp32 case: the same math in different fp32 summation orders; 1e-4 is the "
                             "harness's own tolerance for the loss (benchmarks/run.py TOLERANCE), held for both"),
+    ("benchmark.divergences", F32): Tol(1e-4, 1e-5,
+                                        "benchmarks/divergences.py's naive fp32 composition (float32 log_softmaxes, "
+                                        "the partition's formulas in torch) against rlkernels' forms, mean KL + mean "
+                                        "TV of 32 rows, V = 96: each side carries the fp32 log-prob error of "
+                                        "('divergence', fp32); approx takes the larger of 1e-4 |value| and 1e-5"),
+    # -- peers and integrations in float32 (Python floats through approx(): the larger of rtol |value| and atol) ---
+    ("verl.engine", F32): Tol(1e-5, 1e-5,
+                              "verl's engine path (its log-probs and ppo_loss) against the plugin's routes, float32 "
+                              "over ~150 tokens of O(1) terms in other summation orders: a few fp32 roundings, "
+                              "~1e-6 of max(1, |loss|) (the token-sum reaches ~20); the loss and metrics relative "
+                              "to max(1, |value|), the gradient to its largest entry"),
+    ("verl.sum_pi_squared", F32): Tol(0.0, 1e-5,
+                                      "log-probs, entropy and sum p^2 of verl's pi_old pass through the plugin's "
+                                      "routes against verl's unfused float32 values: O(1) quantities over a 96-token "
+                                      "vocabulary a few fp32 roundings apart (~1e-7 observed; log-probs reach ~-6); "
+                                      "atol scales by max(1, max |expected|)"),
+    ("trl.trainer.value", F32): Tol(1e-5, 1e-5,
+                                    "as ('trl.trainer', fp32), for a loss or a logged metric as a Python float "
+                                    "(means of fp32 ratios, clip fractions, KL, entropy): 1e-5 of max(1, |value|), "
+                                    "an absolute floor for metrics near 0"),
+    ("trl.entropy_coef", F64): Tol(0.0, 1e-12,
+                                   "the adaptive-entropy controller's coefficient, c +- delta clamped to [min, max], "
+                                   "on Python floats on both sides: the same additions of O(0.1) values, an ulp "
+                                   "apart at most"),
+    ("hf.logits", F32): Tol(1e-5, 1e-5,
+                            "the LM head's fp32 GEMM on the response rows only (logits_to_keep), or outside the "
+                            "model (hidden @ W.T), against the model's full forward: dot products of H = 32 terms "
+                            "possibly blocked otherwise, a few 2^-24 of O(1) logits (torch.allclose's default rtol "
+                            "with atol 1e-5)"),
+    ("tensor_temperature", F32): Tol(1e-6, 1e-7,
+                                     "the loss with a per-row temperature tensor on the default backend against a "
+                                     "float temperature on the torch backend, fp32, V = 5, 6 tokens: log-probs a few "
+                                     "ulps apart (~2^-24 |log p| < 1e-7) and a mean of 6 O(1) terms"),
+    ("reordered.mean", F32): Tol(1e-6, 0.0,
+                                 "the mean of the same 24 fp32 token KLs by two routes (a masked sum over the count "
+                                 "against Tensor.mean): fp32 summation order, a few 2^-24 ~ 6e-8 relative"),
+    ("head_mass", F32): Tol(1e-5, 1e-6,
+                            "the student's head mass sum over k <= 8 ids of p = exp(fp32 log p) (each ~|log p| 2^-24 "
+                            "relative), averaged over the rows, against float64: ~1e-6 relative; held for float64 "
+                            "logits too"),
+    ("mismatch.fp32_kl", F32): Tol(0.0, 1e-7,
+                                   "the mismatch study's fp32 sampler with top_p = 1: the same weights and numerics "
+                                   "as the trainer, so the exact KL(mu || pi) is ~0; its fp32 sum of mu (log mu - "
+                                   "log pi) rounds at a few 2^-24 ~ 6e-8"),
+    ("mismatch.control_chi2", F32): Tol(0.0, 1e-4,
+                                        "the on-policy control arm's sampled-token chi2, mean(r^2) - 1 with r = exp(lp "
+                                        "- lp_sampler) of fp32 log-probs from two passes (~1e-6 apart): ~2 mean(delta) "
+                                        "plus the fp32 rounding of 1 - 1, far below 1e-4"),
     # -- the fused-linear path: d hidden, d weight, d bias against float64 autograd through h @ W.T + b --
     # atol scales by max(1e-3, max |expected|)
     ("linear.grad", F64): Tol(1e-9, 1e-10, _F64_ORDER),
@@ -287,13 +436,23 @@ def tol(quantity: str, dtype: torch.dtype = F32, *, scale: float = 1.0, interpre
     return dict(rtol=t.rtol, atol=t.atol * scale)
 
 
-def approx(expected, quantity: str, dtype: torch.dtype = F64):
-    """pytest.approx with TOL[quantity, dtype]. An entry with atol 0 is a relative bound (pytest keeps its
-    1e-12 absolute floor), one with rtol 0 an absolute bound."""
+def approx(expected, quantity: str, dtype: torch.dtype = F64, *, scale: float = 1.0):
+    """pytest.approx with TOL[quantity, dtype], atol multiplied by `scale` (as tol()). An entry with atol 0 is a
+    relative bound (pytest keeps its 1e-12 absolute floor), one with rtol 0 an absolute bound, one with both the
+    larger of rtol |expected| and atol (pytest's rule: a relative bound with an absolute floor)."""
     t = TOL[quantity, dtype]
-    if not (t.rtol or t.atol):
+    atol = t.atol * scale
+    if not (t.rtol or atol):
         return pytest.approx(expected, rel=0, abs=0)
-    return pytest.approx(expected, rel=t.rtol or None, abs=t.atol or None)
+    return pytest.approx(expected, rel=t.rtol or None, abs=atol or None)
+
+
+def at_most(actual, bound, quantity: str, dtype: torch.dtype = F64) -> bool:
+    """A one-sided bound up to TOL[quantity, dtype]: actual <= bound + atol + rtol |bound| for every element
+    (Python floats or tensors), for a value that is at most another in exact arithmetic."""
+    t = TOL[quantity, dtype]
+    ok = actual <= bound + t.atol + (t.rtol * abs(bound) if t.rtol else 0.0)
+    return bool(ok.all()) if isinstance(ok, torch.Tensor) else bool(ok)
 
 
 # ---- inputs -----------------------------------------------------------------------------------------

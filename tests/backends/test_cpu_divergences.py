@@ -22,37 +22,34 @@ from hypothesis import strategies as st
 from rlkernels.backends.cpu_backend import CpuBackend
 from rlkernels.reference import divergences as oracle
 
-from ..cases import BF16, F16, F32, F64, ULP, assert_close, scaled
+from ..cases import BF16, F16, F32, F64, TOL, assert_close, scaled, tol
 
 pytestmark = pytest.mark.skipif(not CpuBackend().is_built(), reason="the CPU kernels could not be built here")
 
 STATS = 9  # kl, reverse_kl, chi2, tv, sum pi sign(pi - mu), row max and log-normaliser of z, then of the reference
 
-# ---- tolerances (each next to its reason) ---------------------------------------------------------------------
-# The statistics, for every input dtype (half logits upcast exactly, the sums are the same float32 sums): each
-# entry's log-probability log pi = (z - max) / T - log P carries ~|log pi| 2^-24 absolute error (|log pi| up to
-# ~95 in the underflow rows) and the polynomial exp < 2^-23 relative; the kernels add kLanes = 16 float32 partial
-# sums per block of 1,024 entries (64 terms each) and the block totals in float64, so a sum errs by ~64 * 2^-24
-# relative. chi2's terms pi^2 / mu put ~2 |log pi| + |log mu| ulps (~300 * 6e-8 ~ 2e-5) on a single term, hence
-# rtol 1e-4; atol 1e-5 times max(1, |value|) covers KL = B / Q + log P - log Q, a difference of terms of size
-# log V ~ 8 (float64 on the kernels' side, but each of B, log P, log Q has float32 inputs).
-STATS_RTOL, STATS_ATOL = 1e-4, 1e-5
-# dz in float32: each term is a product of float32 factors with the errors above (~|log pi| 2^-24 + a few ulps,
-# below 1e-5 relative), but the four terms (and within c's, pi^2 / mu - pi (chi2 + 1)) may cancel: atol is 1e-5
-# of the sum of the terms' magnitudes at the entry, rtol 1e-4 as for the statistics.
-GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5
-# half outputs: the float32 value rounded once; assert_close rounds the oracle to the same dtype, so the two
-# may land one ulp apart (2^-7 bf16, 2^-10 fp16); fp16 subnormals (< 6.1e-5) round absolutely by <= 2^-25.
-GRAD_HALF_RTOL = {F32: 0.0, BF16: ULP[BF16], F16: ULP[F16]}
+# ---- tolerances: rows of cases.TOL, and how these kernels meet them ---------------------------------------------
+# The statistics, TOL["divergence", fp32] for every input dtype (half logits upcast exactly, the sums are the same
+# float32 sums): each entry's log-probability log pi = (z - max) / T - log P carries ~|log pi| 2^-24 absolute error
+# (|log pi| up to ~95 in the underflow rows) and the polynomial exp < 2^-23 relative; the kernels add kLanes = 16
+# float32 partial sums per block of 1,024 entries (64 terms each) and the block totals in float64, so a sum errs by
+# ~64 * 2^-24 relative. chi2's terms pi^2 / mu put ~2 |log pi| + |log mu| ulps (~300 * 6e-8 ~ 2e-5) on a single
+# term, hence rtol 1e-4; atol 1e-5 times max(1, |value|) covers KL = B / Q + log P - log Q, a difference of terms of
+# size log V ~ 8 (float64 on the kernels' side, but each of B, log P, log Q has float32 inputs).
+# dz, TOL["divergence.dlogits", dtype]: in float32 each term is a product of float32 factors with the errors above
+# (~|log pi| 2^-24 + a few ulps, below 1e-5 relative), but the four terms (and within c's, pi^2 / mu - pi (chi2 +
+# 1)) may cancel: atol is 1e-5 of the sum of the terms' magnitudes at the entry, rtol 1e-4 as for the statistics.
+# Half outputs: the float32 value rounded once; assert_close rounds the oracle to the same dtype, so the two may land
+# one ulp apart (the bf16 / fp16 rows); fp16 subnormals (< 6.1e-5) are 2^-24 apart, added to atol here since
+# atol is relative to the terms' magnitudes.
 FP16_SUBNORMAL = 2.0**-24
 # The kernels' exponential, like the GPU's, flushes below exp(-87) (~1.6e-38, float32's normal range): an entry
 # whose log pi is below that has no mass there (no term), where float64 still gives it a (tiny) one: such entries
 # may come back 0.
 FLUSH = -86.0
-# sign(pi - mu) is discontinuous: where |pi - mu| is within the kernels' float32 error of 0 (~1e-6 of pi, 2e-5
-# leaves room for |log pi| ~ 90) the kernels and the oracle may take opposite signs, which moves sum pi s by
-# 2 pi_v and dz_v by |d| pi_v / T; such ties are allowed that much more.
-TIE = 2e-5
+# sign(pi - mu) is discontinuous: where |pi - mu| is within the kernels' float32 error of 0 (TOL
+# "divergence.sign_tie") the kernels and the oracle may take opposite signs, which moves sum pi s by 2 pi_v and
+# dz_v by |d| pi_v / T; such ties are allowed that much more.
 
 
 def ops():
@@ -247,7 +244,7 @@ def _ties(z, q, T, T_r):
     """Entries where sign(pi - mu) is within float32 error of flipping, and per row the sum of their pi."""
     lp, lq = _log_softmax(z.double(), T), _log_softmax(q.double(), T_r)
     pi, mu = lp.exp(), lq.exp()
-    tie = ((pi - mu).abs() <= TIE * (pi + mu)) & (pi != mu)
+    tie = ((pi - mu).abs() <= TOL["divergence.sign_tie", F32].rtol * (pi + mu)) & (pi != mu)
     return tie, pi, torch.where(tie, pi, torch.zeros((), dtype=F64)).sum(-1)
 
 
@@ -262,11 +259,12 @@ def check_stats(stats, z, q, active, T, T_r):
         if i in (5, 7):  # the row maxima are the logits themselves
             assert torch.equal(have, exp), f"stats[:, {i}]: row max"
             continue
-        atol = STATS_ATOL * torch.clamp(exp.abs(), min=1.0)
+        bound = TOL["divergence", F32]
+        atol = bound.atol * torch.clamp(exp.abs(), min=1.0)
         if i == 4:
             atol = atol + 2 * tie_mass[live]
         for row, (h, e, a) in enumerate(zip(have, exp, atol)):
-            assert_close(h[None], e[None], rtol=STATS_RTOL, atol=float(a), name=f"stats[{row}, {i}]")
+            assert_close(h[None], e[None], rtol=bound.rtol, atol=float(a), name=f"stats[{row}, {i}]")
     return want, live
 
 
@@ -281,18 +279,18 @@ def check_grad(grad, z, q, active, stats_want, live, coef, T, T_r):
     auto = autograd_grad(z, q, coef, by_autograd, T, T_r)
     closed, mag = closed_form_grad(z, q, coef, T, T_r)
     # the closed form is autograd's gradient wherever autograd has one
-    assert_close(closed[by_autograd], auto[by_autograd], rtol=1e-9, atol=1e-12, name="closed form vs autograd")
+    assert_close(closed[by_autograd], auto[by_autograd], **tol("identity.small", F64), name="closed form vs autograd")
     want = torch.where(by_autograd[:, None], auto, closed)
     tie, pi, tie_mass = _ties(z, q, T, T_r)
     flushed = _log_softmax(z.double(), T) < FLUSH
     d_over_t = coef[:, 3].double().abs() / T
+    bound = TOL["divergence.dlogits", z.dtype]
     for row in torch.nonzero(used).flatten().tolist():
-        atol = GRAD_ATOL * mag[row] + d_over_t[row] * pi[row] * (tie[row] + tie_mass[row])  # sign ties (see TIE)
+        atol = bound.atol * mag[row] + d_over_t[row] * pi[row] * (tie[row] + tie_mass[row])  # sign ties (_ties)
         atol = atol + flushed[row] * (mag[row] + want[row].abs().nan_to_num(0.0))  # see FLUSH
         if z.dtype == F16:
             atol = atol + FP16_SUBNORMAL
-        rtol = GRAD_RTOL + GRAD_HALF_RTOL[z.dtype]
-        _assert_row(grad[row], want[row], rtol, atol, f"dz[{row}]")
+        _assert_row(grad[row], want[row], bound.rtol, atol, f"dz[{row}]")
 
 
 def _assert_row(actual, expected, rtol, atol, name):

@@ -5,6 +5,8 @@ import torch
 
 import rlkernels
 
+from ..cases import F32, assert_close, tol
+
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from rlkernels.integrations.hf import response_hidden_states, response_logits  # noqa: E402
@@ -27,16 +29,16 @@ def test_response_rows_are_the_shifted_full_rows():
     full = model(input_ids=ids, attention_mask=mask).logits
     logits, labels = response_logits(model, ids, mask, prompt_length=P)
     assert logits.is_contiguous() and logits.shape == (3, 5, 97)
-    assert torch.allclose(logits, full[:, P - 1:-1], atol=1e-5)
+    assert_close(logits, full[:, P - 1:-1], **tol("hf.logits", F32), name="response logits")
     assert torch.equal(labels, ids[:, P:])
     hidden, labels_h = response_hidden_states(model, ids, mask, prompt_length=P)
-    assert torch.allclose(hidden @ model.lm_head.weight.T, full[:, P - 1:-1], atol=1e-5)
+    assert_close(hidden @ model.lm_head.weight.T, full[:, P - 1:-1], **tol("hf.logits", F32), name="hidden @ W.T")
     assert torch.equal(labels_h, labels)
     # the two entry points agree on the loss built from them
     adv, cmask = torch.randn(3), torch.ones(3, 5, dtype=torch.bool)
     a = rlkernels.decoupled_ppo_loss(logits, labels, adv, cmask).loss
     b = rlkernels.linear_decoupled_ppo_loss(hidden, model.lm_head.weight, labels, adv, cmask).loss
-    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_close(a, b, **tol("reordered", F32), name="loss")
 
 
 def test_bad_prompt_length_names_the_argument():
@@ -59,7 +61,7 @@ def test_loss_forward_computes_through_the_head_and_leaves_the_forward_alone():
     model.lm_head.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
     assert torch.equal(model(input_ids=ids).logits, want)
     got = model(input_ids=ids, rlkernels_loss=lambda h, w, b: torch.nn.functional.linear(h, w, b))
-    assert torch.allclose(got, want, atol=1e-6)
+    assert_close(got, want, **tol("reordered", F32), name="logits through the head")
     assert calls == [(2, 6, 32), (2, 6, 32)] and "forward" not in model.lm_head.__dict__
 
 

@@ -16,7 +16,7 @@ import torch
 
 from rlkernels.testing.peers import load_example
 
-from ..cases import tol
+from ..cases import F32, F64, approx, tol
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -165,7 +165,7 @@ def test_loss_and_gradients_match_trls_trainer(tmp_path, kw):
     assert shared == theirs_names, theirs_names - shared
     for name in shared:
         a, b = theirs._metrics["train"][name][-1], ours._metrics["train"][name][-1]
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, a, b)
+        assert b == approx(a, "trl.trainer.value", F32), (name, a, b)
 
 
 @pytest.mark.parametrize("target", [100.0, 0.5], ids=["entropy-below-target", "entropy-above-target"])
@@ -200,12 +200,12 @@ def test_adaptive_entropy_follows_trls_controller(tmp_path, target, loss_type):
             loss.backward()
             results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
         (want, want_grads), (got, got_grads) = results
-        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (step, got, want)
+        assert got == approx(want, "trl.trainer.value", F32), (step, got, want)
         worst = max(float((got_grads[n] - want_grads[n]).abs().max()) / max(float(want_grads[n].abs().max()), 1e-30)
                     for n in want_grads)
         assert worst <= tol("trl.trainer", torch.float32)["rtol"], (step, worst)
-        assert ours.entropy_coef == pytest.approx(theirs.entropy_coef, abs=1e-12), step
-        assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy, rel=1e-5), step
+        assert ours.entropy_coef == approx(theirs.entropy_coef, "trl.entropy_coef", F64), step
+        assert ours._last_world_entropy == approx(theirs._last_world_entropy, "trl.trainer", F32), step
         assert ours._metrics["train"]["entropy_coef"][-1] == pytest.approx(theirs._metrics["train"]["entropy_coef"][-1])
         coefficients.append(ours.entropy_coef)
     assert coefficients == pytest.approx([0.08, 0.1, 0.1] if target > 10 else [0.02, 0.0, 0.0])

@@ -10,7 +10,7 @@ does. tests/support/verl_first_contact.py runs each scenario and prints what it 
 - Selecting a route installs its engine hooks at the first lookup of the loss (that micro-batch on verl's path,
   with a warning), or from the first micro-batch with RLKERNELS_VERL_ROUTES=1; verl's own loss modes and
   `rlkernels` on verl's log-probs leave the engine as it is. Losses agree with verl's within the engine tests'
-  1e-5 (float32, tests/integrations/test_verl_engine.py).
+  1e-5 (float32, tests/integrations/test_verl_engine.py: TOL "verl.engine").
 """
 
 import json
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from ..cases import F32, approx
 from ..verl_import import import_verl_or_skip
 
 import_verl_or_skip()
 
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "verl_first_contact.py"
-TOL = 1e-5
 
 
 def _run(*args, **env):
@@ -90,7 +90,7 @@ def test_a_route_installs_its_hooks_when_verl_first_looks_its_loss_up():
                                        result["engine"].values())
     assert result["ppo_loss"] == ["verl.workers.utils.losses", "ppo_loss"]  # replaced per call, not in verl
     for got, want in zip((s["loss"] for s in result["steps"]), _verl_losses()):
-        assert abs(got - want) <= TOL * max(1.0, abs(want))
+        assert got == approx(want, "verl.engine", F32)
 
 
 def test_the_routes_opt_in_takes_the_route_from_the_first_micro_batch():
@@ -98,4 +98,4 @@ def test_the_routes_opt_in_takes_the_route_from_the_first_micro_batch():
     assert [s["calls"] for s in result["steps"]] == [["decoupled_ppo_loss"] * 2] * 2
     assert not any(s["warnings"] for s in result["steps"])
     for got, want in zip((s["loss"] for s in result["steps"]), _verl_losses()):
-        assert abs(got - want) <= TOL * max(1.0, abs(want))
+        assert got == approx(want, "verl.engine", F32)

@@ -7,7 +7,8 @@ training micro-batches), the pass's log-probs, entropy and sum_pi_squared come f
 pass: from the logits (logits route), or from the last hidden states and the LM head without forming the logits
 (linear route: also where verl's own fused kernels raise for Σπ²). They equal verl's unfused values
 (`calculate_sum_pi_squared_from_logits` on the temperature-scaled logits) in float32 to 1e-5: both are O(1)
-quantities over a 96-token vocabulary, a few float32 roundings apart (~1e-7 observed); the log-probs reach ~-6.
+quantities over a 96-token vocabulary, a few float32 roundings apart (~1e-7 observed); the log-probs reach ~-6
+(TOL "verl.sum_pi_squared").
 """
 
 import os
@@ -18,6 +19,7 @@ import torch
 
 from rlkernels.testing.spawn import spawn
 
+from ..cases import F32, assert_close, tol
 from ..verl_import import import_verl_or_skip
 
 import_verl_or_skip()
@@ -34,7 +36,7 @@ from rlkernels.testing.peers import load_example  # noqa: E402
 
 example = load_example("verl_actor.py")
 rlk_verl.install_routes()
-B, TOL = 8, 1e-5
+B = 8
 PER_SEQUENCE_T = torch.linspace(0.7, 1.2, B)
 LIBRARY = ("token_logprobs", "linear_token_logprobs")  # the plugin's vocabulary passes, counted per call
 
@@ -61,6 +63,10 @@ def _instrument(model):
     return calls, head_widths
 
 
+def _scale(want: torch.Tensor) -> float:
+    return max(1.0, float(want.abs().max()))
+
+
 def _check_routes(rank, world):
     model = example.tiny_model()
     calls, head_widths = _instrument(model)
@@ -82,8 +88,8 @@ def _check_routes(rank, world):
                 assert head_widths == [], f"the linear route formed logits of widths {head_widths}"
             assert set(got) == set(want), (kind, set(got))
             for key in want:
-                d = float((got[key] - want[key]).abs().max())
-                assert d <= TOL * max(1.0, float(want[key].abs().max())), f"{kind} {temperature} {key}: |d| {d:.1e}"
+                assert_close(got[key], want[key], **tol("verl.sum_pi_squared", F32, scale=_scale(want[key])),
+                             name=f"{kind} {temperature} {key}")
 
 
 def test_the_routes_give_verls_sum_pi_squared_log_probs_and_entropy():
@@ -105,7 +111,7 @@ def _check_fused_kernels(rank, world):
     engine._rlkernels_route_kind = "linear"
     got = _infer(engine, fields, 0.8, True, fused=True)
     for key in want:
-        assert float((got[key] - want[key]).abs().max()) <= TOL * max(1.0, float(want[key].abs().max())), key
+        assert_close(got[key], want[key], **tol("verl.sum_pi_squared", F32, scale=_scale(want[key])), name=key)
 
 
 def test_the_linear_route_gives_sum_pi_squared_where_verls_fused_kernels_raise():

@@ -22,7 +22,7 @@ from rlkernels.ops import head as head_ops
 from rlkernels.reference import divergences as oracle
 from rlkernels.reference import token_stats as oracle_stats
 
-from ..cases import F32, F64, assert_close, interpreted, make_logits, scaled, tol
+from ..cases import F32, F64, assert_close, at_most, interpreted, make_logits, scaled, tol
 
 BF16 = torch.bfloat16
 NEEDS = {
@@ -245,7 +245,7 @@ def test_the_topk_form_bounds_the_full_one_and_support_mode_is_exact(p):
     topk = rlkernels.token_divergences(logits, reference_topk_ids=ids,
                                        reference_topk_logprobs=_topk_of(torch.log_softmax(mu_logits, -1), ids))
     for name in ("kl", "reverse_kl", "chi2", "tv"):
-        assert bool((getattr(topk, name) <= getattr(full, name) + 1e-9).all()), name
+        assert at_most(getattr(topk, name), getattr(full, name), "divergence.topk_bound", F64), name
     on_ids = torch.zeros(N, V + 1, dtype=torch.bool).scatter(1, torch.where(ids >= 0, ids, V), True)[:, :V]
     mu_on_ids = mu_logits.masked_fill(~on_ids, float("-inf"))
     has = on_ids.any(1)
@@ -412,7 +412,8 @@ def test_half_precision_sampler_logprobs_keep_a_real_tail(dtype):
     for name in ("kl", "reverse_kl", "chi2", "tv"):
         value = float(getattr(top, name))
         assert math.isfinite(value) and value >= 0, (name, value)
-        assert value <= float(getattr(full, name)) * 1.02 + 1e-6, name  # a bound, up to the log-probs' rounding
+        # a bound, up to the log-probs' rounding (the bf16 row holds every dtype here)
+        assert at_most(value, float(getattr(full, name)), "divergence.topk_bound.rounded_logprobs", BF16), name
 
 
 def test_a_noise_tail_against_a_real_one_never_rejects_what_the_exact_criterion_keeps():
@@ -433,7 +434,7 @@ def test_a_noise_tail_against_a_real_one_never_rejects_what_the_exact_criterion_
     ids, lq = torch.arange(k).expand(1, T, k), mu[..., :k].float()
     full = rlkernels.token_divergences(z, reference_logits=s.float())
     top = rlkernels.token_divergences(z, reference_topk_ids=ids, reference_topk_logprobs=lq)
-    assert bool(torch.isfinite(top.kl).all()) and bool((top.kl <= full.kl * 1.01 + 1e-7).all())
+    assert bool(torch.isfinite(top.kl).all()) and at_most(top.kl, full.kl, "divergence.topk_bound", F32)
     labels, mask = torch.zeros(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.bool)
     rollout = mu[..., 0].float()
     out = rlkernels.decoupled_ppo_loss(z, labels, torch.ones(1, T), mask, old_logprobs=rollout,

@@ -196,8 +196,8 @@ def test_full_support_equals_no_support():
     a = rlkernels.token_logprobs(batch.logits, batch.labels, temperature=t, sampling_support=support,
                                  compute_entropy=True)
     b = rlkernels.token_logprobs(batch.logits, batch.labels, temperature=t, compute_entropy=True)
-    assert torch.allclose(a.logprobs, b.logprobs, rtol=1e-12, atol=1e-12)
-    assert torch.allclose(a.entropy, b.entropy, rtol=1e-12, atol=1e-12)
+    assert_close(a.logprobs, b.logprobs, **tol("kept_set.full_support", F64), name="logprobs")
+    assert_close(a.entropy, b.entropy, **tol("kept_set.full_support", F64), name="entropy")
 
 
 ERRORS = [
@@ -236,7 +236,7 @@ def test_tensor_temperature_and_config_temperature_are_one_or_the_other():
     same = rlkernels.decoupled_ppo_loss(batch.logits, batch.labels, batch.advantages, batch.response_mask,
                                         rollout_logprobs=batch.rollout_logprobs, rollout_correction=rc,
                                         temperature=0.7, backend="torch")
-    assert torch.allclose(out.loss, same.loss, rtol=1e-6, atol=1e-7)
+    assert_close(out.loss, same.loss, **tol("tensor_temperature", F32), name="loss")
 
 
 def _backend_available(name: str) -> bool:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection
 
-from ..cases import assert_close, batches, scaled, tol
+from ..cases import approx, assert_close, batches, scaled, tol
 
 
 # ---------------------------------------------------------------- transcriptions (float64, per token)
@@ -132,7 +132,7 @@ def test_ipo_equals_prime_rl(batch, eps, kl_tau):
     p = torch.exp(lp)
     outside = mask & ((p - torch.exp(q)).abs() > eps)
     want_frac = outside.sum().double() / mask.sum().clamp_min(1)
-    assert float(out.metrics["actor/pg_clipfrac"]) == pytest.approx(float(want_frac), abs=1e-12)
+    assert float(out.metrics["actor/pg_clipfrac"]) == approx(float(want_frac), "fraction")
 
 
 @settings(max_examples=scaled(40), deadline=None)
@@ -183,10 +183,10 @@ def test_vaco_drops_only_tokens_moving_away_in_diverged_sequences():
     mask = torch.ones(3, 3, dtype=torch.bool)
     out = rlkernels.policy_loss(old.clone(), A, mask, old_logprobs=old, rollout_logprobs=mu, vaco_threshold=0.3,
                                 clip_ratio_c=None)
-    assert float(out.metrics["actor/vaco_masked_fraction"]) == pytest.approx(1 / 3, abs=1e-15)
-    assert float(out.metrics["actor/vaco_divergence_mean"]) == pytest.approx((0.1 + 0.5 + 0.5) / 3, abs=1e-12)
+    assert float(out.metrics["actor/vaco_masked_fraction"]) == approx(1 / 3, "by_hand.below_one")
+    assert float(out.metrics["actor/vaco_divergence_mean"]) == approx((0.1 + 0.5 + 0.5) / 3, "by_hand")
     # without IS weights (on the old policy's ratio 1) the loss is -mean(A) over the kept tokens
-    assert float(out.loss) == pytest.approx(-(3 * 1.0 + 3 * -1.0) / 9, abs=1e-15)
+    assert float(out.loss) == approx(-(3 * 1.0 + 3 * -1.0) / 9, "by_hand.below_one")
 
 
 def test_the_masked_tokens_make_no_nan():
@@ -217,9 +217,9 @@ def test_the_ratio_is_against_the_sampler_in_every_mode(loss_type):
     kw = dict(loss_type=loss_type, rollout_correction=RolloutCorrection(rs={"seq_mean_k1": (0.1, 10.0)}))
     bypass = rlkernels.policy_loss(lp, A, mask, rollout_logprobs=q, **kw)
     decoupled = rlkernels.policy_loss(lp, A, mask, rollout_logprobs=q, old_logprobs=lp - 0.5, **kw)
-    assert float(decoupled.loss) == pytest.approx(float(bypass.loss), rel=1e-15)
+    assert float(decoupled.loss) == approx(float(bypass.loss), "mode_paths")
     on_policy = rlkernels.policy_loss(lp, A, mask, loss_type=loss_type)
-    assert float(on_policy.loss) == pytest.approx(-float(A.mean()), rel=1e-12)
+    assert float(on_policy.loss) == approx(-float(A.mean()), "by_hand.relative")
 
 
 def test_computed_is_weights_are_refused_for_the_rollout_ratio_losses():

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection
 
-from ..cases import assert_close, scaled, tol
+from ..cases import approx, assert_close, scaled, tol
 from ..verl_import import import_verl_or_skip
 
 _, core_algos, ActorConfig = import_verl_or_skip()
@@ -99,7 +99,7 @@ def test_from_verl_actor_gives_verls_loss(loss, data, seed, empty_rows):
     assert_close(grad, want_grad, **tol("verl", torch.float64, scale=scale), name=f"{what}: gradient")
     for name, value in want_metrics.items():
         if name.startswith("actor/") and name in out.metrics:
-            assert abs(float(out.metrics[name]) - value) <= 1e-7 * max(1.0, abs(value)), f"{what}: {name}"
+            assert float(out.metrics[name]) == approx(value, "verl.metrics"), f"{what}: {name}"
 
 
 def test_the_issues_bypass_configuration():

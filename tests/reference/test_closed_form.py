@@ -68,9 +68,10 @@ def test_uniform_logits():
     V = 7
     logits = torch.zeros(3, V, dtype=torch.float64)
     stats = rlkernels.token_logprobs(logits, torch.tensor([0, 3, 6]), compute_entropy=True, compute_sum_pi_squared=True)
-    assert torch.allclose(stats.logprobs, torch.full((3,), -math.log(V), dtype=torch.float64))
-    assert torch.allclose(stats.entropy, torch.full((3,), math.log(V), dtype=torch.float64))
-    assert torch.allclose(stats.sum_pi_squared, torch.full((3,), 1.0 / V, dtype=torch.float64))
+    q = tol("by_hand", torch.float64)
+    assert_close(stats.logprobs, torch.full((3,), -math.log(V), dtype=torch.float64), **q, name="logprobs")
+    assert_close(stats.entropy, torch.full((3,), math.log(V), dtype=torch.float64), **q, name="entropy")
+    assert_close(stats.sum_pi_squared, torch.full((3,), 1.0 / V, dtype=torch.float64), **q, name="sum_pi_squared")
 
 
 def _two_token_batch(old_ratio, adv, rollout_ratio=None):

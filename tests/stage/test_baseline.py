@@ -5,7 +5,7 @@ eager.
 
 Float64 throughout: the fast path sums along rows and over groups in other orders than verl's loops (a
 segmented reduction over sorted tokens), so values agree to a few float64 roundings of O(1) terms: 1e-12
-relative to the largest return.
+relative to the largest return (TOL "otb").
 """
 
 import os
@@ -18,16 +18,13 @@ from hypothesis import strategies as st
 import rlkernels
 from rlkernels import reference
 
-from ..cases import scaled
+from ..cases import F32, F64, approx, assert_close, scaled, tol
 from ..verl_import import import_verl_or_skip
-
-TOL = 1e-12
 
 
 def _close(got, want, what):
     scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-    err = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
-    assert err <= TOL * scale, f"{what}: max |diff| {err:.3e} (scale {scale:.3g})"
+    assert_close(got.double(), want.double(), **tol("otb", F64, scale=scale), name=what)
 
 
 @st.composite
@@ -120,20 +117,21 @@ def test_closed_forms(impl):
     rewards, mask, groups, old, s2 = _one_group()
     # a group of one: B = 0, the advantage is the return
     adv, ret = otb(rewards[:1], mask[:1], groups[:1], old[:1], s2[:1])[:2]
-    assert torch.allclose(adv, returns(rewards[:1], mask[:1]), rtol=0, atol=1e-15) and torch.equal(adv, ret)
+    assert_close(adv, returns(rewards[:1], mask[:1]), **tol("otb.returns", F64), name="group of one")
+    assert torch.equal(adv, ret)
     # identical trajectories: B_t = G_t W_t n / (W_t n + eps), the advantage G eps / (n W + eps) ~ 0
     same = [t[:1].expand(3, -1).clone() for t in (rewards, mask, old, s2)]
     adv = otb(same[0], same[1], groups[:3], same[2], same[3])[0]
-    assert float(adv.abs().max()) < 1e-7
+    assert_close(adv, torch.zeros_like(adv), **tol("otb.eps", F64), name="identical trajectories")
     # a single token: B = mean over the group's members of G W / W = the mean reward (one token each)
     one = [t[:, :1].clone() for t in (rewards, mask, old, s2)]
     adv = otb(one[0], one[1], groups, one[2], one[3])[0]
     w = 1 - 2 * torch.exp(one[2]) + one[3]
     expected = one[0] - (one[0] * w).sum() / (w.sum() + 1e-8)
-    assert torch.allclose(adv, expected, rtol=0, atol=1e-14)
+    assert_close(adv, expected, **tol("otb.closed_form", F64), name="one-token sequences")
     # W = 0 everywhere (w = 1 - 2 pi + sum pi^2 = 0 at pi = 1): B = 0 / eps = 0, the advantage is the return
     adv = otb(rewards, mask, groups, torch.zeros_like(old), torch.ones_like(s2))[0]
-    assert torch.allclose(adv, returns(rewards, mask), rtol=0, atol=1e-15)
+    assert_close(adv, returns(rewards, mask), **tol("otb.returns", F64), name="W = 0")
     # ties for the longest response: no zero tail, the same baseline with and without the rule
     tied = mask.clone()
     tied[2:, 3:] = 0  # two rows of length 5, two of 3
@@ -144,7 +142,7 @@ def test_closed_forms(impl):
     tail = mask.clone()
     tail[1:, 3:] = 0
     adv = otb(rewards, tail, groups, old, s2, handle_zero_tail=True)[0]
-    assert torch.allclose(adv[0, 3:], returns(rewards, tail)[0, 3:], rtol=0, atol=1e-15)
+    assert_close(adv[0, 3:], returns(rewards, tail)[0, 3:], **tol("otb.returns", F64), name="zero tail")
 
 
 def test_the_compiled_baseline_equals_eager_with_no_graph_break():
@@ -218,9 +216,10 @@ def test_variance_proxies_match_verl(weighted, grad_norm):
         oracle = reference.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=number)
         assert set(got) == set(want) == set(oracle)
         for name, value in want.items():
-            assert abs(float(got[name]) - value) <= TOL * max(1.0, abs(value)), f"{name}: {float(got[name])} vs {value}"
+            value = float(value)  # verl's metric: a float, or a 0-d tensor where grad_norm was one
+            assert float(got[name]) == approx(value, "otb", scale=max(1.0, abs(value))), name
             value = float(want_float[name])
-            assert abs(float(oracle[name]) - value) <= TOL * max(1.0, abs(value)), f"oracle {name}"
+            assert float(oracle[name]) == approx(value, "otb", scale=max(1.0, abs(value))), f"oracle {name}"
 
 
 def test_variance_proxies_packed_equal_padded():
@@ -231,7 +230,8 @@ def test_variance_proxies_packed_equal_padded():
                                               is_weights=isw.reshape(-1), grad_norm=1.0,
                                               cu_seqlens=torch.arange(B + 1) * T)
     for name in padded:
-        assert abs(float(padded[name]) - float(packed[name])) <= TOL * max(1.0, abs(float(padded[name])))
+        value = float(padded[name])
+        assert float(packed[name]) == approx(value, "otb", scale=max(1.0, abs(value))), name
 
 
 @pytest.mark.parametrize("case, match", [
@@ -287,8 +287,8 @@ def test_the_example_runs_as_written():
     mask, group, rewards = out["batch"]
     want, want_returns = reference.optimal_token_baseline(rewards, mask, group, out["old"].logprobs,
                                                           out["old"].sum_pi_squared)
-    assert float((out["otb"].advantages.double() - want).abs().max()) <= 1e-6
-    assert float((out["otb"].returns.double() - want_returns).abs().max()) <= 1e-6
+    assert_close(out["otb"].advantages.double(), want, **tol("otb", F32), name="advantages")
+    assert_close(out["otb"].returns.double(), want_returns, **tol("otb", F32), name="returns")
     assert float(out["otb"].advantages.abs().max()) > 0.1  # the batch has groups with mixed rewards
     assert torch.equal(out["bypass"].advantages, out["otb"].advantages)
     assert torch.isfinite(out["loss"]) and float(out["grad"].abs().max()) > 0
@@ -343,6 +343,6 @@ def test_a_tensor_grad_norm_is_not_read_to_the_host(monkeypatch):
     got = rlkernels.variance_proxy_metrics(adv, mask, old, s2, is_weights=isw, grad_norm=grad_norm)
     monkeypatch.undo()
     for name in expected:  # 0.7 squared in float32 against float64: float32's rounding, relative 6e-8
-        assert abs(float(got[name]) - float(expected[name])) <= 1e-7 * max(1.0, abs(float(expected[name]))), name
+        assert float(got[name]) == approx(float(expected[name]), "variance_proxy.tensor_grad_norm", F32), name
     with pytest.raises(TypeError, match="grad_norm: expected a number, a 0-d float tensor or None"):
         rlkernels.variance_proxy_metrics(adv, mask, old, s2, grad_norm=torch.ones(2))

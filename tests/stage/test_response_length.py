@@ -9,6 +9,8 @@ import torch
 import rlkernels
 from rlkernels import RolloutCorrection, reference
 
+from ..cases import approx
+
 V = 7
 WANT = {"response_length/mean": 8 / 3, "response_length/max": 5.0, "response_length/p90": 4.6}
 
@@ -42,12 +44,12 @@ def test_the_loss_and_the_correction_report_the_lengths(packed, rollout):
     old = -torch.rand(labels.shape, dtype=torch.float64)
     kw = dict(rollout_logprobs=old - 0.1) if rollout else {}
     out = rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, old_logprobs=old, cu_seqlens=cu, **kw)
-    assert _lengths(out.metrics) == pytest.approx(WANT, rel=1e-12)
+    assert _lengths(out.metrics) == approx(WANT, "by_hand.relative")
     corrected = rlkernels.rollout_correction(old, old - 0.1, mask, cu_seqlens=cu, config=RolloutCorrection.seq_tis())
-    assert _lengths(corrected.metrics) == pytest.approx(WANT, rel=1e-12)
+    assert _lengths(corrected.metrics) == approx(WANT, "by_hand.relative")
     seqs = [torch.arange(0, 6), torch.arange(6, 12), torch.arange(12, 18)] if not packed else \
         [torch.arange(0, 5), torch.arange(5, 8), torch.arange(8, 10)]
-    assert _lengths(reference.response_length_metrics(mask.reshape(-1), seqs)) == pytest.approx(WANT, rel=1e-12)
+    assert _lengths(reference.response_length_metrics(mask.reshape(-1), seqs)) == approx(WANT, "by_hand.relative")
 
 
 def test_an_empty_batch_gives_zeros():
@@ -67,5 +69,5 @@ def test_the_compiled_step_reports_the_same_lengths():
         return rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, validate=False).metrics
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
-    assert _lengths(compiled(logits, labels, adv, mask)) == pytest.approx(WANT, rel=1e-12)
+    assert _lengths(compiled(logits, labels, adv, mask)) == approx(WANT, "by_hand.relative")
     torch._dynamo.reset()
