@@ -114,3 +114,17 @@ def test_divergences_benchmark_runs_every_provider(tmp_path):
     assert value["rlkernels[full]"] == approx(value["naive[full]"], "benchmark.divergences", torch.float32)
     assert all(r["peak_working_bytes"] is not None for r in rows)
     assert out.exists()
+
+
+def test_the_revisions_benchmark_compares_two_checkouts(tmp_path):
+    """benchmarks/revisions.py against HEAD: both revisions time every case, in fresh processes, and the JSON holds
+    the medians (a worktree of HEAD is made and removed)."""
+    from benchmarks import revisions
+
+    out = tmp_path / "revisions.json"
+    revisions.main(["--base", "HEAD", "--rounds", "1", "--reps", "1", "--N", "64", "--V", "128", "--H", "8",
+                    "--json", str(out)])
+    medians = json.loads(out.read_text())["medians"]
+    cases = {"logprobs", "ppo", "linear", "linear_two_pass", "policy"}
+    assert set(medians) == {"base", "head"} and all(set(m) == cases for m in medians.values())
+    assert all(v > 0 for m in medians.values() for v in m.values())
