@@ -60,11 +60,11 @@ namespace {
 constexpr int64_t kForeignTarget = -2;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (and NaN, which it returns): 2^n * exp(r), x = n ln2 + r, |r| <= ln2 / 2.
-RLK_ALWAYS_INLINE float exp_nonpositive(float x) {
-  const float xc = std::max(x, -87.0f);  // NaN stays NaN (std::max returns its first argument)
-  // round to nearest by the 1.5 * 2^23 trick (|x log2 e| < 2^22): plain adds, which vectorise
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+// exp(r), with n returned, for xc = n ln2 + r, |r| <= ln2 / 2 (|xc log2 e| < 2^22): the reduction and the degree-7
+// polynomial both exponentials below share. n is rounded to nearest by the 1.5 * 2^23 trick: plain adds,
+// which vectorise.
+RLK_ALWAYS_INLINE float exp_reduced(float xc, float& n) {
+  n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, xc));
   float p = 1.98412698e-4f;  // 1/7!
   p = std::fma(p, r, 1.38888889e-3f);
@@ -73,7 +73,14 @@ RLK_ALWAYS_INLINE float exp_nonpositive(float x) {
   p = std::fma(p, r, 1.66666667e-1f);
   p = std::fma(p, r, 0.5f);
   p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
+  return std::fma(p, r, 1.0f);
+}
+
+// exp(x) for x <= 0 (and NaN, which it returns): 2^n * exp(r).
+RLK_ALWAYS_INLINE float exp_nonpositive(float x) {
+  const float xc = std::max(x, -87.0f);  // NaN stays NaN (std::max returns its first argument)
+  float n;
+  const float p = exp_reduced(xc, n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -385,16 +392,8 @@ constexpr int64_t kStats = 9;  // kl, reverse_kl, chi2, tv, sum pi s, (row max, 
 // +inf) needs no special case.
 RLK_ALWAYS_INLINE float exp_any(float x) {
   const float xc = std::min(std::max(x, -87.0f), 89.0f);  // NaN stays NaN; above 88.72 p 2^n overflows to +inf
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, xc));
-  float p = 1.98412698e-4f;
-  p = std::fma(p, r, 1.38888889e-3f);
-  p = std::fma(p, r, 8.33333333e-3f);
-  p = std::fma(p, r, 4.16666667e-2f);
-  p = std::fma(p, r, 1.66666667e-1f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
+  float n;
+  const float p = exp_reduced(xc, n);
   const int32_t ni = static_cast<int32_t>(n), n1 = ni >> 1, n2 = ni - n1;  // each in [-63, 64]
   const int32_t bits1 = (n1 + 127) << 23, bits2 = (n2 + 127) << 23;
   float s1, s2;
