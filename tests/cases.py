@@ -23,8 +23,10 @@ from rlkernels import PolicyLossConfig, RolloutCorrection
 from rlkernels.config import KL_TYPES, LOG_RATIO_RS_OPTIONS, LOSS_AGG_MODES, VACO_DIVERGENCES
 from rlkernels.stage.policy_terms import LOSS_TERMS
 
-# Every property test states its CI example budget; HYPOTHESIS_SCALE=10 runs ten times as many.
-EXAMPLE_SCALE = int(os.environ.get("HYPOTHESIS_SCALE", "1"))
+# Every property test states its CI example budget; the "thorough" profile (tests/conftest.py) runs ten times as
+# many, HYPOTHESIS_SCALE=k k times as many under either profile.
+EXAMPLE_SCALE = int(os.environ.get("HYPOTHESIS_SCALE", "10" if os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+                                   else "1"))
 
 
 def scaled(n: int) -> int:
@@ -753,3 +755,30 @@ def assert_close(actual, expected, *, rtol, atol, name="value"):
             f"{name}: worst element actual={a[fin][worst].item()!r} expected={e[fin][worst].item()!r} "
             f"err={err[worst].item():.3e} > bound={bound[worst].item():.3e}"
         )
+
+
+# ---- the ATen ops a call runs ---------------------------------------------------------------------
+# CUDA accumulates these with atomics: on floating-point tensors their result changes in the last bits from run
+# to run (on integers they are exact).
+ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+              "index_put", "index_put_", "_index_put_impl_", "put_", "index_reduce", "index_reduce_"}
+
+
+def aten_ops(fn, *args) -> Dict[str, set]:
+    """{ATen op name: the dtypes of its results} of every op `fn(*args)` runs, recorded below autograd as it runs
+    (a TorchDispatchMode: the same ops make_fx would put in a graph, at a fiftieth of make_fx's cost)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    seen: Dict[str, set] = {}
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            dtypes = {t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+            seen.setdefault(func.overloadpacket.__name__, set()).update(dtypes)
+            return out
+
+    with Recorder():
+        fn(*args)
+    return seen

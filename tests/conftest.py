@@ -14,14 +14,23 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# CI runs on 2 cores: example budgets are explicit per test (scale them with HYPOTHESIS_SCALE, see
-# tests/cases.py); no deadline, since first calls compile.
-# The default profile is derandomized, so a CI run replays the same examples every time (a clean
-# clone either passes or fails, never flakes); HYPOTHESIS_PROFILE=explore draws fresh ones.
+# CI runs on 2 cores: example budgets are explicit per test (tests/cases.py::scaled); no deadline, since first
+# calls compile. Two profiles:
+# - "ci" (the default): derandomized, so a run replays the same examples every time (a clean clone either
+#   passes or fails, never flakes), at each test's stated budget;
+# - "thorough" (HYPOTHESIS_PROFILE=thorough, for a nightly or manual run): fresh examples every run and ten times
+#   each budget (HYPOTHESIS_SCALE overrides the factor).
 _health = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", deadline=None, derandomize=True, suppress_health_check=_health)
-settings.register_profile("explore", deadline=None, suppress_health_check=_health)
+settings.register_profile("thorough", deadline=None, suppress_health_check=_health)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Under pytest-xdist each worker takes its share of the cores: two workers on 2 cores would otherwise each run
+# 2 intra-op threads, every parallel region waiting for a thread the other worker has descheduled. Results do
+# not depend on it (every backend splits work over rows, each row computed by one thread).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 HAS_CUDA = torch.cuda.is_available()
 NO_GPU = "needs a CUDA GPU; none on this machine"
@@ -32,3 +41,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason=f"{NO_GPU} (run benchmarks/gpu_check.sh on one)"))
+
+
+@pytest.fixture(scope="module")
+def rank_pools():
+    """`rank_pools(world)`: one RankPool per world size for this module's family of spawned cases (one start of
+    the ranks per family, not per case; rlkernels/testing/spawn.py), closed when the module is done."""
+    from rlkernels.testing.spawn import RankPool
+
+    pools = {}
+
+    def pool(world):
+        if world not in pools:
+            pools[world] = RankPool(world)
+        return pools[world]
+
+    yield pool
+    for p in pools.values():
+        p.close()
+
+
+# -- the suite's time by category (tests/support/suite_time.py) ----------------------------------------------
+def pytest_configure(config):
+    from .support import suite_time
+
+    suite_time.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    from .support import suite_time
+
+    before = suite_time.start()
+    yield
+    suite_time.finish(item, before)

@@ -149,3 +149,18 @@ def test_the_guard_reads_the_suite():
     """The walk finds the test files, and would flag the table itself (a wrong root or a blind parser would pass)."""
     assert sum(1 for _ in TESTS.rglob("test_*.py")) > 50
     assert any(what == "module-level TOL" for _, what in inline_tolerances((TESTS / TABLE).read_text()))
+
+
+def test_the_op_recorder_sees_atomic_ops_and_their_dtypes():
+    """aten_ops (the determinism tests' recorder) sees an in-place index_add_ and a scatter_add, with the dtype they
+    act on: the atomic-op checks can fail."""
+    import torch
+
+    from .cases import ATOMIC_OPS, aten_ops
+
+    def accumulate(x, i):
+        return torch.zeros(3).index_add_(0, i, x), torch.zeros(3, dtype=torch.long).scatter_add(0, i, i)
+
+    ops = aten_ops(accumulate, torch.ones(2), torch.tensor([0, 2]))
+    assert {"index_add_", "scatter_add"} <= set(ops) & ATOMIC_OPS
+    assert ops["index_add_"] == {torch.float32} and ops["scatter_add"] == {torch.long}

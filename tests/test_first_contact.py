@@ -3,8 +3,10 @@ failure, since an earlier test has long since built and loaded the CPU kernels a
 
 The scenarios (tests/support/first_contact.py) compile a training step with per-step hyperparameters
 (fullgraph, aot_eager and Inductor), a one-sequence batch, the no-grad log-prob pass and the fused-linear
-loss, each compared with eager. They run with an empty kernel cache (the CPU kernels are built while
-Dynamo traces the first call) and with a warm one (loaded while tracing).
+loss, each compared with eager. One interpreter runs them in turn with an empty kernel cache: its first call
+is an Inductor step, so the CPU kernels are built while Dynamo traces it for Inductor (the stricter backend:
+Inductor runs AOTAutograd as aot_eager does, then generates code), and the rest follow under aot_eager.
+A second interpreter runs every scenario under Inductor with the cache warm (loaded while tracing).
 """
 
 import os
@@ -22,16 +24,17 @@ BUILD_MESSAGE = "rlkernels: compiling the CPU kernels once"
 TIMEOUT_S = 600  # a busy 2-core machine; the three runs take ~15-25 s each when idle
 
 
-def _run(cache: Path, compile_backend: str, scenarios):
+def _run(cache: Path, scenarios):
+    """Runs `scenarios` ("name@backend") in turn in one fresh interpreter using the kernel cache `cache`."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNELS_CPU_KERNELS")}
     env["RLKERNELS_CACHE"] = str(cache)
     bound = tol("reordered", F32)  # compiled against eager: the same fp32 formulas, reductions reordered
-    run = subprocess.run([sys.executable, "-W", "always", str(SCRIPT), compile_backend, repr(bound["rtol"]),
-                          repr(bound["atol"]), *scenarios],
+    run = subprocess.run([sys.executable, "-W", "always", str(SCRIPT), repr(bound["rtol"]), repr(bound["atol"]),
+                          *scenarios],
                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     assert run.returncode == 0, f"stdout:\n{run.stdout}\nstderr:\n{run.stderr[-6000:]}"
-    for name in scenarios:
-        assert f"ok {name} {compile_backend}" in run.stdout
+    for scenario in scenarios:
+        assert f"ok {scenario.replace('@', ' ')}" in run.stdout
     # the probes are constants to Dynamo: it must never meet the lru_cache or the file system behind them
     assert "lru_cache" not in run.stderr, run.stderr[-4000:]
     assert "'cpu': True" in run.stdout, "the CPU kernels did not build or load: the scenarios ran the torch backend"
@@ -44,17 +47,12 @@ def cache(tmp_path_factory):
 
 
 def test_first_compiled_calls_with_an_empty_kernel_cache(cache):
-    run = _run(cache, "aot_eager", ALL)
+    run = _run(cache, ["compiled_step@inductor"] + [f"{name}@aot_eager" for name in ALL])
     assert BUILD_MESSAGE in run.stderr  # the build really ran, inside the first traced call
-
-
-def test_first_inductor_step_with_an_empty_kernel_cache(tmp_path):
-    run = _run(tmp_path, "inductor", ("compiled_step",))
-    assert BUILD_MESSAGE in run.stderr
 
 
 def test_first_compiled_calls_with_a_warm_kernel_cache(cache):
     if not any(cache.iterdir()):
-        _run(cache, "aot_eager", ("no_grad_logprobs",))  # run alone: build the cache first
-    run = _run(cache, "inductor", ALL)
+        _run(cache, ["no_grad_logprobs@aot_eager"])  # run alone: build the cache first
+    run = _run(cache, [f"{name}@inductor" for name in ALL])
     assert BUILD_MESSAGE not in run.stderr

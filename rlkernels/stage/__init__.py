@@ -7,6 +7,7 @@ correction.py the IS weights, rejection and rollout_corr/* metrics; segments.py 
 split.py the data- and context-parallel combines; metrics.py the combinable metric records.
 """
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -43,11 +44,34 @@ def _compiled():
     def compiled_run(stats, batch, config, evidence=None):
         # no_grad: the stage's inputs are detached anyway, and Dynamo guards on grad mode (one graph
         # for training steps and one for evaluation otherwise)
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=STAGE_RECOMPILE_LIMIT):
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=STAGE_RECOMPILE_LIMIT), \
+                _leaves_no_float_specialisations():
             return compiled(stats, batch, config, evidence=evidence)
 
     _COMPILED.append(compiled_run)
     return compiled_run
+
+
+@contextlib.contextmanager
+def _leaves_no_float_specialisations():
+    """Takes back the float specialisations the stage's compilation leaves for other frames.
+
+    When Dynamo meets a float input it cannot keep symbolic, it restarts the frame's analysis with that
+    float specialised, recording its symbol's name (zf<n>) in a process-wide set, which a successful
+    compilation does not clear (torch 2.13, `TensorifyState`: only `torch._dynamo.reset()` and a failed analysis
+    clear it). The next frame compiled anywhere in the process then specialises whichever of its floats
+    carry those names: a user's compiled step recompiled at every new global_num_tokens (found by
+    tests/regressions/test_trainer_defects.py run after a compiled score-centering stage). The stage's
+    own configuration floats are such inputs, so its compilations leave names behind; this removes the
+    ones they added, once the compilation is over."""
+    state = getattr(getattr(torch._dynamo, "symbolic_convert", None), "TensorifyState", None)
+    names = getattr(state, "force_specializations", None)
+    before = set(names) if isinstance(names, set) else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            names.intersection_update(before)
 
 
 def select(tensor: torch.Tensor, compile_stage: Optional[bool]):

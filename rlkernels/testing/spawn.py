@@ -4,6 +4,13 @@
 (file rendezvous; `backend="nccl"` for the one-GPU check) and fails with every rank's traceback.
 `check` must be a module-level function (spawned processes import it by name).
 
+`RankPool(world)` keeps one such group up for a family of cases: `pool.run(check, *args)` fails as `spawn`
+does, but the ranks' start (~3-5 s on 2 cores: the interpreter, torch, the library, the rendezvous) and
+their first-call warm-ups are paid once per family instead of once per case. A case that fails or hangs
+takes the group down with it (its ranks may be stuck in a collective), and the next case starts a fresh
+one. Use it where the cases are independent of what a process ran before; a check about a process's
+first call keeps `spawn`.
+
 A hung rank fails the test instead of hanging the suite, and a slow one does not: the parent watches
 the CPU time of the ranks and of their children (Inductor's compile workers), and the deadline
 restarts whenever they make progress. Ranks blocked in a collective that will never complete use no
@@ -19,10 +26,12 @@ count calls and the bytes each rank sends, per group.
 
 import datetime
 import os
+import queue
 import tempfile
 import time
 import traceback
 from collections import defaultdict
+from multiprocessing.connection import wait as wait_for
 from typing import Iterable, Optional
 
 import torch
@@ -64,12 +73,16 @@ def _tree_cpu_seconds(roots: Iterable[int]) -> Optional[float]:
     return total
 
 
+def _init_rank(rank, world, init_file, backend):
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=CAP_S))
+    torch.set_num_threads(1)
+
+
 def _worker(rank, world, init_file, check, args, errors, backend):
     code = 0
     try:
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=CAP_S))
-        torch.set_num_threads(1)
+        _init_rank(rank, world, init_file, backend)
         check(rank, world, *args)
         dist.barrier()
     except BaseException:  # noqa: BLE001 -- reported to the parent, which fails the test
@@ -89,27 +102,131 @@ def spawn(world, check, *args, backend="gloo", idle_s: float = IDLE_S):
                  for r in range(world)]
         for p in procs:
             p.start()
-        verdict = _watch(procs, idle_s)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-        for p in hung:
-            p.join(10)
+        verdict = _watch(procs, idle_s, lambda: not any(p.is_alive() for p in procs),
+                         lambda timeout: wait_for([p.sentinel for p in procs], timeout))
+        hung = _kill_alive(procs)
         failures = []
         while not errors.empty():
             failures.append(errors.get())
-        assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures)
+        assert not failures, _report(failures)
         assert not hung, f"{len(hung)} rank(s) {verdict}"
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
-def _watch(procs, idle_s: float) -> str:
-    """Wait for the ranks while they make progress; return why the wait stopped, if any rank is still alive."""
+def _pool_worker(rank, world, init_file, jobs, results, backend):
+    try:
+        _init_rank(rank, world, init_file, backend)
+    except BaseException:  # noqa: BLE001
+        _leave(results, (rank, traceback.format_exc()))
+    while True:
+        job = jobs.get()
+        if job is None:  # the pool closes: nothing is in flight after the last case's barrier
+            os._exit(0)
+        check, args = job
+        try:
+            check(rank, world, *args)
+            dist.barrier()
+        except BaseException:  # noqa: BLE001 -- the case fails, and this group goes with it
+            _leave(results, (rank, traceback.format_exc()))
+        results.put((rank, None))
+
+
+def _leave(results, outcome):
+    """Report a failure and exit: the queue's feeder thread must hand the report over before os._exit."""
+    results.put(outcome)
+    results.close()
+    results.join_thread()
+    os._exit(1)
+
+
+class RankPool:
+    """`world` ranks of one gloo group that run case after case (see the module's docstring). Close it when
+    the family is done (a module-scoped fixture); a failed case closes it, and the next `run` starts anew."""
+
+    def __init__(self, world: int, backend: str = "gloo", idle_s: float = IDLE_S):
+        self.world, self.backend, self.idle_s = world, backend, idle_s
+        self._procs, self._jobs, self._tmp = [], [], None
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        self._jobs = [ctx.SimpleQueue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_pool_worker,
+                                   args=(r, self.world, init_file, self._jobs[r], self._results, self.backend))
+                       for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, check, *args):
+        if not self._procs:
+            self._start()
+        for jobs in self._jobs:
+            jobs.put((check, args))
+        outcomes = {}
+
+        def take(timeout=None):
+            try:
+                rank, error = self._results.get(timeout=timeout) if timeout else self._results.get_nowait()
+            except queue.Empty:
+                return False
+            outcomes[rank] = error
+            return True
+
+        def finished():
+            while take():
+                pass
+            if len(outcomes) == self.world:
+                return True
+            # a failed rank has left: its peers finish, raise at their next collective, or hang (the watch's
+            # idle limit); once every rank has reported or exited there is nothing more to wait for
+            failed = any(error is not None for error in outcomes.values())
+            return failed and not any(p.is_alive() for r, p in enumerate(self._procs) if r not in outcomes)
+
+        verdict = _watch(self._procs, self.idle_s, finished, take)
+        failures = sorted((rank, error) for rank, error in outcomes.items() if error is not None)
+        if failures or verdict:  # its ranks may be stuck in a collective: no goodbye, just kill them
+            self.close(graceful=False)
+        assert not failures, _report(failures)
+        assert not verdict, f"{self.world - len(outcomes)} rank(s) {verdict}"
+
+    def close(self, graceful: bool = True):
+        if graceful:  # between cases every rank waits for its next job
+            for jobs in self._jobs:
+                jobs.put(None)
+            for p in self._procs:
+                p.join(10)
+        _kill_alive(self._procs)
+        self._procs = []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _kill_alive(procs):
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    for p in alive:
+        p.join(10)
+    return alive
+
+
+def _report(failures):
+    return "\n".join(f"rank {r}:\n{tb}" for r, tb in failures)
+
+
+def _watch(procs, idle_s: float, finished, wait) -> str:
+    """Wait while the ranks make progress, until `finished()`; return why the wait stopped ('' when finished).
+    `wait(timeout)` returns early when there is news (a rank exited, a result came)."""
     pids = [p.pid for p in procs]
     start = last_progress = time.monotonic()
     last_cpu = _tree_cpu_seconds(pids)
-    while any(p.is_alive() for p in procs):
-        procs[0].join(POLL_S) if procs[0].is_alive() else time.sleep(POLL_S)
+    while not finished():
+        if not any(p.is_alive() for p in procs):  # a last report may have come in as they left
+            return "" if finished() else "exited before finishing"
+        wait(POLL_S)
         now = time.monotonic()
         cpu = _tree_cpu_seconds(pids)
         if cpu is None or last_cpu is None or cpu - last_cpu >= PROGRESS_CPU_PER_S * (now - last_progress):

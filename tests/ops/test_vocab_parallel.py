@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlkernels.testing.spawn import Collectives, spawn
+from rlkernels.testing.spawn import Collectives
 
 
 def _shards(V: int, world: int):
@@ -151,24 +151,24 @@ def _check_rank_linear(rank, world, dtype, backend):
         assert_close(g, w, **tol(grad_quantity, stat_dtype, scale=max(1e-3, float(w.abs().max()))), name=name)
 
 
-def _spawn(world, dtype_name, backend, kind="logits"):
-    spawn(world, _check_rank if kind == "logits" else _check_rank_linear, getattr(torch, dtype_name), backend)
+def _spawn(pools, world, dtype_name, backend, kind="logits"):
+    pools(world).run(_check_rank if kind == "logits" else _check_rank_linear, getattr(torch, dtype_name), backend)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
-def test_vocab_parallel_matches_the_single_process_loss(world, dtype_name):
-    _spawn(world, dtype_name, "torch")
+def test_vocab_parallel_matches_the_single_process_loss(world, dtype_name, rank_pools):
+    _spawn(rank_pools, world, dtype_name, "torch")
 
 
 @pytest.mark.interpret
-def test_vocab_parallel_on_the_triton_backend():
+def test_vocab_parallel_on_the_triton_backend(rank_pools):
     if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
         pytest.skip("runs the Triton kernels through the CPU interpreter")
-    _spawn(2, "float32", "triton")
+    _spawn(rank_pools, 2, "float32", "triton")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
-def test_vocab_parallel_fused_linear_matches_the_single_process_loss(world, dtype_name):
-    _spawn(world, dtype_name, "torch", kind="linear")
+def test_vocab_parallel_fused_linear_matches_the_single_process_loss(world, dtype_name, rank_pools):
+    _spawn(rank_pools, world, dtype_name, "torch", kind="linear")

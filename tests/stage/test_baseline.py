@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import rlkernels
 from rlkernels import reference
 
-from ..cases import F32, F64, approx, assert_close, scaled, tol
+from ..cases import ATOMIC_OPS, F32, F64, approx, assert_close, aten_ops, scaled, tol
 from ..verl_import import import_verl_or_skip
 
 
@@ -298,18 +298,12 @@ def test_the_example_runs_as_written():
     assert "equal the pi_old pass's: True" in run.stdout, run.stdout
 
 
-ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-              "index_put", "index_put_", "_index_put_impl_", "put_", "index_reduce", "index_reduce_"}
-
-
 @pytest.mark.parametrize("multi_turn", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_no_floating_point_atomics_off_the_cpu(monkeypatch, multi_turn, packed):
     """CUDA's index_add_ / scatter_add_ / scatter_reduce_ accumulate with atomics: on floats they change the last
-    bits from run to run. The code CUDA (and a compiled step) runs is traced (make_fx records every ATen op) and
+    bits from run to run. Every ATen op of the code CUDA (and a compiled step) runs is recorded (aten_ops), and
     no such op may act on a floating-point tensor; on integers (group sizes, lengths) they are exact."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the branch taken off the CPU's eager
     rewards, mask, _, old, s2 = _one_group(B=6, T=5)
     groups = torch.tensor([4, 1, 4, 1, 1, 7])
@@ -321,12 +315,10 @@ def test_no_floating_point_atomics_off_the_cpu(monkeypatch, multi_turn, packed):
                                                multi_turn=multi_turn, cu_seqlens=cu, validate=False)
         return out.advantages, out.returns
 
-    traced = make_fx(otb)(rewards, mask, old, s2)
-    atomic = [(node.target.__name__, node.meta["val"].dtype) for node in traced.graph.nodes
-              if node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in ATOMIC_OPS]
-    floating = [(name, dtype) for name, dtype in atomic if dtype.is_floating_point]
+    atomic = {name: dtypes for name, dtypes in aten_ops(otb, rewards, mask, old, s2).items() if name in ATOMIC_OPS}
+    floating = {name: dtypes for name, dtypes in atomic.items() if any(d.is_floating_point for d in dtypes)}
     assert not floating, f"floating-point atomic ops: {floating}"
-    assert atomic, "the integer group counts are traced (the test sees the graph)"
+    assert atomic, "the integer group counts are recorded (the test sees the ops)"
 
 
 def test_a_tensor_grad_norm_is_not_read_to_the_host(monkeypatch):

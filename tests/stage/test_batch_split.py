@@ -262,8 +262,9 @@ def _run(rlkernels, entry, batch, share, kw, mine_kw, config, split_kw, lo, hi, 
         return expected, got, {"d hidden": (g[0], share.take(want[0])), "d weight": (d_weight, want[1][lo:hi] / dp)}
     # logits (entry "logits" or "compiled")
     full = batch.logits.clone().requires_grad_(True)
-    expected = rlkernels.decoupled_ppo_loss(full, batch.labels, batch.advantages, batch.response_mask, config=config,
-                                            **kw)
+    # the expected side eager (for "compiled": compiled on the split against the eager stage on the whole batch)
+    expected = rlkernels.decoupled_ppo_loss(full, batch.labels, batch.advantages, batch.response_mask,
+                                            config=config.with_overrides(compile_stage=False), **kw)
     (want,) = torch.autograd.grad(expected.loss, full)
     mine = share.take(batch.logits)[..., lo:hi].clone().requires_grad_(True)
     args = (share.take(batch.labels), share.take(batch.advantages), share.take(batch.response_mask))
@@ -303,16 +304,16 @@ GRIDS = [
 @pytest.mark.parametrize("tp,dp,cp,layout,zigzag,dtype_name,entry,num_configs", GRIDS,
                          ids=lambda v: str(v) if not isinstance(v, bool) else ("zigzag" if v else "slices"))
 def test_split_batch_matches_the_single_process_computation(tp, dp, cp, layout, zigzag, dtype_name, entry,
-                                                            num_configs):
-    spawn(tp * dp * cp, _check_split, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs)
+                                                            num_configs, rank_pools):
+    rank_pools(tp * dp * cp).run(_check_split, tp, dp, cp, layout, zigzag, dtype_name, entry, num_configs)
 
 
 @pytest.mark.parametrize("dp,cp,layout", [(2, 1, "packed"), (1, 2, "packed"), (2, 2, "padded")])
-def test_vaco_on_split_batches_matches_the_single_process_computation(dp, cp, layout):
+def test_vaco_on_split_batches_matches_the_single_process_computation(dp, cp, layout, rank_pools):
     """VACO (SPEC §6.1) decides per sequence, from the mean divergence over its tokens in m': its sums are made
     whole across cp_group with the loss's other per-sequence sums, and a data-parallel rank's sequences are
     whole already. Every case sets vaco_threshold (its masked fraction is among the metrics compared)."""
-    spawn(dp * cp, _check_split, 1, dp, cp, layout, False, "float64", "logits", 6, True)
+    rank_pools(dp * cp).run(_check_split, 1, dp, cp, layout, False, "float64", "logits", 6, True)
 
 
 def _check_errors(rank, world):
@@ -343,8 +344,8 @@ def _check_errors(rank, world):
                                      token_index=rows[:3])
 
 
-def test_split_batch_errors_name_the_argument():
-    spawn(2, _check_errors)
+def test_split_batch_errors_name_the_argument(rank_pools):
+    rank_pools(2).run(_check_errors)
 
 
 def test_group_arguments_are_checked_without_a_group():

@@ -2,7 +2,7 @@
 
 CUDA's index_add_ / scatter_add_ / scatter_reduce_ / index_put_(accumulate=True) accumulate with
 atomics, so a segmented sum built on them changes in its last bits from run to run. There is no GPU
-here, so the test traces the stage (make_fx records every ATen op it runs) over the whole option
+here, so the test records every ATen op the stage runs (tests/cases.py::aten_ops) over the whole option
 product, both layouts, and checks that none of those ops appears.
 """
 
@@ -10,20 +10,13 @@ import itertools
 
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from rlkernels import PolicyLossConfig, RolloutCorrection
 from rlkernels.config import IS_LEVELS, LOG_RATIO_RS_OPTIONS, LOSS_AGG_MODES
 from rlkernels.stage.segments import Segments
 from rlkernels.testing.stage import run_stage
 
-ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
-              "index_put", "index_put_", "_index_put_impl_", "put_", "index_reduce", "index_reduce_"}
-
-
-def _ops(graph_module) -> set:
-    return {node.target.__name__.split(".")[0] for node in graph_module.graph.nodes if node.op == "call_function"
-            and hasattr(node.target, "__name__")}
+from ..cases import ATOMIC_OPS, aten_ops
 
 
 def _bounds(option):
@@ -50,7 +43,7 @@ def test_stage_uses_no_atomic_reduction(layout, is_level, agg):
         out = run_stage(lp, ent, adv, mask, old, roll, ref, seg, config)
         return out.loss, out.coef_logprob, out.coef_entropy, out.metrics
 
-    traced = make_fx(stage)(lp, ent, adv, mask, old, roll, ref)
-    found = _ops(traced) & ATOMIC_OPS
+    ops = aten_ops(stage, lp, ent, adv, mask, old, roll, ref)
+    found = set(ops) & ATOMIC_OPS
     assert not found, f"atomic (nondeterministic on CUDA) ops in the stage: {sorted(found)}"
-    assert "segment_reduce" in _ops(traced) or layout == "padded"  # the fixed-order reduction is what runs
+    assert "segment_reduce" in ops or layout == "padded"  # the fixed-order reduction is what runs

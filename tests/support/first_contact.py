@@ -137,10 +137,10 @@ SCENARIOS = {"compiled_step": compiled_step, "one_sequence": one_sequence, "no_g
              "fused_linear": fused_linear}
 
 if __name__ == "__main__":
-    # argv: compile backend, rtol, atol, then scenario names; the first scenario is the process's first call
-    compile_backend, names = sys.argv[1], sys.argv[4:]
-    BOUND.update(rtol=float(sys.argv[2]), atol=float(sys.argv[3]))
-    for name in names:
+    # argv: rtol, atol, then scenario@backend pairs, in turn; the first is the process's first call
+    BOUND.update(rtol=float(sys.argv[1]), atol=float(sys.argv[2]))
+    for run in sys.argv[3:]:
+        name, compile_backend = run.split("@")
         SCENARIOS[name](compile_backend)
         torch._dynamo.reset()
         print(f"ok {name} {compile_backend}", flush=True)

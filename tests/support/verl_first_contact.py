@@ -1,15 +1,17 @@
 """What installing rlkernels does to verl, seen from a fresh interpreter (test_verl_first_contact.py).
 
-    python -m tests.support.verl_first_contact <scenario>      # from the repository root
+    python -m tests.support.verl_first_contact <scenario> [<scenario> ...]     # from the repository root
 
-prints one JSON object. Scenarios:
+runs the scenarios in turn in this one interpreter and prints one line `RESULT <scenario> <JSON>` for each. The
+test orders them so that none changes what a later one sees (verl's own modes install nothing; the one route
+that installs its hooks runs last). Scenarios:
 - snapshot: `import verl` (the entry point loads the plugin unless VERL_USE_EXTERNAL_PLUGINS=none), then
   verl's modules that rlkernels touches; for each, every function and class (and each class's methods) as
   (defining module, qualified name), and verl's registries' keys;
 - correction: verl's driver-side `compute_rollout_correction_and_add_to_batch`, as the trainer looks it up
   after `import verl`, on a batch with asymmetric k1 bounds (where rlkernels' convention differs from verl's
   code): which function it is and the mask and weights it gives;
-- routes <loss_mode>: verl's actor step (the example's CPU engine, verl's own forward_backward_batch, the
+- routes:<loss_mode>: verl's actor step (the example's CPU engine, verl's own forward_backward_batch, the
   actor loss bound as verl's engine worker binds it) for two steps of two micro-batches: which of
   rlkernels' losses ran in each micro-batch, the warnings, the losses, and whether the engine methods are
   verl's own afterwards.
@@ -78,6 +80,13 @@ def correction():
             "masked_fraction": metrics["rollout_corr/rollout_rs_masked_fraction"]}
 
 
+class _Calls(list):
+    counting = False
+
+
+CALLS = _Calls()  # the names of rlkernels' losses called, in order, in the current micro-batch
+
+
 def routes(loss_mode):
 
     _import_verl()
@@ -91,11 +100,13 @@ def routes(loss_mode):
     from rlkernels.integrations.verl import losses as rlk_losses
     from rlkernels.integrations.verl import routes as rlk_routes
 
-    calls = []
-    for module, name in ((rlk_routes, "decoupled_ppo_loss"), (rlk_routes, "linear_decoupled_ppo_loss"),
-                         (rlk_losses, "policy_loss")):
-        fn = getattr(module, name)
-        setattr(module, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    calls = CALLS
+    if not calls.counting:  # once per process: a later scenario reuses the counting wrappers
+        for module, name in ((rlk_routes, "decoupled_ppo_loss"), (rlk_routes, "linear_decoupled_ppo_loss"),
+                             (rlk_losses, "policy_loss")):
+            fn = getattr(module, name)
+            setattr(module, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+        calls.counting = True
     model = example.tiny_model()
     engine = example.cpu_engine(model)
     actor = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4,
@@ -122,12 +133,14 @@ def routes(loss_mode):
 if __name__ == "__main__":
     import torch.distributed as dist
 
-    scenario, args = sys.argv[1], sys.argv[2:]
-    if scenario == "routes" and not dist.is_initialized():  # verl's engine all-reduces the token count
+    scenarios = sys.argv[1:]
+    if any(s.startswith("routes") for s in scenarios) and not dist.is_initialized():  # verl's engine all-reduces
         import os
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
         dist.init_process_group("gloo", rank=0, world_size=1)
-    result = {"snapshot": snapshot, "correction": correction, "routes": routes}[scenario](*args)
-    print("RESULT " + json.dumps(result))
+    for scenario in scenarios:
+        name, *args = scenario.split(":")
+        result = {"snapshot": snapshot, "correction": correction, "routes": routes}[name](*args)
+        print(f"RESULT {scenario} " + json.dumps(result), flush=True)
