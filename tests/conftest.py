@@ -5,8 +5,16 @@ kernel module is imported, so it is set here, at collection, whenever no GPU is 
 """
 
 import os
+import sys
 
 import torch
+
+# pytest-xdist (execnet) starts its workers with PYTHONDONTWRITEBYTECODE=1, which every interpreter they start
+# inherits (multiprocessing's ranks as -B): nothing they import would ever be cached as bytecode. In a fresh
+# clone that is rlkernels and the tests, compiled again in every worker, rank and interpreter. The workers
+# and the interpreters the tests start write it; the ranks read it.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

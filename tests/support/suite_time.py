@@ -4,15 +4,16 @@ During a run (tests/conftest.py loads the hooks below) each test is given one ca
 the first that applies in this order, since a test that starts a fresh interpreter or spawns ranks pays
 that start whatever runs inside it:
 
+- AOT / nvcc:      it compiles Triton kernels ahead of time or CUDA sources (markers aot, cuda_compile)
 - fresh process:   it started a Python interpreter (first contact, examples, benchmarks' command lines)
 - spawned ranks:   it ran gloo ranks (rlkernels.testing.spawn)
-- AOT / nvcc:      it compiled Triton kernels ahead of time or CUDA sources (markers aot, cuda_compile)
 - Inductor:        Dynamo handed Inductor at least one graph in this process
 - Dynamo:          Dynamo traced at least one graph (aot_eager and counting backends)
 - interpreter:     it ran Triton kernels through TRITON_INTERPRET (marker interpret)
 - hypothesis:      a @given test
 - peers:           it runs a peer's code in process (tests/peers, tests/integrations)
 - plain:           everything else
+- skipped:         skipped before its call (the GPU tests on a machine without one)
 
 The category is written as a junit property, so one report covers every xdist worker:
 
@@ -25,7 +26,7 @@ import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 
-ORDER = ("fresh process", "spawned ranks", "AOT / nvcc", "Inductor", "Dynamo", "interpreter", "hypothesis",
+ORDER = ("AOT / nvcc", "fresh process", "spawned ranks", "Inductor", "Dynamo", "interpreter", "hypothesis",
          "peers", "plain")
 
 
@@ -112,7 +113,7 @@ def table(junit_path):
     seconds, counts = defaultdict(float), defaultdict(int)
     for case in ET.parse(junit_path).getroot().iter("testcase"):
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        category = props.get("category", "plain")  # skipped at setup: no call phase
+        category = props.get("category", "skipped" if case.find("skipped") is not None else "plain")
         seconds[category] += float(case.get("time", 0.0))
         counts[category] += 1
     rows = sorted(((c, counts[c], seconds[c]) for c in seconds), key=lambda r: -r[2])
