@@ -39,6 +39,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    # and Inductor compiles in the worker itself: a pool of compile processes per worker (and per compiling rank)
+    # costs its start-up for cores another worker is using (first-contact interpreters keep the default)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 HAS_CUDA = torch.cuda.is_available()
 NO_GPU = "needs a CUDA GPU; none on this machine"

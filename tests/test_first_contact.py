@@ -26,7 +26,8 @@ TIMEOUT_S = 600  # a busy 2-core machine; the three runs take ~15-25 s each when
 
 def _run(cache: Path, scenarios):
     """Runs `scenarios` ("name@backend") in turn in one fresh interpreter using the kernel cache `cache`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNELS_CPU_KERNELS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "RLKERNELS_CPU_KERNELS", "TORCHINDUCTOR_COMPILE_THREADS")}
     env["RLKERNELS_CACHE"] = str(cache)
     bound = tol("reordered", F32)  # compiled against eager: the same fp32 formulas, reductions reordered
     run = subprocess.run([sys.executable, "-W", "always", str(SCRIPT), repr(bound["rtol"]), repr(bound["atol"]),

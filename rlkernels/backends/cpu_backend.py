@@ -11,11 +11,12 @@ or c++), against the installed torch's headers and libraries, for this machine's
 (`$RLKERNELS_CACHE`, else `$XDG_CACHE_HOME/rlkernels`, else `~/.cache/rlkernels`); about 10-20 s once.
 Not at install time: the README's install builds in pip's isolated environment, where torch is not
 importable, and putting torch in the build requirements would download a second (unpinned, possibly
-CUDA) torch to build against. Processes that build at once each write their own file and rename it
-into place. If there is no compiler or the build fails, a warning says why and "auto" keeps the torch
-backend. `RLKERNELS_CPU_KERNELS=0` turns them off.
+CUDA) torch to build against. Processes that start at once build it once: the first takes a lock
+(flock), the others wait and load its file. If there is no compiler or the build fails, a warning
+says why and "auto" keeps the torch backend. `RLKERNELS_CPU_KERNELS=0` turns them off.
 """
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -96,15 +97,36 @@ def _build() -> Path:
     if library.exists():
         return library
     cache.mkdir(parents=True, exist_ok=True)
-    print(f"rlkernels: compiling the CPU kernels once (~10-20 s), into {cache}", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        partial = Path(tmp) / library.name
-        run = subprocess.run(build_command(compiler, partial), capture_output=True, text=True,
-                             timeout=BUILD_TIMEOUT_S)
-        if run.returncode != 0:
-            raise RuntimeError(f"{compiler} failed:\n{run.stderr[-2000:]}")
-        os.replace(partial, library)  # atomic: a concurrent build just replaces it with the same bytes
+    with _build_lock(cache / f"{library.name}.lock"):
+        if library.exists():  # another process built it while this one waited
+            return library
+        print(f"rlkernels: compiling the CPU kernels once (~10-20 s), into {cache}", file=sys.stderr)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            partial = Path(tmp) / library.name
+            run = subprocess.run(build_command(compiler, partial), capture_output=True, text=True,
+                                 timeout=BUILD_TIMEOUT_S)
+            if run.returncode != 0:
+                raise RuntimeError(f"{compiler} failed:\n{run.stderr[-2000:]}")
+            os.replace(partial, library)  # atomic: a process that does not lock still sees a whole file
     return library
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """One build at a time per library: the ranks of a node (or a test run's workers) that start together wait
+    for the first one's build instead of each compiling the same file. Where there is no flock (Windows) each
+    builds its own copy and renames it into place, as before."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @lru_cache(maxsize=None)

@@ -6,6 +6,9 @@ Tolerances: the "value" and "dlogits" rows of cases.TOL. The kernels sum in floa
 about one ulp of the true value, so they carry the same fp32 summation error the rows already allow.
 """
 
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -85,3 +88,27 @@ def test_foreign_target_rows_with_inplace_backward():
     inplace = logits.clone()
     backend.token_grad_bwd(inplace, labels, st_.row_max, st_.log_norm, st_.entropy, c, e, 0.9, True)
     assert torch.equal(inplace, out)
+
+
+def test_processes_that_start_together_build_the_kernels_once(tmp_path, monkeypatch):
+    """The ranks of a node (or a test run's workers) that first use the CPU backend together: one builds, the
+    others wait for its library (a flock; separate opens conflict within one process too, so threads show it)."""
+    from rlkernels.backends import cpu_backend
+
+    monkeypatch.setenv("RLKERNELS_CACHE", str(tmp_path))
+    builds = []
+
+    def slow_fake_build(compiler, output):  # a stand-in compiler: half a second, then the file
+        builds.append(output)
+        script = f"import pathlib, time; time.sleep(0.5); pathlib.Path({str(output)!r}).write_text('')"
+        return [sys.executable, "-c", script]
+
+    monkeypatch.setattr(cpu_backend, "build_command", slow_fake_build)
+    libraries = []
+    threads = [threading.Thread(target=lambda: libraries.append(cpu_backend._build())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(libraries) == 3 and len(set(libraries)) == 1 and libraries[0].exists()
+    assert len(builds) == 1, f"{len(builds)} builds of one library"
