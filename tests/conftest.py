@@ -22,6 +22,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from .support import suite_time  # noqa: E402
+
 # CI runs on 2 cores: example budgets are explicit per test (tests/cases.py::scaled); no deadline, since first
 # calls compile. Two profiles:
 # - "ci" (the default): derandomized, so a run replays the same examples every time (a clean clone either
@@ -74,15 +76,11 @@ def rank_pools():
 
 # -- the suite's time by category (tests/support/suite_time.py) ----------------------------------------------
 def pytest_configure(config):
-    from .support import suite_time
-
     suite_time.install()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    from .support import suite_time
-
     before = suite_time.start()
     yield
     suite_time.finish(item, before)

@@ -21,7 +21,7 @@ from .cases import F32, tol
 SCRIPT = Path(__file__).parent / "support" / "first_contact.py"
 ALL = ("compiled_step", "one_sequence", "no_grad_logprobs", "fused_linear")
 BUILD_MESSAGE = "rlkernels: compiling the CPU kernels once"
-TIMEOUT_S = 600  # a busy 2-core machine; the three runs take ~15-25 s each when idle
+TIMEOUT_S = 600  # a busy 2-core machine; the two runs take ~40-70 s each with cold caches
 
 
 def _run(cache: Path, scenarios):

@@ -15,6 +15,7 @@ importing verl, ~5-10 s).
   1e-5 (float32, tests/integrations/test_verl_engine.py: TOL "verl.engine").
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -61,14 +62,7 @@ def _run(environment):
 @pytest.fixture(scope="module")
 def seen():
     """seen(environment)[scenario]: each environment's interpreter runs once, when a test first asks for it."""
-    runs = {}
-
-    def get(environment):
-        if environment not in runs:
-            runs[environment] = _run(environment)
-        return runs[environment]
-
-    return get
+    return functools.cache(_run)
 
 
 def test_import_verl_adds_rlkernels_names_to_verls_registries_and_nothing_else(seen):
