@@ -419,6 +419,13 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
 assert all(t.why for t in TOL.values()), "every tolerance states its reason"
 
 
+# A Triton case that takes its device from the machine (CPU tensors through the interpreter here, CUDA tensors
+# compiled on a GPU) carries this mark: `interpret` without a GPU, `gpu` with one (benchmarks/gpu_check.sh
+# selects -m gpu). A case marked `interpret` alone runs on CPU tensors and is skipped on a GPU machine.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+triton_here = pytest.mark.gpu if torch.cuda.is_available() else pytest.mark.interpret
+
+
 def interpreted() -> bool:
     """True when Triton kernels run through the CPU interpreter (tests/conftest.py sets it without a GPU)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -54,6 +54,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason=f"{NO_GPU} (run benchmarks/gpu_check.sh on one)"))
+        elif "interpret" in item.keywords and HAS_CUDA:
+            # its Triton kernels run on CPU tensors, and the interpreter is off where a GPU is: the compiled
+            # kernels' checks are the `gpu` cases (tests/kernels/test_gpu_kernels.py, cases.triton_here)
+            item.add_marker(pytest.mark.skip(reason="runs Triton on CPU tensors through the interpreter, which is "
+                                                    "off on a GPU machine"))
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import torch
 from rlkernels import backends
 from rlkernels.backends.base import FOREIGN_TARGET
 
-from ..cases import assert_close, make_coefficients, make_logits, tol
+from ..cases import TRITON_DEVICE, assert_close, make_coefficients, make_logits, tol, triton_here
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 
 
 def _backend(name):
@@ -35,7 +35,7 @@ def _backend(name):
 
 
 @pytest.mark.parametrize("name", [
-    "torch", "cpu", pytest.param("triton", marks=pytest.mark.interpret), pytest.param("cuda", marks=pytest.mark.gpu)])
+    "torch", "cpu", pytest.param("triton", marks=triton_here), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("V", [7, 129])
 def test_foreign_target_rows_are_target_rows_without_the_target(name, V):
     _backend(name)

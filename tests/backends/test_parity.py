@@ -14,15 +14,14 @@ from hypothesis import strategies as st
 
 from rlkernels import backends
 
-from ..cases import problems, scaled
+from ..cases import TRITON_DEVICE, problems, scaled, triton_here
 from .parity import check_against_reference
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
-GPU = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_SMALL = dict(max_seqs=4, max_len=6, max_vocab=40)  # the interpreter's speed sets the size
 NEEDS = {
     "cpu": pytest.mark.skipif(not backends.available()["cpu"], reason="the CPU kernels could not be built here"),
-    "triton": [pytest.mark.interpret,
+    "triton": [triton_here,
                pytest.mark.skipif(not backends.available()["triton"], reason="Triton is not importable here")],
     "cuda": pytest.mark.gpu,
 }
@@ -35,9 +34,9 @@ CASES = {
     ("cpu", F32): ("cpu", {}, 150),
     ("cpu", BF16): ("cpu", {}, 40),
     ("cpu", F16): ("cpu", {}, 40),
-    ("triton", F32): (GPU, TRITON_SMALL, 150),
-    ("triton", BF16): (GPU, TRITON_SMALL, 30),
-    ("triton", F16): (GPU, TRITON_SMALL, 30),
+    ("triton", F32): (TRITON_DEVICE, TRITON_SMALL, 150),
+    ("triton", BF16): (TRITON_DEVICE, TRITON_SMALL, 30),
+    ("triton", F16): (TRITON_DEVICE, TRITON_SMALL, 30),
     ("cuda", F32): ("cuda", {}, 60),
 }
 
