@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied, nothing installed).
-# Runs in under 10 minutes (step limits 120 + 150 + 60 + 20 + 55 + 50 + 35 + 20 + 35 + 25 + 15 s = 9.75 min;
+# Runs in under 10 minutes (step limits 120 + 180 + 50 + 20 + 45 + 40 + 35 + 20 + 35 + 25 + 15 s = 9.75 min;
 # tests/test_gpu_check.py holds the sum under 600 s), correctness first, then the timings:
 #   - versions, the CUDA extension built in place for the GPU's own target (sm_90 on an H200);
 #   - every `gpu` test (the CUDA kernels, the Triton kernels compiled at real vocabularies and past 2^31 elements,
@@ -43,14 +43,15 @@ if [ "${BUILD_CUDA:-1}" = "1" ]; then
 fi
 $PY -c "from rlkernels import backends; print('backends available:', backends.available())" 2>&1 | tee "$OUT/backends.log"
 
-# every failure, not the first (-x would hide the rest of a first run); the peers' tests fail to collect where
-# their packages are absent (this image has none), which is not what this step checks
-step gpu_tests 150 $PY -m pytest tests -m gpu -q -p no:cacheprovider -n 8 --continue-on-collection-errors -rfE \
+# every failure, not the first (-x would hide the rest of a first run), each test named as it ends (-v: a step cut
+# at its limit still says which failed); the peers' tests fail to collect where their packages are absent (this
+# image has none), which is not what this step checks
+step gpu_tests 180 $PY -m pytest tests -m gpu -v -p no:cacheprovider -n 8 --continue-on-collection-errors -rfE \
   --durations=15 --junitxml "$OUT/gpu-tests.xml"
 
 # ---- timings, the most telling first (a run stopped early keeps those)
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
-step headline 60 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
+step headline 50 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag h200-8192x151936 \
   --providers "naive,rlkernels[torch],rlkernels[triton],rlkernels[cuda]" --warmup 3 --reps 20 --max-seconds 4 --no-plot \
   --shape ppo:seq_mis:8192:151936:bf16 --shape logprobs:-:8192:151936:bf16
 
@@ -62,13 +63,13 @@ step divergences 20 $PY -m benchmarks.divergences --device cuda --N 8192 --V 151
 # the fused-linear loss at 8192 x 4096 x 151936 bf16, decoupled PPO with seq-MIS, half the rows in the loss, against
 # the GEMM alone (t_GEMM, all N rows): the one-pass form (3 GEMMs of the f N loss rows) reported against
 # (1 + 2f) t_GEMM, the two-pass form (4) against (1 + 3f) t_GEMM, both beside naive and the logits path
-step linear 55 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
+step linear 45 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
   --case seq_mis --providers "naive,rlkernels[logits],rlkernels[linear],rlkernels[linear-two-pass]" --reps 10 \
   --out "$OUT" --tag h200-linear-8192x4096x151936
 
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
 # what a (one-rank, NCCL) dp_group adds to it: packing, merging, two all_gathers, graph breaks
-step stage 50 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
+step stage 40 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
   --case seq_mis+kl+entropy --case geo_rs_token_tis
 
 # sampler replay: the kept set (K = 50, and every id) and a per-token temperature against the full pass

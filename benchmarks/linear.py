@@ -111,6 +111,8 @@ def build(provider: str, x: Dict, case: str = "token_tis") -> Callable[[], torch
     if provider in ("rlkernels[linear]", "rlkernels[linear-two-pass]"):
         kw["config"] = kw["config"].with_overrides(linear_one_pass=provider == "rlkernels[linear]")
         return lambda: rlkernels.linear_decoupled_ppo_loss(h, W, x["labels"], x["adv"], x["mask"], **kw).loss
+    if provider == "gemm":  # the forward GEMM alone: the same for every case
+        return lambda: h @ W.T
     if case != "token_tis":
         raise ValueError(f"{provider} runs the token_tis case only")
     if provider == "liger":
@@ -126,8 +128,6 @@ def build(provider: str, x: Dict, case: str = "token_tis") -> Callable[[], torch
                           old_per_token_logps=x["old"].view(B, T), vllm_is_ratio=is_ratio)
             return out[0] if isinstance(out, tuple) else out
         return step
-    if provider == "gemm":
-        return lambda: h @ W.T
     raise ValueError(f"unknown provider {provider!r}")
 
 

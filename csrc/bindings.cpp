@@ -16,8 +16,10 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "common.cuh"
@@ -25,31 +27,56 @@
 namespace rlkernels {
 namespace {
 
+// The numbers in a check's message are formatted here (snprintf, to_string) and reach TORCH_CHECK as strings,
+// never streamed: on the lent H200's image (torch 2.11, the extension built by its /opt/gcc g++), a check that
+// streamed a double or an integer killed the process with SIGSEGV, while one that streamed only names raised
+// (2026-12-04: temperature 0 and column-strided logits crashed; int32 labels and float64 logits raised). The
+// cause is not established: the locale's number formatting of a libstdc++ other than the headers' is the
+// likely one. Devices likewise: their names, not Device's operator<<.
+std::string text(double value) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%g", value);
+  return buffer;
+}
+
+std::string text(int64_t value) { return std::to_string(value); }
+
+std::string text(at::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
+std::string text(const c10::Device& device) {
+  std::string out = c10::DeviceTypeName(device.type(), /*lower_case=*/true);
+  return device.has_index() ? out + ":" + std::to_string(static_cast<int>(device.index())) : out;
+}
+
 void check_logits(const char* op, const at::Tensor& logits) {
-  TORCH_CHECK(logits.is_cuda(), op, ": logits must be a CUDA tensor, got device ", logits.device());
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must be 2-D [N, V], got shape ", logits.sizes());
+  TORCH_CHECK(logits.is_cuda(), op, ": logits must be a CUDA tensor, got device ", text(logits.device()));
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must be 2-D [N, V], got shape ", text(logits.sizes()));
   const auto dt = logits.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
               ": logits must be float32, float16 or bfloat16, got ", dt);
   TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1, op,
-              ": logits must have unit stride along V (dim 1), got strides ", logits.strides());
+              ": logits must have unit stride along V (dim 1), got strides ", text(logits.strides()));
   TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), op,
-              ": logits has more than 2^31 - 1 rows: ", logits.size(0));
+              ": logits has more than 2^31 - 1 rows: ", text(logits.size(0)));
 }
 
 void check_row_vector(const char* op, const char* name, const at::Tensor& t, const at::Tensor& logits,
                       at::ScalarType dtype) {
-  TORCH_CHECK(t.device() == logits.device(), op, ": ", name, " must be on the logits' device ", logits.device(),
-              ", got ", t.device());
+  TORCH_CHECK(t.device() == logits.device(), op, ": ", name, " must be on the logits' device ",
+              text(logits.device()), ", got ", text(t.device()));
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), op, ": ", name, " must have shape [N] = [",
-              logits.size(0), "], got ", t.sizes());
+              text(logits.size(0)), "], got ", text(t.sizes()));
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
 void check_temperature(const char* op, double temperature) {
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0, op, ": temperature must be a finite float > 0, got ",
-              temperature);
+              text(temperature));
 }
 
 // [N] float32 1 / T per row on the logits' device, or null for one temperature
@@ -153,7 +180,8 @@ void token_grad_bwd_inplace(at::Tensor& logits, const at::Tensor& labels, const 
   check_grad_inputs(op, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature);
   // overlapping rows (stride 0 from expand) would be written by several blocks at once
   TORCH_CHECK(logits.size(0) <= 1 || logits.stride(0) >= logits.size(1), op,
-              ": in place needs non-overlapping rows, got strides ", logits.strides(), " for shape ", logits.sizes());
+              ": in place needs non-overlapping rows, got strides ", text(logits.strides()), " for shape ",
+              text(logits.sizes()));
   const c10::DeviceGuard guard(logits.device());
   const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, logits,
                                 inverse_temperatures(op, inv_temperature, logits));
@@ -169,12 +197,13 @@ void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, cons
   constexpr const char* op = "rlkernels_cuda::token_grad_bwd_out";
   check_grad_inputs(op, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature);
   TORCH_CHECK(dlogits.device() == logits.device() && dlogits.scalar_type() == logits.scalar_type(), op,
-              ": dlogits must match the logits' device and dtype, got ", dlogits.device(), " ", dlogits.scalar_type());
+              ": dlogits must match the logits' device and dtype, got ", text(dlogits.device()), " ",
+              dlogits.scalar_type());
   TORCH_CHECK(dlogits.dim() == 2 && dlogits.sizes() == logits.sizes() && dlogits.stride(1) == 1, op,
-              ": dlogits must be [N, V] = ", logits.sizes(), " with unit stride along V, got ", dlogits.sizes(),
-              " strides ", dlogits.strides());
+              ": dlogits must be [N, V] = ", text(logits.sizes()), " with unit stride along V, got ",
+              text(dlogits.sizes()), " strides ", text(dlogits.strides()));
   TORCH_CHECK(dlogits.size(0) <= 1 || dlogits.stride(0) >= dlogits.size(1), op,
-              ": dlogits rows must not overlap, got strides ", dlogits.strides());
+              ": dlogits rows must not overlap, got strides ", text(dlogits.strides()));
   const c10::DeviceGuard guard(logits.device());
   const char* err = launch_grad(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, dlogits,
                                 inverse_temperatures(op, inv_temperature, logits));

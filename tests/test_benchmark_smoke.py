@@ -133,3 +133,13 @@ def test_the_revisions_benchmark_compares_two_checkouts(tmp_path):
     cases = {"logprobs", "ppo", "linear", "linear_two_pass", "policy"}
     assert set(medians) == {"base", "head"} and all(set(m) == cases for m in medians.values())
     assert all(v > 0 for m in medians.values() for v in m.values())
+
+
+@pytest.mark.parametrize("case", ["token_tis", "seq_mis"])
+def test_the_linear_benchmarks_gemm_yardstick_runs_for_every_case(case):
+    """The GEMM alone (t_GEMM, the yardstick of the one- and two-pass forms) is the same for every loss: the first
+    H200 run lost it for seq_mis ("gemm runs the token_tis case only")."""
+    linear = pytest.importorskip("benchmarks.linear")
+    x = linear.make_inputs(64, 8, 40, 0.5, "fp32", "cpu")
+    logits = linear.build("gemm", x, case)()
+    assert torch.equal(logits, x["hidden"] @ x["weight"].T)

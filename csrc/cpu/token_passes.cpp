@@ -45,6 +45,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -244,9 +245,10 @@ void grad_rows(const T* logits, int64_t stride, T* out, int64_t out_stride, cons
   });
 }
 
+// numbers reach a check's message as strings, never streamed (the reason: csrc/bindings.cpp, text())
 void check_rows(const char* op, const at::Tensor& logits, const at::Tensor& labels) {
   TORCH_CHECK(logits.device().is_cpu(), op, ": logits must be on the CPU");
-  TORCH_CHECK(logits.dim() == 2, op, ": logits must be [N, V], got ", logits.dim(), " dims");
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must be [N, V], got ", std::to_string(logits.dim()), " dims");
   // a stride means nothing along a dimension of size <= 1 (or in an empty tensor)
   TORCH_CHECK(logits.stride(1) == 1 || logits.size(1) <= 1 || logits.numel() == 0, op,
               ": logits need unit stride along V");
@@ -733,12 +735,12 @@ void divergence_grad_rows(const T* logits, int64_t z_stride, const T* reference,
 void check_pair(const char* op, const at::Tensor& logits, const at::Tensor& reference) {
   for (const at::Tensor* x : {&logits, &reference}) {
     TORCH_CHECK(x->device().is_cpu(), op, ": logits and reference must be on the CPU");
-    TORCH_CHECK(x->dim() == 2, op, ": logits and reference must be [N, V], got ", x->dim(), " dims");
+    TORCH_CHECK(x->dim() == 2, op, ": logits and reference must be [N, V], got ",
+                std::to_string(x->dim()), " dims");
     TORCH_CHECK(x->stride(1) == 1 || x->size(1) <= 1 || x->numel() == 0, op,
                 ": logits and reference need unit stride along V");
   }
-  TORCH_CHECK(reference.sizes() == logits.sizes(), op, ": reference must be shaped like logits, got ",
-              reference.sizes(), " and ", logits.sizes());
+  TORCH_CHECK(reference.sizes() == logits.sizes(), op, ": reference must be shaped like logits");
   TORCH_CHECK(reference.scalar_type() == logits.scalar_type(), op, ": reference must have the logits' dtype");
 }
 

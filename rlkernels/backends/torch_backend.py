@@ -42,6 +42,10 @@ from .temperature import Temperature
 # N = 2048, V = 32768 fwd+bwd: 256 Ki elements 1.37 s, 1 Mi 0.99 s, 4 Mi 1.41 s, 16 Mi 1.55 s;
 # the naive fp32 log_softmax composition 1.57 s).
 CHUNK_ELEMENTS = 1 << 20
+# On a GPU a chunk costs ~10 kernel launches whatever its size, and no cache holds one: at 1 Mi elements an
+# 8192 x 151,936 batch is 1,366 chunks, 226 ms forward against the naive composition's 8.4 ms (H200,
+# 2026-12-04, benchmarks/gpu_check.sh). 32 Mi elements (128 MiB per float32 temporary) make it 38 chunks.
+DEVICE_CHUNK_ELEMENTS = 1 << 25
 
 
 class TorchBackend:
@@ -64,7 +68,8 @@ class TorchBackend:
     ) -> Iterator[Tuple[int, int, torch.Tensor, Optional[torch.Tensor]]]:
         """(first row, end row, logits chunk, out chunk): 2-D views of at most `chunk_rows` rows,
         taken from the strided logits (and the gradient buffer) where they lie."""
-        rows = self.chunk_rows or max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+        budget = CHUNK_ELEMENTS if logits.device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
+        rows = self.chunk_rows or max(1, budget // max(logits.shape[-1], 1))
         pieces = paired_row_groups(logits, out) if out is not None else [(s, b, None) for s, b in row_groups(logits)]
         for start, block, out_block in pieces:
             for s in range(0, block.shape[0], rows):

@@ -269,8 +269,19 @@ def record_length_metrics(metrics: Metrics, table: SequenceTable, norms: Normali
     metrics.mean("response_length/mean", lengths, everyone, norms.all_seqs, per_sequence=True)
     metrics.extreme("response_length/max", lengths, everyone, norms.all_seqs, largest=True)
     if split.dp_group is None:
-        p90 = (torch.quantile(lengths, LENGTH_QUANTILE) if lengths.numel() else lengths.new_zeros(()))
+        p90 = _quantile(lengths, LENGTH_QUANTILE) if lengths.numel() else lengths.new_zeros(())
         metrics.sequence_statistic("response_length/p90", p90)
+
+
+def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """torch.quantile(values, q) of a non-empty 1-D tensor, the same operations in the same order (sort, rank
+    q (n - 1) in the values' dtype, lerp between the order statistics at its floor and ceiling). torch.quantile
+    itself reads numel() in C++, which fails under torch.compile with a symbolic length before torch 2.13
+    (seen on 2.11: every compiled stage with a response-length metric stopped there)."""
+    ordered = values.sort().values
+    rank = values.new_full((), q) * (values.shape[0] - 1)
+    below, above = rank.floor().long().reshape(1), rank.ceil().long().reshape(1)  # gathered: no data-dependent int
+    return torch.lerp(ordered.gather(0, below), ordered.gather(0, above), rank - below.to(rank.dtype)).squeeze(0)
 
 
 def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> None:

@@ -199,15 +199,19 @@ def test_more_than_2_31_elements(cuda):
 
 
 def test_ops_check_inputs(cuda):
+    # the messages' numbers too: on the first lent H200 the checks that streamed a number crashed the process
+    # (csrc/bindings.cpp, text())
     logits = torch.randn(4, 9, device="cuda")
     labels = torch.zeros(4, dtype=torch.int64, device="cuda")
     ops = torch.ops.rlkernels_cuda
     with pytest.raises(RuntimeError, match="labels"):
         ops.token_stats_fwd(logits, labels.int(), 1.0, False, False)
-    with pytest.raises(RuntimeError, match="logits"):
+    with pytest.raises(RuntimeError, match=r"logits must have unit stride along V \(dim 1\), got strides \[1, 4\]"):
         ops.token_stats_fwd(logits.t().contiguous().t(), labels[:4], 1.0, False, False)
-    with pytest.raises(RuntimeError, match="temperature"):
+    with pytest.raises(RuntimeError, match="temperature must be a finite float > 0, got 0"):
         ops.token_stats_fwd(logits, labels, 0.0, False, False)
+    with pytest.raises(RuntimeError, match=r"labels must have shape \[N\] = \[4\], got \[3\]"):
+        ops.token_stats_fwd(logits, labels[:3], 1.0, False, False)
     with pytest.raises(RuntimeError, match="logits"):
         ops.token_stats_fwd(logits.double(), labels, 1.0, False, False)
 

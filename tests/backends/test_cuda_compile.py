@@ -201,3 +201,43 @@ def test_build_flags_in_sync_with_setup_py():
     for flag in NVCC_FLAGS + NVCC_ARCH_FLAGS + [f"csrc/{s}" for s in SOURCES]:
         assert f'"{flag}"' in text, f"setup.py lacks {flag!r} (rlkernels/backends/cuda_backend.py has it)"
     assert sorted(p.name for p in CSRC_DIR.glob("*.c*") if p.suffix in (".cu", ".cpp")) == sorted(SOURCES)
+
+
+def _check_messages(source: str):
+    """(line, argument) of every TORCH_CHECK message argument in `source`: the arguments after the condition,
+    split at top-level commas."""
+    found = []
+    for match in re.finditer(r"TORCH_CHECK\(", source):
+        depth, i, args, start = 1, match.end(), [], match.end()
+        while depth:
+            ch = source[i]
+            if ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                depth -= 1
+            elif ch == '"':
+                i = source.index('"', i + 1)
+            elif ch == "," and depth == 1:
+                args.append(source[start:i])
+                start = i + 1
+            i += 1
+        args.append(source[start:i - 1])
+        line = source.count("\n", 0, match.start()) + 1
+        found += [(line, " ".join(a.split())) for a in args[1:]]
+    return found
+
+
+# a name, a string, a dtype (streamed as its name) or a number already formatted: never a number or a shape
+_MESSAGE_ARGUMENT = re.compile(
+    r'^("[^"]*"|op|name|err|dtype|dt|text\(.*\)|std::to_string\(.*\)|[\w.>-]*scalar_type\(\))$')
+
+
+@pytest.mark.parametrize("path", ["bindings.cpp", "cpu/token_passes.cpp"])
+def test_check_messages_stream_no_numbers(path):
+    """On the lent H200 (2026-12-04) a TORCH_CHECK that streamed a double or an integer into its message crashed
+    the process instead of raising (csrc/bindings.cpp, text()): every message argument is a name, a literal or a
+    string formatted beforehand."""
+    checks = _check_messages((CSRC_DIR / path).read_text())
+    assert len(checks) > 10
+    streamed = [(line, arg) for line, arg in checks if not _MESSAGE_ARGUMENT.match(arg)]
+    assert not streamed, streamed

@@ -9,7 +9,7 @@ import torch
 import rlkernels
 from rlkernels import RolloutCorrection, reference
 
-from ..cases import approx
+from ..cases import approx, assert_close, tol
 
 V = 7
 WANT = {"response_length/mean": 8 / 3, "response_length/max": 5.0, "response_length/p90": 4.6}
@@ -70,4 +70,27 @@ def test_the_compiled_step_reports_the_same_lengths():
 
     compiled = torch.compile(step, fullgraph=True, dynamic=True)
     assert _lengths(compiled(logits, labels, adv, mask)) == approx(WANT, "by_hand.relative")
+    torch._dynamo.reset()
+
+
+def test_the_quantile_is_torch_quantile_without_reading_numel(monkeypatch):
+    """The stage's p90 (stage/correction.py::_quantile) is torch.quantile bit for bit, and traces with a symbolic
+    length. torch.quantile reads numel() in C++ and does not trace so before torch 2.13: on 2.11 (an H200 run)
+    every compiled stage with this metric stopped there, which the compiled test above cannot show on 2.13."""
+    from rlkernels.stage.correction import _quantile
+
+    gen = torch.Generator().manual_seed(0)
+    for n in [1, 2, 3, 10, 11, 101, 4097]:
+        for dtype in (torch.float32, torch.float64):
+            x = torch.randint(0, 5000, (n,), generator=gen).to(dtype)
+            assert torch.equal(_quantile(x, 0.9), torch.quantile(x, 0.9)), (n, dtype)
+    monkeypatch.setattr(torch, "quantile", lambda *a, **k: pytest.fail("the stage called torch.quantile"))
+    logits, labels, adv, mask, _ = _batch(False)
+    out = rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, validate=False)
+    assert _lengths(out.metrics) == approx(WANT, "by_hand.relative")
+    monkeypatch.undo()
+    compiled = torch.compile(lambda x: _quantile(x, 0.9), fullgraph=True, dynamic=True)
+    for n in (5, 17):
+        x = torch.rand(n, generator=gen) * 100
+        assert_close(compiled(x), torch.quantile(x, 0.9), **tol("compiled_lerp"), name="p90")
     torch._dynamo.reset()
