@@ -1,4 +1,5 @@
-"""csrc/ compiles for sm_90 without a GPU: no errors, no unexplained warnings, no local-memory spills.
+"""csrc/ compiles for sm_80, sm_90, sm_100 and sm_120 without a GPU: no errors, no unexplained warnings, no
+local-memory spills.
 
 nvcc compiles each .cu with the flags the real build uses (torch's COMMON_NVCC_FLAGS, the nvcc flags
 of setup.py, torch's ABI define) plus `-Xptxas -v`, whose per-kernel resource report is parsed; g++
@@ -26,7 +27,13 @@ from rlkernels.backends.cuda_backend import CSRC_DIR, NVCC_ARCH_FLAGS, NVCC_FLAG
 pytestmark = pytest.mark.cuda_compile
 
 CU_FILES = sorted(p.name for p in CSRC_DIR.glob("*.cu"))
-ARCH = "-gencode=arch=compute_90,code=sm_90"
+# Ampere, Hopper, Blackwell datacentre (B200) and consumer (RTX 50): nvcc 13 compiles all four offline
+ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
+
+
+def _gencode(arch: str) -> str:
+    cc = arch.split("_")[1]
+    return f"-gencode=arch=compute_{cc},code={arch}"
 # Warnings that are expected and harmless, each with the reason. Anything else fails the test.
 ALLOWED_WARNINGS = {
     # (none so far: keep this a dict of regex -> justification)
@@ -74,10 +81,10 @@ def _run(cmd):
     return proc.returncode, proc.stdout + proc.stderr, cmd
 
 
-def _nvcc_cmd(src: Path, obj: Path):
+def _nvcc_cmd(src: Path, obj: Path, arch: str):
     # -std=c++17: the kernels include no torch header, so they build under the standard of every torch >= 2.4
     return (
-        [NVCC, "-c", str(src), "-o", str(obj), ARCH, "-std=c++17", "-Xptxas=-v,-warn-spills,-warn-lmem-usage",
+        [NVCC, "-c", str(src), "-o", str(obj), _gencode(arch), "-std=c++17", "-Xptxas=-v,-warn-spills,-warn-lmem-usage",
          "-Xcompiler=-fPIC,-Wall,-Wextra"]
         + NVCC_FLAGS + cpp_extension.COMMON_NVCC_FLAGS + _torch_defines() + _torch_includes("-I")
     )
@@ -98,7 +105,8 @@ def builds(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): cannot compile csrc/*.cu")
     out = tmp_path_factory.mktemp("cuda_compile")
-    jobs = {name: _nvcc_cmd(CSRC_DIR / name, out / f"{name}.o") for name in CU_FILES}
+    jobs = {(name, arch): _nvcc_cmd(CSRC_DIR / name, out / f"{name}.{arch}.o", arch)
+            for name in CU_FILES for arch in ARCHS}
     if CXX is not None and Path(sysconfig.get_paths()["include"], "Python.h").is_file():
         jobs["bindings.cpp"] = _bindings_cmd(out / "bindings.cpp.o")
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -147,16 +155,17 @@ def ptxas_resources(log: str):
     return {_short(n): v for n, v in zip(names, table.values())}
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", CU_FILES)
-def test_cu_compiles_for_sm90_without_spills(builds, name):
-    rc, log, cmd = builds["results"][name]
+def test_cu_compiles_without_spills(builds, name, arch):
+    rc, log, cmd = builds["results"][name, arch]
     assert rc == 0, f"nvcc failed on {name}:\n{' '.join(cmd)}\n{log}"
     warnings = _unexplained_warnings(log)
     assert not warnings, (f"{name}: unexplained warnings (fix them or justify them in ALLOWED_WARNINGS):\n"
                           + "\n".join(warnings))
     table = ptxas_resources(log)
     assert table, f"{name}: no kernel in the ptxas report:\n{log}"
-    print(f"\n{name} (sm_90): kernel | registers | stack | spill st/ld | smem")
+    print(f"\n{name} ({arch}): kernel | registers | stack | spill st/ld | smem")
     for kernel, r in sorted(table.items()):
         print(f"  {kernel:55s} {r['registers']:4d} regs {r['stack']:4d} B stack "
               f"{r['spill_stores']}/{r['spill_loads']} B spill {r['smem']:4d} B smem")
@@ -180,7 +189,7 @@ def test_bindings_compile_and_link_against_the_launchers(builds):
     if shutil.which("nm") is None:
         pytest.skip("nm not found: launcher symbols not cross-checked")
     for name in CU_FILES:
-        assert builds["results"][name][0] == 0, f"{name} did not compile"
+        assert builds["results"][name, "sm_90"][0] == 0, f"{name} did not compile"
 
     def symbols(obj, flag):
         proc = subprocess.run(["nm", "-C", flag, str(obj)], capture_output=True, text=True, check=True)
@@ -191,7 +200,7 @@ def test_bindings_compile_and_link_against_the_launchers(builds):
     needed = symbols(builds["dir"] / "bindings.cpp.o", "--undefined-only")
     defined = set()
     for name in CU_FILES:
-        defined |= symbols(builds["dir"] / f"{name}.o", "--defined-only")
+        defined |= symbols(builds["dir"] / f"{name}.sm_90.o", "--defined-only")
     assert needed, "bindings.cpp calls no launcher?"
     assert needed <= defined, f"launchers declared in common.cuh but not defined alike: {needed - defined}"
 

@@ -1,8 +1,10 @@
-"""Ahead-of-time compile of every Triton kernel configuration for sm_80 and sm_90, without a GPU.
+"""Ahead-of-time compile of the Triton kernels for every target, without a GPU: every configuration for sm_80 and
+sm_90, the bracketing ones (optional features all on, all off) for sm_100, sm_120, gfx942 and gfx950.
 
-The harness (rlkernels/kernels/triton/aot.py) runs in a subprocess without TRITON_INTERPRET (this
-test session sets it, and interpreted kernels cannot be compiled). It fails on a compile error or
-any register spill; `pytest -s` prints its table (registers, spills, stack, shared, widest load).
+The harness (rlkernels/kernels/triton/aot.py) runs in a subprocess without TRITON_INTERPRET (this test session
+sets it, and interpreted kernels cannot be compiled), one test per target so that the workers share them out. It
+fails on a compile error, a register spill or an occupancy below the floor; `pytest -s` prints its table
+(registers, spills, stack, shared, widest load, occupancy and its limiter).
 """
 
 import os
@@ -13,7 +15,7 @@ import sys
 import pytest
 import triton
 
-from rlkernels.kernels.triton import aot, token_grad, token_stats
+from rlkernels.kernels.triton import aot, divergences, token_grad, token_stats
 from rlkernels.kernels.triton.tl_math import vocab_config
 
 pytestmark = pytest.mark.aot
@@ -60,26 +62,68 @@ def test_widest_global_load_parser():
 def test_compile_spec_refuses_interpreted_kernels():
     if not isinstance(token_stats._token_stats_fwd_kernel, triton.runtime.JITFunction):
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-            aot.compile_spec(token_stats.aot_specs()[0], 90)
+            aot.compile_spec(token_stats.aot_specs()[0], "sm_90")
 
 
-def test_aot_compile_sm80_sm90_no_spills():
+def test_occupancy_arithmetic():
+    # by hand, the CUDA occupancy calculator's way: 57 registers -> 8 units of 256 per warp -> 32 warps of 64K
+    assert aot.occupancy(90, 57, 1088, 16) == (0.5, "registers")
+    assert aot.occupancy(90, 32, 0, 4) == (1.0, "warps")  # 16 blocks of 4 warps fill the 64
+    assert aot.occupancy(80, 32, 100 * 1024, 4) == (4 / 64, "shared")  # one 100 KiB block fits in 164 KiB
+    assert aot.occupancy(120, 64, 0, 16) == (2 / 3, "registers")  # 32 of the consumer SM's 48 warps
+    assert aot.occupancy(90, 16, 0, 1) == (0.5, "blocks")  # 32 one-warp blocks
+
+
+def test_amd_listing_parser():
+    listing = """
+      .sgpr_count:     50
+      .sgpr_spill_count: 0
+      .vgpr_count:     29
+      .vgpr_spill_count: 3
+    ; Occupancy: 6
+    ; ScratchSize: 16
+    """
+    usage = aot.amd_usage(listing)
+    assert (usage["vgpr_count"], usage["vgpr_spill_count"], usage["ScratchSize"], usage["Occupancy"]) == (29, 3, 16, 6)
+    with pytest.raises(RuntimeError, match="Occupancy"):
+        aot.amd_usage(listing.replace("; Occupancy: 6", ""))
+
+
+def test_brackets_are_the_all_on_and_all_off_variants():
+    specs = token_stats.aot_specs()
+    bracket = [s for s in specs if aot.brackets(s)]
+    assert len(bracket) * 4 == len(specs)  # 2 of the 8 combinations of three flags
+    assert {tuple(v for v in s.constexprs.values() if isinstance(v, bool)) for s in bracket} == \
+        {(True, True, True), (False, False, False)}
+
+
+def _expected_compiles(target):
+    modules = (token_stats, token_grad, divergences)
+    if target in aot.EVERY_CONFIG_TARGETS:
+        return sum(len(m.aot_specs()) for m in modules)
+    return sum(aot.brackets(s) for m in modules for s in m.aot_specs())
+
+
+@pytest.mark.parametrize("target", list(aot.TARGETS))
+def test_aot_compile_no_spills_and_enough_occupancy(target):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "rlkernels.kernels.triton.aot", "--cc", "80", "90"],
+        [sys.executable, "-m", "rlkernels.kernels.triton.aot", "--target", target],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
     )
     print(proc.stdout)
     assert proc.returncode == 0, (
         f"AOT harness failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     )
-    n_specs = len(token_stats.aot_specs()) + len(token_grad.aot_specs())
+    n = _expected_compiles(target)
     summary = re.search(r"(\d+) compiles \((\d+) clean\)", proc.stdout)
     assert summary, proc.stdout[-2000:]
-    assert int(summary.group(1)) >= 2 * n_specs and summary.group(1) == summary.group(2), summary.group(0)
+    assert int(summary.group(1)) == n and summary.group(1) == summary.group(2), summary.group(0)
     rows = [line.split() for line in proc.stdout.splitlines()]
-    rows = [f for f in rows if len(f) == 10 and f[9].startswith(("token_stats_fwd[", "token_grad_bwd["))]
-    assert len(rows) == 2 * n_specs
-    for fields in rows:  # columns: cc warps stages regs spills stack shared ldg sec name
+    rows = [f for f in rows if len(f) == 12 and f[0] == target]
+    assert len(rows) == n
+    for fields in rows:  # columns: aot.COLUMNS, then the kernel's configuration
         assert fields[4] == "0", f"spills: {fields}"
-        assert fields[7] == "128", f"no 16-byte loads of the logits: {fields}"
+        assert float(fields[8]) >= aot.OCCUPANCY_FLOOR, f"occupancy: {fields}"
+        if target.startswith("sm_") and fields[11].startswith(("token_stats_fwd[", "token_grad_bwd[")):
+            assert fields[7] == "128", f"no 16-byte loads of the logits: {fields}"

@@ -1,11 +1,12 @@
-"""Ahead-of-time compile check of every Triton kernel configuration, without a GPU.
+"""Ahead-of-time compile check of every Triton kernel configuration for every target, without a GPU.
 
-`python -m rlkernels.kernels.triton.aot [--cc 80 90]` compiles every `AotSpec` of every module under
-rlkernels/kernels/triton/ that defines `aot_specs()` (found with pkgutil, so new kernel modules join
-automatically) to a cubin for each compute capability, reads its resource usage with the cuobjdump
-shipped in Triton's package, and prints one row per (spec, cc): registers, spill bytes (LOCAL),
-stack, static shared memory and the widest global load (128 = 16-byte vector loads).
-It exits 1 on any compile error or any spill.
+`python -m rlkernels.kernels.triton.aot [--target sm_80 sm_90 sm_100 sm_120 gfx942 gfx950]` compiles every
+`AotSpec` of every module under rlkernels/kernels/triton/ that defines `aot_specs()` (found with pkgutil, so new
+kernel modules join automatically) through Triton's own pipeline down to the machine code of each target (ptxas
+for NVIDIA, the AMD backend's assembler for ROCm: both ship with Triton's wheel, so no GPU and no toolkit are
+needed), and prints one row per (spec, target): registers, spills, stack, shared memory, the widest global load
+(NVIDIA: 128 = 16-byte vector loads) and the theoretical occupancy with what limits it (`occupancy()`). It exits 1
+on any compile error, any spill, or an occupancy below OCCUPANCY_FLOOR.
 
 Under TRITON_INTERPRET=1, `@triton.jit` yields interpreter objects that cannot be compiled, so the
 command re-runs itself in a child process without that variable.
@@ -23,7 +24,33 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-DEFAULT_CCS = (80, 90)
+# name -> Triton's GPUTarget(backend, arch, warp size). Ampere, Hopper, Blackwell datacentre (B200) and consumer
+# (RTX 50), and AMD's CDNA3 (MI300) and CDNA4 (MI350).
+TARGETS = {
+    "sm_80": ("cuda", 80, 32), "sm_90": ("cuda", 90, 32), "sm_100": ("cuda", 100, 32), "sm_120": ("cuda", 120, 32),
+    "gfx942": ("hip", "gfx942", 64), "gfx950": ("hip", "gfx950", 64),
+}
+# Every configuration compiles for these; for the others, each (kernel, dtype, tier) with its optional features all
+# on (the most code and registers) and all off, which bracket the combinations in between at a quarter of the
+# compiles (CI has two cores). `--every-config` compiles every configuration for every target.
+EVERY_CONFIG_TARGETS = ("sm_80", "sm_90")
+# Per NVIDIA compute capability (CUDA C++ Programming Guide, "Technical Specifications per Compute Capability"):
+# resident warps and blocks per SM, 32-bit registers per SM, shared memory per SM (bytes). Registers are allocated
+# per warp in units of 256; each block also reserves 1 KiB of shared memory (compute capability >= 8.0).
+SM_LIMITS = {
+    80: dict(warps=64, blocks=32, registers=65536, shared=164 * 1024),
+    90: dict(warps=64, blocks=32, registers=65536, shared=228 * 1024),
+    100: dict(warps=64, blocks=32, registers=65536, shared=228 * 1024),
+    120: dict(warps=48, blocks=32, registers=65536, shared=100 * 1024),
+}
+RESERVED_SHARED_PER_BLOCK = 1024
+REGISTER_UNIT = 256
+# AMD CDNA3/CDNA4: waves per SIMD at most (the occupancy LLVM reports, "; Occupancy: N", is out of this)
+WAVES_PER_SIMD = 8
+# The gate: a kernel that streams the logits once needs enough loads in flight to cover the memory latency
+# (Little's law: 4.8 TB/s x ~0.6 us ~ 2.9 MB across an H200's 132 SMs, ~22 KB per SM). Below a quarter of the
+# SM's warps (16 of 64 on Hopper; 2 of 8 waves per SIMD on CDNA) with 16-byte loads that is out of reach.
+OCCUPANCY_FLOOR = 0.25
 _RESOURCE_RE = re.compile(r"(REG|STACK|SHARED|LOCAL):(\d+)")
 # ld.global[.cache hints][.v2|.v4].b16|.b32|...: the PTX global loads (ptxas keeps their width; read
 # from the PTX because `cuobjdump --dump-sass` costs ~1 s per kernel)
@@ -33,20 +60,22 @@ _LD_GLOBAL_RE = re.compile(r"\bld\.global((?:\.[\w:]+)+)")
 @dataclass
 class AotResult:
     name: str
-    cc: int
+    target: str
     num_warps: int
     num_stages: int
-    regs: Optional[int] = None
-    spills: Optional[int] = None  # LOCAL bytes per thread
+    regs: Optional[int] = None  # per thread (NVIDIA) or VGPRs per lane (AMD)
+    spills: Optional[int] = None  # NVIDIA: LOCAL bytes per thread; AMD: spilled registers + scratch bytes
     stack: Optional[int] = None
-    shared: Optional[int] = None
-    ldg_bits: Optional[int] = None  # widest global load
+    shared: Optional[int] = None  # bytes per block: static + what the launch asks for dynamically
+    ldg_bits: Optional[int] = None  # widest global load (NVIDIA; 0 where not read)
+    occupancy: Optional[float] = None  # resident warps (waves) over the most the SM (SIMD) holds
+    limiter: str = ""
     seconds: float = 0.0
     error: Optional[str] = None
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.spills == 0
+        return self.error is None and self.spills == 0 and self.occupancy >= OCCUPANCY_FLOOR
 
 
 def _nvidia_bin(tool: str) -> str:
@@ -58,15 +87,26 @@ def _nvidia_bin(tool: str) -> str:
     return path
 
 
-def compile_spec(spec, cc: int):
-    """Compile one AotSpec for sm_<cc>; returns the CompiledKernel (asm["cubin"], asm["ptx"], ...).
+def gpu_target(target):
+    """Triton's GPUTarget of a TARGETS name (or a bare NVIDIA compute capability, 90 for sm_90)."""
+    from triton.backends.compiler import GPUTarget
+
+    if isinstance(target, int):
+        target = f"sm_{target}"
+    if target not in TARGETS:
+        raise ValueError(f"target: expected one of {sorted(TARGETS)}, got {target!r}")
+    return GPUTarget(*TARGETS[target])
+
+
+def compile_spec(spec, target):
+    """Compile one AotSpec for a target of TARGETS; returns the CompiledKernel (asm["cubin"] and asm["ptx"] for
+    NVIDIA, asm["amdgcn"] and asm["hsaco"] for AMD, ...).
 
     Arguments named in `spec.aligned` get tt.divisibility=16, the specialisation the JIT gives
     16-byte-aligned pointers and 16-divisible integers; without it the SASS shows the narrow loads
     of an unaligned launch instead of the 16-byte ones a real launch gets.
     """
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if not isinstance(spec.fn, triton.runtime.JITFunction):
@@ -84,7 +124,7 @@ def compile_spec(spec, cc: int):
     signature = {k: spec.signature[k] for k in arg_names}  # in argument order
     src = ASTSource(fn=spec.fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(
-        src, target=GPUTarget("cuda", cc, 32), options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+        src, target=gpu_target(target), options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     )
 
 
@@ -119,14 +159,59 @@ def resource_usage(cubin: bytes) -> Dict[str, int]:
     return found
 
 
-def run_spec(spec, cc: int) -> AotResult:
-    res = AotResult(spec.name, cc, spec.num_warps, spec.num_stages)
+_AMD_RE = re.compile(r"^\s*(?:\.(vgpr_count|sgpr_count|agpr_count|vgpr_spill_count|sgpr_spill_count):\s*(\d+)"
+                     r"|; (ScratchSize|Occupancy): (\d+))", re.M)
+
+
+def amd_usage(amdgcn: str) -> Dict[str, int]:
+    """VGPRs, AGPRs, SGPRs, spilled registers, scratch bytes and LLVM's occupancy (waves per SIMD) of the kernel
+    in an AMDGCN assembly listing (its metadata block and the comments LLVM writes after the function)."""
+    found: Dict[str, int] = {}
+    for key, value, comment, number in _AMD_RE.findall(amdgcn):
+        found[key or comment] = int(value or number)
+    wanted = {"vgpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count", "ScratchSize", "Occupancy"}
+    missing = wanted - set(found)
+    if missing:
+        raise RuntimeError(f"AMDGCN listing: no {sorted(missing)}")
+    return found
+
+
+def occupancy(cc: int, regs: int, shared: int, num_warps: int):
+    """(fraction of the SM's warps resident, the limiter) of a kernel with `regs` registers per thread, `shared`
+    bytes of shared memory per block and `num_warps` warps per block on compute capability `cc`: the CUDA occupancy
+    calculator's arithmetic (warps, blocks, registers in 256-register units per warp, shared memory with the 1 KiB
+    each block reserves)."""
+    limits = SM_LIMITS[cc]
+    per_warp = -(-max(regs, 1) * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    blocks = {
+        "warps": limits["warps"] // num_warps,
+        "blocks": limits["blocks"],
+        "registers": (limits["registers"] // per_warp) // num_warps,
+        "shared": limits["shared"] // (shared + RESERVED_SHARED_PER_BLOCK),
+    }
+    limiter = min(blocks, key=blocks.get)
+    return blocks[limiter] * num_warps / limits["warps"], limiter
+
+
+def run_spec(spec, target) -> AotResult:
+    if isinstance(target, int):
+        target = f"sm_{target}"
+    res = AotResult(spec.name, target, spec.num_warps, spec.num_stages)
     t0 = time.perf_counter()
     try:
-        kernel = compile_spec(spec, cc)
-        usage = resource_usage(kernel.asm["cubin"])
-        res.regs, res.spills, res.stack, res.shared = usage["REG"], usage["LOCAL"], usage["STACK"], usage["SHARED"]
-        res.ldg_bits = widest_global_load(kernel.asm["ptx"])
+        kernel = compile_spec(spec, target)
+        if TARGETS[target][0] == "cuda":
+            usage = resource_usage(kernel.asm["cubin"])
+            res.regs, res.spills, res.stack = usage["REG"], usage["LOCAL"], usage["STACK"]
+            res.shared = usage["SHARED"] + kernel.metadata.shared
+            res.ldg_bits = widest_global_load(kernel.asm["ptx"])
+            res.occupancy, res.limiter = occupancy(TARGETS[target][1], res.regs, res.shared, spec.num_warps)
+        else:
+            usage = amd_usage(kernel.asm["amdgcn"])
+            res.regs, res.stack, res.shared, res.ldg_bits = usage["vgpr_count"], 0, kernel.metadata.shared, 0
+            res.spills = usage["vgpr_spill_count"] + usage["sgpr_spill_count"] + usage["ScratchSize"]
+            res.occupancy = usage["Occupancy"] / WAVES_PER_SIMD
+            res.limiter = "registers" if usage["Occupancy"] < WAVES_PER_SIMD else "waves"
     except Exception as exc:  # reported in the table; the exit status says it failed
         first = str(exc).strip().splitlines()
         res.error = f"{type(exc).__name__}: {first[0] if first else ''}"[:200]
@@ -153,18 +238,24 @@ def discover_specs(only: Optional[str] = None):
     return out
 
 
+def brackets(spec) -> bool:
+    """Whether a spec has its optional features (the boolean constexprs) all on or all off."""
+    flags = [v for v in spec.constexprs.values() if isinstance(v, bool)]
+    return all(flags) or not any(flags)
+
+
 _WORKER_SPECS: Dict[str, list] = {}
 
 
 def _run_indexed(job) -> AotResult:
-    """Worker entry: (module name, spec index, cc). Specs hold JITFunctions, which do not pickle, so
+    """Worker entry: (module name, spec index, target). Specs hold JITFunctions, which do not pickle, so
     each worker process imports the kernel module itself."""
-    module, index, cc = job
+    module, index, target = job
     if module not in _WORKER_SPECS:
         from . import __name__ as pkg_name
 
         _WORKER_SPECS[module] = list(importlib.import_module(f"{pkg_name}.{module}").aot_specs())
-    return run_spec(_WORKER_SPECS[module][index], cc)
+    return run_spec(_WORKER_SPECS[module][index], target)
 
 
 def run_all(jobs, workers: int) -> List[AotResult]:
@@ -177,25 +268,32 @@ def run_all(jobs, workers: int) -> List[AotResult]:
         return pool.map(_run_indexed, jobs, chunksize=1)
 
 
+COLUMNS = ("target", "warps", "stages", "regs", "spills", "stack", "shared", "ldg", "occ", "limiter", "sec")
+
+
 def format_table(results: List[AotResult]) -> str:
-    """One row per (spec, cc); numbers first so that long kernel names cannot push them apart."""
-    head = (f"{'cc':>3} {'warps':>5} {'stages':>6} {'regs':>4} {'spills':>6} {'stack':>5} {'shared':>6} {'ldg':>4} "
-            f"{'sec':>5}  kernel config")
+    """One row per (spec, target); numbers first so that long kernel names cannot push them apart (the columns:
+    COLUMNS, then the kernel's configuration)."""
+    head = (f"{'target':>6} {'warps':>5} {'stages':>6} {'regs':>4} {'spills':>6} {'stack':>5} {'shared':>6} {'ldg':>4} "
+            f"{'occ':>4} {'limiter':>9} {'sec':>5}  kernel config")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.error:
-            lines.append(f"{r.cc:>3} {r.num_warps:>5} {r.num_stages:>6} {'ERROR':>4}  {r.name}: {r.error}")
+            lines.append(f"{r.target:>6} {r.num_warps:>5} {r.num_stages:>6} {'ERROR':>4}  {r.name}: {r.error}")
             continue
         lines.append(
-            f"{r.cc:>3} {r.num_warps:>5} {r.num_stages:>6} {r.regs:>4} {r.spills:>6} {r.stack:>5} {r.shared:>6} "
-            f"{r.ldg_bits:>4} {r.seconds:>5.2f}  {r.name}"
+            f"{r.target:>6} {r.num_warps:>5} {r.num_stages:>6} {r.regs:>4} {r.spills:>6} {r.stack:>5} {r.shared:>6} "
+            f"{r.ldg_bits:>4} {r.occupancy:>4.2f} {r.limiter:>9} {r.seconds:>5.2f}  {r.name}"
         )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlkernels.kernels.triton.aot", description=__doc__.split("\n")[0])
-    parser.add_argument("--cc", type=int, nargs="+", default=list(DEFAULT_CCS), help="compute capabilities (80 90)")
+    parser.add_argument("--target", nargs="+", default=list(TARGETS), choices=list(TARGETS),
+                        help="targets (default: all of them)")
+    parser.add_argument("--every-config", action="store_true",
+                        help="every configuration for every target (default: EVERY_CONFIG_TARGETS only)")
     parser.add_argument("--only", default=None, help="only kernel modules whose name contains this")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles (default: all cores)")
     args = parser.parse_args(argv)
@@ -213,12 +311,15 @@ def main(argv=None) -> int:
         if isinstance(specs, str):
             failures.append(f"{module}: {specs}")
             continue
-        jobs += [(module, i, cc) for i in range(len(specs)) for cc in args.cc]
+        jobs += [(module, i, target) for i, spec in enumerate(specs) for target in args.target
+                 if args.every_config or target in EVERY_CONFIG_TARGETS or brackets(spec)]
     t0 = time.perf_counter()
     results = run_all(jobs, args.jobs)
     print(format_table(results))
-    failures += [f"{r.name} sm_{r.cc}: {r.error}" for r in results if r.error]
-    failures += [f"{r.name} sm_{r.cc}: {r.spills} bytes spilled" for r in results if not r.error and r.spills]
+    failures += [f"{r.name} {r.target}: {r.error}" for r in results if r.error]
+    failures += [f"{r.name} {r.target}: {r.spills} spilled" for r in results if not r.error and r.spills]
+    failures += [f"{r.name} {r.target}: occupancy {r.occupancy:.2f} ({r.limiter}) below {OCCUPANCY_FLOOR}"
+                 for r in results if not r.error and r.occupancy < OCCUPANCY_FLOOR]
     clean = sum(r.ok for r in results)
     print(f"\n{len(results)} compiles ({clean} clean) in {time.perf_counter() - t0:.1f} s wall, {args.jobs} jobs")
     if not results and not failures:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .aot_spec import AotSpec
-from .tl_math import TRITON_DTYPES, all_vocab_configs, safe_shift, vocab_config
+from .tl_math import TRITON_DTYPES, all_pair_configs, pair_config, safe_shift
 from .token_stats import device_guard, grouped_strides
 
 STATS = 9  # kl, reverse_kl, chi2, tv, Σ π s, and (row max, log-normaliser) of z and of r
@@ -181,7 +181,7 @@ def full_divergences_fwd(logits: torch.Tensor, reference: torch.Tensor, active: 
     if N == 0:
         return FullDivergences(stats)
     rows_per_group, stride_g, stride_n = grouped_strides(logits)
-    cfg = vocab_config(V)
+    cfg = pair_config(V)
     grid = (triton.cdiv(N, cfg.BLOCK_N),)
     with device_guard(logits):
         _full_divergences_fwd_kernel[grid](
@@ -202,7 +202,7 @@ def full_divergences_bwd(logits: torch.Tensor, reference: torch.Tensor, stats: t
     if N == 0:
         return grad
     rows_per_group, stride_g, stride_n = grouped_strides(logits)
-    cfg = vocab_config(V)
+    cfg = pair_config(V)
     grid = (triton.cdiv(N, cfg.BLOCK_N),)
     with device_guard(logits):
         _full_divergences_bwd_kernel[grid](
@@ -217,7 +217,7 @@ def aot_specs():
     """One AotSpec per (logits dtype, tier) for each of the two kernels (the reference shares the logits' dtype)."""
     specs = []
     for dtype in TRITON_DTYPES.values():
-        for cfg in all_vocab_configs():
+        for cfg in all_pair_configs():
             constexprs = {"BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V}
             fwd = {"z_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "active_ptr": "*i8", "stats_ptr": "*fp32",
                    "N": "i32", "V": "i32", "rows_per_group": "i32", "stride_z_g": "i64", "stride_z_n": "i32",
