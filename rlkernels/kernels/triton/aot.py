@@ -288,6 +288,23 @@ def format_table(results: List[AotResult]) -> str:
     return "\n".join(lines)
 
 
+def summary(results: List[AotResult]) -> str:
+    """Per kernel and target, over its configurations: registers (min-max), the most spilled, the most shared
+    memory, and the lowest occupancy with its limiter (the table of docs/backends.md)."""
+    groups: Dict[tuple, List[AotResult]] = {}
+    for r in results:
+        if not r.error:
+            groups.setdefault((r.name.split("[")[0], r.target), []).append(r)
+    lines = ["| kernel | target | configs | registers | spills | shared (B) | lowest occupancy |",
+             "|---|---|---|---|---|---|---|"]
+    for (kernel, target), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], list(TARGETS).index(kv[0][1]))):
+        low = min(rows, key=lambda r: r.occupancy)
+        regs = sorted(r.regs for r in rows)
+        lines.append(f"| {kernel} | {target} | {len(rows)} | {regs[0]}-{regs[-1]} | {max(r.spills for r in rows)} | "
+                     f"{max(r.shared for r in rows)} | {low.occupancy:.2f} ({low.limiter}) |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlkernels.kernels.triton.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--target", nargs="+", default=list(TARGETS), choices=list(TARGETS),
@@ -316,6 +333,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     results = run_all(jobs, args.jobs)
     print(format_table(results))
+    print()
+    print(summary(results))
     failures += [f"{r.name} {r.target}: {r.error}" for r in results if r.error]
     failures += [f"{r.name} {r.target}: {r.spills} spilled" for r in results if not r.error and r.spills]
     failures += [f"{r.name} {r.target}: occupancy {r.occupancy:.2f} ({r.limiter}) below {OCCUPANCY_FLOOR}"

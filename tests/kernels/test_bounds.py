@@ -1,0 +1,143 @@
+"""Every Triton kernel, in every configuration the vocabulary-tier heuristic picks, touches only the elements of the
+tensors it is given (rlkernels/testing/bounds.py: each load and store of the interpreter checked against the
+launch's tensors, the inputs given as views with a gap on every side). The shapes are the ones a GPU run would
+meet first, shrunk to what the interpreter runs quickly: a vocabulary that is not a multiple of the block in each
+tier, a partial last block of rows, -1, out-of-range and foreign (-2) labels, the causal-shift view
+[B, T + 1, V][:, :-1], a per-row temperature, the backward in place. Rows past 2^31 elements and 262,144-id
+vocabularies run compiled on a GPU (test_gpu_kernels.py). A copy of the forward kernel with one mask removed is
+caught at its line, so the check can fail.
+"""
+
+import importlib.util
+import inspect
+import re
+
+import pytest
+import torch
+from triton import cdiv as triton_cdiv
+
+from rlkernels.kernels.triton import divergences, token_grad, token_stats
+from rlkernels.kernels.triton.tl_math import VOCAB_TIERS, pair_config, vocab_config
+from rlkernels.testing.bounds import bounds_checked, guarded
+
+from ..cases import interpreted
+
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.skipif(not interpreted(), reason="the bounds check runs the kernels through Triton's interpreter"),
+    pytest.mark.filterwarnings("ignore:(divide by zero|invalid value|overflow) encountered:RuntimeWarning"),
+]
+
+# one vocabulary inside each tier, odd (so its last block is partial); the last tier's is past one 8192 block
+TIER_VOCABS = [37, 131, 517, 2053, 8197]
+assert [vocab_config(V).BLOCK_V for V in TIER_VOCABS] == [tier[1] for tier in VOCAB_TIERS]
+
+
+def _rows(V):
+    return 2 * vocab_config(V).BLOCK_N + 1  # a partial last block of rows (one row per program: three rows)
+
+
+def _labels(N, V, gen):
+    labels = torch.randint(0, V, (N,), generator=gen)
+    labels[1::4], labels[2::4] = -1, V  # skipped: ignored, and out of range
+    labels[3::4] = -2  # a foreign target (vocabulary parallelism): statistics, no logprob
+    return labels
+
+
+def _assert_clean(violations):
+    assert not violations, "\n".join(map(str, violations))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("V", TIER_VOCABS)
+@pytest.mark.parametrize("layout", ["rows", "causal_shift"])
+def test_token_kernels_stay_inside_their_tensors(layout, V, dtype):
+    gen = torch.Generator().manual_seed(V)
+    if layout == "rows":
+        N = _rows(V)
+        plain = torch.randn(N, V, generator=gen).to(dtype)
+        logits = guarded(plain)
+    else:  # [B, T + 1, V][:, :-1]: the last position of each sequence is in the allocation and no element
+        B, T = 2, (_rows(V) + 1) // 2
+        whole = guarded(torch.randn(B, T + 1, V, generator=gen).to(dtype))
+        logits, plain = whole[:, :-1], whole[:, :-1].contiguous()
+        N = B * T
+    labels = _labels(N, V, gen)
+    per_row_t = 0.5 + torch.rand(N, generator=gen)
+    c, e = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    with bounds_checked() as violations:
+        stats = token_stats.token_stats_fwd(logits, guarded(labels), guarded(per_row_t), True, True)
+        lean = token_stats.token_stats_fwd(logits, guarded(labels), 0.7, False, False)
+        grad = token_grad.token_grad_bwd(logits, guarded(labels), guarded(stats.row_max), guarded(stats.log_norm),
+                                         guarded(stats.entropy), guarded(c), guarded(e), guarded(per_row_t), False)
+        token_grad.token_grad_bwd(logits, guarded(labels), guarded(lean.row_max), guarded(lean.log_norm), None,
+                                  guarded(c), None, 0.7, False)
+        in_place = logits.clone() if layout == "rows" else guarded(whole.clone())[:, :-1]
+        token_grad.token_grad_bwd(in_place, guarded(labels), stats.row_max, stats.log_norm, stats.entropy, c, e,
+                                  per_row_t, True)
+    _assert_clean(violations)
+    # the guards' NaN never reached a result: the same launches on plain tensors give the same bits
+    expected = token_stats.token_stats_fwd(plain, labels, per_row_t, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(stats, expected))
+    expected_grad = token_grad.token_grad_bwd(plain, labels, stats.row_max, stats.log_norm, stats.entropy, c, e,
+                                              per_row_t, False)
+    assert torch.equal(grad.reshape(expected_grad.shape), expected_grad)
+    assert torch.equal(in_place.reshape(expected_grad.shape), expected_grad)
+
+
+@pytest.mark.parametrize("V", TIER_VOCABS)
+@pytest.mark.parametrize("layout", ["rows", "causal_shift"])
+def test_divergence_kernels_stay_inside_their_tensors(layout, V):
+    gen = torch.Generator().manual_seed(V)
+    N = 2 * pair_config(V).BLOCK_N + 1
+    if layout == "rows":
+        logits = guarded(torch.randn(N, V, generator=gen).to(torch.bfloat16))
+    else:
+        B, T = 2, (N + 1) // 2
+        logits = guarded(torch.randn(B, T + 1, V, generator=gen).to(torch.bfloat16))[:, :-1]
+        N = B * T
+    reference = guarded(torch.randn(N, V, generator=gen).to(torch.bfloat16))
+    active = torch.rand(N, generator=gen) < 0.7
+    coef = torch.randn(N, 4, generator=gen)
+    with bounds_checked() as violations:
+        stats = divergences.full_divergences_fwd(logits, reference, guarded(active), 0.9, 1.1).stats
+        divergences.full_divergences_bwd(logits, reference, guarded(stats), guarded(coef), 0.9, 1.1)
+    _assert_clean(violations)
+    assert torch.isfinite(stats).all()
+
+
+def _mutant(tmp_path):
+    """token_stats.py with the mask (and its padding value) taken off the logits load of the forward's loop; the
+    mutated line's number."""
+    source = inspect.getsource(token_stats)
+    load = 'z = tl.load(row_ptrs[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)'
+    assert source.count(load) == 1, "the forward's logits load changed: update the mutant"
+    mutated = source.replace(load, "z = tl.load(row_ptrs[:, None] + offs_v[None, :]).to(tl.float32)")
+    mutated = re.sub(r"^from \.\.(\w+) import", r"from rlkernels.kernels.\1 import", mutated, flags=re.M)
+    mutated = re.sub(r"^from \.(\w+) import", r"from rlkernels.kernels.triton.\1 import", mutated, flags=re.M)
+    path = tmp_path / "token_stats_mutant.py"
+    path.write_text(mutated)
+    spec = importlib.util.spec_from_file_location("token_stats_mutant", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    line = mutated.splitlines().index(next(ln for ln in mutated.splitlines() if "tl.load(row_ptrs[:, None]" in ln))
+    return module, f"{path.name}:{line + 1}"
+
+
+def test_a_load_without_its_mask_is_caught_at_its_line(tmp_path):
+    mutant, where = _mutant(tmp_path)
+    V = 131  # 256-wide blocks: the last 125 lanes of each row's block fall outside it
+    gen = torch.Generator().manual_seed(0)
+    logits = guarded(torch.randn(_rows(V), V, generator=gen))
+    labels = torch.randint(0, V, (_rows(V),), generator=gen)
+    with bounds_checked() as violations:
+        mutant.token_stats_fwd(logits, labels, 1.0, True, True)
+    assert violations, "the mutant's unmasked load went unnoticed"
+    print("\n".join(map(str, violations)))
+    assert {(v.kernel, v.where, v.op) for v in violations} == {("_token_stats_fwd_kernel", where, "load")}
+    # each program's stray lanes that land in a gap (those reaching the next row's elements are not counted:
+    # the gaps are narrower than a block)
+    assert all(v.lanes > 0 for v in violations) and len(violations) == triton_cdiv(_rows(V), vocab_config(V).BLOCK_N)
+    with bounds_checked() as violations:  # the kernel as shipped, same launch
+        token_stats.token_stats_fwd(logits, labels, 1.0, True, True)
+    _assert_clean(violations)
