@@ -5,6 +5,7 @@ from .api import (
     decoupled_ppo_loss,
     linear_decoupled_ppo_loss,
     linear_token_logprobs,
+    logprob_parity,
     metrics_to_floats,
     optimal_token_baseline,
     policy_loss,
@@ -15,14 +16,22 @@ from .api import (
     variance_proxy_metrics,
 )
 from .config import PolicyLossConfig, RolloutCorrection
-from .outputs import CorrectionOutput, DistillationOutput, PolicyLossOutput, TokenBaseline, TokenDivergences, TokenStats
+from .outputs import (
+    CorrectionOutput,
+    DistillationOutput,
+    LogprobParity,
+    PolicyLossOutput,
+    TokenBaseline,
+    TokenDivergences,
+    TokenStats,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorrectionOutput", "DistillationOutput", "PolicyLossConfig", "PolicyLossOutput", "RolloutCorrection",
-    "TokenBaseline", "TokenDivergences", "TokenStats", "decoupled_ppo_loss", "linear_decoupled_ppo_loss",
-    "linear_token_logprobs", "metrics_to_floats", "optimal_token_baseline", "policy_loss", "rollout_correction",
-    "schedules", "token_divergences", "token_logprobs", "topk_distillation_loss", "variance_proxy_metrics",
-    "__version__",
+    "CorrectionOutput", "DistillationOutput", "LogprobParity", "PolicyLossConfig", "PolicyLossOutput",
+    "RolloutCorrection", "TokenBaseline", "TokenDivergences", "TokenStats", "decoupled_ppo_loss",
+    "linear_decoupled_ppo_loss", "linear_token_logprobs", "logprob_parity", "metrics_to_floats",
+    "optimal_token_baseline", "policy_loss", "rollout_correction", "schedules", "token_divergences",
+    "token_logprobs", "topk_distillation_loss", "variance_proxy_metrics", "__version__",
 ]

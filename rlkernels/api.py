@@ -6,13 +6,14 @@ Only `ops` reads `backend=`. Inputs are never modified (unless `inplace_backward
 dlogits into the logits' storage and bumps their version counter).
 """
 
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 
 from . import ops, step
 from .config import PolicyLossConfig, RolloutCorrection
 from .inputs import (
+    DEFAULT_BUCKET_EDGES,
     Arguments,
     DistillationOptions,
     check_baseline_options,
@@ -23,6 +24,7 @@ from .inputs import (
     prepare_hidden_loss,
     prepare_linear_stats,
     prepare_logits_loss,
+    prepare_parity,
     prepare_policy,
     prepare_stats,
     prepare_variance_rows,
@@ -30,15 +32,17 @@ from .inputs import (
 from .outputs import (
     CorrectionOutput,
     DistillationOutput,
+    LogprobParity,
     PolicyLossOutput,
     TokenBaseline,
     TokenDivergences,
     TokenStats,
     shaped_stats,
 )
-from .stage import baseline
+from .stage import baseline, parity
 
-__all__ = ["decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs", "metrics_to_floats",
+__all__ = ["decoupled_ppo_loss", "linear_decoupled_ppo_loss", "linear_token_logprobs", "logprob_parity",
+           "metrics_to_floats",
            "optimal_token_baseline", "policy_loss", "rollout_correction", "token_divergences", "token_logprobs",
            "topk_distillation_loss", "variance_proxy_metrics"]
 
@@ -423,6 +427,35 @@ def variance_proxy_metrics(
                                             cu_seqlens, grad_norm)
     with torch.no_grad():
         return baseline.variance_proxy_metrics(rows, grad_norm)
+
+
+def logprob_parity(
+    trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
+    cu_seqlens: Optional[torch.Tensor] = None, bucket_edges: Sequence[float] = DEFAULT_BUCKET_EDGES,
+) -> LogprobParity:
+    """How far the trainer's log-probs are from the rollout engine's, on the response tokens: the certificate of an
+    engine-exact stack (NeMo-RL RFC #4039), and where a stack that is not departs.
+
+    Over the response tokens: the fraction whose two log-probs have the same bits; each sequence's first position
+    where they differ; per bucket of the rollout probability exp(rollout_logprobs), the token count and the mean
+    and max |trainer - rollout|. No host synchronisation: `metrics_to_floats(report.metrics)` reads every value
+    back with one.
+
+    Args:
+        trainer_logprobs: [B, T] (padded) or [N] (packed) float, the trainer's log-probs of the sampled tokens.
+        rollout_logprobs: like trainer_logprobs and of its dtype, the engine's (vLLM `logprobs`, SGLang
+            `output_token_logprobs`).
+        response_mask: like trainer_logprobs, bool or 0/1: the tokens compared.
+        cu_seqlens: [S + 1] offsets of the packed layout (None: a padded batch, or one packed sequence).
+        bucket_edges: increasing probabilities from 0.0 to 1.0; the last bucket includes 1.0.
+
+    Returns:
+        LogprobParity (rlkernels.outputs), with its values also as `metrics` (`logprob_parity/match_rate`,
+        `logprob_parity/p[0.1,0.5)/max_abs_diff`, ...).
+    """
+    rows = prepare_parity(trainer_logprobs, rollout_logprobs, response_mask, cu_seqlens, bucket_edges)
+    with torch.no_grad():
+        return LogprobParity(*parity.logprob_parity(rows, [float(e) for e in bucket_edges]))
 
 
 def metrics_to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:

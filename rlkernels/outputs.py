@@ -17,6 +17,20 @@ class PolicyLossOutput(NamedTuple):
     path: str = "logits"
 
 
+class LogprobParity(NamedTuple):
+    """The trainer's log-probs against the rollout engine's on the response tokens (`logprob_parity`); device
+    tensors, read back with one host sync through `metrics_to_floats(report.metrics)`."""
+    match_rate: torch.Tensor  # () the fraction of response tokens whose two log-probs have the same bits
+    matched: torch.Tensor  # () int64, how many
+    tokens: torch.Tensor  # () int64, response tokens
+    first_divergence: torch.Tensor  # [S] int64: each sequence's first response position that differs; -1: none
+    bucket_edges: torch.Tensor  # [K + 1] float64 edges of the rollout probability exp(rollout_logprobs)
+    bucket_tokens: torch.Tensor  # [K] int64 response tokens per bucket
+    bucket_mean_abs_diff: torch.Tensor  # [K] float64 mean |trainer - rollout| (0 in an empty bucket)
+    bucket_max_abs_diff: torch.Tensor  # [K] float64 max |trainer - rollout|
+    metrics: Dict[str, torch.Tensor]  # the same as 0-d tensors: logprob_parity/<name>, logprob_parity/p[a,b)/<name>
+
+
 class TokenStats(NamedTuple):
     logprobs: torch.Tensor
     entropy: Optional[torch.Tensor]

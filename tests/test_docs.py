@@ -103,3 +103,16 @@ def test_the_api_page_documents_every_public_name():
     names += [f"rlkernels.schedules.{n}" for n in schedules.__all__]
     missing = [n for n in names if f"::: {n}\n" not in page]
     assert not missing, f"public names without an entry in docs/api.md: {missing}"
+
+
+def test_numerics_parity_example_runs():
+    """docs/numerics.md's logprob_parity example runs as written and reports on every one of its response tokens,
+    under the metric names it shows."""
+    text = (ROOT / "docs" / "numerics.md").read_text()
+    block = text[text.index("```python") + len("```python"):]
+    block = block[:block.index("```")]
+    namespace = {}
+    exec(compile(block, "numerics.md", "exec"), namespace)
+    report = namespace["report"]
+    assert int(report.tokens) == 64 and 0.0 <= float(report.match_rate) <= 1.0
+    assert set(namespace["logs"]) == set(report.metrics) and "logprob_parity/p[0.9,1]/max_abs_diff" in report.metrics

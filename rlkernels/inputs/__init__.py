@@ -7,6 +7,7 @@ before any kernel runs.
     sampler.py      the sampler's temperature, kept ids and top-k / logits (SamplerHead)
     divergences.py  a second distribution beside the logits: token_divergences, topk_distillation_loss
     baseline.py     the optimal token baseline and the variance proxies
+    parity.py       logprob_parity: two log-prob tensors compared bit for bit
 """
 
 from .baseline import check_baseline_options, prepare_baseline_rows, prepare_variance_rows
@@ -29,9 +30,13 @@ from .divergences import (
     prepare_distillation,
     prepare_divergences,
 )
+from .parity import DEFAULT_BUCKET_EDGES, ParityRows, prepare_parity
 from .sampler import SamplerHead
 
-__all__ = ["Arguments", "CorrectionInputs", "DistillationInputs", "DistillationOptions", "DivergenceInputs",
-           "PreparedBatch", "SamplerHead", "check_baseline_options", "prepare_baseline_rows", "prepare_correction",
-           "prepare_distillation", "prepare_divergences", "prepare_hidden_loss", "prepare_linear_stats",
-           "prepare_logits_loss", "prepare_loss", "prepare_policy", "prepare_stats", "prepare_variance_rows"]
+__all__ = [
+    "DEFAULT_BUCKET_EDGES", "Arguments", "CorrectionInputs", "DistillationInputs", "DistillationOptions",
+    "DivergenceInputs", "ParityRows", "PreparedBatch", "SamplerHead", "prepare_parity", "check_baseline_options",
+    "prepare_baseline_rows", "prepare_correction", "prepare_distillation", "prepare_divergences",
+    "prepare_hidden_loss", "prepare_linear_stats", "prepare_logits_loss", "prepare_loss", "prepare_policy",
+    "prepare_stats", "prepare_variance_rows",
+]
