@@ -15,6 +15,8 @@ Providers:
   rlkernels[linear]           rlkernels.linear_decoupled_ppo_loss (no [N, V] logits); both cases take its
                               one-pass form (the gradient formed in the forward: 3 GEMMs of the loss's rows)
   rlkernels[linear-two-pass]  the same with linear_one_pass=False (its backward recomputes the logits: 4)
+  rlkernels[linear-fp32-head] rlkernels[linear] with head_dtype="float32" (float32 GEMMs on bf16/fp16 operands)
+  rlkernels[linear-tf32-head] the same with head_dtype="tf32" (TF32 matrix units on CUDA; float32 on a CPU)
   liger                       Liger-Kernel's LigerFusedLinearGRPOLoss (token_tis only; loss_type="dapo",
                               vllm_is_ratio = the IS weights)
   gemm                        (GPU) the forward GEMM h @ W.T alone: t_GEMM, for the (1 + 2f) * t_GEMM floor
@@ -108,8 +110,12 @@ def build(provider: str, x: Dict, case: str = "token_tis") -> Callable[[], torch
     kw = dict(old_logprobs=x["old"], rollout_logprobs=x["rollout"], cu_seqlens=x["cu"], config=CONFIGS[case])
     if provider == "rlkernels[logits]":
         return lambda: rlkernels.decoupled_ppo_loss(h @ W.T, x["labels"], x["adv"], x["mask"], **kw).loss
-    if provider in ("rlkernels[linear]", "rlkernels[linear-two-pass]"):
-        kw["config"] = kw["config"].with_overrides(linear_one_pass=provider == "rlkernels[linear]")
+    if provider.startswith("rlkernels[linear"):
+        head_dtype = {"rlkernels[linear-fp32-head]": "float32", "rlkernels[linear-tf32-head]": "tf32"}.get(provider)
+        if provider not in ("rlkernels[linear]", "rlkernels[linear-two-pass]") and head_dtype is None:
+            raise ValueError(f"unknown provider {provider!r}")
+        kw["config"] = kw["config"].with_overrides(linear_one_pass=provider != "rlkernels[linear-two-pass]",
+                                                   head_dtype=head_dtype)
         return lambda: rlkernels.linear_decoupled_ppo_loss(h, W, x["labels"], x["adv"], x["mask"], **kw).loss
     if provider == "gemm":  # the forward GEMM alone: the same for every case
         return lambda: h @ W.T

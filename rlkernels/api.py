@@ -228,7 +228,7 @@ def linear_token_logprobs(
     temperature: Union[float, torch.Tensor] = 1.0, compute_entropy: bool = False,
     compute_sum_pi_squared: bool = False, ignore_index: int = -100, backend: str = "auto", validate: bool = True,
     memory_budget_bytes: Optional[int] = None, tp_group=None, dp_group=None, cp_group=None,
-    sampling_support: Optional[torch.Tensor] = None,
+    sampling_support: Optional[torch.Tensor] = None, head_dtype: Optional[str] = None,
 ) -> TokenStats:
     """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
 
@@ -242,6 +242,11 @@ def linear_token_logprobs(
         bias: [V] or None.
         memory_budget_bytes: the largest chunk of logits formed at once (None: 512 MiB on CUDA, 32 MiB on
             CPU).
+        head_dtype: None (the head GEMM in the inputs' dtype), "float32" (float32 GEMMs on bf16/fp16 operands,
+            as vLLM's `head_dtype=float32` and SGLang's `--enable-fp32-lm-head`) or "tf32" (NeMo-RL's choice:
+            TF32 matrix units on CUDA, float32 on a CPU). Forward and backward alike; the weight is upcast a block
+            of vocabulary rows at a time, never whole (at most one chunk of float32 logits' bytes more). Not yet
+            with tp_group or a small kept set (`sampling_support`).
 
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
@@ -249,9 +254,9 @@ def linear_token_logprobs(
         pass trainers run for old and reference log-probs.
     """
     args = Arguments.of(locals())
-    batch = prepare_linear_stats(hidden, weight, bias, args, backend, validate, memory_budget_bytes)
+    batch = prepare_linear_stats(hidden, weight, bias, args, backend, validate, memory_budget_bytes, head_dtype)
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend,
-                              memory_budget_bytes=memory_budget_bytes)
+                              memory_budget_bytes=memory_budget_bytes, head_dtype=head_dtype)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
     return shaped_stats(stats, batch.token_shape)
 

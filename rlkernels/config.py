@@ -359,6 +359,10 @@ class PolicyLossConfig:
         linear_one_pass: the fused-linear path forms the gradient in its forward pass where every token's
             coefficients allow (SPEC §2.1: three GEMMs of the loss's rows instead of four, the gradients held
             from the forward to the backward). False: always the two-pass form.
+        head_dtype: the fused-linear path's head GEMM: None (the inputs' dtype, float32 accumulation), "float32"
+            (float32 GEMMs on bf16/fp16 operands: vLLM's `head_dtype=float32`, SGLang's `--enable-fp32-lm-head`)
+            or "tf32" (NeMo-RL's `fp32_lm_head: tf32`: float32 with TF32 matrix units on CUDA; float32 on a CPU).
+            The logits path has no head: `decoupled_ppo_loss` refuses it.
     """
 
     loss_type: str = "ppo_clip"
@@ -385,6 +389,7 @@ class PolicyLossConfig:
     compile_stage: Optional[bool] = None
     memory_budget_bytes: Optional[int] = None
     linear_one_pass: bool = True
+    head_dtype: Optional[str] = None
     # -- conventions where the reference libraries differ (SPEC §6.2) ---------
     ratio_level: str = "token"
     log_ratio_clamp: Optional[float] = 20.0
@@ -463,6 +468,7 @@ class PolicyLossConfig:
         if self.compile_stage is not None and not isinstance(self.compile_stage, bool):
             raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
         check_memory_budget(self.memory_budget_bytes)
+        check_head_dtype(self.head_dtype)
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
 
@@ -573,6 +579,14 @@ class PolicyLossConfig:
             hint = f" ({'; '.join(hints)})" if hints else ""
             raise TypeError(f"config: unknown PolicyLossConfig field(s) {sorted(unknown)}{hint}")
         return replace(self, **overrides) if overrides else self
+
+
+HEAD_DTYPES = (None, "float32", "tf32")
+
+
+def check_head_dtype(head_dtype) -> None:
+    if head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype: expected None, 'float32' or 'tf32', got {head_dtype!r}")
 
 
 def check_memory_budget(budget) -> None:

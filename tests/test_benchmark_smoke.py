@@ -143,3 +143,20 @@ def test_the_linear_benchmarks_gemm_yardstick_runs_for_every_case(case):
     x = linear.make_inputs(64, 8, 40, 0.5, "fp32", "cpu")
     logits = linear.build("gemm", x, case)()
     assert torch.equal(logits, x["hidden"] @ x["weight"].T)
+
+
+def test_every_linear_provider_the_gpu_script_names_builds_and_runs():
+    """benchmarks/gpu_check.sh's linear step names its providers in a string no parser checks: each one builds here
+    and takes a step on a tiny bf16 head (a misspelt one would only fail on a lent GPU)."""
+    linear = pytest.importorskip("benchmarks.linear")
+    from .test_gpu_check import _steps
+
+    (argv,) = [argv for name, _, argv in _steps() if name == "linear"]
+    providers = argv[argv.index("--providers") + 1].split(",")
+    assert "rlkernels[linear-tf32-head]" in providers
+    x = linear.make_inputs(512, 8, 64, 0.5, "bf16", "cpu")
+    for provider in providers:
+        x["hidden"].requires_grad_(True)
+        x["weight"].requires_grad_(True)
+        loss = linear.build(provider, x, "seq_mis")()
+        assert torch.isfinite(loss), provider

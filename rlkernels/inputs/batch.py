@@ -19,6 +19,7 @@ from ..config import (
     PolicyLossConfig,
     RolloutCorrection,
     check_finite_positive,
+    check_head_dtype,
     check_memory_budget,
 )
 from ..ops.vocab_parallel import shard_offset
@@ -273,6 +274,10 @@ def prepare_logits_loss(logits, args: Arguments, config: Optional[PolicyLossConf
     """decoupled_ppo_loss: (the config with its overrides, the batch) for [B, T, V] / [N, V] logits."""
     config, temperature = resolve_config(config, overrides)
     check_logits(logits)
+    if config.head_dtype is not None:
+        raise ValueError(f"head_dtype: {config.head_dtype!r} sets the precision of the fused-linear path's head GEMM; "
+                         "decoupled_ppo_loss takes logits (compute them in float32 yourself, or use "
+                         "linear_decoupled_ppo_loss)")
     batch = prepare_loss("logits", tuple(logits.shape[:-1]), logits.shape[-1], logits.device,
                          args._replace(temperature=temperature), config)
     return config, batch
@@ -300,10 +305,11 @@ def prepare_stats(logits, args: Arguments, backend: str, validate: bool, inplace
 
 
 def prepare_linear_stats(hidden, weight, bias, args: Arguments, backend: str, validate: bool,
-                         memory_budget_bytes: Optional[int]) -> PreparedBatch:
+                         memory_budget_bytes: Optional[int], head_dtype: Optional[str]) -> PreparedBatch:
     """linear_token_logprobs: the batch of [..., H] hidden states' rows under the head [V, H]."""
     check_head(hidden, weight, bias, allow_any_rank=True)
     check_memory_budget(memory_budget_bytes)
+    check_head_dtype(head_dtype)
     return _stats_batch(tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, args, backend, validate, False)
 
 

@@ -47,6 +47,7 @@ class PassOptions(NamedTuple):
     chunk_rows: Optional[int] = None  # the torch backend's rows per chunk (logits)
     memory_budget_bytes: Optional[int] = None  # the fused-linear path's chunk of logits (hidden + head)
     inplace_backward: bool = False  # the gradient may overwrite the logits' storage
+    head_dtype: Optional[str] = None  # the fused-linear head GEMM: None (the inputs' dtype), "float32" or "tf32"
 
 
 class Statistics(NamedTuple):
@@ -132,16 +133,30 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     is chosen here, once per call. With a small kept set only the kept ids' logits, from the K gathered rows
     of the head, for the rows in the loss."""
     if batch.support is not None and kept_set.gathers(batch.support.shape[1], weight.shape[0]):
+        _refuse_head_dtype(options, "a small kept set (sampling_support)")
         return _linear_kept_set_stats(hidden, weight, bias, batch, options)
     name = backends.resolve(options.backend, hidden)
-    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
+    chunk_rows = _linear_chunk_rows(hidden, weight, options)
     if batch.tp_group is not None:
+        _refuse_head_dtype(options, "tp_group")
         return Statistics(*vocab_parallel.vocab_parallel_linear_token_stats(
             hidden, weight, bias, batch.row_labels, batch.temperature, options.entropy,
             options.sum_pi_squared, name, chunk_rows, batch.tp_group))
     return _present(linear.linear_token_stats(
         hidden, weight, bias, batch.row_labels, batch.temperature.tensor, options.entropy, options.sum_pi_squared,
-        name, chunk_rows, False, batch.support), options)  # a large kept set: masked chunks of logits
+        # a large kept set: masked chunks of logits
+        name, chunk_rows, False, batch.support, options.head_dtype or ""), options)
+
+
+def _linear_chunk_rows(hidden: torch.Tensor, weight: torch.Tensor, options: PassOptions) -> int:
+    dtype = linear.logits_dtype(hidden.dtype, options.head_dtype)
+    return linear.chunk_rows_for(weight.shape[0], dtype, hidden.device, options.memory_budget_bytes)
+
+
+def _refuse_head_dtype(options: PassOptions, what: str) -> None:
+    if options.head_dtype is not None:
+        raise ValueError(f"head_dtype: {options.head_dtype!r} is not supported with {what} yet (its head GEMMs run "
+                         "in the inputs' dtype); pass head_dtype=None")
 
 
 def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) -> Statistics:
@@ -190,10 +205,10 @@ def linear_forward_gradient(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     `kept`: [N] bool, the rows whose coefficients may be nonzero (the others get statistics only). The caller
     has checked one_pass_blocker and that the coefficients are per-token."""
     name = backends.resolve(options.backend, hidden)
-    chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
+    chunk_rows = _linear_chunk_rows(hidden, weight, options)
     need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     plan = linear.OnePassPlan(batch.row_labels, batch.temperature, batch.support, options.entropy,
-                              options.sum_pi_squared, name, chunk_rows, need, kept)
+                              options.sum_pi_squared, name, chunk_rows, need, kept, options.head_dtype)
     return linear.linear_forward_gradient(hidden, weight, bias, plan, coefficients)
 
 
@@ -219,6 +234,7 @@ def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     the k + 1 logits of each row in the loss from gathered rows of the head. head_grad=False: the head's log-probs
     without autograd (metrics only: nothing of the gathered rows is kept for a backward)."""
     _refuse_with_head(batch, "sampler_topk_ids")
+    _refuse_head_dtype(options, "sampler_topk_ids")
     stats = linear_token_stats(hidden, weight, bias, batch, options)
     budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
     with torch.set_grad_enabled(head_grad and torch.is_grad_enabled()):
@@ -242,6 +258,7 @@ def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
                             batch, options: PassOptions):
     """full_divergences of logits = hidden @ weight.T + bias ([N, H] hidden) against `reference` logits, at the
     batch's temperature, on the rows in the loss; no autograd (the loss's metrics and TRM's mask)."""
+    _refuse_head_dtype(options, "sampler_logits")
     name = backends.resolve(options.backend, hidden)
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
     values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, name,

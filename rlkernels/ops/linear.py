@@ -22,6 +22,7 @@ number of chunks); the logits path has none. Any user loss on the returned log-p
 composition with the per-sequence stage of the logits path.
 """
 
+import contextlib
 import functools
 from typing import Callable, NamedTuple, Optional, Tuple
 
@@ -57,12 +58,56 @@ def _rows(selected: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(selected).squeeze(1)  # the pass's one host synchronisation (its row count)
 
 
-def _head(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def logits_dtype(dtype: torch.dtype, head_dtype: Optional[str]) -> torch.dtype:
+    """The dtype of the head's logits: the inputs', or float32 for a float32 / TF32 head on half inputs."""
+    return torch.float32 if head_dtype and dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@contextlib.contextmanager
+def _tf32(head_dtype: Optional[str]):
+    """TF32 matrix units for float32 GEMMs inside (CUDA; a CPU has none, its head stays float32), restored after."""
+    if head_dtype != "tf32":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")  # torch >= 2.9; allow_tf32 before
+    saved = matmul.fp32_precision if new_api else matmul.allow_tf32
+    if new_api:
+        matmul.fp32_precision = "tf32"
+    else:
+        matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        if new_api:
+            matmul.fp32_precision = saved
+        else:
+            matmul.allow_tf32 = saved
+
+
+def _weight_blocks(weight: Tensor, rows: int):
+    """(start, end) of blocks of vocabulary rows whose float32 copy takes at most the bytes of `rows` rows of
+    float32 logits: a float32 head never holds a float32 copy of the whole weight unless a chunk of logits is
+    that large anyway."""
+    V, H = weight.shape
+    block = max(1, min(V, (rows * V) // max(H, 1)))
+    return [(v0, min(V, v0 + block)) for v0 in range(0, V, block)]
+
+
+def _head(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+          head_dtype: Optional[str] = None) -> torch.Tensor:
     # the GEMM in the input dtype with float32 accumulation, as torch.matmul does. Autocast is off: the
     # backward recomputes these logits outside the caller's autocast region, and forward and backward
     # must see the same function (cast hidden / weight yourself for a half-precision head)
-    with torch.autocast(hidden_rows.device.type, enabled=False):
-        return F.linear(hidden_rows, weight, bias)
+    with torch.autocast(hidden_rows.device.type, enabled=False), _tf32(head_dtype):
+        if logits_dtype(weight.dtype, head_dtype) == weight.dtype:
+            return F.linear(hidden_rows, weight, bias)
+        # a float32 head on half operands: float32 GEMMs, the weight upcast one block of vocabulary rows at a time
+        h = hidden_rows.float()
+        logits = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
+        for v0, v1 in _weight_blocks(weight, h.shape[0]):
+            logits[:, v0:v1] = F.linear(h, weight[v0:v1].float(), None if bias is None else bias[v0:v1].float())
+        return logits
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,9 +144,12 @@ class _HeadGradients:
     float64 inputs) and rounded once to the parameter dtype: the backward of the two-pass form and the forward of
     the one-pass form fill them alike. `need`: which of the three to form."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need: Tuple[bool, bool, bool]):
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need: Tuple[bool, bool, bool],
+                 head_dtype: Optional[str] = None):
         need_hidden, need_weight, need_bias = need
-        self.weight, self.bias = weight, bias
+        self.weight, self.bias, self.head_dtype = weight, bias, head_dtype
+        # a float32 head on half operands: dlogits are float32, and GEMMs 2 and 3 run in float32 as GEMM 1 did
+        self.upcast = logits_dtype(weight.dtype, head_dtype) != weight.dtype
         self.wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
         self.d_hidden = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
         self.d_weight = torch.zeros(weight.shape, dtype=self.wide, device=weight.device) if need_weight else None
@@ -110,12 +158,29 @@ class _HeadGradients:
 
     def add(self, idx: Tensor, grad_logits: Tensor, h: Tensor) -> None:
         """The chunk of rows `idx` (hidden rows `h`) with dlogits `grad_logits`."""
-        if self.d_hidden is not None:
-            self.d_hidden.index_copy_(0, idx, grad_logits @ self.weight)
-        if self.d_weight is not None:
-            _accumulate_weight_grad(self.d_weight, grad_logits, h)
+        if self.upcast:
+            with _tf32(self.head_dtype):
+                self._add_float32(idx, grad_logits, h)
+        else:
+            if self.d_hidden is not None:
+                self.d_hidden.index_copy_(0, idx, grad_logits @ self.weight)
+            if self.d_weight is not None:
+                _accumulate_weight_grad(self.d_weight, grad_logits, h)
         if self.d_bias is not None:
             self.d_bias.add_(grad_logits.sum(0, dtype=self.wide))
+
+    def _add_float32(self, idx: Tensor, grad_logits: Tensor, h: Tensor) -> None:
+        """GEMMs 2 and 3 of a float32 head: float32 dlogits against the weight upcast a block at a time."""
+        h32 = h.float() if self.d_weight is not None else None
+        d_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if self.d_hidden is not None else None
+        for v0, v1 in _weight_blocks(self.weight, h.shape[0]):
+            g = grad_logits[:, v0:v1]
+            if d_h is not None:
+                d_h.addmm_(g, self.weight[v0:v1].float())
+            if self.d_weight is not None:
+                self.d_weight[v0:v1].addmm_(g.t(), h32)
+        if d_h is not None:
+            self.d_hidden.index_copy_(0, idx, d_h.to(self.d_hidden.dtype))
 
     def rounded(self) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """(d_hidden, d_weight, d_bias) in the inputs' dtypes, None where not formed."""
@@ -135,7 +200,7 @@ def _kept(logits: Tensor, support: Optional[Tensor], idx: Tensor) -> Tensor:
 def linear_token_stats(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, temperature: Tensor,
     compute_entropy: bool, compute_sum_pi_squared: bool, backend: str, chunk_rows: int, vocab_shard: bool = False,
-    support: Optional[Tensor] = None,
+    support: Optional[Tensor] = None, head_dtype: str = "",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row_max, log_norm, logprobs, entropy, sum_pi_squared), [N] each (absent ones empty [0]).
 
@@ -143,7 +208,8 @@ def linear_token_stats(
     A custom op, so that torch.compile sees one opaque op with [N] outputs (the row selection inside
     has a data-dependent size). vocab_shard: the weight is one shard of a vocabulary-parallel head
     (see backends.select). support: (N, K) kept ids (sampler replay, a large kept set): the logits
-    outside them are set to -inf before the pass (p = 0 there, and a zero gradient)."""
+    outside them are set to -inf before the pass (p = 0 there, and a zero gradient). head_dtype: "" (the inputs'
+    dtype), "float32" or "tf32" (a float32 head, linear._head)."""
     impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
     T = Temperature(temperature)
     N = hidden.shape[0]
@@ -155,7 +221,7 @@ def linear_token_stats(
     rows = _rows(row_labels != -1)  # -1: outside the loss (-2: target in another vocabulary shard)
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
-        logits = _kept(_head(hidden.index_select(0, idx), weight, bias), support, idx)
+        logits = _kept(_head(hidden.index_select(0, idx), weight, bias, head_dtype or None), support, idx)
         stats = impl.token_stats_fwd(
             logits, row_labels.index_select(0, idx), T.rows(idx), compute_entropy, compute_sum_pi_squared
         )
@@ -168,7 +234,7 @@ def linear_token_stats(
 
 @linear_token_stats.register_fake
 def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend, chunk_rows,
-      vocab_shard=False, support=None):
+      vocab_shard=False, support=None, head_dtype=""):
     N = hidden.shape[0]
     new = lambda n: hidden.new_empty(n, dtype=backends.statistics_dtype(hidden.dtype))  # noqa: E731
     return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
@@ -179,6 +245,7 @@ def linear_token_grad(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, row_max: Tensor, log_norm: Tensor,
     entropy: Tensor, coef_logprob: Tensor, coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
     need_hidden: bool, need_weight: bool, need_bias: bool, vocab_shard: bool = False, support: Optional[Tensor] = None,
+    head_dtype: str = "",
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
@@ -188,12 +255,13 @@ def linear_token_grad(
     e = coef_entropy if coef_entropy.numel() > 0 else None
     live = (row_labels != -1) & ((c != 0) | (e != 0 if e is not None else False))
     rows = _rows(live)
-    grads = _HeadGradients(hidden, weight, bias, (need_hidden, need_weight, need_bias))
+    grads = _HeadGradients(hidden, weight, bias, (need_hidden, need_weight, need_bias), head_dtype or None)
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         h = hidden.index_select(0, idx)
+        logits = _kept(_head(h, weight, bias, head_dtype or None), support, idx)
         grad_logits = impl.token_grad_bwd(
-            _kept(_head(h, weight, bias), support, idx), row_labels.index_select(0, idx), row_max.index_select(0, idx),
+            logits, row_labels.index_select(0, idx), row_max.index_select(0, idx),
             log_norm.index_select(0, idx), None if e is None else entropy.index_select(0, idx),
             c.index_select(0, idx), None if e is None else e.index_select(0, idx), T.rows(idx),
             True,  # the chunk's logits are ours: the gradient overwrites them
@@ -206,7 +274,7 @@ def linear_token_grad(
 
 @linear_token_grad.register_fake
 def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend,
-      chunk_rows, need_hidden, need_weight, need_bias, vocab_shard=False, support=None):
+      chunk_rows, need_hidden, need_weight, need_bias, vocab_shard=False, support=None, head_dtype=""):
     dense = dict(memory_format=torch.contiguous_format)  # what the real op returns, whatever the input layout
     return (
         torch.empty_like(hidden, **dense) if need_hidden else hidden.new_empty(0),
@@ -216,27 +284,27 @@ def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, row_labels, temperature, _, _, backend, chunk_rows, vocab_shard, support = inputs
+    hidden, weight, bias, row_labels, temperature, _, _, backend, chunk_rows, vocab_shard, support, head_dtype = inputs
     row_max, log_norm, _, entropy, sum_pi_squared = output
     ctx.save_for_backward(hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support)
-    ctx.options = (backend, chunk_rows, vocab_shard)
+    ctx.options = (backend, chunk_rows, vocab_shard, head_dtype)
     ctx.mark_non_differentiable(row_max, log_norm, sum_pi_squared)
 
 
 def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared):
     refuse_double_backward()
     hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support = ctx.saved_tensors
-    backend, chunk_rows, vocab_shard = ctx.options
+    backend, chunk_rows, vocab_shard, head_dtype = ctx.options
     c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
     use_entropy = grad_entropy is not None and entropy.numel() > 0
     e = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     d_hidden, d_weight, d_bias = linear_token_grad(
         hidden, weight, bias, row_labels, row_max, log_norm, entropy, c, e, temperature, backend, chunk_rows,
-        need_h, need_w, need_b, vocab_shard, support,
+        need_h, need_w, need_b, vocab_shard, support, head_dtype,
     )
     return (d_hidden if need_h else None, d_weight if need_w else None,
-            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None, None)
+            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None, None, None)
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
@@ -268,6 +336,7 @@ class OnePassPlan(NamedTuple):
     chunk_rows: int
     need: Tuple[bool, bool, bool]  # which of d_hidden, d_weight, d_bias to form
     kept: Optional[Tensor] = None  # [N] bool: rows whose coefficients may be nonzero (None: every row)
+    head_dtype: Optional[str] = None  # None, "float32" or "tf32" (linear._head)
 
 
 def linear_forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], plan: OnePassPlan,
@@ -296,7 +365,7 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
     logprobs = new()
     entropy = new() if compute_entropy else None
     sum_pi_squared = new() if compute_sum_pi_squared else None
-    grads = _HeadGradients(hidden, weight, bias, plan.need)
+    grads = _HeadGradients(hidden, weight, bias, plan.need, plan.head_dtype)
     in_loss = row_labels != -1
     # the rows that can carry a gradient first, then those that only need their statistics (rows the rollout
     # correction rejected: in chunks of their own, they never enter GEMMs 2 and 3)
@@ -307,7 +376,7 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
         for start in range(0, rows.numel(), plan.chunk_rows):
             idx = rows[start:start + plan.chunk_rows]
             h = hidden.index_select(0, idx)
-            logits = _kept(_head(h, weight, bias), plan.support, idx)
+            logits = _kept(_head(h, weight, bias, plan.head_dtype), plan.support, idx)
             labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
             stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
             lp = stats.logprobs.to(acc)

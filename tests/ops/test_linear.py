@@ -217,7 +217,7 @@ def test_rows_outside_the_loss_never_enter_a_gemm(monkeypatch):
     batch, hidden, weight, b = _loss_inputs()
     seen = []
     head = linear_module._head
-    monkeypatch.setattr(linear_module, "_head", lambda h, w, bias: (seen.append(h.shape[0]), head(h, w, bias))[1])
+    monkeypatch.setattr(linear_module, "_head", lambda h, *rest: (seen.append(h.shape[0]), head(h, *rest))[1])
     # zero advantages on the last sequences: their coefficients are exactly 0 (on-policy, nothing clips,
     # so every other row in the loss has c = -A / N != 0)
     adv = batch.advantages.clone()
