@@ -44,9 +44,10 @@ class Provider:
 class RLKernels(Provider):
     kind = "rlkernels"
 
-    def __init__(self, backend: str):
-        self.backend = backend
-        self.name = f"rlkernels[{backend}]"
+    def __init__(self, backend: str, numerics: str = "default"):
+        self.backend, self.numerics = backend, numerics
+        # numerics="vllm" (the engine's log-prob order, docs/numerics.md) is named beside the backend
+        self.name = f"rlkernels[{backend}]" if numerics == "default" else f"rlkernels[{backend}+{numerics}]"
 
     def skip_reason(self, op, case, V, device):
         if not rk_backends.available().get(self.backend, False):
@@ -59,8 +60,9 @@ class RLKernels(Provider):
 
     def build(self, op, case, x):
         if op == "logprobs":
-            return lambda: rlkernels.token_logprobs(x["logits"], x["labels"], backend=self.backend).logprobs
-        config = case.config(self.backend)
+            return lambda: rlkernels.token_logprobs(x["logits"], x["labels"], backend=self.backend,
+                                                    numerics=self.numerics).logprobs
+        config = case.config(self.backend).with_overrides(numerics=self.numerics)
         return lambda: rlkernels.decoupled_ppo_loss(
             x["logits"], x["labels"], x["advantages"], x["response_mask"], old_logprobs=x["old_logprobs"],
             rollout_logprobs=x["rollout_logprobs"], cu_seqlens=x["cu_seqlens"], config=config,
@@ -218,7 +220,7 @@ class Liger(Provider):
 
 PROVIDERS = {p.name: p for p in (
     Naive(False), Naive(True), Verl(), Liger(), RLKernels("torch"), RLKernels("cpu"), RLKernels("triton"),
-    RLKernels("cuda"),
+    RLKernels("cuda"), RLKernels("cpu", "vllm"), RLKernels("triton", "vllm"),
 )}
 REFERENCE = "rlkernels[torch]"
 

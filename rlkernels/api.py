@@ -191,7 +191,7 @@ def token_logprobs(
     logits: torch.Tensor, labels: torch.Tensor, *, temperature: Union[float, torch.Tensor] = 1.0,
     compute_entropy: bool = False, compute_sum_pi_squared: bool = False, ignore_index: int = -100,
     backend: str = "auto", validate: bool = True, inplace_backward: bool = False, tp_group=None, dp_group=None,
-    cp_group=None, sampling_support: Optional[torch.Tensor] = None,
+    cp_group=None, sampling_support: Optional[torch.Tensor] = None, numerics: str = "default",
 ) -> TokenStats:
     """Per-token log-prob of `labels` under softmax(logits / T), with entropy and sum p^2 (SPEC §2).
 
@@ -212,14 +212,19 @@ def token_logprobs(
         cp_group: the same, for context parallelism.
         sampling_support: [..., K] integer ids the sampler kept at each position (top-k / top-p / min-p;
             -1 pads): the statistics are those of the softmax renormalised over them, at O(K) per row.
+        numerics: "default" (each backend's fastest exact form) or "vllm": the log-probs in vLLM's V1 sampler's
+            operations (a float32 copy divided by the float32 temperature, then ATen's log_softmax), bit for bit
+            what that engine returns on the same device; entropy, sum p^2 and the gradient are unchanged
+            (docs/numerics.md).
 
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
         to logits from logprobs and entropy.
     """
     args = Arguments.of(locals())
-    batch = prepare_stats(logits, args, backend, validate, inplace_backward)
-    options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, inplace_backward=inplace_backward)
+    batch = prepare_stats(logits, args, backend, validate, inplace_backward, numerics)
+    options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, inplace_backward=inplace_backward,
+                              numerics=numerics)
     return shaped_stats(ops.token_stats(logits, batch, options), batch.token_shape)
 
 
@@ -228,7 +233,7 @@ def linear_token_logprobs(
     temperature: Union[float, torch.Tensor] = 1.0, compute_entropy: bool = False,
     compute_sum_pi_squared: bool = False, ignore_index: int = -100, backend: str = "auto", validate: bool = True,
     memory_budget_bytes: Optional[int] = None, tp_group=None, dp_group=None, cp_group=None,
-    sampling_support: Optional[torch.Tensor] = None, head_dtype: Optional[str] = None,
+    sampling_support: Optional[torch.Tensor] = None, head_dtype: Optional[str] = None, numerics: str = "default",
 ) -> TokenStats:
     """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
 
@@ -247,6 +252,7 @@ def linear_token_logprobs(
             TF32 matrix units on CUDA, float32 on a CPU). Forward and backward alike; the weight is upcast a block
             of vocabulary rows at a time, never whole (at most one chunk of float32 logits' bytes more). Not yet
             with tp_group or a small kept set (`sampling_support`).
+        numerics: as in `token_logprobs`, on each chunk's logits.
 
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
@@ -254,9 +260,10 @@ def linear_token_logprobs(
         pass trainers run for old and reference log-probs.
     """
     args = Arguments.of(locals())
-    batch = prepare_linear_stats(hidden, weight, bias, args, backend, validate, memory_budget_bytes, head_dtype)
+    batch = prepare_linear_stats(hidden, weight, bias, args, backend, validate, memory_budget_bytes, head_dtype,
+                                 numerics)
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend,
-                              memory_budget_bytes=memory_budget_bytes, head_dtype=head_dtype)
+                              memory_budget_bytes=memory_budget_bytes, head_dtype=head_dtype, numerics=numerics)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
     return shaped_stats(stats, batch.token_shape)
 

@@ -363,6 +363,8 @@ class PolicyLossConfig:
             (float32 GEMMs on bf16/fp16 operands: vLLM's `head_dtype=float32`, SGLang's `--enable-fp32-lm-head`)
             or "tf32" (NeMo-RL's `fp32_lm_head: tf32`: float32 with TF32 matrix units on CUDA; float32 on a CPU).
             The logits path has no head: `decoupled_ppo_loss` refuses it.
+        numerics: the log-probs' arithmetic: "default" (each backend's fastest exact form) or "vllm" (vLLM's V1
+            sampler's operations, bit for bit on the same device: docs/numerics.md). The gradient is the same.
     """
 
     loss_type: str = "ppo_clip"
@@ -390,6 +392,7 @@ class PolicyLossConfig:
     memory_budget_bytes: Optional[int] = None
     linear_one_pass: bool = True
     head_dtype: Optional[str] = None
+    numerics: str = "default"
     # -- conventions where the reference libraries differ (SPEC §6.2) ---------
     ratio_level: str = "token"
     log_ratio_clamp: Optional[float] = 20.0
@@ -469,6 +472,7 @@ class PolicyLossConfig:
             raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
         check_memory_budget(self.memory_budget_bytes)
         check_head_dtype(self.head_dtype)
+        check_numerics(self.numerics)
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
 
@@ -582,6 +586,14 @@ class PolicyLossConfig:
 
 
 HEAD_DTYPES = (None, "float32", "tf32")
+NUMERICS = ("default", "vllm")
+
+
+def check_numerics(numerics) -> None:
+    if numerics == "batch_invariant":
+        raise ValueError("numerics: 'batch_invariant' is not implemented yet ('default' or 'vllm')")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics: expected 'default' or 'vllm', got {numerics!r}")
 
 
 def check_head_dtype(head_dtype) -> None:

@@ -41,7 +41,8 @@ def pass_options(config: PolicyLossConfig) -> ops.PassOptions:
     """What a loss's vocabulary pass computes and how, from its config."""
     return ops.PassOptions(entropy=config.needs_entropy, backend=config.backend, chunk_rows=config.chunk_rows,
                            memory_budget_bytes=config.memory_budget_bytes,
-                           inplace_backward=config.inplace_backward, head_dtype=config.head_dtype)
+                           inplace_backward=config.inplace_backward, head_dtype=config.head_dtype,
+                           numerics=config.numerics)
 
 
 def logits_loss(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig) -> PolicyLossOutput:

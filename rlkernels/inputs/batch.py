@@ -21,6 +21,7 @@ from ..config import (
     check_finite_positive,
     check_head_dtype,
     check_memory_budget,
+    check_numerics,
 )
 from ..ops.vocab_parallel import shard_offset
 from ..stage.divergences import Divergences
@@ -298,18 +299,22 @@ def _row_labels(labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, labels, torch.full_like(labels, -1))
 
 
-def prepare_stats(logits, args: Arguments, backend: str, validate: bool, inplace: bool) -> PreparedBatch:
+def prepare_stats(logits, args: Arguments, backend: str, validate: bool, inplace: bool,
+                  numerics: str = "default") -> PreparedBatch:
     """token_logprobs: the batch of [..., V] logits' rows."""
     check_logits(logits, allow_any_rank=True)
+    check_numerics(numerics)
     return _stats_batch(tuple(logits.shape[:-1]), logits.shape[-1], logits.device, args, backend, validate, inplace)
 
 
 def prepare_linear_stats(hidden, weight, bias, args: Arguments, backend: str, validate: bool,
-                         memory_budget_bytes: Optional[int], head_dtype: Optional[str]) -> PreparedBatch:
+                         memory_budget_bytes: Optional[int], head_dtype: Optional[str],
+                         numerics: str = "default") -> PreparedBatch:
     """linear_token_logprobs: the batch of [..., H] hidden states' rows under the head [V, H]."""
     check_head(hidden, weight, bias, allow_any_rank=True)
     check_memory_budget(memory_budget_bytes)
     check_head_dtype(head_dtype)
+    check_numerics(numerics)
     return _stats_batch(tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, args, backend, validate, False)
 
 

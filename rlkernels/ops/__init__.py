@@ -48,6 +48,7 @@ class PassOptions(NamedTuple):
     memory_budget_bytes: Optional[int] = None  # the fused-linear path's chunk of logits (hidden + head)
     inplace_backward: bool = False  # the gradient may overwrite the logits' storage
     head_dtype: Optional[str] = None  # the fused-linear head GEMM: None (the inputs' dtype), "float32" or "tf32"
+    numerics: str = "default"  # the sampled token's log-prob: the pass's own, or an engine's order (vocab.NUMERICS)
 
 
 class Statistics(NamedTuple):
@@ -108,6 +109,7 @@ def token_stats(logits: torch.Tensor, batch, options: PassOptions) -> Statistics
     if batch.support is not None:
         rows = logit_rows(logits, False)
         if kept_set.gathers(batch.support.shape[1], rows.shape[-1]):
+            _refuse_numerics(options, "a small kept set (sampling_support)")
             return Statistics(*kept_set.kept_set_stats(
                 kept_set.logits_kept(rows, batch.support), batch.support >= 0,
                 kept_set.label_slots(batch.support, batch.row_labels), batch.temperature,
@@ -120,11 +122,13 @@ def token_stats(logits: torch.Tensor, batch, options: PassOptions) -> Statistics
     rows = logit_rows(logits, inplace)
     name = backends.resolve(options.backend, rows)
     if batch.tp_group is not None:
+        _refuse_numerics(options, "tp_group")
         return Statistics(*vocab_parallel.vocab_parallel_token_stats(
             rows, batch.row_labels, batch.temperature, options.entropy, options.sum_pi_squared,
             name, options.chunk_rows, batch.tp_group))
     return _present(vocab.token_stats(rows, batch.row_labels, batch.temperature.tensor, options.entropy,
-                                      options.sum_pi_squared, inplace, name, options.chunk_rows or 0), options)
+                                      options.sum_pi_squared, inplace, name, options.chunk_rows or 0,
+                                      options.numerics), options)
 
 
 def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch,
@@ -134,23 +138,30 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     of the head, for the rows in the loss."""
     if batch.support is not None and kept_set.gathers(batch.support.shape[1], weight.shape[0]):
         _refuse_head_dtype(options, "a small kept set (sampling_support)")
+        _refuse_numerics(options, "a small kept set (sampling_support)")
         return _linear_kept_set_stats(hidden, weight, bias, batch, options)
     name = backends.resolve(options.backend, hidden)
     chunk_rows = _linear_chunk_rows(hidden, weight, options)
     if batch.tp_group is not None:
         _refuse_head_dtype(options, "tp_group")
+        _refuse_numerics(options, "tp_group")
         return Statistics(*vocab_parallel.vocab_parallel_linear_token_stats(
             hidden, weight, bias, batch.row_labels, batch.temperature, options.entropy,
             options.sum_pi_squared, name, chunk_rows, batch.tp_group))
     return _present(linear.linear_token_stats(
         hidden, weight, bias, batch.row_labels, batch.temperature.tensor, options.entropy, options.sum_pi_squared,
         # a large kept set: masked chunks of logits
-        name, chunk_rows, False, batch.support, options.head_dtype or ""), options)
+        name, chunk_rows, False, batch.support, options.head_dtype or "", options.numerics), options)
 
 
 def _linear_chunk_rows(hidden: torch.Tensor, weight: torch.Tensor, options: PassOptions) -> int:
     dtype = linear.logits_dtype(hidden.dtype, options.head_dtype)
     return linear.chunk_rows_for(weight.shape[0], dtype, hidden.device, options.memory_budget_bytes)
+
+
+def _refuse_numerics(options: PassOptions, what: str) -> None:
+    if options.numerics != "default":
+        raise ValueError(f"numerics: {options.numerics!r} is not supported with {what} yet; pass numerics='default'")
 
 
 def _refuse_head_dtype(options: PassOptions, what: str) -> None:
@@ -208,7 +219,8 @@ def linear_forward_gradient(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     chunk_rows = _linear_chunk_rows(hidden, weight, options)
     need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     plan = linear.OnePassPlan(batch.row_labels, batch.temperature, batch.support, options.entropy,
-                              options.sum_pi_squared, name, chunk_rows, need, kept, options.head_dtype)
+                              options.sum_pi_squared, name, chunk_rows, need, kept, options.head_dtype,
+                              options.numerics)
     return linear.linear_forward_gradient(hidden, weight, bias, plan, coefficients)
 
 
@@ -222,6 +234,7 @@ def head_stats(logits: torch.Tensor, batch, options: PassOptions, head_ids: torc
     reaches the logits from log p_y, the entropy and the head's log-probs. A row whose batch.row_labels is
     FOREIGN_TARGET has no label: its statistics and head only."""
     _refuse_with_head(batch, "sampler_topk_ids / reference_topk_ids")
+    _refuse_numerics(options, "sampler_topk_ids")
     rows = logit_rows(logits, False)
     name = backends.resolve(options.backend, rows)
     return head_token_stats(rows, batch.row_labels, head_ids, batch.temperature, options.entropy,
@@ -235,6 +248,7 @@ def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     without autograd (metrics only: nothing of the gathered rows is kept for a backward)."""
     _refuse_with_head(batch, "sampler_topk_ids")
     _refuse_head_dtype(options, "sampler_topk_ids")
+    _refuse_numerics(options, "sampler_topk_ids")
     stats = linear_token_stats(hidden, weight, bias, batch, options)
     budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
     with torch.set_grad_enabled(head_grad and torch.is_grad_enabled()):

@@ -33,7 +33,7 @@ from torch import Tensor
 from .. import backends
 from ..backends.temperature import Temperature
 from .kept_set import kept_mask
-from .vocab import refuse_double_backward
+from .vocab import engine_logprobs, refuse_double_backward
 
 # Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
 # thousand rows to run at full rate (512 MiB is ~1,700 rows at V = 151,936 in bf16, a fifth of the
@@ -200,7 +200,7 @@ def _kept(logits: Tensor, support: Optional[Tensor], idx: Tensor) -> Tensor:
 def linear_token_stats(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, temperature: Tensor,
     compute_entropy: bool, compute_sum_pi_squared: bool, backend: str, chunk_rows: int, vocab_shard: bool = False,
-    support: Optional[Tensor] = None, head_dtype: str = "",
+    support: Optional[Tensor] = None, head_dtype: str = "", numerics: str = "default",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row_max, log_norm, logprobs, entropy, sum_pi_squared), [N] each (absent ones empty [0]).
 
@@ -222,10 +222,10 @@ def linear_token_stats(
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         logits = _kept(_head(hidden.index_select(0, idx), weight, bias, head_dtype or None), support, idx)
-        stats = impl.token_stats_fwd(
-            logits, row_labels.index_select(0, idx), T.rows(idx), compute_entropy, compute_sum_pi_squared
-        )
-        for out, value in ((row_max, stats.row_max), (log_norm, stats.log_norm), (logprobs, stats.logprobs),
+        labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
+        stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
+        lp = engine_logprobs(numerics, logits, labels, t_rows, stats.logprobs)
+        for out, value in ((row_max, stats.row_max), (log_norm, stats.log_norm), (logprobs, lp),
                            (entropy, stats.entropy), (sum_pi_squared, stats.sum_pi_squared)):
             if value is not None:
                 out.index_copy_(0, idx, value.to(acc))
@@ -234,7 +234,7 @@ def linear_token_stats(
 
 @linear_token_stats.register_fake
 def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend, chunk_rows,
-      vocab_shard=False, support=None, head_dtype=""):
+      vocab_shard=False, support=None, head_dtype="", numerics="default"):
     N = hidden.shape[0]
     new = lambda n: hidden.new_empty(n, dtype=backends.statistics_dtype(hidden.dtype))  # noqa: E731
     return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
@@ -284,7 +284,8 @@ def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, row_labels, temperature, _, _, backend, chunk_rows, vocab_shard, support, head_dtype = inputs
+    hidden, weight, bias, row_labels, temperature = inputs[:5]
+    backend, chunk_rows, vocab_shard, support, head_dtype = inputs[7:12]  # numerics (12) matters to the forward only
     row_max, log_norm, _, entropy, sum_pi_squared = output
     ctx.save_for_backward(hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support)
     ctx.options = (backend, chunk_rows, vocab_shard, head_dtype)
@@ -304,7 +305,8 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
         need_h, need_w, need_b, vocab_shard, support, head_dtype,
     )
     return (d_hidden if need_h else None, d_weight if need_w else None,
-            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None, None, None)
+            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None, None, None,
+            None)
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
@@ -337,6 +339,7 @@ class OnePassPlan(NamedTuple):
     need: Tuple[bool, bool, bool]  # which of d_hidden, d_weight, d_bias to form
     kept: Optional[Tensor] = None  # [N] bool: rows whose coefficients may be nonzero (None: every row)
     head_dtype: Optional[str] = None  # None, "float32" or "tf32" (linear._head)
+    numerics: str = "default"  # the log-probs' order (vocab.engine_logprobs); the gradient is the pass's
 
 
 def linear_forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], plan: OnePassPlan,
@@ -379,7 +382,7 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
             logits = _kept(_head(h, weight, bias, plan.head_dtype), plan.support, idx)
             labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
             stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
-            lp = stats.logprobs.to(acc)
+            lp = engine_logprobs(plan.numerics, logits, labels, t_rows, stats.logprobs).to(acc)
             ent = None if stats.entropy is None else stats.entropy.to(acc)
             for out, value in ((logprobs, lp), (entropy, ent), (sum_pi_squared, stats.sum_pi_squared)):
                 if out is not None:

@@ -17,7 +17,16 @@ import torch
 from torch import Tensor
 
 from .. import backends
+from ..backends.engines import vllm_logprobs
 from ..backends.temperature import Temperature
+
+
+def engine_logprobs(numerics: str, logits: Tensor, labels: Tensor, temperature: Temperature, logprobs: Tensor):
+    """The sampled token's log-prob in the order `numerics` names: the pass's own (`logprobs`), or the engine's
+    (backends/engines.py). The statistics and the gradient stay the pass's: only these values change."""
+    if numerics == "vllm":
+        return vllm_logprobs(logits, labels, temperature).to(logprobs.dtype)
+    return logprobs
 
 
 def refuse_double_backward() -> None:
@@ -38,19 +47,22 @@ def _backend(name: str, logits: Tensor, chunk_rows: int):
 @torch.library.custom_op("rlkernels::token_stats", mutates_args=())
 def token_stats(
     logits: Tensor, labels: Tensor, temperature: Tensor, compute_entropy: bool, compute_sum_pi_squared: bool,
-    inplace_backward: bool, backend: str, chunk_rows: int,
+    inplace_backward: bool, backend: str, chunk_rows: int, numerics: str = "default",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     # logits: (N, V) or (B, T, V) row-strided; labels: (N,) int64, -1 on rows that take no part. `inplace_backward` only
     # matters to the backward (see the module docstring).
+    T = Temperature(temperature)
     stats = _backend(backend, logits, chunk_rows).token_stats_fwd(
-        logits, labels, Temperature(temperature), compute_entropy, compute_sum_pi_squared
+        logits, labels, T, compute_entropy, compute_sum_pi_squared
     )
+    logprobs = engine_logprobs(numerics, logits, labels, T, stats.logprobs)
     absent = lambda t: stats.logprobs.new_empty(0) if t is None else t  # noqa: E731 (outputs may not alias)
-    return stats.row_max, stats.log_norm, stats.logprobs, absent(stats.entropy), absent(stats.sum_pi_squared)
+    return stats.row_max, stats.log_norm, logprobs, absent(stats.entropy), absent(stats.sum_pi_squared)
 
 
 @token_stats.register_fake
-def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward, backend, chunk_rows):
+def _(logits, labels, temperature, compute_entropy, compute_sum_pi_squared, inplace_backward, backend, chunk_rows,
+      numerics="default"):
     N = labels.shape[0]  # logits are [N, V] or [B, T, V] (see backends.base)
     new = lambda n: logits.new_empty(n, dtype=backends.statistics_dtype(logits.dtype))  # noqa: E731
     return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
@@ -93,7 +105,7 @@ def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, te
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, temperature, _, _, inplace_backward, backend, chunk_rows = inputs
+    logits, labels, temperature, _, _, inplace_backward, backend, chunk_rows, _ = inputs
     row_max, log_norm, _, entropy, _ = output
     ctx.save_for_backward(logits, labels, row_max, log_norm, entropy, temperature)
     ctx.options = (inplace_backward, backend, chunk_rows)
@@ -117,7 +129,7 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
         dlogits = logits
     else:
         dlogits = token_grad(*args)
-    return dlogits, None, None, None, None, None, None, None
+    return dlogits, None, None, None, None, None, None, None, None
 
 
 token_stats.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,140 @@
+"""numerics="vllm": the sampled token's log-prob with vLLM 0.33.0's V1 sampler's bits, on every backend, dtype,
+temperature and layout, through every entry point; the default is not bit-equal to it (which is why the mode
+exists), and the gradient does not change.
+
+The comparison is vLLM's own V1 arithmetic (vllm/v1/sample/sampler.py): `logits.to(torch.float32)` (:158),
+`logits.div_(temp.unsqueeze(dim=1))` with the float32 per-request temperatures (:291-300), then
+`logits.log_softmax(dim=-1, dtype=torch.float32)` (:368-370). Those three ATen calls are the engine's code path on
+a CPU (the V1 runner, or V2 without Triton); they run here on the CPU, so equality is bitwise on this device. On a
+GPU the same calls give vLLM's V1 CUDA bits; vLLM's default V2 runner there uses Triton kernels of its own, whose
+order this mode does not reproduce yet (docs/numerics.md).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rlkernels
+from rlkernels import backends
+
+from ..cases import BF16, F16, F32, interpreted
+
+BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not backends.available()["cpu"], reason=
+            "the CPU kernels could not be built here")),
+            pytest.param("triton", marks=[pytest.mark.interpret, pytest.mark.skipif(
+                not interpreted(), reason="the Triton backend on CPU tensors needs the interpreter")])]
+
+
+def vllm_v1(logits: torch.Tensor, labels: torch.Tensor, temperature) -> torch.Tensor:
+    """vLLM's V1 processed log-probs of `labels` (0 where a label is ignored): its three ATen calls, on a batch
+    of requests [N, V] with their float32 temperatures."""
+    V = logits.shape[-1]
+    rows = logits.reshape(-1, V).to(torch.float32)  # V1: logits.to(torch.float32) (a copy for half dtypes)
+    rows = rows.clone()
+    t = torch.as_tensor(temperature, dtype=torch.float32).expand(labels.shape).reshape(-1).clone()
+    rows.div_(t.unsqueeze(dim=1))
+    lp = rows.log_softmax(dim=-1, dtype=torch.float32)
+    flat = labels.reshape(-1)
+    got = lp.gather(1, flat.clamp(0, V - 1)[:, None]).squeeze(1)
+    return torch.where((flat >= 0) & (flat < V), got, 0.0).reshape(labels.shape)
+
+
+def _batch(dtype, V=517, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(3, 6, V, generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, V, (3, 6), generator=gen)
+    labels[0, :2] = -100
+    return logits, labels
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, "per_row"])
+def test_token_logprobs_have_vllms_bits(backend, dtype, temperature):
+    logits, labels = _batch(dtype, seed=3)
+    T = (0.5 + torch.rand(labels.shape, generator=torch.Generator().manual_seed(1))) if temperature == "per_row" \
+        else temperature
+    out = rlkernels.token_logprobs(logits, labels, temperature=T, numerics="vllm", backend=backend)
+    want = vllm_v1(logits, labels, T)
+    assert torch.equal(out.logprobs, want)
+    # the causal-shift view [B, T + 1, V][:, :-1], read where it lies
+    whole = torch.cat([logits, logits[:, :1]], dim=1)
+    shifted = rlkernels.token_logprobs(whole[:, :-1], labels, temperature=T, numerics="vllm", backend=backend)
+    assert torch.equal(shifted.logprobs, want)
+
+
+def test_the_default_is_not_vllms_order_and_the_gradient_is_the_same():
+    logits, labels = _batch(F32, V=4099)
+    results = {}
+    for numerics in ("default", "vllm"):
+        leaf = logits.clone().requires_grad_(True)
+        out = rlkernels.token_logprobs(leaf, labels, temperature=0.7, compute_entropy=True, numerics=numerics)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        results[numerics] = (out, leaf.grad)
+    want = vllm_v1(logits, labels, 0.7)
+    assert not torch.equal(results["default"][0].logprobs, want)  # 1/T multiplied after the max, other sums
+    assert torch.equal(results["vllm"][0].logprobs, want)
+    assert torch.equal(results["vllm"][0].entropy, results["default"][0].entropy)
+    assert torch.equal(results["vllm"][1], results["default"][1])  # "the gradient is the ordinary one"
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_the_losses_and_the_fused_linear_path_report_vllms_bits(one_pass):
+    logits, labels = _batch(BF16, seed=5)
+    mask = labels >= 0
+    adv = torch.randn(labels.shape, generator=torch.Generator().manual_seed(2))
+    old = -torch.rand(labels.shape, generator=torch.Generator().manual_seed(4))
+    out = rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, old_logprobs=old, numerics="vllm", temperature=0.8)
+    assert torch.equal(torch.where(mask, out.logprobs, 0.0), vllm_v1(logits, labels, 0.8))
+    # from hidden states: the logits the head forms for the rows in the loss, as one chunk (one GEMM shape)
+    gen = torch.Generator().manual_seed(6)
+    N, H, V = 18, 16, 517
+    hidden = torch.randn(N, H, generator=gen).to(BF16).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=gen) * 0.5).to(BF16).requires_grad_(True)
+    flat_labels, flat_mask = labels.reshape(-1), mask.reshape(-1)
+    rows = torch.nonzero(flat_mask).squeeze(1)
+    head_logits = F.linear(hidden.detach().index_select(0, rows), weight.detach())
+    want = torch.zeros(N).index_copy(0, rows, vllm_v1(head_logits, flat_labels.index_select(0, rows), 0.8))
+    stats = rlkernels.linear_token_logprobs(hidden, weight, flat_labels, temperature=0.8, numerics="vllm")
+    assert torch.equal(stats.logprobs, want)
+    loss = rlkernels.linear_decoupled_ppo_loss(hidden, weight, flat_labels, adv.reshape(-1), flat_mask,
+                                               old_logprobs=old.reshape(-1), temperature=0.8, numerics="vllm",
+                                               linear_one_pass=one_pass)
+    loss.loss.backward()
+    assert loss.path == ("linear_one_pass" if one_pass else "linear_two_pass")
+    assert torch.equal(torch.where(flat_mask, loss.logprobs, 0.0), want)
+
+
+def test_a_compiled_step_keeps_the_bits():
+    logits, labels = _batch(F32, seed=7)
+
+    def step(x, y):
+        return rlkernels.token_logprobs(x, y, temperature=0.9, numerics="vllm", validate=False).logprobs
+
+    assert torch.equal(torch.compile(step, fullgraph=True)(logits, labels), vllm_v1(logits, labels, 0.9))
+    torch._dynamo.reset()
+
+
+def test_bad_or_unsupported_numerics_are_named():
+    logits, labels = _batch(F32)
+    with pytest.raises(ValueError, match="numerics: expected 'default' or 'vllm', got 'sglang'"):
+        rlkernels.token_logprobs(logits, labels, numerics="sglang")
+    with pytest.raises(ValueError, match="numerics: 'batch_invariant' is not implemented yet"):
+        rlkernels.PolicyLossConfig(numerics="batch_invariant")
+    gen = torch.Generator().manual_seed(0)
+    support = torch.stack([torch.randperm(517, generator=gen)[:4] for _ in range(18)]).reshape(3, 6, 4)
+    kept_labels = torch.where(labels >= 0, support[..., 0], labels)
+    with pytest.raises(ValueError, match="numerics: 'vllm' is not supported with a small kept set"):
+        rlkernels.token_logprobs(logits, kept_labels, numerics="vllm", sampling_support=support)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_on_a_gpu_the_bits_are_vllms_v1_cuda_bits(backend, dtype):
+    if not backends.is_available(backend):
+        pytest.skip(f"the {backend} backend is not available here")
+    logits, labels = _batch(dtype, V=151_936 // 8, seed=9)
+    logits, labels = logits.cuda(), labels.cuda()
+    out = rlkernels.token_logprobs(logits, labels, temperature=0.7, numerics="vllm", backend=backend)
+    assert torch.equal(out.logprobs, vllm_v1(logits, labels, 0.7))
