@@ -212,10 +212,10 @@ def token_logprobs(
         cp_group: the same, for context parallelism.
         sampling_support: [..., K] integer ids the sampler kept at each position (top-k / top-p / min-p;
             -1 pads): the statistics are those of the softmax renormalised over them, at O(K) per row.
-        numerics: "default" (each backend's fastest exact form) or "vllm": the log-probs in vLLM's V1 sampler's
-            operations (a float32 copy divided by the float32 temperature, then ATen's log_softmax), bit for bit
-            what that engine returns on the same device; entropy, sum p^2 and the gradient are unchanged
-            (docs/numerics.md).
+        numerics: "default" (each backend's fastest exact form) or "vllm": the log-probs in vLLM's own operations,
+            bit for bit what it returns on the same device: its V2 sampler's Triton kernels' order on the Triton
+            backend (vLLM's default runner on a GPU), its V1 sampler's ATen log_softmax of the float32 logits / T
+            on the others. Entropy, sum p^2 and the gradient are unchanged (docs/numerics.md).
 
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows

@@ -363,8 +363,9 @@ class PolicyLossConfig:
             (float32 GEMMs on bf16/fp16 operands: vLLM's `head_dtype=float32`, SGLang's `--enable-fp32-lm-head`)
             or "tf32" (NeMo-RL's `fp32_lm_head: tf32`: float32 with TF32 matrix units on CUDA; float32 on a CPU).
             The logits path has no head: `decoupled_ppo_loss` refuses it.
-        numerics: the log-probs' arithmetic: "default" (each backend's fastest exact form) or "vllm" (vLLM's V1
-            sampler's operations, bit for bit on the same device: docs/numerics.md). The gradient is the same.
+        numerics: the log-probs' arithmetic: "default" (each backend's fastest exact form) or "vllm" (vLLM's own
+            operations, bit for bit on the same device: its V2 sampler's on the Triton backend, its V1 sampler's on
+            the others; docs/numerics.md). The gradient is the same.
     """
 
     loss_type: str = "ppo_clip"

@@ -137,6 +137,10 @@ class Backend(Protocol):
         With `inplace` the result may be written into the logits' storage (the caller bumps the
         version counter)."""
 
+    def vllm_logprobs(self, logits, labels, temperature) -> torch.Tensor:
+        """[N] float32 log-probs of the labels in vLLM's own operations (numerics="vllm"): its V1 sampler's (ATen)
+        by default, its V2 sampler's Triton kernels on the Triton backend; 0 where a label is outside [0, V)."""
+
     def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy: bool,
                        compute_sum_pi_squared: bool) -> Tuple[RowStats, torch.Tensor]:
         """token_stats_fwd and the [N, k] log-probs at `head_ids` (-1 pads) from the same pass (SPEC §9.1), with

@@ -8,9 +8,9 @@ in place by the request's temperature held as a float32 [N, 1] tensor (`apply_te
 log-softmax computes each row on its own (checked on the CPU: the same bits for a row alone, in a chunk or in
 the whole batch), so rows are taken here a chunk at a time, as the engine's batch would hold them.
 
-Every backend runs this with ATen on the logits' device: the bits of vLLM's V1 path on that device. vLLM's
-default V2 runner on a GPU computes with Triton kernels of its own (a max pass and a sum pass over 1024-wide
-blocks); that order is not reproduced here yet.
+The torch, CPU and CUDA backends run this with ATen on the logits' device: the bits of vLLM's V1 path on that
+device. vLLM's default V2 runner on a GPU computes with Triton kernels of its own (a max pass and a sum pass over
+1024-wide blocks); the Triton backend follows that one instead (kernels/triton/vllm_logprobs.py).
 """
 
 import torch

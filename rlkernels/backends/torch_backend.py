@@ -24,6 +24,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from . import engines
 from .base import (
     DIVERGENCE_STATS,
     FOREIGN_TARGET,
@@ -201,6 +202,10 @@ class TorchBackend:
                 out_chunk.copy_(g)
         return out
 
+
+    def vllm_logprobs(self, logits, labels, temperature):
+        """numerics="vllm": vLLM's V1 sampler's log-probs, ATen on the logits' device (backends/engines.py)."""
+        return engines.vllm_logprobs(logits, labels, Temperature.of(temperature))
 
     def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy, compute_sum_pi_squared):
         temperature = Temperature.of(temperature)

@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..kernels.triton import divergences as divergence_kernels
+from ..kernels.triton import vllm_logprobs as vllm_kernels
 from ..kernels.triton.token_grad import token_grad_bwd
 from ..kernels.triton.token_stats import token_stats_fwd
 from .base import RowStats
@@ -41,6 +42,11 @@ class TritonBackend(TorchBackend):
     ) -> torch.Tensor:
         return token_grad_bwd(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy,
                               Temperature.of(temperature).value(), inplace)
+
+    def vllm_logprobs(self, logits, labels, temperature):
+        """numerics="vllm": vLLM's V2 sampler's log-probs (its default runner on a GPU), with its Triton
+        operations in its order (kernels/triton/vllm_logprobs.py)."""
+        return vllm_kernels.vllm_logprobs(logits, labels, Temperature.of(temperature).value())
 
     @staticmethod
     def _kernels_take(logits, reference, temperature: Temperature, reference_temperature: Temperature) -> bool:

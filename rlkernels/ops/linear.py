@@ -224,7 +224,7 @@ def linear_token_stats(
         logits = _kept(_head(hidden.index_select(0, idx), weight, bias, head_dtype or None), support, idx)
         labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
         stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
-        lp = engine_logprobs(numerics, logits, labels, t_rows, stats.logprobs)
+        lp = engine_logprobs(numerics, impl, logits, labels, t_rows, stats.logprobs)
         for out, value in ((row_max, stats.row_max), (log_norm, stats.log_norm), (logprobs, lp),
                            (entropy, stats.entropy), (sum_pi_squared, stats.sum_pi_squared)):
             if value is not None:
@@ -382,7 +382,7 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
             logits = _kept(_head(h, weight, bias, plan.head_dtype), plan.support, idx)
             labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
             stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
-            lp = engine_logprobs(plan.numerics, logits, labels, t_rows, stats.logprobs).to(acc)
+            lp = engine_logprobs(plan.numerics, impl, logits, labels, t_rows, stats.logprobs).to(acc)
             ent = None if stats.entropy is None else stats.entropy.to(acc)
             for out, value in ((logprobs, lp), (entropy, ent), (sum_pi_squared, stats.sum_pi_squared)):
                 if out is not None:

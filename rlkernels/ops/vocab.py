@@ -17,15 +17,16 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..backends.engines import vllm_logprobs
 from ..backends.temperature import Temperature
 
 
-def engine_logprobs(numerics: str, logits: Tensor, labels: Tensor, temperature: Temperature, logprobs: Tensor):
-    """The sampled token's log-prob in the order `numerics` names: the pass's own (`logprobs`), or the engine's
-    (backends/engines.py). The statistics and the gradient stay the pass's: only these values change."""
+def engine_logprobs(numerics: str, impl, logits: Tensor, labels: Tensor, temperature: Temperature,
+                    logprobs: Tensor) -> Tensor:
+    """The sampled token's log-prob in the order `numerics` names: the pass's own (`logprobs`), or the engine's,
+    as backend `impl` reproduces it (Backend.vllm_logprobs). The statistics and the gradient stay the pass's: only
+    these values change."""
     if numerics == "vllm":
-        return vllm_logprobs(logits, labels, temperature).to(logprobs.dtype)
+        return impl.vllm_logprobs(logits, labels, temperature).to(logprobs.dtype)
     return logprobs
 
 
@@ -52,10 +53,9 @@ def token_stats(
     # logits: (N, V) or (B, T, V) row-strided; labels: (N,) int64, -1 on rows that take no part. `inplace_backward` only
     # matters to the backward (see the module docstring).
     T = Temperature(temperature)
-    stats = _backend(backend, logits, chunk_rows).token_stats_fwd(
-        logits, labels, T, compute_entropy, compute_sum_pi_squared
-    )
-    logprobs = engine_logprobs(numerics, logits, labels, T, stats.logprobs)
+    impl = _backend(backend, logits, chunk_rows)
+    stats = impl.token_stats_fwd(logits, labels, T, compute_entropy, compute_sum_pi_squared)
+    logprobs = engine_logprobs(numerics, impl, logits, labels, T, stats.logprobs)
     absent = lambda t: stats.logprobs.new_empty(0) if t is None else t  # noqa: E731 (outputs may not alias)
     return stats.row_max, stats.log_norm, logprobs, absent(stats.entropy), absent(stats.sum_pi_squared)
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import triton
 
-from rlkernels.kernels.triton import aot, divergences, token_grad, token_stats
+from rlkernels.kernels.triton import aot, token_grad, token_stats
 from rlkernels.kernels.triton.tl_math import vocab_config
 
 pytestmark = pytest.mark.aot
@@ -44,7 +44,7 @@ def test_specs_cover_exactly_the_heuristic(module):
 
 def test_discovery_finds_every_kernel_module():
     found = {name: specs for name, specs in aot.discover_specs()}
-    assert {"token_stats", "token_grad"} <= set(found)
+    assert {"token_stats", "token_grad", "divergences", "vllm_logprobs"} <= set(found)
     assert all(not isinstance(specs, str) for specs in found.values()), found
 
 
@@ -98,10 +98,8 @@ def test_brackets_are_the_all_on_and_all_off_variants():
 
 
 def _expected_compiles(target):
-    modules = (token_stats, token_grad, divergences)
-    if target in aot.EVERY_CONFIG_TARGETS:
-        return sum(len(m.aot_specs()) for m in modules)
-    return sum(aot.brackets(s) for m in modules for s in m.aot_specs())
+    specs = [s for _, found in aot.discover_specs() for s in found]
+    return len(specs) if target in aot.EVERY_CONFIG_TARGETS else sum(aot.brackets(s) for s in specs)
 
 
 @pytest.mark.parametrize("target", list(aot.TARGETS))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from triton import cdiv as triton_cdiv
 
-from rlkernels.kernels.triton import divergences, token_grad, token_stats
+from rlkernels.kernels.triton import divergences, token_grad, token_stats, vllm_logprobs
 from rlkernels.kernels.triton.tl_math import VOCAB_TIERS, pair_config, vocab_config
 from rlkernels.testing.bounds import bounds_checked, guarded
 
@@ -104,6 +104,22 @@ def test_divergence_kernels_stay_inside_their_tensors(layout, V):
         divergences.full_divergences_bwd(logits, reference, guarded(stats), guarded(coef), 0.9, 1.1)
     _assert_clean(violations)
     assert torch.isfinite(stats).all()
+
+
+@pytest.mark.parametrize("V", [1000, 3001])
+@pytest.mark.parametrize("layout", ["rows", "causal_shift"])
+def test_the_vllm_order_kernel_stays_inside_its_tensors(layout, V):
+    gen = torch.Generator().manual_seed(V)
+    if layout == "rows":
+        logits = guarded(torch.randn(5, V, generator=gen).to(torch.bfloat16))
+    else:
+        logits = guarded(torch.randn(2, 4, V, generator=gen).to(torch.bfloat16))[:, :-1]
+    N = logits.numel() // V
+    labels = _labels(N, V, gen)
+    with bounds_checked() as violations:
+        vllm_logprobs.vllm_logprobs(logits, guarded(labels), guarded(0.5 + torch.rand(N, generator=gen)))
+        vllm_logprobs.vllm_logprobs(logits, guarded(labels), 0.7)
+    _assert_clean(violations)
 
 
 def _mutant(tmp_path):

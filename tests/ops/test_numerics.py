@@ -1,13 +1,14 @@
-"""numerics="vllm": the sampled token's log-prob with vLLM 0.33.0's V1 sampler's bits, on every backend, dtype,
-temperature and layout, through every entry point; the default is not bit-equal to it (which is why the mode
-exists), and the gradient does not change.
+"""numerics="vllm": the sampled token's log-prob with vLLM 0.33.0's V1 sampler's bits on the torch, CPU and CUDA
+backends, for every dtype, temperature and layout, through every entry point; the default is not bit-equal to it
+(which is why the mode exists), and the gradient does not change. The Triton backend reproduces vLLM's V2 sampler
+instead (its default runner on a GPU): tests/peers/test_vllm_sampler.py checks it against vLLM's own kernels.
 
 The comparison is vLLM's own V1 arithmetic (vllm/v1/sample/sampler.py): `logits.to(torch.float32)` (:158),
 `logits.div_(temp.unsqueeze(dim=1))` with the float32 per-request temperatures (:291-300), then
 `logits.log_softmax(dim=-1, dtype=torch.float32)` (:368-370). Those three ATen calls are the engine's code path on
 a CPU (the V1 runner, or V2 without Triton); they run here on the CPU, so equality is bitwise on this device. On a
 GPU the same calls give vLLM's V1 CUDA bits; vLLM's default V2 runner there uses Triton kernels of its own, whose
-order this mode does not reproduce yet (docs/numerics.md).
+order the Triton backend follows (docs/numerics.md).
 """
 
 import pytest
@@ -17,12 +18,10 @@ import torch.nn.functional as F
 import rlkernels
 from rlkernels import backends
 
-from ..cases import BF16, F16, F32, interpreted
+from ..cases import BF16, F16, F32, assert_close, interpreted, tol
 
 BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not backends.available()["cpu"], reason=
-            "the CPU kernels could not be built here")),
-            pytest.param("triton", marks=[pytest.mark.interpret, pytest.mark.skipif(
-                not interpreted(), reason="the Triton backend on CPU tensors needs the interpreter")])]
+            "the CPU kernels could not be built here"))]
 
 
 def vllm_v1(logits: torch.Tensor, labels: torch.Tensor, temperature) -> torch.Tensor:
@@ -128,13 +127,32 @@ def test_bad_or_unsupported_numerics_are_named():
         rlkernels.token_logprobs(logits, kept_labels, numerics="vllm", sampling_support=support)
 
 
+@pytest.mark.interpret
+@pytest.mark.skipif(not interpreted(), reason="the Triton backend on CPU tensors needs the interpreter")
+def test_the_triton_backends_v2_order_keeps_each_rows_bits_whatever_the_batch():
+    """vLLM V2's order on the Triton backend: one program per row, so a row's bits do not depend on the others;
+    the values are vLLM V1's to float32 rounding (the two engines' orders differ in the last bits)."""
+    logits, labels = _batch(BF16, V=3001, seed=11)
+    whole = rlkernels.token_logprobs(logits, labels, temperature=0.7, numerics="vllm", backend="triton").logprobs
+    lone = torch.stack([rlkernels.token_logprobs(logits[i:i + 1], labels[i:i + 1], temperature=0.7,
+                                                 numerics="vllm", backend="triton").logprobs[0] for i in range(3)])
+    assert torch.equal(whole, lone)
+    want = vllm_v1(logits, labels, 0.7)
+    assert_close(whole, want, **tol("kernel.stats"), name="v2 against v1")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
-def test_on_a_gpu_the_bits_are_vllms_v1_cuda_bits(backend, dtype):
-    if not backends.is_available(backend):
-        pytest.skip(f"the {backend} backend is not available here")
+def test_on_a_gpu_the_cuda_backend_has_vllms_v1_cuda_bits(dtype):
+    if not backends.is_available("cuda"):
+        pytest.skip("the CUDA extension is not built here")
     logits, labels = _batch(dtype, V=151_936 // 8, seed=9)
     logits, labels = logits.cuda(), labels.cuda()
-    out = rlkernels.token_logprobs(logits, labels, temperature=0.7, numerics="vllm", backend=backend)
+    out = rlkernels.token_logprobs(logits, labels, temperature=0.7, numerics="vllm", backend="cuda")
     assert torch.equal(out.logprobs, vllm_v1(logits, labels, 0.7))
+    # the Triton backend follows V2 instead: each row's bits whatever the batch, V1's values to rounding
+    v2 = rlkernels.token_logprobs(logits, labels, temperature=0.7, numerics="vllm", backend="triton").logprobs
+    lone = torch.cat([rlkernels.token_logprobs(logits[:, i:i + 1], labels[:, i:i + 1], temperature=0.7,
+                                               numerics="vllm", backend="triton").logprobs for i in range(6)], 1)
+    assert torch.equal(v2, lone)
+    assert_close(v2, out.logprobs, **tol("kernel.stats"), name="v2 against v1")
