@@ -259,11 +259,9 @@ def linear_token_logprobs(
         from logprobs and entropy to hidden, weight and bias. Under torch.no_grad() this is the lean
         pass trainers run for old and reference log-probs.
     """
-    args = Arguments.of(locals())
-    batch = prepare_linear_stats(hidden, weight, bias, args, backend, validate, memory_budget_bytes, head_dtype,
-                                 numerics)
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend,
                               memory_budget_bytes=memory_budget_bytes, head_dtype=head_dtype, numerics=numerics)
+    batch = prepare_linear_stats(hidden, weight, bias, Arguments.of(locals()), validate, options)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
     return shaped_stats(stats, batch.token_shape)
 
