@@ -363,9 +363,10 @@ class PolicyLossConfig:
             (float32 GEMMs on bf16/fp16 operands: vLLM's `head_dtype=float32`, SGLang's `--enable-fp32-lm-head`)
             or "tf32" (NeMo-RL's `fp32_lm_head: tf32`: float32 with TF32 matrix units on CUDA; float32 on a CPU).
             The logits path has no head: `decoupled_ppo_loss` refuses it.
-        numerics: the log-probs' arithmetic: "default" (each backend's fastest exact form) or "vllm" (vLLM's own
+        numerics: the log-probs' arithmetic: "default" (each backend's fastest exact form), "vllm" (vLLM's own
             operations, bit for bit on the same device: its V2 sampler's on the Triton backend, its V1 sampler's on
-            the others; docs/numerics.md). The gradient is the same.
+            the others) or "batch_invariant" (every per-row output the same bits whatever the batch; the logits
+            path only). The gradient is the same. docs/numerics.md.
     """
 
     loss_type: str = "ppo_clip"
@@ -587,14 +588,12 @@ class PolicyLossConfig:
 
 
 HEAD_DTYPES = (None, "float32", "tf32")
-NUMERICS = ("default", "vllm")
+NUMERICS = ("default", "vllm", "batch_invariant")
 
 
 def check_numerics(numerics) -> None:
-    if numerics == "batch_invariant":
-        raise ValueError("numerics: 'batch_invariant' is not implemented yet ('default' or 'vllm')")
     if numerics not in NUMERICS:
-        raise ValueError(f"numerics: expected 'default' or 'vllm', got {numerics!r}")
+        raise ValueError(f"numerics: expected 'default', 'vllm' or 'batch_invariant', got {numerics!r}")
 
 
 def check_head_dtype(head_dtype) -> None:

@@ -47,6 +47,22 @@ CHUNK_ELEMENTS = 1 << 20
 # 8192 x 151,936 batch is 1,366 chunks, 226 ms forward against the naive composition's 8.4 ms (H200,
 # 2026-12-04, benchmarks/gpu_check.sh). 32 Mi elements (128 MiB per float32 temporary) make it 38 chunks.
 DEVICE_CHUNK_ELEMENTS = 1 << 25
+# Row sums in blocks of this many columns, then across the blocks: ATen sums a row shorter than its parallel grain
+# (32,768) in one thread in one order, but a longer row across threads when the rows are too few to share out
+# (a lone row at V = 40,000 gave other bits than the same row in a batch). No block reaches the grain, so each
+# row's sum is the same whatever the batch, the chunk or the thread count.
+ROW_SUM_BLOCK = 4096
+
+
+def row_sum(t: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dimension of [rows, V], batch- and thread-invariant (ROW_SUM_BLOCK); padding zeros are
+    exact in a sum."""
+    rows, V = t.shape
+    if V <= ROW_SUM_BLOCK:
+        return t.sum(1)
+    pad = (-V) % ROW_SUM_BLOCK
+    blocks = torch.nn.functional.pad(t, (0, pad)) if pad else t
+    return blocks.reshape(rows, -1, ROW_SUM_BLOCK).sum(2).sum(1)
 
 
 class TorchBackend:
@@ -128,9 +144,9 @@ class TorchBackend:
                 p = log_p.exp()
                 if compute_entropy:
                     # -sum p log p; p = 0 at -inf logits makes 0 * -inf = NaN by IEEE, 0 by the limit
-                    entropy[s:e] = -(p * log_p).nansum(1)
+                    entropy[s:e] = -row_sum(torch.where(p > 0, p * log_p, 0.0))
                 if compute_sum_pi_squared:
-                    sum_pi_squared[s:e] = torch.linalg.vector_norm(p, 2, dim=1).square()
+                    sum_pi_squared[s:e] = row_sum(p * p)
         # softmax of a row without a finite entry is NaN: no distribution, logprob -inf, entropy and
         # sum p^2 0 (see base.RowStats); log_norm = (z_y - row_max)/T - logprob, so that
         # lse = row_max/T + log_norm holds in the two parts the other backends keep
@@ -250,7 +266,7 @@ class TorchBackend:
             g = torch.where(a != 0, a * (pi - mu), zero) \
                 + torch.where(b != 0, b * (pi * (log_ratio - reverse_kl)), zero) \
                 + torch.where(c != 0, 2 * c * (ratio_sq - pi * (chi2 + 1)), zero) \
-                + torch.where(d != 0, 0.5 * d * pi * (sign - (pi * sign).sum(1, keepdim=True)), zero)
+                + torch.where(d != 0, 0.5 * d * pi * (sign - row_sum(pi * sign)[:, None]), zero)
             flat[s:e] = (g * t_rows).to(grad.dtype)
         return grad
 
@@ -276,10 +292,10 @@ def _divergences(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     pi, mu, live, ratio_sq = _terms(lp, lq)
     mu_live = mu > 0
-    kl = torch.where(mu_live, mu * (torch.where(mu_live, lq, zero) - torch.where(mu_live, lp, zero)), zero).sum(1)
-    reverse_kl = torch.where(live, pi * (torch.where(live, lp, zero) - torch.where(live, lq, zero)), zero).sum(1)
-    chi2 = ratio_sq.sum(1) - 1
-    tv = 0.5 * (pi - mu).abs().sum(1)
+    kl = row_sum(torch.where(mu_live, mu * (torch.where(mu_live, lq, zero) - torch.where(mu_live, lp, zero)), zero))
+    reverse_kl = row_sum(torch.where(live, pi * (torch.where(live, lp, zero) - torch.where(live, lq, zero)), zero))
+    chi2 = row_sum(ratio_sq) - 1
+    tv = 0.5 * row_sum((pi - mu).abs())
     return torch.stack([kl, reverse_kl, chi2, tv], 1)
 
 

@@ -136,6 +136,7 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     """The statistics of logits = hidden @ weight.T + bias ([N, H] hidden), never forming [N, V]; the backend
     is chosen here, once per call. With a small kept set only the kept ids' logits, from the K gathered rows
     of the head, for the rows in the loss."""
+    _refuse_variant_head(options)
     if batch.support is not None and kept_set.gathers(batch.support.shape[1], weight.shape[0]):
         _refuse_head_dtype(options, "a small kept set (sampling_support)")
         _refuse_numerics(options, "a small kept set (sampling_support)")
@@ -157,6 +158,13 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
 def _linear_chunk_rows(hidden: torch.Tensor, weight: torch.Tensor, options: PassOptions) -> int:
     dtype = linear.logits_dtype(hidden.dtype, options.head_dtype)
     return linear.chunk_rows_for(weight.shape[0], dtype, hidden.device, options.memory_budget_bytes)
+
+
+def _refuse_variant_head(options: PassOptions) -> None:
+    if options.numerics == "batch_invariant":
+        raise ValueError("numerics: 'batch_invariant' is not supported from hidden states yet: the head GEMM's "
+                         "reduction order depends on how many rows it multiplies (pass the logits to "
+                         "token_logprobs / decoupled_ppo_loss, or numerics='default')")
 
 
 def _refuse_numerics(options: PassOptions, what: str) -> None:
@@ -215,6 +223,7 @@ def linear_forward_gradient(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     unit incoming gradient, with each chunk's coefficients from `coefficients` (see linear.linear_forward_gradient).
     `kept`: [N] bool, the rows whose coefficients may be nonzero (the others get statistics only). The caller
     has checked one_pass_blocker and that the coefficients are per-token."""
+    _refuse_variant_head(options)
     name = backends.resolve(options.backend, hidden)
     chunk_rows = _linear_chunk_rows(hidden, weight, options)
     need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
@@ -273,6 +282,7 @@ def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     """full_divergences of logits = hidden @ weight.T + bias ([N, H] hidden) against `reference` logits, at the
     batch's temperature, on the rows in the loss; no autograd (the loss's metrics and TRM's mask)."""
     _refuse_head_dtype(options, "sampler_logits")
+    _refuse_variant_head(options)
     name = backends.resolve(options.backend, hidden)
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
     values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, name,
