@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied, nothing installed).
-# Runs in under 10 minutes (step limits 100 + 180 + 50 + 20 + 65 + 40 + 35 + 20 + 35 + 25 + 15 s = 9.75 min;
+# Runs in under 10 minutes (step limits 100 + 170 + 50 + 20 + 65 + 30 + 40 + 35 + 20 + 25 + 25 + 15 s = 9.92 min;
 # tests/test_gpu_check.py holds the sum under 600 s), correctness first, then the timings:
 #   - versions, the CUDA extension built in place for the GPU's own target (sm_90 on an H200);
 #   - every `gpu` test (the CUDA kernels, the Triton kernels compiled at real vocabularies and past 2^31 elements,
@@ -46,7 +46,7 @@ $PY -c "from rlkernels import backends; print('backends available:', backends.av
 # every failure, not the first (-x would hide the rest of a first run), each test named as it ends (-v: a step cut
 # at its limit still says which failed); the peers' tests fail to collect where their packages are absent (this
 # image has none), which is not what this step checks
-step gpu_tests 180 $PY -m pytest tests -m gpu -v -p no:cacheprovider -n 8 --continue-on-collection-errors -rfE \
+step gpu_tests 170 $PY -m pytest tests -m gpu -v -p no:cacheprovider -n 8 --continue-on-collection-errors -rfE \
   --durations=15 --junitxml "$OUT/gpu-tests.xml"
 
 # ---- timings, the most telling first (a run stopped early keeps those)
@@ -69,6 +69,11 @@ step linear 65 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 1519
   --providers "naive,rlkernels[logits],rlkernels[linear],rlkernels[linear-two-pass],rlkernels[linear-fp32-head],rlkernels[linear-tf32-head]" \
   --out "$OUT" --tag h200-linear-8192x4096x151936
 
+# numerics="vllm" and "batch_invariant" (docs/numerics.md): bitwise matches against vLLM's V1 (ATen on the device)
+# and V2 kernels (only where $RLKERNELS_CACHE carries its two sampler files: the machine has no internet), and the
+# modes' cost against "default"
+step numerics 30 $PY -m benchmarks.numerics --device cuda --N 1024 --V 151936 --reps 5 --json "$OUT/numerics.json"
+
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
 # what a (one-rank, NCCL) dp_group adds to it: packing, merging, two all_gathers, graph breaks
 step stage 40 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
@@ -84,7 +89,7 @@ step baseline 20 $PY -m benchmarks.baseline --device cuda --variant otb --reps 5
 
 # the loss family's options (sequence ratio, bias-corrected k3, OPSM, M2PO's sort) in one compiled stage, and the
 # 2026 trust regions on the sampler (IPO, VACO's sequence mask, the Kimi-K2.5 term) in another
-step stage_family 35 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 20 --case family \
+step stage_family 25 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 20 --case family \
   --case rollout_trust_regions \
   --json "$OUT/stage-family.json"
 

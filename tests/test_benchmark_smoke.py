@@ -160,3 +160,14 @@ def test_every_linear_provider_the_gpu_script_names_builds_and_runs():
         x["weight"].requires_grad_(True)
         loss = linear.build(provider, x, "seq_mis")()
         assert torch.isfinite(loss), provider
+
+
+def test_the_numerics_benchmark_counts_matches_and_costs():
+    """benchmarks/numerics.py end to end on a tiny batch: numerics="vllm" matches vLLM on every row of every
+    backend here (V1 on torch and cpu; V2's own kernels on Triton through the interpreter, where its wheel is
+    reachable), and each mode is timed against "default"."""
+    numerics = pytest.importorskip("benchmarks.numerics")
+    matches, costs = numerics.main(["--N", "8", "--V", "300", "--reps", "1"])
+    assert matches and all(r["equal"] == r["N"] for r in matches if r["numerics"] == "vllm")
+    assert {r["backend"] for r in matches} >= {"torch"}
+    assert {r["numerics"] for r in costs} == {"default", "vllm", "batch_invariant"}

@@ -4,7 +4,8 @@ the benchmarks.
 
 verl imports ray (and, in places, transformers) at module level, but its loss functions, driver-side
 rollout correction and FSDP engine code need neither on a CPU. `inert_ray_transformers` stands in for the
-missing ones while verl imports, and only then.
+missing ones while verl imports, and only then. vLLM's V2 sampler kernels come from its wheel, two files
+unpacked (`vllm_v2_sampler`).
 """
 
 import contextlib
@@ -12,8 +13,11 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import subprocess
 import sys
 import types
+import zipfile
+from pathlib import Path
 
 
 class _InertModule(types.ModuleType):
@@ -107,3 +111,77 @@ def verl_source_function(module: str, name: str, namespace: dict):
     scope = dict(namespace)
     exec(compile(ast.Module(body=[node], type_ignores=[]), spec.origin, "exec"), scope)
     return scope[name]
+
+
+VLLM_VERSION = "0.33.0"
+VLLM_SAMPLER_FILES = ("vllm/v1/worker/gpu/sample/logprob.py", "vllm/v1/worker/gpu/sample/gumbel.py")
+
+
+def _vllm_files() -> Path:
+    """vLLM's two V2 sampler files, unpacked once per machine into the rlkernels cache (the 336 MB wheel is not
+    kept). RuntimeError, with pip's words, where the wheel cannot be fetched."""
+    base = os.environ.get("RLKERNELS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlkernels")
+    root = Path(base) / "peers" / f"vllm-{VLLM_VERSION}"
+    if all((root / f).is_file() for f in VLLM_SAMPLER_FILES):
+        return root
+    wheels = root / "wheel"
+    wheels.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"vllm=={VLLM_VERSION}", "-d",
+                        str(wheels)], check=True, capture_output=True, text=True, timeout=600)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"vllm=={VLLM_VERSION}'s wheel could not be fetched: "
+                           f"{str(getattr(exc, 'stderr', None) or exc)[-300:]}") from exc
+    (wheel,) = wheels.glob("vllm-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        for f in VLLM_SAMPLER_FILES:
+            target = root / f
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(archive.read(f))
+    wheel.unlink()
+    return root
+
+
+def vllm_v2_sampler() -> dict:
+    """{"logprob": module, "gumbel": module}: vLLM's V2 sampler's log-prob and temperature kernels, loaded from its
+    own files with stand-ins for the `vllm.*` imports they name (restored after)."""
+    import triton
+    import triton.language as tl
+
+    root = _vllm_files()
+    stubs = {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.triton_utils": types.SimpleNamespace(tl=tl, triton=triton),
+        "vllm.sampling_params": types.SimpleNamespace(MAX_LOGPROB_TOKEN_IDS=0, SamplingParams=object),
+        "vllm.v1.outputs": types.SimpleNamespace(LogprobsTensors=object),
+        "vllm.v1.worker.gpu.buffer_utils": types.SimpleNamespace(StagedWriteTensor=object, UvaBackedTensor=object),
+    }
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    try:
+        modules = {}
+        for f in VLLM_SAMPLER_FILES:
+            spec = importlib.util.spec_from_file_location("vllm_v2_" + Path(f).stem, root / f)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            modules[Path(f).stem] = module
+        return modules
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def vllm_v2_processed_logprobs(kernels: dict, logits, labels, temperatures):
+    """What vLLM's V2 sampler returns for the sampled tokens (sampler.py: apply_sampling_params, then
+    compute_topk_scores): the logits as they are when no request needs processing, else a float32 copy with each
+    row divided by its temperature; then its log-softmax kernel at the sampled ids."""
+    import torch
+
+    if bool(((temperatures != 0) & (temperatures != 1)).any()):
+        logits = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
+        kernels["gumbel"].apply_temperature(logits, torch.arange(logits.shape[0], device=logits.device), temperatures)
+    return kernels["logprob"].compute_token_logprobs(logits, labels[:, None])[:, 0]
