@@ -445,14 +445,15 @@ def variance_proxy_metrics(
 def logprob_parity(
     trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
     cu_seqlens: Optional[torch.Tensor] = None, bucket_edges: Sequence[float] = DEFAULT_BUCKET_EDGES,
+    validate: bool = True,
 ) -> LogprobParity:
     """How far the trainer's log-probs are from the rollout engine's, on the response tokens: the certificate of an
     engine-exact stack (NeMo-RL RFC #4039), and where a stack that is not departs.
 
     Over the response tokens: the fraction whose two log-probs have the same bits; each sequence's first position
     where they differ; per bucket of the rollout probability exp(rollout_logprobs), the token count and the mean
-    and max |trainer - rollout|. No host synchronisation: `metrics_to_floats(report.metrics)` reads every value
-    back with one.
+    and max |trainer - rollout|. No host synchronisation beyond cu_seqlens' check: `metrics_to_floats(
+    report.metrics)` reads every value back with one.
 
     Args:
         trainer_logprobs: [B, T] (padded) or [N] (packed) float, the trainer's log-probs of the sampled tokens.
@@ -461,12 +462,13 @@ def logprob_parity(
         response_mask: like trainer_logprobs, bool or 0/1: the tokens compared.
         cu_seqlens: [S + 1] offsets of the packed layout (None: a padded batch, or one packed sequence).
         bucket_edges: increasing probabilities from 0.0 to 1.0; the last bucket includes 1.0.
+        validate: check cu_seqlens' offsets against the tokens (one host sync; only with cu_seqlens).
 
     Returns:
         LogprobParity (rlkernels.outputs), with its values also as `metrics` (`logprob_parity/match_rate`,
         `logprob_parity/p[0.1,0.5)/max_abs_diff`, ...).
     """
-    rows = prepare_parity(trainer_logprobs, rollout_logprobs, response_mask, cu_seqlens, bucket_edges)
+    rows = prepare_parity(trainer_logprobs, rollout_logprobs, response_mask, cu_seqlens, bucket_edges, validate)
     with torch.no_grad():
         return LogprobParity(*parity.logprob_parity(rows, [float(e) for e in bucket_edges]))
 

@@ -55,7 +55,12 @@ def test_the_packed_layout_gives_the_same_report():
     assert report.first_divergence.tolist() == [2, 3, -1, -1]
     for name in ("match_rate", "matched", "tokens", "bucket_tokens", "bucket_mean_abs_diff", "bucket_max_abs_diff"):
         assert torch.equal(getattr(report, name), getattr(padded, name)), name
-    assert float(report.metrics["logprob_parity/diverged_sequence_fraction"]) == 0.5
+    # of the sequences with a response token: both diverge, as in the padded batch
+    assert float(report.metrics["logprob_parity/diverged_sequence_fraction"]) == 1.0
+    with pytest.raises(ValueError, match="cu_seqlens: expected cu_seqlens\\[-1\\] == N = 10"):
+        rlkernels.logprob_parity(trainer, packed_rollout, mask, cu_seqlens=torch.tensor([0, 4, 8]))
+    with pytest.raises(ValueError, match="cu_seqlens: expected cu_seqlens\\[0\\] == 0"):
+        rlkernels.logprob_parity(trainer, packed_rollout, mask, cu_seqlens=torch.tensor([2, 5, 10]))
 
 
 def test_bits_not_values():
@@ -84,6 +89,8 @@ def test_empty_responses_give_zeros():
     assert int(report.tokens) == 0 and float(report.match_rate) == 0.0
     assert report.first_divergence.tolist() == [-1, -1]
     assert all(float(v) == 0.0 for v in report.metrics.values())
+    empty = rlkernels.logprob_parity(torch.zeros(3, 0), torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.bool))
+    assert empty.first_divergence.tolist() == [-1, -1, -1] and int(empty.tokens) == 0
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -106,6 +113,6 @@ def test_no_host_read(monkeypatch):
 
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
-    report = rlkernels.logprob_parity(TRAINER, _rollout(), MASK)
+    report = rlkernels.logprob_parity(TRAINER, _rollout(), MASK)  # padded: no offsets to check, no sync
     monkeypatch.undo()
     assert int(report.matched) == 5

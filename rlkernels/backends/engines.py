@@ -18,19 +18,23 @@ import torch
 from .base import row_groups
 from .temperature import Temperature
 
-# rows per chunk: about this many float32 logits (the copy the engine also makes), a CPU cache's worth
-_CHUNK_ELEMENTS = 1 << 20
+# rows per chunk: about this many float32 logits (the copy the engine also makes): a CPU cache's worth; on a GPU
+# enough that the launches do not dominate (as the torch backend's DEVICE_CHUNK_ELEMENTS)
+_CHUNK_ELEMENTS = {"cpu": 1 << 20}
+_DEVICE_CHUNK_ELEMENTS = 1 << 25
 
 
 def vllm_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: Temperature) -> torch.Tensor:
     """[N] float32 log-probs of `labels` under vLLM's V1 processed log-softmax; 0 where the label is outside
-    [0, V) (rows outside the loss). logits: [N, V] or [B, T, V] row-strided (the backends' convention)."""
+    [0, V) (rows outside the loss), and -inf on a row without a finite logit (where the engine's NaN would enter a
+    ratio: the backends' convention, base.RowStats). logits: [N, V] or [B, T, V] row-strided (the backends'
+    convention); float64 ones are read as float32, as the engine holds them."""
     V = logits.shape[-1]
     out = torch.zeros(labels.shape[0], dtype=torch.float32, device=logits.device)
     valid = (labels >= 0) & (labels < V)
     safe = labels.clamp(0, max(V - 1, 0))
     t32 = temperature.tensor.to(device=logits.device, dtype=torch.float32)
-    step = max(1, _CHUNK_ELEMENTS // max(V, 1))
+    step = max(1, _CHUNK_ELEMENTS.get(logits.device.type, _DEVICE_CHUNK_ELEMENTS) // max(V, 1))
     for first, rows in row_groups(logits):
         for s in range(0, rows.shape[0], step):
             e = min(rows.shape[0], s + step)
@@ -38,4 +42,5 @@ def vllm_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: Tempe
             z.div_(t32[first + s:first + e].unsqueeze(1) if temperature.per_row else t32.reshape(1, 1))
             lp = torch.log_softmax(z, dim=-1, dtype=torch.float32)
             out[first + s:first + e] = lp.gather(1, safe[first + s:first + e, None]).squeeze(1)
+    out = torch.where(torch.isnan(out), float("-inf"), out)
     return torch.where(valid, out, torch.zeros((), dtype=torch.float32, device=out.device))

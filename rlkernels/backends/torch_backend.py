@@ -58,7 +58,7 @@ def row_sum(t: torch.Tensor) -> torch.Tensor:
     """Σ over the last dimension of [rows, V], batch- and thread-invariant (ROW_SUM_BLOCK); padding zeros are
     exact in a sum."""
     rows, V = t.shape
-    if V <= ROW_SUM_BLOCK:
+    if V <= ROW_SUM_BLOCK or rows == 0:
         return t.sum(1)
     pad = (-V) % ROW_SUM_BLOCK
     blocks = torch.nn.functional.pad(t, (0, pad)) if pad else t

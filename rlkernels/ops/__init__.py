@@ -121,6 +121,9 @@ def token_stats(logits: torch.Tensor, batch, options: PassOptions) -> Statistics
         inplace = True
     rows = logit_rows(logits, inplace)
     name = backends.resolve(options.backend, rows)
+    if options.numerics == "batch_invariant" and name == "torch" and rows.device.type != "cpu":
+        raise ValueError("numerics: 'batch_invariant' with the torch backend is verified on the CPU only (ATen's "
+                         "device reductions choose their split by shape); use backend='triton' or 'cuda' there")
     if batch.tp_group is not None:
         _refuse_numerics(options, "tp_group")
         return Statistics(*vocab_parallel.vocab_parallel_token_stats(

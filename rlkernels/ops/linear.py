@@ -85,12 +85,17 @@ def _tf32(head_dtype: Optional[str]):
             matmul.allow_tf32 = saved
 
 
+# A float32 head upcasts the weight in blocks sized from a chunk's rows, but never from fewer than these: a chunk's
+# tail of one row would otherwise upcast a 4096-wide head one vocabulary row at a time (thousands of tiny GEMMs)
+_MIN_BLOCK_ROWS = 256
+
+
 def _weight_blocks(weight: Tensor, rows: int):
-    """(start, end) of blocks of vocabulary rows whose float32 copy takes at most the bytes of `rows` rows of
-    float32 logits: a float32 head never holds a float32 copy of the whole weight unless a chunk of logits is
+    """(start, end) of blocks of vocabulary rows whose float32 copy takes at most the bytes of max(rows, 256) rows
+    of float32 logits: a float32 head never holds a float32 copy of the whole weight unless a chunk of logits is
     that large anyway."""
     V, H = weight.shape
-    block = max(1, min(V, (rows * V) // max(H, 1)))
+    block = max(1, min(V, (max(rows, _MIN_BLOCK_ROWS) * V) // max(H, 1)))
     return [(v0, min(V, v0 + block)) for v0 in range(0, V, block)]
 
 
@@ -158,14 +163,14 @@ class _HeadGradients:
 
     def add(self, idx: Tensor, grad_logits: Tensor, h: Tensor) -> None:
         """The chunk of rows `idx` (hidden rows `h`) with dlogits `grad_logits`."""
-        if self.upcast:
-            with _tf32(self.head_dtype):
+        with _tf32(self.head_dtype):  # GEMMs 2 and 3 in the precision GEMM 1 ran in
+            if self.upcast:
                 self._add_float32(idx, grad_logits, h)
-        else:
-            if self.d_hidden is not None:
-                self.d_hidden.index_copy_(0, idx, grad_logits @ self.weight)
-            if self.d_weight is not None:
-                _accumulate_weight_grad(self.d_weight, grad_logits, h)
+            else:
+                if self.d_hidden is not None:
+                    self.d_hidden.index_copy_(0, idx, grad_logits @ self.weight)
+                if self.d_weight is not None:
+                    _accumulate_weight_grad(self.d_weight, grad_logits, h)
         if self.d_bias is not None:
             self.d_bias.add_(grad_logits.sum(0, dtype=self.wide))
 

@@ -40,12 +40,16 @@ def logprob_parity(rows: ParityRows, bucket_edges) -> Tuple:
     # the first differing position of each sequence, -1 where none differs
     if rows.row is None:  # a padded [B, T] batch: positions are its columns
         per_row = differs.view(rows.num_rows, rows.width)
-        first = torch.where(per_row.any(1), per_row.int().argmax(1), -1).long()
+        first = torch.where(per_row.any(1), per_row.int().argmax(1), -1).long() if rows.width else \
+            torch.full((rows.num_rows,), -1, dtype=torch.long, device=mask.device)
+        responding = mask.view(rows.num_rows, rows.width).any(1)
     else:
         never = torch.iinfo(torch.int64).max
         first = torch.full((rows.num_rows,), never, dtype=torch.long, device=mask.device)
         first = first.scatter_reduce(0, rows.row, rows.position.masked_fill(~differs, never), "amin")
         first = first.masked_fill(first == never, -1)
+        responding = torch.zeros(rows.num_rows, dtype=torch.bool, device=mask.device).index_put_(
+            (rows.row,), mask, accumulate=True)
 
     # buckets of the rollout probability; p = 1 falls in the last one
     K = rows.edges.numel() - 1
@@ -64,8 +68,8 @@ def logprob_parity(rows: ParityRows, bucket_edges) -> Tuple:
         "logprob_parity/match_rate": match_rate,
         "logprob_parity/mean_abs_diff": gap.sum() / tokens.clamp(min=1),
         "logprob_parity/max_abs_diff": gap.max() if gap.numel() else gap.new_zeros(()),
-        "logprob_parity/diverged_sequence_fraction": (first >= 0).double().mean() if first.numel()
-        else match_rate.new_zeros(()),
+        # of the sequences with a response token (the same whatever the layout)
+        "logprob_parity/diverged_sequence_fraction": (first >= 0).sum().double() / responding.sum().clamp(min=1),
     }
     for k in range(K):
         name = f"logprob_parity/{_label(bucket_edges, k)}"

@@ -16,8 +16,9 @@ What it checks: each active lane (mask true) of a load or a store must address a
 tensor arguments, of the width it reads. Elements, not allocations: a read that lands in the allocation but
 outside the view (the position a causal shift leaves out, a padded row's padding, the next row after a partial
 block) is caught, which a check of whole allocations would miss. `guarded` gives a kernel its input as a view
-with a gap on every side, so that any stray access lands on no element. A stray lane is reported with the
-kernel's source line and then dropped, never dereferenced.
+with a gap on every side (after each row, wider than any block a kernel loads), so that a stray access lands on
+no element. A stray lane is reported with the kernel's source line and then dropped, never dereferenced. Stores
+into tensors named read-only (a pass's inputs) are reported too.
 
 What it does not check: races (the interpreter runs one program after another), and shapes beyond the
 interpreter's speed (N * V > 2^31: tests/kernels/test_gpu_kernels.py runs those compiled on a GPU).
@@ -99,8 +100,9 @@ def _source_line() -> str:
 
 
 @contextlib.contextmanager
-def bounds_checked() -> Iterator[List[Violation]]:
-    """Checks every interpreted Triton launch inside the block; yields the list its violations are added to."""
+def bounds_checked(read_only=()) -> Iterator[List[Violation]]:
+    """Checks every interpreted Triton launch inside the block; yields the list its violations are added to.
+    `read_only`: tensors no kernel may store into (the inputs of an out-of-place pass)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("bounds_checked needs Triton's interpreter: set TRITON_INTERPRET=1 before importing triton")
     from triton.runtime import interpreter
@@ -110,6 +112,7 @@ def bounds_checked() -> Iterator[List[Violation]]:
     init_args, launch, masked_load, masked_store = originals
     violations: List[Violation] = []
     launches = []  # (kernel name, _Elements) of the launches under way
+    protected = _Elements(list(read_only))
 
     def checked_init_args(self, args_dev, kwargs):
         hosted = init_args(self, args_dev, kwargs)  # the tensors the kernel's pointers address
@@ -139,7 +142,17 @@ def bounds_checked() -> Iterator[List[Violation]]:
         return masked_load(self, pointers, checked_mask("load", pointers, mask), other, cache_policy, is_volatile)
 
     def store(self, pointers, value, mask, cache_policy):
-        return masked_store(self, pointers, value, checked_mask("store", pointers, mask), cache_policy)
+        mask = checked_mask("store", pointers, mask)
+        if len(protected.addresses):
+            width = pointers.get_element_ty().primitive_bitwidth // 8
+            active = np.asarray(mask.data, dtype=bool)
+            into = active & ~protected.outside(pointers.data, active, width)
+            if into.any():
+                first = int(np.broadcast_to(pointers.data, into.shape)[into][0])
+                violations.append(Violation(launches[-1][0] if launches else "?", _source_line(),
+                                            "store into a read-only tensor", int(into.sum()), first))
+                mask = type(mask)(active & ~into, mask.dtype)
+        return masked_store(self, pointers, value, mask, cache_policy)
 
     executor._init_args_hst, executor.__call__ = checked_init_args, checked_launch
     builder.create_masked_load, builder.create_masked_store = load, store
@@ -149,12 +162,18 @@ def bounds_checked() -> Iterator[List[Violation]]:
         executor._init_args_hst, executor.__call__, builder.create_masked_load, builder.create_masked_store = originals
 
 
-def guarded(t: torch.Tensor, gap: int = 3) -> torch.Tensor:
-    """`t`'s values as a view into a larger tensor with `gap` elements of NaN (or -1 for integers) on both sides of
-    every dimension: the strides are the larger tensor's, the last one stays 1, and any access outside the view
-    lands on no element of it."""
+# the gap after each row: wider than the widest block a kernel loads (8192), so that a row's overrun by up to a
+# block lands in it rather than on the next row's elements
+ROW_GAP = 8192
+
+
+def guarded(t: torch.Tensor, gap: int = 3, row_gap: int = ROW_GAP) -> torch.Tensor:
+    """`t`'s values as a view into a larger tensor with NaN (or -1 for integers) around it: `gap` elements on both
+    sides of every dimension but the last, `row_gap` on both sides of the last. The strides are the larger
+    tensor's, the last one stays 1, and any access outside the view lands on no element of it."""
     fill = float("nan") if t.is_floating_point() else -1
-    outer = torch.full([s + 2 * gap for s in t.shape], fill, dtype=t.dtype, device=t.device)
-    view = outer[tuple(slice(gap, gap + s) for s in t.shape)]
+    gaps = [gap] * (t.dim() - 1) + [row_gap] if t.dim() else []
+    outer = torch.full([s + 2 * g for s, g in zip(t.shape, gaps)], fill, dtype=t.dtype, device=t.device)
+    view = outer[tuple(slice(g, g + s) for s, g in zip(t.shape, gaps))]
     view.copy_(t)
     return view

@@ -127,13 +127,18 @@ def _vllm_files() -> Path:
         return root
     wheels = root / "wheel"
     wheels.mkdir(parents=True, exist_ok=True)
+    for stale in wheels.glob("*.whl"):  # an interrupted earlier fetch
+        stale.unlink()
     try:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"vllm=={VLLM_VERSION}", "-d",
                         str(wheels)], check=True, capture_output=True, text=True, timeout=600)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         raise RuntimeError(f"vllm=={VLLM_VERSION}'s wheel could not be fetched: "
                            f"{str(getattr(exc, 'stderr', None) or exc)[-300:]}") from exc
-    (wheel,) = wheels.glob("vllm-*.whl")
+    found = sorted(wheels.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+    if not found:
+        raise RuntimeError(f"pip left no vllm-{VLLM_VERSION} wheel in {wheels}")
+    wheel = found[0]
     with zipfile.ZipFile(wheel) as archive:
         for f in VLLM_SAMPLER_FILES:
             target = root / f

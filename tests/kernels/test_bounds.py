@@ -65,7 +65,7 @@ def test_token_kernels_stay_inside_their_tensors(layout, V, dtype):
     labels = _labels(N, V, gen)
     per_row_t = 0.5 + torch.rand(N, generator=gen)
     c, e = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
-    with bounds_checked() as violations:
+    with bounds_checked(read_only=[logits]) as violations:  # only the in-place backward may write the logits
         stats = token_stats.token_stats_fwd(logits, guarded(labels), guarded(per_row_t), True, True)
         lean = token_stats.token_stats_fwd(logits, guarded(labels), 0.7, False, False)
         grad = token_grad.token_grad_bwd(logits, guarded(labels), guarded(stats.row_max), guarded(stats.log_norm),
@@ -99,7 +99,7 @@ def test_divergence_kernels_stay_inside_their_tensors(layout, V):
     reference = guarded(torch.randn(N, V, generator=gen).to(torch.bfloat16))
     active = torch.rand(N, generator=gen) < 0.7
     coef = torch.randn(N, 4, generator=gen)
-    with bounds_checked() as violations:
+    with bounds_checked(read_only=[logits, reference]) as violations:
         stats = divergences.full_divergences_fwd(logits, reference, guarded(active), 0.9, 1.1).stats
         divergences.full_divergences_bwd(logits, reference, guarded(stats), guarded(coef), 0.9, 1.1)
     _assert_clean(violations)
@@ -116,7 +116,7 @@ def test_the_vllm_order_kernel_stays_inside_its_tensors(layout, V):
         logits = guarded(torch.randn(2, 4, V, generator=gen).to(torch.bfloat16))[:, :-1]
     N = logits.numel() // V
     labels = _labels(N, V, gen)
-    with bounds_checked() as violations:
+    with bounds_checked(read_only=[logits]) as violations:
         vllm_logprobs.vllm_logprobs(logits, guarded(labels), guarded(0.5 + torch.rand(N, generator=gen)))
         vllm_logprobs.vllm_logprobs(logits, guarded(labels), 0.7)
     _assert_clean(violations)
@@ -140,6 +140,20 @@ def _mutant(tmp_path):
     return module, f"{path.name}:{line + 1}"
 
 
+def test_a_store_into_an_input_is_caught():
+    """The out-of-place backward handed the logits as its output buffer: every store lands on a read-only tensor."""
+    gen = torch.Generator().manual_seed(0)
+    V = 131
+    logits = guarded(torch.randn(5, V, generator=gen))
+    labels = torch.randint(0, V, (5,), generator=gen)
+    stats = token_stats.token_stats_fwd(logits, labels, 1.0, False, False)
+    c = torch.ones(5)
+    with bounds_checked(read_only=[logits]) as violations:
+        token_grad.token_grad_bwd(logits, labels, stats.row_max, stats.log_norm, None, c, None, 1.0, True)
+    assert violations and all(v.op == "store into a read-only tensor" for v in violations)
+    assert sum(v.lanes for v in violations) == 5 * V
+
+
 def test_a_load_without_its_mask_is_caught_at_its_line(tmp_path):
     mutant, where = _mutant(tmp_path)
     V = 131  # 256-wide blocks: the last 125 lanes of each row's block fall outside it
@@ -151,9 +165,12 @@ def test_a_load_without_its_mask_is_caught_at_its_line(tmp_path):
     assert violations, "the mutant's unmasked load went unnoticed"
     print("\n".join(map(str, violations)))
     assert {(v.kernel, v.where, v.op) for v in violations} == {("_token_stats_fwd_kernel", where, "load")}
-    # each program's stray lanes that land in a gap (those reaching the next row's elements are not counted:
-    # the gaps are narrower than a block)
-    assert all(v.lanes > 0 for v in violations) and len(violations) == triton_cdiv(_rows(V), vocab_config(V).BLOCK_N)
+    # every lane past a row's end: 256 - 131 for each of the 3 programs' 8 rows (the last program's 7 rows past
+    # the batch wrap onto its first rows: row n lies at (n % rows) * stride)
+    cfg = vocab_config(V)
+    programs = triton_cdiv(_rows(V), cfg.BLOCK_N)
+    assert len(violations) == programs
+    assert sum(v.lanes for v in violations) == programs * cfg.BLOCK_N * (cfg.BLOCK_V - V)
     with bounds_checked() as violations:  # the kernel as shipped, same launch
         token_stats.token_stats_fwd(logits, labels, 1.0, True, True)
     _assert_clean(violations)

@@ -54,9 +54,13 @@ def test_a_float32_head_meets_the_oracle_of_the_float32_logits():
         assert_close(g, want, **tol("head.float32.grad", BF16, scale=float(want.abs().max())), name=name)
     # the bf16 head rounds each logit to bf16 first: its log-probs miss the same check by a bf16 rounding of the
     # logits (~1e-2 here, against a bound of ~1e-4), which is what the option removes
-    plain, _ = _run(None)
+    plain, plain_grads = _run(None)
     bf16_error = float((plain.logprobs.detach().double() - lp.detach()).abs().max())
     assert bf16_error > 10 * tol("value", F32, scale=scale)["atol"]
+    # and its gradients (from bf16 logits) miss the bound the float32 head's meet: GEMMs 2 and 3 ran in float32
+    for name, g, want in zip(("d_hidden", "d_weight", "d_bias"), plain_grads, grads):
+        with pytest.raises(AssertionError):
+            assert_close(g, want, **tol("head.float32.grad", BF16, scale=float(want.abs().max())), name=name)
 
 
 def test_tf32_is_float32_on_a_cpu_and_float32_inputs_are_unchanged():
@@ -93,10 +97,13 @@ def test_the_loss_with_a_float32_head_is_the_loss_on_float32_logits(one_pass):
 
 def test_the_weight_is_upcast_in_blocks_no_larger_than_a_chunk_of_logits():
     weight = torch.zeros(V, H, dtype=BF16)
-    for rows in (1, 3, 100):
+    for rows in (1, 3, 100, 1000):
         blocks = linear._weight_blocks(weight, rows)
         assert blocks[0][0] == 0 and blocks[-1][1] == V and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
-        assert all((end - start) * H <= max(H, rows * V) for start, end in blocks)  # float32 bytes of the chunk
+        # float32 bytes of max(rows, 256) rows of logits: a one-row tail does not upcast a row at a time
+        assert all((end - start) * H <= max(rows, 256) * V for start, end in blocks)
+    wide = torch.zeros(151_936, 4096, dtype=BF16)
+    assert len(linear._weight_blocks(wide, 1)) == 16  # 9,496 vocabulary rows a block, not one
 
 
 def test_where_it_is_refused():

@@ -66,7 +66,7 @@ class AotResult:
     regs: Optional[int] = None  # per thread (NVIDIA) or VGPRs per lane (AMD)
     spills: Optional[int] = None  # NVIDIA: LOCAL bytes per thread; AMD: spilled registers + scratch bytes
     stack: Optional[int] = None
-    shared: Optional[int] = None  # bytes per block: static + what the launch asks for dynamically
+    shared: Optional[int] = None  # the kernel's bytes per block: static + dynamic (the driver's reservation apart)
     ldg_bits: Optional[int] = None  # widest global load (NVIDIA; 0 where not read)
     occupancy: Optional[float] = None  # resident warps (waves) over the most the SM (SIMD) holds
     limiter: str = ""
@@ -193,6 +193,12 @@ def occupancy(cc: int, regs: int, shared: int, num_warps: int):
     return blocks[limiter] * num_warps / limits["warps"], limiter
 
 
+def _kernel_shared(cc: int, static: int) -> int:
+    """The kernel's own static shared memory. From sm_90 on, cuobjdump's SHARED also counts the 1 KiB the driver
+    reserves per block (a kernel with none reads 1024 there, 0 on sm_80); occupancy() adds that reservation once."""
+    return max(0, static - RESERVED_SHARED_PER_BLOCK) if cc >= 90 else static
+
+
 def run_spec(spec, target) -> AotResult:
     if isinstance(target, int):
         target = f"sm_{target}"
@@ -203,7 +209,7 @@ def run_spec(spec, target) -> AotResult:
         if TARGETS[target][0] == "cuda":
             usage = resource_usage(kernel.asm["cubin"])
             res.regs, res.spills, res.stack = usage["REG"], usage["LOCAL"], usage["STACK"]
-            res.shared = usage["SHARED"] + kernel.metadata.shared
+            res.shared = _kernel_shared(TARGETS[target][1], usage["SHARED"]) + kernel.metadata.shared
             res.ldg_bits = widest_global_load(kernel.asm["ptx"])
             res.occupancy, res.limiter = occupancy(TARGETS[target][1], res.regs, res.shared, spec.num_warps)
         else:

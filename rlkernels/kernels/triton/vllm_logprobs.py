@@ -19,6 +19,7 @@ from .token_stats import device_guard, grouped_strides
 
 BLOCK_SIZE = 1024  # vLLM's (logprob.py, compute_token_logprobs)
 NUM_WARPS = 4  # Triton's default, which vLLM's launch keeps: the layout fixes tl.sum's order
+NUM_STAGES = 3  # Triton's default too (vLLM passes none); named so that the AOT check compiles what is launched
 
 
 @triton.jit
@@ -60,7 +61,9 @@ def _vllm_logprobs_kernel(
 
     x = tl.load(row_ptr + label).to(tl.float32)
     x = tl.where(scaled, x / t, x)
-    tl.store(out_ptr + row, x - max_val - lse)
+    out = x - max_val - lse
+    # a row without a finite logit: -inf, not the engine's NaN (the backends' convention, base.RowStats)
+    tl.store(out_ptr + row, tl.where(max_val == float("-inf"), float("-inf"), out))
 
 
 def vllm_logprobs(logits, labels, temperature):
@@ -83,6 +86,7 @@ def vllm_logprobs(logits, labels, temperature):
         _vllm_logprobs_kernel[(N,)](
             out, logits, labels.to(torch.int64).contiguous(), t_rows, N, V, rows_per_group, stride_g, stride_n,
             1.0 if per_row else float(temperature), ROW_TEMPERATURE=per_row, BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
         )
     return out
 
@@ -99,7 +103,7 @@ def aot_specs():
             specs.append(AotSpec(
                 name=f"vllm_logprobs[{dtype},ROW_TEMPERATURE={int(row_t)}]", fn=_vllm_logprobs_kernel,
                 signature=signature, constexprs={"ROW_TEMPERATURE": row_t, "BLOCK": BLOCK_SIZE},
-                num_warps=NUM_WARPS, num_stages=1,
+                num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                 aligned=("out_ptr", "logits_ptr", "labels_ptr", "temperature_ptr", "V", "stride_g", "stride_n"),
             ))
     return specs
