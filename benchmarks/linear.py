@@ -17,6 +17,7 @@ Providers:
   rlkernels[linear-two-pass]  the same with linear_one_pass=False (its backward recomputes the logits: 4)
   rlkernels[linear-fp32-head] rlkernels[linear] with head_dtype="float32" (float32 GEMMs on bf16/fp16 operands)
   rlkernels[linear-tf32-head] the same with head_dtype="tf32" (TF32 matrix units on CUDA; float32 on a CPU)
+  rlkernels[linear-invariant] rlkernels[linear] with numerics="batch_invariant" (head GEMMs in 64-row blocks)
   liger                       Liger-Kernel's LigerFusedLinearGRPOLoss (token_tis only; loss_type="dapo",
                               vllm_is_ratio = the IS weights)
   gemm                        (GPU) the forward GEMM h @ W.T alone: t_GEMM, for the (1 + 2f) * t_GEMM floor
@@ -112,10 +113,12 @@ def build(provider: str, x: Dict, case: str = "token_tis") -> Callable[[], torch
         return lambda: rlkernels.decoupled_ppo_loss(h @ W.T, x["labels"], x["adv"], x["mask"], **kw).loss
     if provider.startswith("rlkernels[linear"):
         head_dtype = {"rlkernels[linear-fp32-head]": "float32", "rlkernels[linear-tf32-head]": "tf32"}.get(provider)
-        if provider not in ("rlkernels[linear]", "rlkernels[linear-two-pass]") and head_dtype is None:
+        numerics = "batch_invariant" if provider == "rlkernels[linear-invariant]" else "default"
+        known = ("rlkernels[linear]", "rlkernels[linear-two-pass]", "rlkernels[linear-invariant]")
+        if provider not in known and head_dtype is None:
             raise ValueError(f"unknown provider {provider!r}")
         kw["config"] = kw["config"].with_overrides(linear_one_pass=provider != "rlkernels[linear-two-pass]",
-                                                   head_dtype=head_dtype)
+                                                   head_dtype=head_dtype, numerics=numerics)
         return lambda: rlkernels.linear_decoupled_ppo_loss(h, W, x["labels"], x["adv"], x["mask"], **kw).loss
     if provider == "gemm":  # the forward GEMM alone: the same for every case
         return lambda: h @ W.T

@@ -217,8 +217,8 @@ def token_logprobs(
             backend (vLLM's default runner on a GPU), its V1 sampler's ATen log_softmax of the float32 logits / T
             on the others. Entropy, sum p^2 and the gradient are unchanged. "batch_invariant": every row's outputs
             and gradient the same bits whatever the batch, its layout, the chunking and the thread count (the
-            default already is on the logits path; the mode guarantees it, and refuses where it cannot: from
-            hidden states). docs/numerics.md.
+            default already is on the logits path; from hidden states the mode runs the head GEMMs in fixed
+            64-row blocks). docs/numerics.md.
 
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows

@@ -365,8 +365,8 @@ class PolicyLossConfig:
             The logits path has no head: `decoupled_ppo_loss` refuses it.
         numerics: the log-probs' arithmetic: "default" (each backend's fastest exact form), "vllm" (vLLM's own
             operations, bit for bit on the same device: its V2 sampler's on the Triton backend, its V1 sampler's on
-            the others) or "batch_invariant" (every per-row output the same bits whatever the batch; the logits
-            path only). The gradient is the same. docs/numerics.md.
+            the others) or "batch_invariant" (every per-row output the same bits whatever the batch; from hidden
+            states the head GEMMs run in fixed 64-row blocks). docs/numerics.md.
     """
 
     loss_type: str = "ppo_clip"

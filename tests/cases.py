@@ -342,6 +342,9 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                                      "a float32 head's gradients, summed in float32 and rounded once to bf16: each "
                                      "element within half a bf16 ulp of itself (2^-8 of its magnitude bounds it), "
                                      "plus the float32 sums' error (1e-5 of the largest); a bf16 head's miss by 40x"),
+    ("bf16_head.logprobs", BF16): Tol(0.0, ULP[BF16],
+                                      "a bf16 head rounds each logit to bf16 (half an ulp of it); log p_y = z_y - lse "
+                                      "moves by at most two such roundings of the largest |logit| (atol, scaled)"),
     ("compiled_lerp", F32): Tol(2**-22, 0.0, "Inductor's lerp fused (its own formula, maybe an FMA) against ATen's: "
                                              "a rounding or two of the fp32 result, 2^-23 relative each"),
     ("fp32_difference", F32): Tol(1e-5, 0.0,

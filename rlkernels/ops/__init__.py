@@ -121,9 +121,7 @@ def token_stats(logits: torch.Tensor, batch, options: PassOptions) -> Statistics
         inplace = True
     rows = logit_rows(logits, inplace)
     name = backends.resolve(options.backend, rows)
-    if options.numerics == "batch_invariant" and name == "torch" and rows.device.type != "cpu":
-        raise ValueError("numerics: 'batch_invariant' with the torch backend is verified on the CPU only (ATen's "
-                         "device reductions choose their split by shape); use backend='triton' or 'cuda' there")
+    _refuse_unverified_invariance(options, name, rows)
     if batch.tp_group is not None:
         _refuse_numerics(options, "tp_group")
         return Statistics(*vocab_parallel.vocab_parallel_token_stats(
@@ -139,12 +137,12 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
     """The statistics of logits = hidden @ weight.T + bias ([N, H] hidden), never forming [N, V]; the backend
     is chosen here, once per call. With a small kept set only the kept ids' logits, from the K gathered rows
     of the head, for the rows in the loss."""
-    _refuse_variant_head(options)
     if batch.support is not None and kept_set.gathers(batch.support.shape[1], weight.shape[0]):
         _refuse_head_dtype(options, "a small kept set (sampling_support)")
         _refuse_numerics(options, "a small kept set (sampling_support)")
         return _linear_kept_set_stats(hidden, weight, bias, batch, options)
     name = backends.resolve(options.backend, hidden)
+    _refuse_unverified_invariance(options, name, hidden)
     chunk_rows = _linear_chunk_rows(hidden, weight, options)
     if batch.tp_group is not None:
         _refuse_head_dtype(options, "tp_group")
@@ -163,11 +161,16 @@ def _linear_chunk_rows(hidden: torch.Tensor, weight: torch.Tensor, options: Pass
     return linear.chunk_rows_for(weight.shape[0], dtype, hidden.device, options.memory_budget_bytes)
 
 
+def _refuse_unverified_invariance(options: PassOptions, name: str, tensor: torch.Tensor) -> None:
+    if options.numerics == "batch_invariant" and name == "torch" and tensor.device.type != "cpu":
+        raise ValueError("numerics: 'batch_invariant' with the torch backend is verified on the CPU only (ATen's "
+                         "device reductions choose their split by shape); use backend='triton' or 'cuda' there")
+
+
 def _refuse_variant_head(options: PassOptions) -> None:
     if options.numerics == "batch_invariant":
-        raise ValueError("numerics: 'batch_invariant' is not supported from hidden states yet: the head GEMM's "
-                         "reduction order depends on how many rows it multiplies (pass the logits to "
-                         "token_logprobs / decoupled_ppo_loss, or numerics='default')")
+        raise ValueError("numerics: 'batch_invariant' is not supported with sampler_logits from hidden states yet "
+                         "(its divergence pass does not run the head in fixed row blocks)")
 
 
 def _refuse_numerics(options: PassOptions, what: str) -> None:
@@ -226,8 +229,8 @@ def linear_forward_gradient(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     unit incoming gradient, with each chunk's coefficients from `coefficients` (see linear.linear_forward_gradient).
     `kept`: [N] bool, the rows whose coefficients may be nonzero (the others get statistics only). The caller
     has checked one_pass_blocker and that the coefficients are per-token."""
-    _refuse_variant_head(options)
     name = backends.resolve(options.backend, hidden)
+    _refuse_unverified_invariance(options, name, hidden)
     chunk_rows = _linear_chunk_rows(hidden, weight, options)
     need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     plan = linear.OnePassPlan(batch.row_labels, batch.temperature, batch.support, options.entropy,

@@ -99,19 +99,41 @@ def _weight_blocks(weight: Tensor, rows: int):
     return [(v0, min(V, v0 + block)) for v0 in range(0, V, block)]
 
 
+# numerics="batch_invariant": every head GEMM multiplies blocks of exactly this many rows (the last one padded
+# with zeros), so that the GEMM library sees one shape whatever the chunk, and a row's logits (and d_hidden row)
+# come out the same whatever rows share its block and wherever it stands in it. Checked on the CPU (oneDNN, fp32
+# and bf16, 1 and 2 threads); a lone unpadded row takes another kernel there (tests/ops/test_batch_invariance.py).
+GEMM_BLOCK_ROWS = 64
+
+
+def _in_row_blocks(gemm, rows: Tensor, fixed: bool) -> Tensor:
+    """gemm(rows) ([n, ...] -> [n, ...]), or the same in zero-padded blocks of GEMM_BLOCK_ROWS rows when `fixed`."""
+    if not fixed:
+        return gemm(rows)
+    n = rows.shape[0]
+    outs = []
+    for r0 in range(0, n, GEMM_BLOCK_ROWS):
+        block = rows[r0:r0 + GEMM_BLOCK_ROWS]
+        if block.shape[0] < GEMM_BLOCK_ROWS:
+            block = torch.cat([block, block.new_zeros((GEMM_BLOCK_ROWS - block.shape[0],) + block.shape[1:])])
+        outs.append(gemm(block)[:min(GEMM_BLOCK_ROWS, n - r0)])
+    return torch.cat(outs) if outs else gemm(rows)
+
+
 def _head(hidden_rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-          head_dtype: Optional[str] = None) -> torch.Tensor:
+          head_dtype: Optional[str] = None, fixed_rows: bool = False) -> torch.Tensor:
     # the GEMM in the input dtype with float32 accumulation, as torch.matmul does. Autocast is off: the
     # backward recomputes these logits outside the caller's autocast region, and forward and backward
     # must see the same function (cast hidden / weight yourself for a half-precision head)
     with torch.autocast(hidden_rows.device.type, enabled=False), _tf32(head_dtype):
         if logits_dtype(weight.dtype, head_dtype) == weight.dtype:
-            return F.linear(hidden_rows, weight, bias)
+            return _in_row_blocks(lambda h: F.linear(h, weight, bias), hidden_rows, fixed_rows)
         # a float32 head on half operands: float32 GEMMs, the weight upcast one block of vocabulary rows at a time
         h = hidden_rows.float()
         logits = torch.empty(h.shape[0], weight.shape[0], dtype=torch.float32, device=h.device)
-        for v0, v1 in _weight_blocks(weight, h.shape[0]):
-            logits[:, v0:v1] = F.linear(h, weight[v0:v1].float(), None if bias is None else bias[v0:v1].float())
+        for v0, v1 in _weight_blocks(weight, GEMM_BLOCK_ROWS if fixed_rows else h.shape[0]):
+            w, b = weight[v0:v1].float(), None if bias is None else bias[v0:v1].float()
+            logits[:, v0:v1] = _in_row_blocks(lambda rows: F.linear(rows, w, b), h, fixed_rows)  # noqa: B023
         return logits
 
 
@@ -150,9 +172,9 @@ class _HeadGradients:
     the one-pass form fill them alike. `need`: which of the three to form."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need: Tuple[bool, bool, bool],
-                 head_dtype: Optional[str] = None):
+                 head_dtype: Optional[str] = None, fixed_rows: bool = False):
         need_hidden, need_weight, need_bias = need
-        self.weight, self.bias, self.head_dtype = weight, bias, head_dtype
+        self.weight, self.bias, self.head_dtype, self.fixed_rows = weight, bias, head_dtype, fixed_rows
         # a float32 head on half operands: dlogits are float32, and GEMMs 2 and 3 run in float32 as GEMM 1 did
         self.upcast = logits_dtype(weight.dtype, head_dtype) != weight.dtype
         self.wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -168,7 +190,8 @@ class _HeadGradients:
                 self._add_float32(idx, grad_logits, h)
             else:
                 if self.d_hidden is not None:
-                    self.d_hidden.index_copy_(0, idx, grad_logits @ self.weight)
+                    self.d_hidden.index_copy_(0, idx, _in_row_blocks(lambda g: g @ self.weight, grad_logits,
+                                                                     self.fixed_rows))
                 if self.d_weight is not None:
                     _accumulate_weight_grad(self.d_weight, grad_logits, h)
         if self.d_bias is not None:
@@ -178,10 +201,11 @@ class _HeadGradients:
         """GEMMs 2 and 3 of a float32 head: float32 dlogits against the weight upcast a block at a time."""
         h32 = h.float() if self.d_weight is not None else None
         d_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if self.d_hidden is not None else None
-        for v0, v1 in _weight_blocks(self.weight, h.shape[0]):
+        for v0, v1 in _weight_blocks(self.weight, GEMM_BLOCK_ROWS if self.fixed_rows else h.shape[0]):
             g = grad_logits[:, v0:v1]
             if d_h is not None:
-                d_h.addmm_(g, self.weight[v0:v1].float())
+                w = self.weight[v0:v1].float()
+                d_h += _in_row_blocks(lambda rows: rows @ w, g, self.fixed_rows)  # noqa: B023
             if self.d_weight is not None:
                 self.d_weight[v0:v1].addmm_(g.t(), h32)
         if d_h is not None:
@@ -226,7 +250,8 @@ def linear_token_stats(
     rows = _rows(row_labels != -1)  # -1: outside the loss (-2: target in another vocabulary shard)
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
-        logits = _kept(_head(hidden.index_select(0, idx), weight, bias, head_dtype or None), support, idx)
+        logits = _kept(_head(hidden.index_select(0, idx), weight, bias, head_dtype or None,
+                             numerics == "batch_invariant"), support, idx)
         labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
         stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
         lp = engine_logprobs(numerics, impl, logits, labels, t_rows, stats.logprobs)
@@ -250,7 +275,7 @@ def linear_token_grad(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, row_max: Tensor, log_norm: Tensor,
     entropy: Tensor, coef_logprob: Tensor, coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
     need_hidden: bool, need_weight: bool, need_bias: bool, vocab_shard: bool = False, support: Optional[Tensor] = None,
-    head_dtype: str = "",
+    head_dtype: str = "", numerics: str = "default",
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
@@ -260,11 +285,12 @@ def linear_token_grad(
     e = coef_entropy if coef_entropy.numel() > 0 else None
     live = (row_labels != -1) & ((c != 0) | (e != 0 if e is not None else False))
     rows = _rows(live)
-    grads = _HeadGradients(hidden, weight, bias, (need_hidden, need_weight, need_bias), head_dtype or None)
+    fixed = numerics == "batch_invariant"
+    grads = _HeadGradients(hidden, weight, bias, (need_hidden, need_weight, need_bias), head_dtype or None, fixed)
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         h = hidden.index_select(0, idx)
-        logits = _kept(_head(h, weight, bias, head_dtype or None), support, idx)
+        logits = _kept(_head(h, weight, bias, head_dtype or None, fixed), support, idx)
         grad_logits = impl.token_grad_bwd(
             logits, row_labels.index_select(0, idx), row_max.index_select(0, idx),
             log_norm.index_select(0, idx), None if e is None else entropy.index_select(0, idx),
@@ -279,7 +305,8 @@ def linear_token_grad(
 
 @linear_token_grad.register_fake
 def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend,
-      chunk_rows, need_hidden, need_weight, need_bias, vocab_shard=False, support=None, head_dtype=""):
+      chunk_rows, need_hidden, need_weight, need_bias, vocab_shard=False, support=None, head_dtype="",
+      numerics="default"):
     dense = dict(memory_format=torch.contiguous_format)  # what the real op returns, whatever the input layout
     return (
         torch.empty_like(hidden, **dense) if need_hidden else hidden.new_empty(0),
@@ -290,24 +317,24 @@ def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, row_labels, temperature = inputs[:5]
-    backend, chunk_rows, vocab_shard, support, head_dtype = inputs[7:12]  # numerics (12) matters to the forward only
+    backend, chunk_rows, vocab_shard, support, head_dtype, numerics = inputs[7:13]
     row_max, log_norm, _, entropy, sum_pi_squared = output
     ctx.save_for_backward(hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support)
-    ctx.options = (backend, chunk_rows, vocab_shard, head_dtype)
+    ctx.options = (backend, chunk_rows, vocab_shard, head_dtype, numerics)
     ctx.mark_non_differentiable(row_max, log_norm, sum_pi_squared)
 
 
 def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared):
     refuse_double_backward()
     hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support = ctx.saved_tensors
-    backend, chunk_rows, vocab_shard, head_dtype = ctx.options
+    backend, chunk_rows, vocab_shard, head_dtype, numerics = ctx.options
     c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
     use_entropy = grad_entropy is not None and entropy.numel() > 0
     e = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     d_hidden, d_weight, d_bias = linear_token_grad(
         hidden, weight, bias, row_labels, row_max, log_norm, entropy, c, e, temperature, backend, chunk_rows,
-        need_h, need_w, need_b, vocab_shard, support, head_dtype,
+        need_h, need_w, need_b, vocab_shard, support, head_dtype, numerics,
     )
     return (d_hidden if need_h else None, d_weight if need_w else None,
             d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None, None, None,
@@ -373,7 +400,8 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
     logprobs = new()
     entropy = new() if compute_entropy else None
     sum_pi_squared = new() if compute_sum_pi_squared else None
-    grads = _HeadGradients(hidden, weight, bias, plan.need, plan.head_dtype)
+    fixed = plan.numerics == "batch_invariant"
+    grads = _HeadGradients(hidden, weight, bias, plan.need, plan.head_dtype, fixed)
     in_loss = row_labels != -1
     # the rows that can carry a gradient first, then those that only need their statistics (rows the rollout
     # correction rejected: in chunks of their own, they never enter GEMMs 2 and 3)
@@ -384,7 +412,7 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
         for start in range(0, rows.numel(), plan.chunk_rows):
             idx = rows[start:start + plan.chunk_rows]
             h = hidden.index_select(0, idx)
-            logits = _kept(_head(h, weight, bias, plan.head_dtype), plan.support, idx)
+            logits = _kept(_head(h, weight, bias, plan.head_dtype, fixed), plan.support, idx)
             labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
             stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
             lp = engine_logprobs(plan.numerics, impl, logits, labels, t_rows, stats.logprobs).to(acc)

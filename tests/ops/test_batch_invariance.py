@@ -5,7 +5,9 @@ interpreter); and they are right (against the float64 oracle), so that a constan
 
 Why the torch backend needed work: ATen sums a lone row longer than its parallel grain (32,768) across threads,
 in another order than the same row among many (torch_backend.row_sum). From hidden states the head GEMM's order
-depends on the rows it multiplies: the mode refuses there.
+depends on the rows it multiplies (a lone fp32 row takes another oneDNN kernel): the mode runs every head GEMM in
+zero-padded blocks of 64 rows (ops/linear.GEMM_BLOCK_ROWS), and a row's statistics and d_hidden row come out the
+same whatever the batch, the memory budget, the rows in the loss, their order and the thread count.
 """
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 import rlkernels
 from rlkernels import backends, reference
 
-from ..cases import F32, assert_close, interpreted, tol
+from ..cases import BF16, F32, assert_close, interpreted, tol
 
 BACKENDS = [
     ("torch", 40_000),
@@ -85,8 +87,42 @@ def test_the_torch_backend_is_invariant_to_its_chunks_and_threads():
         assert torch.equal(got, want)
 
 
-def test_from_hidden_states_it_is_refused():
-    hidden, weight = torch.randn(4, 8), torch.randn(50, 8)
-    labels = torch.randint(0, 50, (4,))
-    with pytest.raises(ValueError, match="numerics: 'batch_invariant' is not supported from hidden states"):
-        rlkernels.linear_token_logprobs(hidden, weight, labels, numerics="batch_invariant")
+@pytest.mark.parametrize("dtype, head_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, "float32")], ids=["fp32", "bf16", "bf16-fp32-head"])
+def test_from_hidden_states_a_rows_bits_do_not_depend_on_its_batch(dtype, head_dtype):
+    gen = torch.Generator().manual_seed(1)
+    N, H, V = 70, 64, 5003
+    hidden = torch.randn(N, H, generator=gen).to(dtype)
+    weight = (torch.randn(V, H, generator=gen) * 0.2).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=gen)
+
+    def run(rows, budget=None):
+        leaf = hidden[rows].clone().requires_grad_(True)
+        out = rlkernels.linear_token_logprobs(leaf, weight, labels[rows], compute_entropy=True, head_dtype=head_dtype,
+                                              numerics="batch_invariant", memory_budget_bytes=budget)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        return out.logprobs.detach(), out.entropy.detach(), leaf.grad
+
+    full = run(torch.arange(N))
+    x = torch.nn.functional.linear(hidden.double(), weight.double())
+    lp, _, _ = reference.token_stats(x, labels)
+    if dtype == torch.float32 or head_dtype:
+        bound = tol("value", F32, scale=float(lp.abs().max()))
+    else:  # a bf16 head rounds every logit to bf16 first
+        bound = tol("bf16_head.logprobs", BF16, scale=float(x.abs().max()))
+    assert_close(full[0], lp, **bound, name="logprobs")
+    for row in (0, 33, N - 1):
+        alone = run(torch.tensor([row]))
+        assert all(torch.equal(a[0], b[row]) for a, b in zip(alone, full)), row
+    small_chunks = run(torch.arange(N), budget=V * 4 * 7)  # 7 rows a chunk
+    assert all(torch.equal(a, b) for a, b in zip(small_chunks, full))
+    order = torch.randperm(N, generator=gen)
+    shuffled = run(order)
+    assert all(torch.equal(a, b[order]) for a, b in zip(shuffled, full))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run(torch.arange(N))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(single, full))
