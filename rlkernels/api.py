@@ -215,7 +215,8 @@ def token_logprobs(
         numerics: "default" (each backend's fastest exact form) or "vllm": the log-probs in vLLM's own operations,
             bit for bit what it returns on the same device: its V2 sampler's Triton kernels' order on the Triton
             backend (vLLM's default runner on a GPU), its V1 sampler's ATen log_softmax of the float32 logits / T
-            on the others. Entropy, sum p^2 and the gradient are unchanged. "batch_invariant": every row's outputs
+            on the others ("vllm_raw": vLLM's raw log-probs, before the temperature, its default logprobs_mode).
+            Entropy, sum p^2 and the gradient are unchanged. "batch_invariant": every row's outputs
             and gradient the same bits whatever the batch, its layout, the chunking and the thread count (the
             default already is on the logits path; from hidden states the mode runs the head GEMMs in fixed
             64-row blocks). docs/numerics.md.

@@ -365,8 +365,9 @@ class PolicyLossConfig:
             The logits path has no head: `decoupled_ppo_loss` refuses it.
         numerics: the log-probs' arithmetic: "default" (each backend's fastest exact form), "vllm" (vLLM's own
             operations, bit for bit on the same device: its V2 sampler's on the Triton backend, its V1 sampler's on
-            the others) or "batch_invariant" (every per-row output the same bits whatever the batch; from hidden
-            states the head GEMMs run in fixed 64-row blocks). docs/numerics.md.
+            the others; "vllm_raw": its raw log-probs, before the temperature) or "batch_invariant" (every
+            per-row output the same bits whatever the batch; from hidden states the head GEMMs run in fixed 64-row
+            blocks). docs/numerics.md.
     """
 
     loss_type: str = "ppo_clip"
@@ -588,12 +589,12 @@ class PolicyLossConfig:
 
 
 HEAD_DTYPES = (None, "float32", "tf32")
-NUMERICS = ("default", "vllm", "batch_invariant")
+NUMERICS = ("default", "vllm", "vllm_raw", "batch_invariant")
 
 
 def check_numerics(numerics) -> None:
     if numerics not in NUMERICS:
-        raise ValueError(f"numerics: expected 'default', 'vllm' or 'batch_invariant', got {numerics!r}")
+        raise ValueError(f"numerics: expected 'default', 'vllm', 'vllm_raw' or 'batch_invariant', got {numerics!r}")
 
 
 def check_head_dtype(head_dtype) -> None:

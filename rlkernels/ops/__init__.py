@@ -48,7 +48,7 @@ class PassOptions(NamedTuple):
     memory_budget_bytes: Optional[int] = None  # the fused-linear path's chunk of logits (hidden + head)
     inplace_backward: bool = False  # the gradient may overwrite the logits' storage
     head_dtype: Optional[str] = None  # the fused-linear head GEMM: None (the inputs' dtype), "float32" or "tf32"
-    numerics: str = "default"  # the sampled token's log-prob: the pass's own, or an engine's order (vocab.NUMERICS)
+    numerics: str = "default"  # the sampled token's log-prob: the pass's own, or an engine's order (config.NUMERICS)
 
 
 class Statistics(NamedTuple):

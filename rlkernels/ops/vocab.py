@@ -25,8 +25,10 @@ def engine_logprobs(numerics: str, impl, logits: Tensor, labels: Tensor, tempera
     """The sampled token's log-prob in the order `numerics` names: the pass's own (`logprobs`), or the engine's,
     as backend `impl` reproduces it (Backend.vllm_logprobs). The statistics and the gradient stay the pass's: only
     these values change."""
-    if numerics == "vllm":
+    if numerics == "vllm":  # processed: the sampling distribution's (vLLM's logprobs_mode="processed_logprobs")
         return impl.vllm_logprobs(logits, labels, temperature).to(logprobs.dtype)
+    if numerics == "vllm_raw":  # raw: the model's, before the temperature (vLLM's default logprobs_mode)
+        return impl.vllm_logprobs(logits, labels, Temperature.of(1.0)).to(logprobs.dtype)
     return logprobs
 
 

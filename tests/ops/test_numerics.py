@@ -62,6 +62,16 @@ def test_token_logprobs_have_vllms_bits(backend, dtype, temperature):
     assert torch.equal(shifted.logprobs, want)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_raw_logprobs_are_vllms_before_the_temperature(backend):
+    """vllm_raw: vLLM's default logprobs_mode ("raw_logprobs"): log_softmax of the logits as the model gave them
+    (V1: `logits.log_softmax(dim=-1, dtype=torch.float32)`, a float32 copy first on the CPU), whatever T is."""
+    logits, labels = _batch(BF16, seed=12)
+    out = rlkernels.token_logprobs(logits, labels, temperature=0.6, numerics="vllm_raw", backend=backend)
+    assert torch.equal(out.logprobs, vllm_v1(logits, labels, 1.0))
+    assert not torch.equal(out.logprobs, vllm_v1(logits, labels, 0.6))
+
+
 def test_the_default_is_not_vllms_order_and_the_gradient_is_the_same():
     logits, labels = _batch(F32, V=4099)
     results = {}
@@ -116,7 +126,8 @@ def test_a_compiled_step_keeps_the_bits():
 
 def test_bad_or_unsupported_numerics_are_named():
     logits, labels = _batch(F32)
-    with pytest.raises(ValueError, match="numerics: expected 'default', 'vllm' or 'batch_invariant', got 'sglang'"):
+    with pytest.raises(ValueError, match="numerics: expected 'default', 'vllm', 'vllm_raw' or 'batch_invariant', "
+                                         "got 'sglang'"):
         rlkernels.token_logprobs(logits, labels, numerics="sglang")
     with pytest.raises(ValueError, match="numerics: expected"):
         rlkernels.PolicyLossConfig(numerics="exact")

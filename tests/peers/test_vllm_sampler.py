@@ -53,6 +53,18 @@ def test_the_triton_backend_has_vllm_v2s_operation_order(vllm_kernels, dtype, V,
     assert torch.equal(ours, want), (ours - want).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_raw_logprobs_are_vllm_v2s_on_the_logits_as_they_are(vllm_kernels, dtype):
+    """numerics="vllm_raw" (vLLM's default logprobs_mode): its log-softmax kernel on the unprocessed logits, in their
+    own dtype (the max pass then compares bf16 values), whatever the trainer's temperature."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(6, 3001, generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, 3001, (6,), generator=gen)
+    want = vllm_kernels["logprob"].compute_token_logprobs(logits, labels[:, None])[:, 0]
+    ours = rlkernels.token_logprobs(logits, labels, temperature=0.7, numerics="vllm_raw", backend="triton").logprobs
+    assert torch.equal(ours, want)
+
+
 def test_past_one_block_the_default_order_is_not_vllms(vllm_kernels):
     """Why the mode exists: the default Triton pass rescales a running sum over 8192-wide blocks and multiplies
     by 1/T, where vLLM makes two passes over 1024-wide blocks and divides; past one block the bits part."""
