@@ -46,8 +46,10 @@ $PY -c "from rlkernels import backends; print('backends available:', backends.av
 # every failure, not the first (-x would hide the rest of a first run), each test named as it ends (-v: a step cut
 # at its limit still says which failed); the peers' tests fail to collect where their packages are absent (this
 # image has none), which is not what this step checks
+# a hung test fails alone after 60 s where pytest-timeout is installed (the image has it), not the whole step
+TEST_TIMEOUT=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")
 step gpu_tests 170 $PY -m pytest tests -m gpu -v -p no:cacheprovider -n 8 --continue-on-collection-errors -rfE \
-  --durations=15 --junitxml "$OUT/gpu-tests.xml"
+  --durations=15 --junitxml "$OUT/gpu-tests.xml" $TEST_TIMEOUT
 
 # ---- timings, the most telling first (a run stopped early keeps those)
 # head-to-head at the size that matters: 8192 x 151936 bf16 = 2.49 GB of logits
@@ -70,8 +72,8 @@ step linear 65 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 1519
   --out "$OUT" --tag h200-linear-8192x4096x151936
 
 # numerics="vllm" and "batch_invariant" (docs/numerics.md): bitwise matches against vLLM's V1 (ATen on the device)
-# and V2 kernels (only where $RLKERNELS_CACHE carries its two sampler files: the machine has no internet), and the
-# modes' cost against "default"
+# and V2 kernels (only where $RLKERNELS_CACHE carries its two sampler files, peers/vllm-0.33.0/, fetched on a machine
+# with internet by tests/peers/test_vllm_sampler.py: the GPU machine has none), and the modes' cost against "default"
 step numerics 30 $PY -m benchmarks.numerics --device cuda --N 1024 --V 151936 --reps 5 --json "$OUT/numerics.json"
 
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
