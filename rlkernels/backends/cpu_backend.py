@@ -61,7 +61,8 @@ def _cpu_fingerprint() -> str:
         return platform.processor() or platform.machine()
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """rlkernels' cache folder: $RLKERNELS_CACHE, else $XDG_CACHE_HOME/rlkernels, else ~/.cache/rlkernels."""
     if os.environ.get("RLKERNELS_CACHE"):
         return Path(os.environ["RLKERNELS_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlkernels"
@@ -92,7 +93,7 @@ def _build() -> Path:
     for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS).encode(), torch.__version__.encode(),
                  _cpu_fingerprint().encode(), compiler.encode()):
         key.update(part)
-    cache = _cache_dir()
+    cache = cache_dir()
     library = cache / f"rlkernels_cpu_{key.hexdigest()[:16]}.so"
     if library.exists():
         return library

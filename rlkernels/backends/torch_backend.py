@@ -24,7 +24,6 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import engines
 from .base import (
     DIVERGENCE_STATS,
     FOREIGN_TARGET,
@@ -218,10 +217,26 @@ class TorchBackend:
                 out_chunk.copy_(g)
         return out
 
-
     def vllm_logprobs(self, logits, labels, temperature):
-        """numerics="vllm": vLLM's V1 sampler's log-probs, ATen on the logits' device (backends/engines.py)."""
-        return engines.vllm_logprobs(logits, labels, Temperature.of(temperature))
+        """numerics="vllm": vLLM 0.33.0's V1 sampler's processed log-probs (vllm/v1/sample/sampler.py; what vLLM
+        runs with VLLM_USE_V2_MODEL_RUNNER=0, and on a CPU without Triton): a float32 copy of the logits (:158),
+        divided in place by the request's temperature held as a float32 [N, 1] tensor (`apply_temperature`,
+        :291-300), then ATen's `log_softmax(dim=-1, dtype=torch.float32)` (:368-370), on the logits' device. ATen
+        computes each row on its own (the same bits for a row alone, in a chunk or in the batch), so this backend's
+        chunks change no bit. 0 where a label is outside [0, V); -inf on a row without a finite logit (where the
+        engine's NaN would enter a ratio: base.RowStats' convention); float64 logits are read as float32, as the
+        engine holds them. The Triton backend follows vLLM's V2 sampler instead."""
+        T = Temperature.of(temperature)
+        V = logits.shape[-1]
+        out = torch.zeros(labels.shape[0], dtype=torch.float32, device=logits.device)
+        safe = labels.clamp(0, max(V - 1, 0))
+        t32 = T.tensor.to(device=logits.device, dtype=torch.float32)
+        for s, e, chunk, _ in self._chunks(logits):
+            z = chunk.to(torch.float32, copy=True)
+            z.div_(t32[s:e].unsqueeze(1) if T.per_row else t32.reshape(1, 1))
+            out[s:e] = torch.log_softmax(z, dim=-1, dtype=torch.float32).gather(1, safe[s:e, None]).squeeze(1)
+        out = torch.where(torch.isnan(out), float("-inf"), out)
+        return torch.where((labels >= 0) & (labels < V), out, torch.zeros((), dtype=torch.float32, device=out.device))
 
     def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy, compute_sum_pi_squared):
         temperature = Temperature.of(temperature)

@@ -120,9 +120,9 @@ VLLM_SAMPLER_FILES = ("vllm/v1/worker/gpu/sample/logprob.py", "vllm/v1/worker/gp
 def _vllm_files() -> Path:
     """vLLM's two V2 sampler files, unpacked once per machine into the rlkernels cache (the 336 MB wheel is not
     kept). RuntimeError, with pip's words, where the wheel cannot be fetched."""
-    base = os.environ.get("RLKERNELS_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlkernels")
-    root = Path(base) / "peers" / f"vllm-{VLLM_VERSION}"
+    from ..backends.cpu_backend import cache_dir
+
+    root = cache_dir() / "peers" / f"vllm-{VLLM_VERSION}"
     if all((root / f).is_file() for f in VLLM_SAMPLER_FILES):
         return root
     wheels = root / "wheel"

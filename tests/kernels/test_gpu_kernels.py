@@ -17,19 +17,13 @@ import rlkernels
 from rlkernels import backends, reference
 
 from ..cases import assert_close, make_coefficients, tol
+from .test_triton_token_grad import oracle_grad
 from .test_triton_token_stats import make_rows, oracle
 
 pytestmark = pytest.mark.gpu
 
 KERNELS = ["triton", pytest.param("cuda", marks=pytest.mark.skipif(
     not backends.is_available("cuda"), reason="the CUDA extension is not built (RLKERNELS_BUILD_CUDA=1)"))]
-
-
-def _oracle_grad(logits, labels, temperature, c, e):
-    x = logits.double().requires_grad_(True)
-    lp, ent, _ = reference.token_stats(x, labels, temperature=temperature)
-    (g,) = torch.autograd.grad((c.double() * lp).sum() + (e.double() * ent).sum(), x)
-    return g
 
 
 # V: 151,936 and 50,257 (a partial last block of 8192 columns), 262,144 (a whole number of blocks, 2^18);
@@ -48,7 +42,7 @@ def test_stats_and_gradient_at_real_vocabularies(backend, V, N, dtype):
                             ("sum_pi_squared", stats.sum_pi_squared, s2)):
         assert_close(got, want, **tol("kernel.stats"), name=name)
     c, e = make_coefficients(N, seed=V, zero_rows=(0, 5))
-    expected = _oracle_grad(logits, labels, T, c, e)
+    expected = oracle_grad(logits, labels, T, c, e)
     g = kernels.token_grad_bwd(x, y, stats.row_max, stats.log_norm, stats.entropy, c.cuda(), e.cuda(), T, False)
     scale = max(1.0, float(expected.abs().max()))
     assert_close(g, expected, **tol("kernel.dlogits", dtype, scale=scale), name="dlogits")
