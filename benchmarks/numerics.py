@@ -19,15 +19,9 @@ import time
 import torch
 
 
-def _v1(logits, labels, T):
-    rows = logits.to(torch.float32).clone()
-    rows.div_(torch.full((rows.shape[0], 1), T, dtype=torch.float32, device=rows.device))
-    return rows.log_softmax(dim=-1, dtype=torch.float32).gather(1, labels[:, None]).squeeze(1)
-
-
 def match_counts(args, backends_here):
     import rlkernels
-    from rlkernels.testing.peers import vllm_v2_processed_logprobs, vllm_v2_sampler
+    from rlkernels.testing.peers import vllm_v1_processed_logprobs, vllm_v2_processed_logprobs, vllm_v2_sampler
 
     kernels = None
     rows = []
@@ -52,7 +46,7 @@ def match_counts(args, backends_here):
                                                       torch.full((args.N,), T, device=args.device))
                     engine = "vLLM V2"
                 else:
-                    want, engine = _v1(logits, labels, T), "vLLM V1"
+                    want, engine = vllm_v1_processed_logprobs(logits, labels, T), "vLLM V1"
                 for numerics in ("default", "vllm"):
                     got = rlkernels.token_logprobs(logits, labels, temperature=T, backend=backend,
                                                    numerics=numerics).logprobs

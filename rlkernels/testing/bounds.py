@@ -126,17 +126,21 @@ def bounds_checked(read_only=()) -> Iterator[List[Violation]]:
         finally:
             del launches[depth:]
 
+    def dropped(op, pointers, mask, bad):
+        """`mask` without the `bad` lanes, reported (with the kernel's line) as one violation."""
+        if not bad.any():
+            return mask
+        first = int(np.broadcast_to(pointers.data, bad.shape)[bad][0])
+        kernel = launches[-1][0] if launches else "?"
+        violations.append(Violation(kernel, _source_line(), op, int(bad.sum()), first))
+        return type(mask)(np.asarray(mask.data, dtype=bool) & ~bad, mask.dtype)
+
     def checked_mask(op, pointers, mask):
         if not launches:
             return mask
-        kernel, elements = launches[-1]
         width = pointers.get_element_ty().primitive_bitwidth // 8
-        stray = elements.outside(pointers.data, np.asarray(mask.data, dtype=bool), width)
-        if not stray.any():
-            return mask
-        first = int(np.broadcast_to(pointers.data, stray.shape)[stray][0])
-        violations.append(Violation(kernel, _source_line(), op, int(stray.sum()), first))
-        return type(mask)(np.asarray(mask.data, dtype=bool) & ~stray, mask.dtype)
+        stray = launches[-1][1].outside(pointers.data, np.asarray(mask.data, dtype=bool), width)
+        return dropped(op, pointers, mask, stray)
 
     def load(self, pointers, mask, other, cache_policy, is_volatile):
         return masked_load(self, pointers, checked_mask("load", pointers, mask), other, cache_policy, is_volatile)
@@ -147,11 +151,7 @@ def bounds_checked(read_only=()) -> Iterator[List[Violation]]:
             width = pointers.get_element_ty().primitive_bitwidth // 8
             active = np.asarray(mask.data, dtype=bool)
             into = active & ~protected.outside(pointers.data, active, width)
-            if into.any():
-                first = int(np.broadcast_to(pointers.data, into.shape)[into][0])
-                violations.append(Violation(launches[-1][0] if launches else "?", _source_line(),
-                                            "store into a read-only tensor", int(into.sum()), first))
-                mask = type(mask)(active & ~into, mask.dtype)
+            mask = dropped("store into a read-only tensor", pointers, mask, into)
         return masked_store(self, pointers, value, mask, cache_policy)
 
     executor._init_args_hst, executor.__call__ = checked_init_args, checked_launch

@@ -5,7 +5,7 @@ the benchmarks.
 verl imports ray (and, in places, transformers) at module level, but its loss functions, driver-side
 rollout correction and FSDP engine code need neither on a CPU. `inert_ray_transformers` stands in for the
 missing ones while verl imports, and only then. vLLM's V2 sampler kernels come from its wheel, two files
-unpacked (`vllm_v2_sampler`).
+unpacked (`vllm_v2_sampler`); its V1 sampler's arithmetic is three ATen calls (`vllm_v1_processed_logprobs`).
 """
 
 import contextlib
@@ -178,6 +178,23 @@ def vllm_v2_sampler() -> dict:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+def vllm_v1_processed_logprobs(logits, labels, temperature):
+    """What vLLM's V1 sampler returns for the sampled tokens (vllm/v1/sample/sampler.py), its three ATen calls on
+    a batch of requests [N, V]: `logits.to(torch.float32)` (:158), `logits.div_(temp.unsqueeze(dim=1))` with the
+    float32 per-request temperatures (:291-300), `logits.log_softmax(dim=-1, dtype=torch.float32)` (:368-370);
+    0 where a label is outside [0, V). `temperature`: a float, or one per label."""
+    import torch
+
+    V = logits.shape[-1]
+    rows = logits.reshape(-1, V).to(torch.float32).clone()  # V1's float32 logits: a copy of ours
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(labels.shape).reshape(-1)
+    rows.div_(t.clone().unsqueeze(dim=1))
+    lp = rows.log_softmax(dim=-1, dtype=torch.float32)
+    flat = labels.reshape(-1)
+    got = lp.gather(1, flat.clamp(0, V - 1)[:, None]).squeeze(1)
+    return torch.where((flat >= 0) & (flat < V), got, 0.0).reshape(labels.shape)
 
 
 def vllm_v2_processed_logprobs(kernels: dict, logits, labels, temperatures):

@@ -17,25 +17,12 @@ import torch.nn.functional as F
 
 import rlkernels
 from rlkernels import backends
+from rlkernels.testing.peers import vllm_v1_processed_logprobs as vllm_v1
 
 from ..cases import BF16, F16, F32, assert_close, interpreted, tol
 
 BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not backends.available()["cpu"], reason=
             "the CPU kernels could not be built here"))]
-
-
-def vllm_v1(logits: torch.Tensor, labels: torch.Tensor, temperature) -> torch.Tensor:
-    """vLLM's V1 processed log-probs of `labels` (0 where a label is ignored): its three ATen calls, on a batch
-    of requests [N, V] with their float32 temperatures."""
-    V = logits.shape[-1]
-    rows = logits.reshape(-1, V).to(torch.float32)  # V1: logits.to(torch.float32) (a copy for half dtypes)
-    rows = rows.clone()
-    t = torch.as_tensor(temperature, dtype=torch.float32).expand(labels.shape).reshape(-1).clone()
-    rows.div_(t.unsqueeze(dim=1))
-    lp = rows.log_softmax(dim=-1, dtype=torch.float32)
-    flat = labels.reshape(-1)
-    got = lp.gather(1, flat.clamp(0, V - 1)[:, None]).squeeze(1)
-    return torch.where((flat >= 0) & (flat < V), got, 0.0).reshape(labels.shape)
 
 
 def _batch(dtype, V=517, seed=0):

@@ -88,11 +88,9 @@ def _nvidia_bin(tool: str) -> str:
 
 
 def gpu_target(target):
-    """Triton's GPUTarget of a TARGETS name (or a bare NVIDIA compute capability, 90 for sm_90)."""
+    """Triton's GPUTarget of a TARGETS name ("sm_90", "gfx942", ...)."""
     from triton.backends.compiler import GPUTarget
 
-    if isinstance(target, int):
-        target = f"sm_{target}"
     if target not in TARGETS:
         raise ValueError(f"target: expected one of {sorted(TARGETS)}, got {target!r}")
     return GPUTarget(*TARGETS[target])
@@ -199,9 +197,7 @@ def _kernel_shared(cc: int, static: int) -> int:
     return max(0, static - RESERVED_SHARED_PER_BLOCK) if cc >= 90 else static
 
 
-def run_spec(spec, target) -> AotResult:
-    if isinstance(target, int):
-        target = f"sm_{target}"
+def run_spec(spec, target: str) -> AotResult:
     res = AotResult(spec.name, target, spec.num_warps, spec.num_stages)
     t0 = time.perf_counter()
     try:
