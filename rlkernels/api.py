@@ -471,7 +471,7 @@ def logprob_parity(
     """
     rows = prepare_parity(trainer_logprobs, rollout_logprobs, response_mask, cu_seqlens, bucket_edges, validate)
     with torch.no_grad():
-        return LogprobParity(*parity.logprob_parity(rows, [float(e) for e in bucket_edges]))
+        return LogprobParity(*parity.logprob_parity(rows))
 
 
 def metrics_to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:

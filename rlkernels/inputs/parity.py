@@ -3,8 +3,6 @@
 import math
 from typing import Sequence
 
-import torch
-
 from ..stage.parity import ParityRows
 from .baseline import _rows_of
 from .checks import ValueChecks, check_cu_seqlens, check_per_token, check_tensor
@@ -26,7 +24,7 @@ def prepare_parity(trainer_logprobs, rollout_logprobs, response_mask, cu_seqlens
         raise TypeError(f"rollout_logprobs: a bitwise comparison needs the trainer_logprobs' dtype "
                         f"({trainer_logprobs.dtype}), got {rollout_logprobs.dtype}")
     check_cu_seqlens(cu_seqlens, shape, device)
-    edges = [float(e) for e in bucket_edges]
+    edges = tuple(float(e) for e in bucket_edges)
     if len(edges) < 2 or edges[0] != 0.0 or edges[-1] != 1.0 or any(b <= a for a, b in zip(edges, edges[1:])) \
             or not all(math.isfinite(e) for e in edges):
         raise ValueError(f"bucket_edges: expected increasing probabilities from 0.0 to 1.0, got {tuple(bucket_edges)}")
@@ -36,5 +34,4 @@ def prepare_parity(trainer_logprobs, rollout_logprobs, response_mask, cu_seqlens
         checks.run()
     row, position, num_rows, width = _rows_of(shape, cu_seqlens, device)
     return ParityRows(trainer_logprobs.detach().reshape(-1), rollout_logprobs.detach().reshape(-1),
-                      response_mask.detach().reshape(-1).bool(), row, position, num_rows, width,
-                      torch.tensor(edges, dtype=torch.float64, device=device))
+                      response_mask.detach().reshape(-1).bool(), row, position, num_rows, width, edges)

@@ -15,7 +15,7 @@ class ParityRows(NamedTuple):
     position: Optional[torch.Tensor]  # [N] position in its sequence (packed)
     num_rows: int
     width: Optional[int]  # T of a padded batch
-    edges: torch.Tensor  # [K + 1] float64, from 0 to 1
+    edges: Tuple[float, ...]  # K + 1 probabilities from 0 to 1 (host floats: they name the buckets' metrics)
 
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
          torch.float16: torch.int16}
@@ -26,7 +26,7 @@ def _label(edges, k: int) -> str:
     return f"p[{edges[k]:g},{edges[k + 1]:g}{close}"
 
 
-def logprob_parity(rows: ParityRows, bucket_edges) -> Tuple:
+def logprob_parity(rows: ParityRows) -> Tuple:
     """The fields of outputs.LogprobParity, in its order."""
     mask = rows.mask
     bits = _BITS[rows.trainer.dtype]
@@ -52,9 +52,10 @@ def logprob_parity(rows: ParityRows, bucket_edges) -> Tuple:
             (rows.row,), mask, accumulate=True)
 
     # buckets of the rollout probability; p = 1 falls in the last one
-    K = rows.edges.numel() - 1
+    K = len(rows.edges) - 1
+    edges = torch.tensor(rows.edges, dtype=torch.float64, device=mask.device)
     p = rows.rollout.double().exp()
-    bucket = (torch.searchsorted(rows.edges, p, right=True) - 1).clamp(0, K - 1)
+    bucket = (torch.searchsorted(edges, p, right=True) - 1).clamp(0, K - 1)
     bucket = bucket.masked_fill(~mask, K)  # off the response: a spare bucket, dropped
     count = torch.zeros(K + 1, dtype=torch.long, device=mask.device).index_add_(0, bucket, torch.ones_like(bucket))
     total = torch.zeros(K + 1, dtype=torch.float64, device=mask.device).index_add_(0, bucket, gap)
@@ -72,8 +73,8 @@ def logprob_parity(rows: ParityRows, bucket_edges) -> Tuple:
         "logprob_parity/diverged_sequence_fraction": (first >= 0).sum().double() / responding.sum().clamp(min=1),
     }
     for k in range(K):
-        name = f"logprob_parity/{_label(bucket_edges, k)}"
+        name = f"logprob_parity/{_label(rows.edges, k)}"
         metrics[f"{name}/tokens"] = count[k].double()
         metrics[f"{name}/mean_abs_diff"] = mean[k]
         metrics[f"{name}/max_abs_diff"] = worst[k]
-    return match_rate, matched, tokens, first, rows.edges, count, mean, worst, metrics
+    return match_rate, matched, tokens, first, edges, count, mean, worst, metrics
