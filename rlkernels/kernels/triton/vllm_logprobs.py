@@ -10,6 +10,7 @@ a max pass over 1024-wide blocks (`max_val = tl.max(tl.maximum(x, max_val))`), a
 made as each block is loaded rather than stored first: the same float32 quotient either way.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -70,8 +71,6 @@ def vllm_logprobs(logits, labels, temperature):
     """[N] float32: vLLM V2's processed log-prob of each row's label (0 where the label is outside [0, V)).
     logits: (N, V) or (B, T, V) with unit stride along V; labels: (N,) int64; temperature: a float, or an (N,)
     tensor of per-row temperatures (divided by, in float32, as vLLM holds them)."""
-    import torch
-
     V = logits.shape[-1]
     N = logits.numel() // V if V else 0
     out = torch.empty(N, dtype=torch.float32, device=logits.device)
