@@ -116,3 +116,12 @@ def test_no_host_read(monkeypatch):
     report = rlkernels.logprob_parity(TRAINER, _rollout(), MASK)  # padded: no offsets to check, no sync
     monkeypatch.undo()
     assert int(report.matched) == 5
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_report_is_the_cpus():
+    cpu = rlkernels.logprob_parity(TRAINER, _rollout(), MASK)
+    gpu = rlkernels.logprob_parity(TRAINER.cuda(), _rollout().cuda(), MASK.cuda())
+    for name in ("match_rate", "matched", "tokens", "first_divergence", "bucket_tokens", "bucket_mean_abs_diff",
+                 "bucket_max_abs_diff"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
