@@ -19,18 +19,23 @@ from .stage.policy_terms import LOSS_TERMS, TOKEN_MASKS, Option
 # Option names of SPEC §5. k1 options take ratio bounds (lo, hi); k2/k3 options an upper bound. The kl options are
 # Trust Region Masking's criterion on the vocabulary-level KL(μ_t || π_t) of SPEC §9 (the sampler's distribution to
 # the trainer's), which needs the sampler's top-k or logits; they take an upper bound ε.
-TOKEN_RS_OPTIONS = ("token_k1", "token_k2", "token_k3")
+# bkl / btv: the sampled token's binary KL(μ || π) and probability gap |μ - π| (OpenRLHF's binary_kl and tv gates);
+# seq_all_k1: keep a sequence iff every token's ratio lies in the bounds (SkyRL's outlier-token veto)
+TOKEN_RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "token_bkl", "token_btv")
 SEQ_RS_OPTIONS = (
     "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
+    "seq_all_k1",
+    "seq_mean_bkl", "seq_max_bkl", "seq_mean_btv", "seq_max_btv",
     "seq_max_kl", "seq_mean_kl",
 )
 DIVERGENCE_RS_OPTIONS = ("seq_max_kl", "seq_mean_kl")
 RS_OPTIONS = TOKEN_RS_OPTIONS + SEQ_RS_OPTIONS
-# the options computed from the sampled tokens' log-ratios alone (the others need the sampler's distribution)
+# the options computed from the sampled tokens' log-probs alone (the others need the sampler's distribution)
 LOG_RATIO_RS_OPTIONS = tuple(o for o in RS_OPTIONS if o not in DIVERGENCE_RS_OPTIONS)
-IS_LEVELS = (None, "token", "sequence")
+IS_LEVELS = (None, "token", "sequence", "geometric")
+SEQ_TOKENS = ("mask", "kept")
 # policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla"), read
 # off the stage's table (rlkernels/stage/policy_terms.py: one function per loss type)
 LOSS_TYPES = tuple(LOSS_TERMS)
@@ -122,7 +127,8 @@ class RolloutCorrection:
     """Importance weights (SPEC §4) and rejection masks (SPEC §5) against the rollout policy.
 
     Args:
-        is_level: None (no weights), "token" or "sequence".
+        is_level: None (no weights), "token", "sequence" (the product of the sequence's token ratios) or
+            "geometric" (their geometric mean, every token of the sequence weighted by it: AReaL's sequence level).
         is_threshold: C > 0, or bounds (lo, hi) with 0 <= lo <= hi (hi may be inf).
         is_mode: "truncate": w = clamp(raw, lo, hi) (a single C: w = min(raw, C)); "mask" (IcePop,
             TRL's *_mask): w = raw inside [lo, hi], 0 outside, the mask unchanged (a single C: [0, C]).
@@ -132,7 +138,12 @@ class RolloutCorrection:
             take ratio bounds (lo, hi) or a single hi meaning (1/hi, hi) and keep lo <= rho <= hi;
             k2/k3 options take an upper bound u and keep stat <= u; "seq_max_kl" / "seq_mean_kl" (Trust Region
             Masking) an upper bound ε on the max / mean over the sequence of the per-token KL(μ_t || π_t) (SPEC
-            §9), computed from the sampler's top-k or logits given to the loss. Options combine by logical AND.
+            §9), computed from the sampler's top-k or logits given to the loss; bkl / btv options (the sampled
+            token's binary KL(μ || π) or |μ - π|) an upper bound. "seq_all_k1" keeps a sequence iff every token's
+            ratio lies in (lo, hi). A k1 pair's ends may be open (None, 0 or inf). Options combine by logical AND.
+        seq_tokens: the tokens a sequence's statistics run over (its IS weight at the sequence / geometric level,
+            and the seq_sum / seq_mean / seq_max rejection statistics): "mask" (every token of m) or "kept" (those
+            the token-level rejection options keep: SkyRL's order, token masks first; seq_all_k1 reads m).
     """
 
     is_level: Optional[str] = None
@@ -140,6 +151,7 @@ class RolloutCorrection:
     is_batch_normalize: bool = False
     rs: Tuple[Tuple[str, Threshold], ...] = field(default=())
     is_mode: Optional[str] = None
+    seq_tokens: str = "mask"
 
     def __post_init__(self):
         if self.is_level not in IS_LEVELS:
@@ -168,13 +180,19 @@ class RolloutCorrection:
                 raise ValueError(f"rs: option {option!r} given twice")
             seen.add(option)
             name = f"rs[{option!r}]"
-            if option.endswith("k1"):
+            if option.endswith("k1") and isinstance(bound, (tuple, list)) and len(bound) == 2:
+                # either end may be open (None, 0, inf): SkyRL's and AReaL's bounds are set independently
+                lo, hi = (0.0 if bound[0] is None else bound[0]), (math.inf if bound[1] is None else bound[1])
+                normalized.append((option, _ratio_bounds(name, (lo, hi), open_ends=True)))
+            elif option.endswith("k1"):
                 normalized.append((option, _ratio_bounds(name, bound)))
             else:
                 if not is_number(bound):
                     raise TypeError(f"{name}: expected one upper bound u (keep stat <= u) for {option}, got {bound!r}")
                 normalized.append((option, check_finite_positive(name, bound)))
         object.__setattr__(self, "rs", tuple(normalized))
+        if self.seq_tokens not in SEQ_TOKENS:
+            raise ValueError(f"seq_tokens: expected one of {SEQ_TOKENS}, got {self.seq_tokens!r}")
 
     # -- derived views ---------------------------------------------------------------------------
     @property
@@ -292,8 +310,9 @@ class PolicyLossConfig:
             divergence; clip_ratio_c truncates their stop-gradient ratio, 20 when None),
             each as verl 0.9.1's registered loss of that name computes it; "clip_cov" / "kl_cov" (verl's
             covariance-selected tokens), "topr" (verl PR #6986), "luspo" and "vespo" (TRL's); "ipo",
-            "kpop" and "dppo_binary_tv" (prime-rl's trust regions on the rollout policy: -A p/q on the tokens
-            they keep, q the sampler's probability).
+            "kpop", "dppo_binary_tv" and "dppo_binary_tv_signed" (prime-rl's trust regions on the rollout
+            policy: -A p/q on the tokens they keep, q the sampler's probability; the last one conditioned on the
+            advantage's sign, prime-rl's default).
         tau_pos: SAPO's gate temperature for tokens with a positive advantage.
         tau_neg: SAPO's gate temperature for tokens with a non-positive advantage.
         ratio_level: "token" (default) or "sequence" (TRL's importance_sampling_level: the ratio of each
@@ -305,6 +324,8 @@ class PolicyLossConfig:
         kl_bias_correction: the KL term times the policy ratio, with its gradient (DeepSeek-V3.2, TRL).
         off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask delta (zero policy term for
             A < 0 in sequences whose mean rollout-minus-current log-ratio exceeds delta).
+        seq_mean_advantages: each token's advantage replaced by its sequence's mean over the final mask m'
+            (AReaL's GSPO, importance_sampling_level="sequence").
         m2po_threshold: M2PO's second-moment mask tau (None: off).
         m2po_quadrant: M2PO's mask over the trust-region quadrants only (else every token).
         vaco_threshold: VACO's bound on a sequence's mean binary divergence between the training policy and the
@@ -404,6 +425,7 @@ class PolicyLossConfig:
     entropy_agg_mode: Optional[str] = None
     kl_bias_correction: bool = False
     off_policy_mask_threshold: Optional[float] = None
+    seq_mean_advantages: bool = False
     # -- parameters of single losses (verl's / TRL's names and defaults) ----------------------------
     vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0
@@ -500,7 +522,7 @@ class PolicyLossConfig:
                 raise TypeError(f"off_policy_mask_threshold: expected a number or None, got "
                                 f"{self.off_policy_mask_threshold!r}")
             object.__setattr__(self, "off_policy_mask_threshold", float(self.off_policy_mask_threshold))
-        for name in ("kl_bias_correction", "m2po_quadrant", "adaptive_entropy"):
+        for name in ("kl_bias_correction", "m2po_quadrant", "adaptive_entropy", "seq_mean_advantages"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "log_ratio_sq_coef",
@@ -529,6 +551,9 @@ class PolicyLossConfig:
             if given:
                 raise ValueError(f"loss_type: {name!r} {entry.no_token_masks}; the token masks {TOKEN_MASKS} do not "
                                  f"apply to it, got {', '.join(given)}")
+        if self.seq_mean_advantages and entry.sums is not None:
+            raise ValueError(f"seq_mean_advantages: loss_type={name!r} sums the advantages per sequence before "
+                             "rejection decides the mask their mean is over; use it with a per-token loss type")
         rc = self.rollout_correction
         if rc is not None and rc.is_level not in entry.is_levels:
             raise ValueError(f"rollout_correction: loss_type={name!r} "

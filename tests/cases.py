@@ -657,8 +657,10 @@ def _rollout_correction(pick, is_levels) -> Optional[RolloutCorrection]:
     rs = {}
     for option in pick.subset(LOG_RATIO_RS_OPTIONS, 3):
         rs[option] = _ratio_bound(pick) if option.endswith("k1") else pick.choice([0.001, 0.05, 0.5, 4.0])
-    return RolloutCorrection(is_level=pick.choice(is_levels), is_threshold=threshold,
-                             is_batch_normalize=pick.one_in(2), rs=rs, is_mode=is_mode)
+        if option == "seq_all_k1" and pick.one_in(2):  # an open end (SkyRL's unset outlier threshold)
+            rs[option] = pick.choice([(None, 2.0), (0.5, None), (0.0, 5.0)])
+    return RolloutCorrection(is_level=pick.choice(is_levels), is_threshold=threshold, is_batch_normalize=pick.one_in(2),
+                             rs=rs, is_mode=is_mode, seq_tokens=pick.choice(["mask", "kept"]))
 
 
 def drawable_loss_types(mode: str):
@@ -690,6 +692,8 @@ def config_options(pick, mode: str, split: Optional[str] = None, **fixed) -> dic
         kl_type=kl or "k3",
         rollout_correction=None if mode == "on-policy" else _rollout_correction(pick, entry.is_levels),
     )
+    if entry.sums is None and pick.one_in(6):  # the loss types with per-sequence sums refuse it
+        kw["seq_mean_advantages"] = True
     for option in entry.options:  # the loss type's own fields, as its row declares them
         kw[option.name] = pick.choice(option.draws)
     for lo, hi in entry.ordered:

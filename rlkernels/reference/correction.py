@@ -31,10 +31,20 @@ def _zero(device):
     return torch.zeros((), dtype=torch.float64, device=device)
 
 
-def is_weights(delta, mask, seqs: List[torch.Tensor], rc):
+def sequence_log_ratio(delta, mask, idx, rc, token_kept=None):
+    """The clamped log-ratio of sequence `idx`'s weight: the sum (is_level="sequence") or the mean ("geometric") of
+    its tokens' log-ratios, over m or over the tokens the token-level rejection options keep (seq_tokens)."""
+    over = token_kept if rc.seq_tokens == "kept" else mask
+    S = torch.where(over[idx], delta[idx], torch.zeros_like(delta[idx])).sum()
+    if rc.is_level == "geometric":  # the geometric mean of the ratios: the mean log-ratio
+        S = S / max(int(over[idx].sum()), 1)
+    return S.clamp(-CLAMP, CLAMP)
+
+
+def is_weights(delta, mask, seqs: List[torch.Tensor], rc, token_kept=None):
     """SPEC §4. Returns (w, truncated, norm_factor): the applied weights (0 off the mask), the weights
     before batch normalisation, and the mean they were divided by (1 when normalisation is off or
-    skipped)."""
+    skipped). `token_kept`: the tokens the token-level rejection options keep (seq_tokens="kept")."""
     device = delta.device
     delta_hat = delta.clamp(-CLAMP, CLAMP)
     if rc.is_level == "token":
@@ -42,8 +52,7 @@ def is_weights(delta, mask, seqs: List[torch.Tensor], rc):
     else:
         raw = torch.zeros_like(delta)
         for idx in seqs:
-            S = torch.where(mask[idx], delta[idx], torch.zeros_like(delta[idx])).sum()
-            raw[idx] = torch.exp(S.clamp(-CLAMP, CLAMP))
+            raw[idx] = torch.exp(sequence_log_ratio(delta, mask, idx, rc, token_kept))
     lo, hi = rc.is_range
     if rc.is_icepop:
         w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
@@ -61,23 +70,47 @@ def is_weights(delta, mask, seqs: List[torch.Tensor], rc):
     return w / factor, w, factor
 
 
-def _k_stats(delta_hat):
+BINARY_EPS = 1e-6  # the binary divergences' probabilities are clamped to [eps, 1 - eps]
+
+
+def _binary_kl(mu, pi):
+    """KL(Bern(mu) || Bern(pi)), both clamped to [eps, 1 - eps]: the sampled token against the rest."""
+    mu, pi = mu.clamp(BINARY_EPS, 1 - BINARY_EPS), pi.clamp(BINARY_EPS, 1 - BINARY_EPS)
+    return mu * torch.log(mu / pi) + (1 - mu) * torch.log((1 - mu) / (1 - pi))
+
+
+def _k_stats(delta_hat, train_lp, rollout_lp):
     k1 = -delta_hat
     k2 = 0.5 * delta_hat**2
     k3 = torch.exp(delta_hat) - 1 - delta_hat
-    return {"k1": k1, "k2": k2, "k3": k3}
+    mu, pi = torch.exp(rollout_lp.clamp(max=0)), torch.exp(train_lp.clamp(max=0))  # probabilities: at most 1
+    return {"k1": k1, "k2": k2, "k3": k3, "bkl": _binary_kl(mu, pi), "btv": (mu - pi).abs()}
 
 
-def rejection(delta, mask, seqs, rc):
+def token_rejection(delta, mask, rc, train_lp, rollout_lp):
+    """The tokens the token-level options (token_*) keep: the mask a sequence weight is taken over with
+    seq_tokens="kept"."""
+    delta_hat = delta.clamp(-CLAMP, CLAMP)
+    stats = _k_stats(delta_hat, train_lp, rollout_lp)
+    keep = mask.clone()
+    for option, bound in rc.rs:
+        if not option.startswith("token_"):
+            continue
+        stat = stats[option.split("_")[-1]]
+        keep &= ((-stat >= _log(bound[0])) & (-stat <= _log(bound[1]))) if option == "token_k1" else stat <= bound
+    return keep
+
+
+def rejection(delta, mask, seqs, rc, train_lp, rollout_lp):
     """SPEC §5. Returns (new_mask, per-option info for the metrics)."""
     delta_hat = delta.clamp(-CLAMP, CLAMP)
-    stats = _k_stats(delta_hat)
+    stats = _k_stats(delta_hat, train_lp, rollout_lp)
     keep_all = mask.clone()
     info = {}
     for option, bound in rc.rs:
         kind = option.split("_")[-1]
         k = stats[kind]
-        if option.startswith("token_"):
+        if option.startswith("token_") or option == "seq_all_k1":
             stat = k
             if kind == "k1":
                 lo, hi = bound
@@ -85,12 +118,16 @@ def rejection(delta, mask, seqs, rc):
                 keep = (-stat >= _log(lo)) & (-stat <= _log(hi))
             else:
                 keep = stat <= bound
+            if option == "seq_all_k1":  # a sequence with any token outside the bounds is dropped whole
+                for idx in seqs:
+                    keep[idx] = bool(keep[idx][mask[idx]].all())
             values = stat[mask]
         else:
             keep = torch.ones_like(mask)
             values = []
+            over = token_rejection(delta, mask, rc, train_lp, rollout_lp) if rc.seq_tokens == "kept" else mask
             for idx in seqs:
-                m = mask[idx]
+                m = over[idx]
                 km = k[idx][m]
                 if option.startswith("seq_sum_"):
                     s = km.sum()
@@ -104,14 +141,14 @@ def rejection(delta, mask, seqs, rc):
                 else:
                     ok = bool(s <= bound)
                 keep[idx] = ok
-                if m.any():
+                if mask[idx].any():  # one value per sequence of m (0 where the token options keep nothing)
                     values.append(s)
             values = torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=delta.device)
         option_keep = keep & mask
         # each non-empty sequence's value: the sequence statistic, or the mean of the token statistic
-        seq_values = [k[idx][mask[idx]].mean() if option.startswith("token_") else None
-                      for idx in seqs if mask[idx].any()]
-        if not option.startswith("token_"):
+        per_token = option.startswith("token_") or option == "seq_all_k1"  # metrics over the token statistic
+        seq_values = [k[idx][mask[idx]].mean() if per_token else None for idx in seqs if mask[idx].any()]
+        if not per_token:
             seq_values = list(values)
         rejected = [(mask[idx] & ~keep[idx]).any() for idx in seqs if mask[idx].any()]
         info[option] = {
@@ -142,7 +179,7 @@ def response_length_metrics(mask, seqs: List[torch.Tensor]) -> Dict[str, torch.T
 
 
 def diagnostics(
-    train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, new_mask=None, rs_info=None
+    train_lp, rollout_lp, mask, seqs, rc, w=None, norm_factor=None, new_mask=None, rs_info=None, token_kept=None
 ) -> Dict[str, torch.Tensor]:
     """The rollout_corr/* metrics of SPEC §8, on the original mask.
 
@@ -198,7 +235,7 @@ def diagnostics(
             out["rollout_is_ratio_fraction_high"] = masked_mean((delta_hat > _log(hi)).double(), mask)
             out["rollout_is_ratio_fraction_low"] = masked_mean((delta_hat < _log(lo)).double(), mask)
         else:
-            sums = [delta[idx][mask[idx]].sum().clamp(-CLAMP, CLAMP) for idx in seqs if mask[idx].any()]
+            sums = [sequence_log_ratio(delta, mask, idx, rc, token_kept) for idx in seqs if mask[idx].any()]
             out["rollout_is_ratio_fraction_high"] = mean_or_zero([(s > _log(hi)).double() for s in sums], device)
             out["rollout_is_ratio_fraction_low"] = mean_or_zero([(s < _log(lo)).double() for s in sums], device)
         # ESS = 1 / mean(x~^2), x~ = x / mean(x); 0 when every weight is 0 or nothing is valid
@@ -213,7 +250,7 @@ def diagnostics(
             raw_seq = [torch.exp(delta_hat[idx][mask[idx]]).mean() for idx in nonempty]
             log_raw = delta_hat
         else:
-            raw_seq = [torch.exp(delta[idx][mask[idx]].sum().clamp(-CLAMP, CLAMP)) for idx in nonempty]
+            raw_seq = [torch.exp(sequence_log_ratio(delta, mask, idx, rc, token_kept)) for idx in nonempty]
             log_raw = None
         if rc.is_icepop:
             lo_m, hi_m = rc.is_range

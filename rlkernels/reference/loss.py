@@ -148,12 +148,14 @@ def policy_loss(
     metrics = {}
     if roll is not None:
         delta = torch.where(m, l_train - roll, torch.zeros_like(lp))
-        norm = rs_info = None
+        norm = rs_info = token_kept = None
         if rc is not None and rc.is_level is not None:
-            w, w_pre, norm = correction.is_weights(delta, m, seqs, rc)
+            token_kept = correction.token_rejection(delta, m, rc, l_train, roll)
+            w, w_pre, norm = correction.is_weights(delta, m, seqs, rc, token_kept)
         if rc is not None and rc.rs:
-            new_mask, rs_info = correction.rejection(delta, m, seqs, rc)
-        metrics.update(correction.diagnostics(l_train, roll, m, seqs, rc, w_pre, norm, new_mask, rs_info))
+            new_mask, rs_info = correction.rejection(delta, m, seqs, rc, l_train, roll)
+        metrics.update(correction.diagnostics(l_train, roll, m, seqs, rc, w_pre, norm, new_mask, rs_info,
+                                              token_kept))
     metrics.update(correction.response_length_metrics(m, seqs))
     # VESPO folds the truncated token weights into its sequence ratio before any batch normalisation (SPEC §6)
     token_weights = w_pre if rc is not None and rc.is_level == "token" else None
@@ -161,6 +163,8 @@ def policy_loss(
         w = token_weights = given
     weighted = w is not None and (mode == "decoupled" or given is not None)
 
+    if config.seq_mean_advantages:  # each token takes its sequence's mean advantage over the final mask
+        A = torch.where(new_mask, per_sequence_mean(A, new_mask, seqs), torch.zeros_like(A))
     loss_type = config.loss_type
     raw = lp - l_old
     log_r = per_sequence_mean(raw, new_mask, seqs) if config.ratio_level == "sequence" else raw

@@ -300,6 +300,13 @@ def dppo_binary_tv(ctx):  # prime-rl PR #2434: keep iff p - q in [-low, high], w
     return _rollout_trust_region(ctx, (gap >= -ctx.config.binary_tv_low) & (gap <= ctx.config.binary_tv_high))
 
 
+@term("dppo_binary_tv_signed")
+def dppo_binary_tv_signed(ctx):  # prime-rl 559b4477 default_loss_fn: drop a token moving further off the sampler
+    gap = torch.exp(ctx.lp.detach()) - torch.exp(ctx.behaviour)
+    high, low = gap > ctx.config.binary_tv_high, gap < -ctx.config.binary_tv_low
+    return _rollout_trust_region(ctx, ~torch.where(ctx.advantages > 0, high, low))
+
+
 @term("score_centering")
 def score_centering(ctx):  # arXiv 2609.20807: -A (f(r_y) lp_y - sum_H sg[q f(r) - alpha p] log p)
     rc = ctx.config.rollout_correction

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from .metrics import Metrics, sample_std, std
+from .policy_terms import binary_kl
 from .segments import Segments, SequenceTable, hyper, log_hyper
 
 if TYPE_CHECKING:  # duck-typed: rlkernels.config reads the stage's loss table, so the stage imports no config
@@ -27,14 +28,35 @@ CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp
 DIVERGENCE_METRICS = ("kl", "reverse_kl", "chi2", "tv")  # SPEC §9: token mean, sequence max and batch max of each
 
 
-def _k_stat(kind: str, delta_hat: torch.Tensor, divergences: Optional["DivergenceRecord"]) -> torch.Tensor:
+# The probabilities of the binary divergences (bkl) are clamped to [eps, 1 - eps], as OpenRLHF clamps them
+BINARY_EPS = 1e-6
+
+
+def rs_kind(option: str) -> str:
+    """The statistic a rejection option bounds: its name's last part (token_k1 -> k1, seq_mean_bkl -> bkl)."""
+    return option.rsplit("_", 1)[1]
+
+
+def rs_scope(option: str) -> str:
+    """How a rejection option reduces its statistic: "token", "all" (every token of the sequence in the bounds),
+    "sum", "mean" or "max" over the sequence."""
+    return "token" if option.startswith("token_") else option.split("_")[1]
+
+
+def _k_stat(kind: str, train: torch.Tensor, rollout: torch.Tensor, delta_hat: torch.Tensor,
+            divergences: Optional["DivergenceRecord"]) -> torch.Tensor:
     if kind == "kl":  # TRM: the vocabulary-level KL(μ_t || π_t) of SPEC §9, not a function of the sampled token
         return divergences.values["kl"]
     if kind == "k1":
         return -delta_hat
     if kind == "k2":
         return 0.5 * delta_hat * delta_hat
-    return torch.exp(delta_hat) - 1 - delta_hat
+    if kind == "k3":
+        return torch.exp(delta_hat) - 1 - delta_hat
+    if kind == "bkl":  # the sampled token's binary KL(μ || π) of (token, rest), OpenRLHF's binary_kl gate
+        return binary_kl(rollout, train, BINARY_EPS)
+    # btv: |μ - π| of the sampled token, OpenRLHF's tv gate; a log-prob above 0 is a probability of 1
+    return (torch.exp(rollout.clamp_max(0)) - torch.exp(train.clamp_max(0))).abs()
 
 
 def _keeps(kind: str, stat: torch.Tensor, bound) -> torch.Tensor:
@@ -78,21 +100,31 @@ def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
     table.add_sum("rollout", rollout)
     table.add_sum("delta", delta)  # the unclamped sequence sum, clamped once (SPEC §4)
     k_stats, keep, token_weights = {}, mask, None
-    for option, bound in (rc.rs if rc is not None else ()):
-        kind = option[-2:]
+    options = rc.rs if rc is not None else ()
+    for option, bound in options:
+        kind = rs_kind(option)
         if kind not in k_stats:
-            k_stats[kind] = torch.where(mask, _k_stat(kind, delta_hat, divergences), torch.zeros_like(delta))
-        if option.startswith("token_"):
+            stat = _k_stat(kind, train, rollout, delta_hat, divergences)
+            k_stats[kind] = torch.where(mask, stat, torch.zeros_like(delta))
+        if rs_scope(option) in ("token", "all"):
             option_keep = _keeps(kind, k_stats[kind], bound)
-            keep = keep & option_keep
+            if rs_scope(option) == "token":
+                keep = keep & option_keep
             table.add_sum(kind, k_stats[kind])  # the per-sequence means of the option's metrics
+            # the tokens outside the bounds: rejected themselves (token), or rejecting their sequence (all)
             table.add_sum(f"rejected_{option}", (mask & ~option_keep).to(delta.dtype))
-        elif option.startswith("seq_max_"):
-            table.add_max(kind, k_stats[kind])
-        else:
-            table.add_sum(kind, k_stats[kind])
-    if rc is not None and rc.rs:
+    # the sequence statistics, over m or over the tokens the token options keep (seq_tokens="kept": SkyRL's order)
+    kept = rc is not None and rc.seq_tokens == "kept"
+    over = keep if kept else mask
+    for option, _ in options:
+        kind, scope, suffix = rs_kind(option), rs_scope(option), "_kept" if kept else ""
+        if scope in ("sum", "mean", "max"):
+            values = torch.where(over, k_stats[kind], torch.zeros_like(delta)) if kept else k_stats[kind]
+            (table.add_max if scope == "max" else table.add_sum)(kind + suffix, values)
+    if options:
         table.add_sum("kept", keep.to(delta.dtype))
+    if rc is not None and rc.is_level in ("sequence", "geometric") and kept:
+        table.add_sum("delta_kept", torch.where(keep, delta, torch.zeros_like(delta)))
     if rc is not None and rc.is_level == "token":
         raw = torch.exp(delta_hat)
         token_weights = _truncate(raw, mask, rc)
@@ -128,27 +160,40 @@ def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable
         return Decisions(None, None, None, mask, lengths, [])
     seg = table.seg
     truncated = seq_weights = log_ratio = None
+    kept = rc.seq_tokens == "kept"
+    count = table.sum("kept") if kept and rc.rs else lengths  # the tokens a sequence statistic runs over
+    suffix = "_kept" if kept else ""
     if rc.is_level == "token":
         truncated, log_ratio = terms.token_weights, terms.delta.clamp(-CLAMP, CLAMP)
     elif rc.is_level is not None:
-        log_ratio = table.sum("delta").clamp(-CLAMP, CLAMP)
+        # the sequence's log-ratio: its sum, or its mean (the geometric-mean ratio), over m or over the tokens the
+        # token-level rejection options keep (seq_tokens="kept")
+        log_ratio = table.sum("delta_kept" if kept else "delta")
+        if rc.is_level == "geometric":
+            log_ratio = log_ratio / count.clamp_min(1)
+        log_ratio = log_ratio.clamp(-CLAMP, CLAMP)
         seq_weights = _truncate(torch.exp(log_ratio), lengths > 0, rc)
         truncated = torch.where(mask, seg.expand(seq_weights), torch.zeros_like(terms.delta))
     options, keep_seq = [], torch.ones_like(lengths, dtype=torch.bool)
     for option, bound in rc.rs:
-        kind = option[-2:]
+        kind, scope = rs_kind(option), rs_scope(option)
         stat_bounds = (-math.log(bound[1]), -math.log(bound[0]) if bound[0] > 0 else math.inf) if kind == "k1" \
             else (0.0, bound)
-        if option.startswith("token_"):
+        if scope in ("token", "all"):
             stat = terms.k_stats[kind]
-            options.append(Option(option, stat, False, _keeps(kind, stat, bound) | ~mask, stat_bounds))
+            if scope == "token":
+                options.append(Option(option, stat, False, _keeps(kind, stat, bound) | ~mask, stat_bounds))
+                continue
+            keep = table.sum(f"rejected_{option}") == 0  # every token of the sequence inside the bounds
+            keep_seq = keep_seq & keep
+            options.append(Option(option, stat, False, seg.expand(keep) | ~mask, stat_bounds, keep))
             continue
-        if option.startswith("seq_sum_"):
-            values = table.sum(kind)
-        elif option.startswith("seq_mean_"):
-            values = table.sum(kind) / lengths.clamp_min(1)
+        if scope == "sum":
+            values = table.sum(kind + suffix)
+        elif scope == "mean":
+            values = table.sum(kind + suffix) / count.clamp_min(1)
         else:
-            values = table.max(kind)
+            values = table.max(kind + suffix)
         keep = _keeps(kind, values, bound)
         keep_seq = keep_seq & keep
         options.append(Option(option, values, True, seg.expand(keep), stat_bounds, keep))
@@ -395,7 +440,7 @@ def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, se
     clamped = torch.minimum(torch.maximum(values, hyper(values, lo)), hyper(values, hi))
     metrics.moments(f"_{prefix}_clamped", clamped, valid, option.per_sequence)
     metrics.derive(f"{prefix}_std", std, f"_{prefix}_clamped")
-    kind = option.name[-2:]
+    kind = rs_kind(option.name)
     seq_values = values if option.per_sequence else sets.table.sum(kind) / sets.lengths.clamp_min(1)
     _sequence_spread(metrics, f"{prefix}_seq", seq_values, nonempty, n_seq, centre=0.0)
     metrics.mean(f"{prefix}_seq_fraction_high", (seq_values > hyper(seq_values, hi)).to(dt), nonempty, n_seq, True)

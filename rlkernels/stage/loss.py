@@ -187,6 +187,8 @@ def _kept_sums(x: _Inputs, config: "PolicyLossConfig") -> Dict[str, object]:
     entry = LOSS_TERMS[config.loss_type]
     delta = x.lp - x.l_old
     kept_sums = {}
+    if config.seq_mean_advantages:
+        kept_sums["advantages"] = x.advantages
     if config.ratio_level == "sequence":
         kept_sums["pg_delta"] = delta
     if entry.sums is not None:
@@ -519,6 +521,9 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
         corrected = correction.correct(x.l_train, x.rollout, x.mask, seg, config.rollout_correction, batch.split,
                                        _kept_sums(x, config), None if evidence is None else evidence.record)
     c = _corrected(x, corrected, config, batch, evidence, metrics)
+    if config.seq_mean_advantages:  # AReaL's GSPO: each token takes its sequence's mean advantage over m'
+        mean = seg.expand(c.table.sum("advantages") / c.decisions.final_lengths.clamp_min(1))
+        x = x._replace(advantages=torch.where(c.decisions.mask, mean, torch.zeros_like(mean)))
     ratio = _policy_ratio(x, c, seg, config)
     head = None if evidence is None else evidence.head(batch)
     term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config, head))

@@ -101,7 +101,7 @@ class PolicyTerm(NamedTuple):
 
 
 MODES = ("decoupled", "bypass", "on-policy")  # SPEC §1: old + rollout log-probs, rollout only, neither
-IS_LEVELS = (None, "token", "sequence")
+IS_LEVELS = (None, "token", "sequence", "geometric")
 # the options that zero single tokens' policy terms (any loss type whose term is per token)
 TOKEN_MASKS = ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold")
 
@@ -513,6 +513,19 @@ def dppo_binary_tv(ctx: TermContext) -> PolicyTerm:
     gap = torch.exp(ctx.lp) - torch.exp(ctx.behaviour)
     keep = (gap >= -hyper(gap, ctx.config.binary_tv_low)) & (gap <= hyper(gap, ctx.config.binary_tv_high))
     return _rollout_trust_region(ctx, keep)
+
+
+@loss_term("dppo_binary_tv_signed", options=(Option("binary_tv_low", "non_negative", (0.2, 0.05)),
+                                              Option("binary_tv_high", "non_negative", (0.2, 0.5)), _IPO_KL_TAU),
+           **_ROLLOUT_TRUST_REGION)
+def dppo_binary_tv_signed(ctx: TermContext) -> PolicyTerm:
+    """DPPO binary-TV conditioned on the advantage's sign (prime-rl's default loss at 559b4477): a token whose
+    update would widen the gap is dropped: p - q > binary_tv_high where A > 0, p - q < -binary_tv_low elsewhere
+    (A = 0 takes the low side, as prime-rl's torch.where(A > 0, high, low); its policy term is 0 either way)."""
+    gap = torch.exp(ctx.lp) - torch.exp(ctx.behaviour)
+    drop = torch.where(ctx.advantages > 0, gap > hyper(gap, ctx.config.binary_tv_high),
+                       gap < -hyper(gap, ctx.config.binary_tv_low))
+    return _rollout_trust_region(ctx, ~drop)
 
 
 # Score centering's floors on the tail masses 1 - sum_H q and 1 - sum_H p (as slime and SkyRL floor them)

@@ -27,7 +27,7 @@ def test_k_statistics_closed_form(rho, k1, k3, impl):
     if impl == "api":
         metrics = rlkernels.rollout_correction(train, rollout, mask, config=rc).metrics
     else:
-        _, info = reference.rejection(train - rollout, mask, [torch.arange(1)], rc)
+        _, info = reference.rejection(train - rollout, mask, [torch.arange(1)], rc, train, rollout)
         metrics = {f"rollout_corr/rollout_rs_{k}_mean": v["values"].mean() for k, v in info.items()}
     assert metrics["rollout_corr/rollout_rs_token_k1_mean"].item() == approx(k1, "spec_decimals")
     assert metrics["rollout_corr/rollout_rs_token_k3_mean"].item() == approx(k3, "spec_decimals")
@@ -47,7 +47,8 @@ def test_geometric_mean_vs_sequence_ratio(T):
     assert math.exp(-geo.metrics["rollout_corr/rollout_rs_seq_mean_k1_mean"].item()) == approx(1.001, "closed_form")
     assert bool(geo.mask.all())  # 1.001 lies inside (0.9995, 1.0015) whatever T is
     ref_mask, _ = reference.rejection(train.reshape(-1) - rollout.reshape(-1), mask.reshape(-1), [torch.arange(T)],
-                                      RolloutCorrection.geo_rs(bounds=(0.9995, 1.0015)))
+                                      RolloutCorrection.geo_rs(bounds=(0.9995, 1.0015)), train.reshape(-1),
+                                      rollout.reshape(-1))
     assert bool(ref_mask.all())
 
 
