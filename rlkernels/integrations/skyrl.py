@@ -1,0 +1,154 @@
+"""rlkernels inside SkyRL 0.4: SkyRL's policy losses, computed by `rlkernels.policy_loss`, in SkyRL's registry.
+
+    import rlkernels.integrations.skyrl as rlk_skyrl
+    rlk_skyrl.register()                      # in the driver, before SkyRL validates its config
+    # then: trainer.algorithm.policy_loss_type=rlkernels_dual_clip   (LOSS_NAMES maps each SkyRL name)
+
+Each registered function has SkyRL's contract (`fn(log_probs, old_log_probs, advantages, config, loss_mask,
+rollout_logprobs) -> (loss, metrics)`) and its meaning in SkyRL 0.4:
+- the loss is a **sum** over the tokens the correction keeps: the trainer has already divided the advantages by
+  its `loss_reduction` (token_mean, sequence_mean, ...) and multiplies by dp_size itself, so nothing here reads
+  `loss_reduction` (an adapter that averaged would count the reduction twice);
+- `off_policy_correction` in SkyRL's order, ratios π_old/μ: the outlier-token veto (`rs seq_all_k1`, either bound
+  optional), the token mask (`token_k1`, both bounds), token / sequence TIS (min(ρ, C); the sequence ratio over the
+  mask the token mask leaves: `seq_tokens="kept"`), then the geometric / product sequence masks (`seq_mean_k1` /
+  `seq_sum_k1` over that mask);
+- metrics are Python floats, as SkyRL's are (one synchronisation per call): rlkernels' metrics, and SkyRL's
+  `clip_ratio` as rlkernels' `actor/pg_clipfrac` (over the tokens the correction keeps; SkyRL's is over the mask
+  before its masks).
+
+Not registered: SkyRL's rollout_is, dppo, clip_cov, kl_cov, cross_entropy and importance_sampling losses (their
+forms are not rlkernels loss types). Refused with an error naming SkyRL's option: the deprecated `use_tis` /
+`tis_imp_ratio_cap` (use `off_policy_correction`), cispo anchored on the rollout with a mask of the correction
+(the masks would be of π_old against μ while the ratio is of π against μ), gspo with a token mask (SkyRL takes
+the sequence's mean log-ratio over the mask before it).
+"""
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ..api import metrics_to_floats, policy_loss
+from ..config import PolicyLossConfig, RolloutCorrection
+
+# SkyRL's loss name -> the name registered here
+LOSS_NAMES: Dict[str, str] = {
+    "regular": "rlkernels_regular",
+    "dual_clip": "rlkernels_dual_clip",
+    "gspo": "rlkernels_gspo",
+    "cispo": "rlkernels_cispo",
+    "sapo": "rlkernels_sapo",
+}
+
+
+def _get(node, name, default=None):
+    return node.get(name, default) if isinstance(node, dict) else getattr(node, name, default)
+
+
+def rollout_correction_from_skyrl(opc) -> Optional[RolloutCorrection]:
+    """SkyRL's `OffPolicyCorrectionConfig` (a dataclass or dict) as a `RolloutCorrection`, or None when off."""
+    if opc is None:
+        return None
+    rs = {}
+    low, high = _get(opc, "outlier_token_is_threshold_low"), _get(opc, "outlier_token_is_threshold_high")
+    if low is not None or high is not None:  # SkyRL drops a token strictly outside: the bounds themselves are kept
+        rs["seq_all_k1"] = (low, high)
+    low, high = _get(opc, "token_mask_is_threshold_low"), _get(opc, "token_mask_is_threshold_high")
+    if low is not None and high is not None:  # SkyRL applies the token mask only with both bounds
+        rs["token_k1"] = (low, high)
+    metric = _get(opc, "sequence_mask_metric")
+    if metric == "geometric":
+        rs["seq_mean_k1"] = (_get(opc, "geo_mask_low", 0.99), _get(opc, "geo_mask_high", 1.01))
+    elif metric == "product":
+        rs["seq_sum_k1"] = (_get(opc, "product_mask_low", 0.5), _get(opc, "product_mask_high", 2.0))
+    elif metric is not None:
+        raise ValueError(f"off_policy_correction.sequence_mask_metric: expected None, 'geometric' or 'product', "
+                         f"got {metric!r}")
+    level = _get(opc, "tis_ratio_type")
+    if level == "token":
+        threshold = _get(opc, "token_tis_ratio_clip_high", 2.0)
+    elif level == "sequence":
+        threshold = _get(opc, "sequence_tis_ratio_clip_high", 5.0)
+    elif level is not None:
+        raise ValueError(f"off_policy_correction.tis_ratio_type: expected None, 'token' or 'sequence', got {level!r}")
+    else:
+        threshold = 2.0
+    if level is None and not rs:
+        return None
+    return RolloutCorrection(is_level=level, is_threshold=threshold, is_mode="truncate", rs=rs, seq_tokens="kept")
+
+
+def config_from_skyrl(algorithm, loss_type: str) -> PolicyLossConfig:
+    """The `PolicyLossConfig` of SkyRL's loss `loss_type` under its `AlgorithmConfig` (a dataclass or dict)."""
+    if loss_type not in LOSS_NAMES:
+        raise ValueError(f"loss_type: SkyRL's {loss_type!r} has no rlkernels form; expected one of {sorted(LOSS_NAMES)}")
+    if _get(algorithm, "use_tis", False) or (_get(algorithm, "tis_imp_ratio_cap", -1.0) or -1.0) > 0:
+        raise ValueError("use_tis / tis_imp_ratio_cap: deprecated in SkyRL 0.4 and not read here; set "
+                         "off_policy_correction.tis_ratio_type='token' and token_tis_ratio_clip_high")
+    rc = rollout_correction_from_skyrl(_get(algorithm, "off_policy_correction"))
+    common = dict(loss_agg_mode="token-sum", rollout_correction=rc, log_ratio_clamp=20.0, clip_ratio_c=None,
+                  clip_ratio_low=_get(algorithm, "eps_clip_low", 0.2),
+                  clip_ratio_high=_get(algorithm, "eps_clip_high", 0.2))
+    if loss_type == "dual_clip":
+        return PolicyLossConfig(loss_type="vanilla", **{**common, "clip_ratio_c": _get(algorithm, "clip_ratio_c", 3.0)})
+    if loss_type == "regular":
+        return PolicyLossConfig(loss_type="vanilla", **common)
+    if loss_type == "gspo":  # GSPO-token: sg(mean log-ratio over the sequence) + lp - sg(lp), log s <= 10
+        if rc is not None and any(option == "token_k1" for option, _ in rc.rs):
+            raise ValueError("off_policy_correction.token_mask_is_threshold_low/high with gspo: SkyRL averages the "
+                             "sequence's log-ratio over the mask before its token mask, rlkernels (as verl) over the "
+                             "tokens the mask keeps. Drop the token mask or use another loss")
+        return PolicyLossConfig(loss_type="gspo", **common)
+    if loss_type == "sapo":
+        sapo = _get(algorithm, "sapo")
+        return PolicyLossConfig(loss_type="sapo", tau_pos=_get(sapo, "tau_pos", 1.0), tau_neg=_get(sapo, "tau_neg", 1.05),
+                                **common)
+    cispo = _get(algorithm, "cispo")  # cispo: sg(clamp(r, 1 - lo, 1 + hi)) A lp, r against cispo_anchor
+    low, high = _get(cispo, "cispo_eps_clip_low", 1.0), _get(cispo, "cispo_eps_clip_high", 4.0)
+    if low >= 1.0:  # SkyRL's default: no lower bound (r > 0), the weight min(r, 1 + hi)
+        common.update(cispo_cap=1.0 + high)
+    else:
+        common.update(clip_ratio_low=low, clip_ratio_high=high)
+    if _get(cispo, "cispo_anchor", "old") == "rollout" and rc is not None:
+        raise ValueError("cispo.cispo_anchor='rollout' with off_policy_correction masks: SkyRL takes the ratio "
+                         "against the rollout but the masks of pi_old against it; rlkernels' masks are of the "
+                         "ratio's own reference. Turn the masks off, or anchor on 'old'")
+    return PolicyLossConfig(loss_type="cispo", **common)
+
+
+def policy_loss_fn(loss_type: str) -> Callable:
+    """SkyRL's loss `loss_type` as a function of SkyRL's registered-loss contract, computed by rlkernels."""
+    if loss_type not in LOSS_NAMES:
+        raise ValueError(f"loss_type: SkyRL's {loss_type!r} has no rlkernels form; expected one of {sorted(LOSS_NAMES)}")
+
+    def loss_fn(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, config,
+                loss_mask: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None):
+        cfg = config_from_skyrl(config, loss_type)
+        mask = torch.ones_like(log_probs, dtype=torch.bool) if loss_mask is None else loss_mask > 0
+        old, rollout = old_log_probs.detach(), rollout_logprobs
+        if loss_type == "cispo" and _get(_get(config, "cispo"), "cispo_anchor", "old") == "rollout":
+            if rollout is None:
+                raise ValueError("rollout_logprobs: required by cispo with cispo_anchor='rollout'")
+            old = None  # bypass mode: the ratio against the sampler
+        elif rollout is None:
+            cfg = cfg.with_overrides(rollout_correction=None)  # SkyRL skips the correction without them
+        out = policy_loss(log_probs, advantages, mask, old_logprobs=old, rollout_logprobs=rollout, config=cfg)
+        metrics = metrics_to_floats(out.metrics)
+        metrics["clip_ratio"] = metrics.get("actor/pg_clipfrac", 0.0)
+        return out.loss, metrics
+
+    loss_fn.__name__ = LOSS_NAMES[loss_type]
+    return loss_fn
+
+
+def register(registry=None) -> Dict[str, str]:
+    """Register every loss of LOSS_NAMES in SkyRL's `PolicyLossRegistry` (or `registry`), once; returns LOSS_NAMES.
+    Call it in the driver before SkyRL validates `trainer.algorithm.policy_loss_type`; with Ray already running,
+    SkyRL's registry also ships the functions to its workers."""
+    if registry is None:
+        from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry as registry
+    available = set(registry.list_available())
+    for skyrl_name, name in LOSS_NAMES.items():
+        if name not in available:
+            registry.register(name, policy_loss_fn(skyrl_name))
+    return dict(LOSS_NAMES)

@@ -1,0 +1,156 @@
+"""SkyRL 0.4.0: the adapter, looked up in SkyRL's own registry, against SkyRL's own registered losses on seeded
+batches over every option its losses read.
+
+Tolerance: SkyRL exponentiates every ratio in float32 (`safe_exp_delta`), also for float64 inputs, so its loss
+carries float32 rounding (relative 6e-8 per ratio) that rlkernels' float64 computation does not: values and
+gradients agree to 1e-6 relative, not to float64's 1e-12. A float32 rounding can also move a ratio across a mask
+bound; the batches are drawn so that no ratio lies within 1e-4 of one (a draw that does is redrawn).
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from rlkernels.integrations import skyrl as rlk_skyrl
+
+from ..cases import assert_close
+
+
+def _skyrl():
+    try:
+        from rlkernels.testing.trainers import skyrl_ppo_utils
+
+        return skyrl_ppo_utils()
+    except ImportError as exc:  # pragma: no cover - reported by the skip
+        pytest.skip(f"SkyRL 0.4.0 is not importable here ({exc})", allow_module_level=True)
+
+
+SK = _skyrl()
+REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_legacy")
+MASK_BOUNDS = (0.5, 0.8, 0.99, 1.01, 1.25, 2.0, 1e-4, 100.0, 1.5, 3.0, 0.7)
+
+
+def _options(rng: random.Random, loss_type: str) -> dict:
+    """One draw of SkyRL's AlgorithmConfig options for `loss_type` (off-policy correction included)."""
+    opc = {}
+    if loss_type != "cispo" or rng.random() < 0.5:
+        opc["tis_ratio_type"] = rng.choice([None, "token", "sequence"])
+        opc["token_tis_ratio_clip_high"] = rng.choice([1.2, 2.0, 5.0])
+        opc["sequence_tis_ratio_clip_high"] = rng.choice([1.5, 5.0])
+    opc["sequence_mask_metric"] = rng.choice([None, "geometric", "product"])
+    opc["geo_mask_low"], opc["geo_mask_high"] = rng.choice([(0.99, 1.01), (0.8, 1.25), (0.5, 2.0)])
+    opc["product_mask_low"], opc["product_mask_high"] = rng.choice([(0.5, 2.0), (0.2, 5.0)])
+    if rng.random() < 0.5:
+        opc["outlier_token_is_threshold_low"] = rng.choice([None, 0.5, 0.7])
+        opc["outlier_token_is_threshold_high"] = rng.choice([None, 1.5, 3.0])
+    if rng.random() < 0.5 and loss_type != "gspo":  # refused with gspo (test_refusals_name_skyrls_option)
+        opc["token_mask_is_threshold_low"] = rng.choice([0.6, 0.8])
+        opc["token_mask_is_threshold_high"] = rng.choice([1.25, 2.0])
+    algorithm = dict(policy_loss_type=loss_type, eps_clip_low=rng.choice([0.2, 0.1]),
+                     eps_clip_high=rng.choice([0.2, 0.28]), clip_ratio_c=rng.choice([3.0, 1.5]),
+                     loss_reduction=rng.choice(REDUCTIONS))
+    return dict(algorithm=algorithm, opc=opc)
+
+
+def _build(options):
+    algorithm = SK.AlgorithmConfig(**options["algorithm"],
+                                   off_policy_correction=SK.OffPolicyCorrectionConfig(**options["opc"]))
+    if options["algorithm"]["policy_loss_type"] == "cispo" and options.get("cispo"):
+        for key, value in options["cispo"].items():
+            setattr(algorithm.cispo, key, value)
+    return algorithm
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 11
+    log_probs = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = log_probs + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    rollout = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float64)
+    advantages = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()
+    return log_probs, old, rollout, mask, advantages
+
+
+def _near_a_bound(old, rollout, mask) -> bool:
+    """Whether a token ratio, or a sequence product / geometric mean, lies within 1e-4 (relative) of a bound drawn."""
+    log_r = (old - rollout) * mask
+    seq_sum = log_r.sum(-1)
+    seq_mean = seq_sum / mask.sum(-1).clamp(min=1)
+    values = torch.cat([log_r[mask > 0], seq_sum, seq_mean])
+    bounds = torch.log(torch.tensor(MASK_BOUNDS + (1.2, 5.0, 0.2), dtype=torch.float64))
+    return bool(((values[:, None] - bounds[None, :]).abs() < 1e-4).any())
+
+
+def _prescale(advantages, mask, reduction):
+    """SkyRL's own advantage pre-scaling of its trainer (the registered loss then sums)."""
+    B = advantages.shape[0]
+    return SK.ppo_utils.apply_loss_reduction_to_advantages_minibatch(
+        advantages, mask, reduction, micro_batch_size=2, max_seq_len=advantages.shape[1],
+        prompt_boundaries=[(0, B // 2), (B // 2, B)])
+
+
+CASES = list(itertools.product(["regular", "dual_clip", "gspo", "cispo", "sapo"], range(8)))
+
+
+def test_registered_names():
+    names = rlk_skyrl.register()
+    assert set(names) == set(rlk_skyrl.LOSS_NAMES)
+    available = SK.PolicyLossRegistry.list_available()
+    assert all(name in available for name in names.values())
+    assert rlk_skyrl.register() == names  # a second call registers nothing twice (SkyRL raises on a duplicate)
+
+
+@pytest.mark.parametrize("loss_type, draw", CASES)
+def test_matches_skyrls_own_loss(loss_type, draw):
+    rlk_skyrl.register()
+    rng = random.Random(f"{loss_type}-{draw}")
+    options = _options(rng, loss_type)
+    if loss_type == "cispo":
+        options["cispo"] = {"cispo_eps_clip_low": rng.choice([1.0, 0.2]), "cispo_eps_clip_high": rng.choice([4.0, 0.28])}
+        if draw % 3 == 0:  # anchored on the sampler: no TIS (SkyRL refuses it) and no masks (refused here)
+            options["cispo"]["cispo_anchor"] = "rollout"
+            options["opc"] = {}
+    seed = draw
+    while True:
+        log_probs, old, rollout, mask, advantages = _batch(seed)
+        if not _near_a_bound(old, rollout, mask) and not _near_a_bound(log_probs, old, mask):
+            break
+        seed += 1000
+    advantages = _prescale(advantages, mask, options["algorithm"]["loss_reduction"])
+    algorithm = _build(options)
+
+    def run(fn):
+        lp = log_probs.clone().requires_grad_(True)
+        loss, metrics = fn(lp, old, advantages, config=algorithm, loss_mask=mask, rollout_logprobs=rollout)
+        (grad,) = torch.autograd.grad(loss, lp)
+        return loss.detach(), grad, metrics
+
+    theirs = run(SK.PolicyLossRegistry.get(loss_type))
+    ours = run(SK.PolicyLossRegistry.get(rlk_skyrl.LOSS_NAMES[loss_type]))
+    scale = max(1.0, float(theirs[0].abs()))
+    assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-7 * scale, name="loss")
+    g_scale = max(1e-3, float(theirs[1].abs().max()))
+    assert_close(ours[1], theirs[1], rtol=1e-6, atol=1e-7 * g_scale, name="dlog_probs")
+    rc = rlk_skyrl.rollout_correction_from_skyrl(algorithm.off_policy_correction)
+    # SkyRL's clip_ratio is over the mask before its masks; SAPO has none; CISPO's counts every capped ratio where
+    # rlkernels' counts those whose cap changes the term (TRL's, verl's)
+    if loss_type not in ("sapo", "cispo") and (rc is None or not rc.rs):
+        assert ours[2]["clip_ratio"] == pytest.approx(theirs[2]["clip_ratio"], abs=1e-9)
+
+
+def test_refusals_name_skyrls_option():
+    with pytest.raises(ValueError, match="use_tis"):
+        rlk_skyrl.config_from_skyrl(SK.AlgorithmConfig(use_tis=True), "regular")
+    with pytest.raises(ValueError, match="rollout_is"):
+        rlk_skyrl.config_from_skyrl(SK.AlgorithmConfig(), "rollout_is")
+    algorithm = SK.AlgorithmConfig(off_policy_correction=SK.OffPolicyCorrectionConfig(sequence_mask_metric="product"))
+    algorithm.cispo.cispo_anchor = "rollout"
+    with pytest.raises(ValueError, match="cispo_anchor"):
+        rlk_skyrl.config_from_skyrl(algorithm, "cispo")
+    token_mask = SK.OffPolicyCorrectionConfig(token_mask_is_threshold_low=0.5, token_mask_is_threshold_high=2.0)
+    with pytest.raises(ValueError, match="token_mask_is_threshold"):
+        rlk_skyrl.config_from_skyrl(SK.AlgorithmConfig(off_policy_correction=token_mask), "gspo")
