@@ -84,7 +84,8 @@ def _k_stats(delta_hat, train_lp, rollout_lp):
     k2 = 0.5 * delta_hat**2
     k3 = torch.exp(delta_hat) - 1 - delta_hat
     mu, pi = torch.exp(rollout_lp.clamp(max=0)), torch.exp(train_lp.clamp(max=0))  # probabilities: at most 1
-    return {"k1": k1, "k2": k2, "k3": k3, "bkl": _binary_kl(mu, pi), "btv": (mu - pi).abs()}
+    btv = (mu.clamp(BINARY_EPS, 1 - BINARY_EPS) - pi.clamp(BINARY_EPS, 1 - BINARY_EPS)).abs()
+    return {"k1": k1, "k2": k2, "k3": k3, "bkl": _binary_kl(mu, pi), "btv": btv}
 
 
 def token_rejection(delta, mask, rc, train_lp, rollout_lp):

@@ -55,8 +55,10 @@ def _k_stat(kind: str, train: torch.Tensor, rollout: torch.Tensor, delta_hat: to
         return torch.exp(delta_hat) - 1 - delta_hat
     if kind == "bkl":  # the sampled token's binary KL(μ || π) of (token, rest), OpenRLHF's binary_kl gate
         return binary_kl(rollout, train, BINARY_EPS)
-    # btv: |μ - π| of the sampled token, OpenRLHF's tv gate; a log-prob above 0 is a probability of 1
-    return (torch.exp(rollout.clamp_max(0)) - torch.exp(train.clamp_max(0))).abs()
+    # btv: |μ - π| of the sampled token, both clamped to [eps, 1 - eps] as OpenRLHF's tv gate clamps them
+    def clamped(log_p):
+        return torch.exp(log_p.clamp(math.log(BINARY_EPS), math.log1p(-BINARY_EPS)))
+    return (clamped(rollout) - clamped(train)).abs()
 
 
 def _keeps(kind: str, stat: torch.Tensor, bound) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""rlkernels inside OpenRLHF 0.11: a drop-in `PolicyLoss`, computed by `rlkernels.policy_loss`.
+
+    import rlkernels.integrations.openrlhf as rlk_openrlhf
+    rlk_openrlhf.install()          # before OpenRLHF builds its actor trainer
+
+OpenRLHF has no loss registry: its actor trainer builds `PolicyLoss(...)` from the module-level name it imported
+(`openrlhf/trainer/ray/ppo_actor.py`). `install()` rebinds that name (and `openrlhf.models.PolicyLoss`,
+`openrlhf.models.loss.PolicyLoss`) to this module's `PolicyLoss`; `uninstall()` puts OpenRLHF's back. Runs that do
+not call it are untouched.
+
+The class takes OpenRLHF's constructor and forward and returns its 5-tuple `(loss, clip_ratio, ppo_kl, vllm_kl,
+is_filter_ratio)` as device tensors (no synchronisation). What it maps:
+- `clip_eps_low/high`, `dual_clip`, the ±20 log-ratio clamp of "ppo";
+- `policy_loss_type="gspo"`: the ratio of each sequence's mean log-ratio, unclamped, a mean of sequence means;
+  against the sampler (`rollout_log_probs`) when the correction is on, as OpenRLHF (which then skips the
+  correction block, so here too);
+- aggregation: `token_level_loss` (token-mean; seq-mean-token-mean over non-empty sequences) with the global counts
+  the trainer passes (`batch_num_tokens` / `global_batch_size` over `dp_size`);
+- the correction (`is_correction_level` token | seq, `_mode` clip | mask, `_gating` ratio | binary_kl | tv,
+  `_threshold`): clip = truncated token IS; token ratio mask = IcePop; every other mask drops its units (the
+  rejection options `seq_mean_k1`, `token_bkl`, `seq_mean_bkl`, `token_btv`, `seq_mean_btv`) and gives the
+  survivors their untruncated token IS weight π_old/μ, with OpenRLHF's denominators, which count the dropped units.
+
+Refused, naming OpenRLHF's option: a token-level divergence gate with `token_level_loss=False` (OpenRLHF keeps a
+dropped token in its sequence's token count; rlkernels' masks take it out of the sequence's mean).
+`clip_ratio`, `ppo_kl` are rlkernels' `actor/pg_clipfrac` and `actor/ppo_kl`, over the tokens the correction keeps
+(OpenRLHF's: over the action mask); `vllm_kl` is `rollout_corr/kl`; `is_filter_ratio` the dropped fraction.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..api import policy_loss
+from ..config import PolicyLossConfig, RolloutCorrection
+
+_GATE_KINDS = {"binary_kl": "bkl", "tv": "btv"}
+_TARGETS = ("openrlhf.models.loss", "openrlhf.models", "openrlhf.trainer.ray.ppo_actor")
+_ORIGINALS = {}
+
+
+def rollout_correction_from_openrlhf(level: str, mode: str, gating: str, threshold) -> Optional[RolloutCorrection]:
+    """OpenRLHF's `is_correction_*` options as a `RolloutCorrection` (None when the level is "off")."""
+    if level == "off":
+        return None
+    if level not in ("token", "seq") or mode not in ("mask", "clip") or gating not in ("ratio", *_GATE_KINDS):
+        raise ValueError(f"is_correction_level/mode/gating: expected off|token|seq, mask|clip, ratio|binary_kl|tv; "
+                         f"got {level!r}, {mode!r}, {gating!r}")
+    low, high = threshold
+    if mode == "clip":  # OpenRLHF allows it at token level with the ratio gate only
+        return RolloutCorrection(is_level="token", is_threshold=(low, high), is_mode="truncate")
+    if level == "token" and gating == "ratio":  # IcePop: the weight is 0 outside, the mask unchanged
+        return RolloutCorrection(is_level="token", is_threshold=(low, high), is_mode="mask")
+    if gating == "ratio":  # the sequence's geometric-mean ratio in [low, high]
+        rs = {"seq_mean_k1": (low, high)}
+    else:
+        rs = {f"{'token' if level == 'token' else 'seq_mean'}_{_GATE_KINDS[gating]}": high}
+    # survivors keep their own token IS weight, untruncated
+    return RolloutCorrection(is_level="token", is_threshold=(0.0, math.inf), is_mode="mask", rs=rs)
+
+
+class PolicyLoss(nn.Module):
+    """OpenRLHF 0.11.2's `openrlhf.models.loss.PolicyLoss`, same constructor and forward, computed by rlkernels."""
+
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float = None,
+                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
+                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 is_correction_threshold=(0.5, 5.0)) -> None:
+        super().__init__()
+        if policy_loss_type not in ("ppo", "gspo"):
+            raise ValueError(f"policy_loss_type: expected 'ppo' or 'gspo', got {policy_loss_type!r}")
+        if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
+            raise ValueError("is_correction_mode=clip requires is_correction_level=token and is_correction_gating=ratio")
+        if is_correction_gating != "ratio" and is_correction_level != "off" and is_correction_threshold[0] > 0:
+            raise ValueError(f"is_correction_threshold: is_correction_gating={is_correction_gating} takes an upper "
+                             "bound only (a single delta)")
+        gspo = policy_loss_type == "gspo"
+        self.token_level_loss = token_level_loss and not gspo  # OpenRLHF forces per-sample means for GSPO
+        self.policy_loss_type = policy_loss_type
+        self.is_correction_level = is_correction_level
+        self.rollout_correction = None if gspo else rollout_correction_from_openrlhf(
+            is_correction_level, is_correction_mode, is_correction_gating, tuple(is_correction_threshold))
+        rc = self.rollout_correction
+        if (not self.token_level_loss and rc is not None
+                and any(option.startswith("token_") for option, _ in rc.rs)):
+            raise ValueError(f"is_correction_gating={is_correction_gating!r} at is_correction_level='token' with "
+                             "token_level_loss=False: OpenRLHF keeps a dropped token in its sequence's token count, "
+                             "rlkernels' masks take it out; use the sequence level or a token-level loss")
+        self.config = PolicyLossConfig(
+            loss_type="vanilla", clip_ratio_low=clip_eps_low, clip_ratio_high=clip_eps_high, clip_ratio_c=dual_clip,
+            ratio_level="sequence" if gspo else "token", log_ratio_clamp=None if gspo else 20.0,
+            loss_agg_mode="token-mean" if self.token_level_loss else "seq-mean-token-mean",
+            seq_mean_over="nonempty", rollout_correction=rc)
+
+    def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                action_mask: Optional[torch.Tensor] = None, rollout_log_probs: Optional[torch.Tensor] = None,
+                dp_size: int = 1, batch_num_tokens: Optional[float] = None,
+                global_batch_size: Optional[float] = None):
+        mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask.bool()
+        correcting = self.is_correction_level != "off"
+        if correcting and rollout_log_probs is None:
+            raise ValueError(f"rollout_log_probs: required with is_correction_level={self.is_correction_level!r}")
+        overrides = {}
+        if self.token_level_loss and batch_num_tokens is not None:
+            overrides["global_num_tokens"] = float(batch_num_tokens) / dp_size
+        elif not self.token_level_loss and global_batch_size is not None:
+            overrides["global_num_seqs"] = float(global_batch_size) / dp_size
+        rc = self.rollout_correction
+        if rc is not None and rc.rs:  # OpenRLHF's denominators count the units a mask drops (one host read)
+            if self.token_level_loss:
+                overrides.setdefault("global_num_tokens", max(float(mask.sum()), 1.0))
+            else:
+                overrides.setdefault("global_num_seqs", max(float(mask.any(-1).sum()), 1.0))
+        if self.policy_loss_type == "gspo" and correcting:  # GSPO's ratio against the sampler: bypass mode
+            old, rollout = None, rollout_log_probs.detach()
+        else:
+            old, rollout = old_log_probs.detach(), rollout_log_probs if correcting else None
+        config = self.config.with_overrides(**overrides)
+        out = policy_loss(log_probs, advantages, mask, old_logprobs=old,
+                          rollout_logprobs=None if rollout is None else rollout.detach(), config=config)
+        m = out.metrics
+        vllm_kl = is_filter_ratio = None
+        if rc is not None:
+            vllm_kl = m["rollout_corr/kl"]
+            if rc.rs:
+                seq = any(not option.startswith("token_") for option, _ in rc.rs)
+                is_filter_ratio = m["rollout_corr/rollout_rs_seq_masked_fraction" if seq
+                                    else "rollout_corr/rollout_rs_masked_fraction"]
+            elif rc.is_icepop:
+                is_filter_ratio = m["rollout_corr/rollout_is_oob_ratio"]
+            else:
+                is_filter_ratio = (m["rollout_corr/rollout_is_ratio_fraction_high"]
+                                   + m["rollout_corr/rollout_is_ratio_fraction_low"])
+        return out.loss, m["actor/pg_clipfrac"], m["actor/ppo_kl"], vllm_kl, is_filter_ratio
+
+
+def install() -> None:
+    """Make OpenRLHF build this `PolicyLoss`: rebinds the name where OpenRLHF's actor trainer reads it (and in
+    `openrlhf.models`, `openrlhf.models.loss`). Idempotent; `uninstall()` restores OpenRLHF's class."""
+    import importlib
+    import sys
+
+    importlib.import_module("openrlhf.models.loss")
+    for name in _TARGETS:
+        module = sys.modules.get(name)
+        if module is None and name != _TARGETS[-1]:
+            module = importlib.import_module(name)
+        # where the name exists (a bare `openrlhf.models`, as the tests load it, has none)
+        if module is not None and getattr(module, "PolicyLoss", PolicyLoss) is not PolicyLoss:
+            _ORIGINALS.setdefault(name, module.PolicyLoss)
+            module.PolicyLoss = PolicyLoss
+
+
+def uninstall() -> None:
+    """Put OpenRLHF's own `PolicyLoss` back wherever `install()` replaced it."""
+    import sys
+
+    for name, original in list(_ORIGINALS.items()):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.PolicyLoss = original
+        del _ORIGINALS[name]

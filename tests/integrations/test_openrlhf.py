@@ -1,0 +1,131 @@
+"""OpenRLHF 0.11.2: the drop-in `PolicyLoss`, installed where OpenRLHF reads it, against OpenRLHF's own class on
+seeded float64 batches over every constructor option and the trainer's global counts.
+
+OpenRLHF computes in the inputs' dtype, so the two agree to float64 rounding, except for its per-sample mean's
+`count + 1e-8` denominator (a relative 1e-8 / count that rlkernels does not add): rtol 1e-7. Gate statistics
+within 1e-6 of a threshold are redrawn, so that rounding cannot flip a drop.
+"""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from rlkernels.integrations import openrlhf as rlk_openrlhf
+
+from ..cases import assert_close
+
+
+def _openrlhf():
+    try:
+        from rlkernels.testing.trainers import openrlhf_loss
+
+        return openrlhf_loss()
+    except ImportError as exc:  # pragma: no cover - reported by the skip
+        pytest.skip(f"OpenRLHF 0.11.2 is not importable here ({exc})", allow_module_level=True)
+
+
+OPENRLHF = _openrlhf()
+CORRECTIONS = [("off", "mask", "ratio", (0.5, 5.0)),
+               ("token", "clip", "ratio", (0.8, 1.25)), ("token", "mask", "ratio", (0.0, 1.5)),
+               ("token", "mask", "ratio", (0.7, 1.3)), ("seq", "mask", "ratio", (0.9, 1.1)),
+               ("token", "mask", "binary_kl", (0.0, 0.01)), ("seq", "mask", "binary_kl", (0.0, 0.005)),
+               ("token", "mask", "tv", (0.0, 0.05)), ("seq", "mask", "tv", (0.0, 0.03))]
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 10
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2.5
+    log_probs = old + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    rollout = old + 0.25 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    lengths[0] = T  # at least one non-empty sequence
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float64)
+    advantages = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()
+    return log_probs, old, rollout, mask, advantages
+
+
+def _gate_statistics(old, rollout, mask):
+    """Every statistic a gate may compare, token and sequence level (OpenRLHF's formulas)."""
+    p, q = rollout.exp().clamp(1e-6, 1 - 1e-6), old.exp().clamp(1e-6, 1 - 1e-6)
+    tokens = {"ratio": (old - rollout).exp(), "binary_kl": p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log(),
+              "tv": (p - q).abs()}
+    n = mask.sum(-1).clamp(min=1)
+    seqs = {"ratio": ((old - rollout) * mask).sum(-1).div(n).exp(),
+            "binary_kl": (tokens["binary_kl"] * mask).sum(-1) / n, "tv": (tokens["tv"] * mask).sum(-1) / n}
+    return tokens, seqs
+
+
+def _clear_of_thresholds(old, rollout, mask, level, gating, threshold) -> bool:
+    if level == "off":
+        return True
+    tokens, seqs = _gate_statistics(old, rollout, mask)
+    values = tokens[gating][mask > 0] if level == "token" else seqs[gating][mask.sum(-1) > 0]
+    bounds = torch.tensor([b for b in threshold if 0 < b < math.inf], dtype=torch.float64)
+    return not bool(((values[:, None] - bounds[None, :]).abs() < 1e-6 * bounds.clamp(min=1)).any())
+
+
+CASES = list(itertools.product(["ppo", "gspo"], range(len(CORRECTIONS)), [True, False], [False, True]))
+
+
+@pytest.mark.parametrize("loss_type, correction, token_level, global_counts", CASES)
+def test_matches_openrlhfs_own_policy_loss(loss_type, correction, token_level, global_counts):
+    level, mode, gating, threshold = CORRECTIONS[correction]
+    rng = random.Random(f"{loss_type}-{correction}-{token_level}-{global_counts}")
+    kwargs = dict(clip_eps_low=rng.choice([0.2, 0.1]), clip_eps_high=rng.choice([0.2, 0.28]),
+                  dual_clip=rng.choice([None, 3.0]), token_level_loss=token_level, policy_loss_type=loss_type,
+                  is_correction_level=level, is_correction_mode=mode, is_correction_gating=gating,
+                  is_correction_threshold=threshold)
+    if (loss_type == "ppo" and not token_level and level == "token" and gating != "ratio"):
+        with pytest.raises(ValueError, match="token_level_loss=False"):
+            rlk_openrlhf.PolicyLoss(**kwargs)
+        return
+    seed = correction
+    while True:
+        log_probs, old, rollout, mask, advantages = _batch(seed)
+        if _clear_of_thresholds(old, rollout, mask, level, gating, threshold):
+            break
+        seed += 100
+    counts = {}
+    if global_counts:  # the trainer's get_loss_batch_info: global totals over 2 data-parallel ranks
+        counts = dict(dp_size=2, batch_num_tokens=float(mask.sum()) * 2 + 6, global_batch_size=2 * mask.shape[0] + 2)
+
+    def run(cls):
+        lp = log_probs.clone().requires_grad_(True)
+        out = cls(**kwargs)(lp, old, advantages, action_mask=mask, rollout_log_probs=rollout, **counts)
+        (grad,) = torch.autograd.grad(out[0], lp)
+        return out, grad
+
+    (theirs, their_grad) = run(OPENRLHF.PolicyLoss)
+    rlk_openrlhf.install()
+    try:
+        import openrlhf.models.loss as installed
+
+        assert installed.PolicyLoss is rlk_openrlhf.PolicyLoss  # what the trainer would build now
+        (ours, our_grad) = run(installed.PolicyLoss)
+    finally:
+        rlk_openrlhf.uninstall()
+    assert installed.PolicyLoss is OPENRLHF.PolicyLoss
+    scale = max(1.0, float(theirs[0].abs()))
+    assert_close(ours[0].detach(), theirs[0].detach(), rtol=1e-7, atol=1e-9 * scale, name="loss")
+    g_scale = max(1e-3, float(their_grad.abs().max()))
+    assert_close(our_grad, their_grad, rtol=1e-7, atol=1e-9 * g_scale, name="dlog_probs")
+    if theirs[3] is not None:
+        assert_close(ours[3], theirs[3], rtol=1e-9, atol=1e-12, name="vllm_kl")
+    rc = rlk_openrlhf.PolicyLoss(**kwargs).rollout_correction
+    if rc is None or not rc.rs:  # over the action mask in both when nothing is dropped
+        assert_close(ours[1], theirs[1].to(ours[1].dtype), rtol=1e-9, atol=1e-12, name="clip_ratio")
+
+
+def test_install_is_reversible_and_refusals_name_the_option():
+    rlk_openrlhf.install()
+    rlk_openrlhf.install()  # idempotent: the original is kept once
+    rlk_openrlhf.uninstall()
+    import openrlhf.models.loss as module
+
+    assert module.PolicyLoss is OPENRLHF.PolicyLoss
+    with pytest.raises(ValueError, match="is_correction_threshold"):
+        rlk_openrlhf.PolicyLoss(is_correction_level="seq", is_correction_gating="tv", is_correction_threshold=(0.1, 1))
