@@ -1,0 +1,165 @@
+"""rlkernels inside AReaL 1.0: `ppo_actor_loss_fn`, the decoupled PPO loss AReaL's actor calls, by rlkernels.
+
+    import rlkernels.integrations.areal as rlk_areal
+    rlk_areal.install()          # AReaL's grpo_loss_fn now calls rlkernels' ppo_actor_loss_fn
+
+AReaL has no loss registry: `areal/trainer/ppo/actor.py` imports `ppo_actor_loss_fn` at module level and its
+`grpo_loss_fn` calls that name. `install()` rebinds it there; `uninstall()` restores AReaL's.
+
+Same signature and return as AReaL's `(loss, stat)`. The mapping (π_prox = rlkernels' `old_logprobs`, π_behave =
+AReaL's `old_logprobs` = rlkernels' `rollout_logprobs`):
+- PPO clip `eps_clip` / `eps_clip_higher`, dual clip `c_clip`, no log-ratio clamp (AReaL has none);
+- `importance_sampling_level="sequence"` (GSPO): the ratio of each sequence's mean log-ratio and its mean advantage
+  over the mask rejection leaves (`ratio_level="sequence"`, `seq_mean_advantages=True`);
+- `RejectionSamplingConfig` (ratio π_prox/π_behave): token ratio mask → `rs token_k1` (either bound optional) with the
+  untruncated token weight; token clamp → truncated token IS; sequence ratio → every token weighted by the
+  sequence's **geometric-mean** ratio (`is_level="geometric"`), masked by the mean (`seq_mean_k1`) or the product
+  (`agg="sum"`: `seq_sum_k1`), or truncated (`action="clamp"`, `agg="mean"`); kl_k1 → `token_k1` / `seq_sum_k1` /
+  `seq_mean_k1` in ratio space; kl_k2 → `token_k2` / `seq_sum_k2` / `seq_mean_k2` / `seq_max_k2`;
+- the denominator: the loss-mask count **before** rejection (AReaL's), as `global_num_tokens` (one host read, as
+  AReaL's own `count_nonzero() or 1`).
+Refused, naming AReaL's option: `metric="kl_k3"` (AReaL's k3 is exp(−Δ) − 1 + Δ, rlkernels' exp(Δ) − 1 − Δ),
+`agg="max"` with k1 or the ratio (no max of a log-ratio), `action="clamp"` with a KL metric or a sequence `agg`
+other than "mean", a lower bound on k2.
+
+`stat` carries AReaL's logging keys: `loss`, `importance_weight`, `approx_kl`, `clip_mask`, `dual_clip_mask` and,
+with rejection, `behave_imp_weight`, `behave_approx_kl`, `behave_mask`, `filtered_fraction`. The per-token ones
+are recomputed from the detached log-probs (rlkernels' pass reduces them away); they do not touch the gradient.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from ..api import policy_loss
+from ..config import PolicyLossConfig, RolloutCorrection
+
+_ORIGINAL = {}
+
+
+def _get(node, name, default=None):
+    return node.get(name, default) if isinstance(node, dict) else getattr(node, name, default)
+
+
+def rollout_correction_from_areal(rejection_sampling) -> Optional[RolloutCorrection]:
+    """AReaL's `RejectionSamplingConfig` (or dict) as a `RolloutCorrection`; None for None."""
+    if rejection_sampling is None:
+        return None
+    level, action = _get(rejection_sampling, "level", "token"), _get(rejection_sampling, "action", "mask")
+    metric, agg = _get(rejection_sampling, "metric", "ratio"), _get(rejection_sampling, "agg", "mean")
+    upper, lower = _get(rejection_sampling, "upper"), _get(rejection_sampling, "lower")
+    sequence = level == "sequence"
+    if metric == "kl_k3":
+        raise ValueError("rejection_sampling.metric='kl_k3': AReaL's k3 is exp(-d) - 1 + d of d = log(pi_prox / "
+                         "pi_behave), rlkernels' is exp(d) - 1 - d; use 'kl_k2' or 'ratio'")
+    if action == "clamp" and (metric != "ratio" or (sequence and agg != "mean")):
+        raise ValueError(f"rejection_sampling.action='clamp' with metric={metric!r}, agg={agg!r}: AReaL then clamps "
+                         "the weights of the units its statistic flags to the statistic's bounds, which is no "
+                         "truncation rlkernels has; use action='mask', or metric='ratio' (agg='mean')")
+    if sequence and agg == "max" and metric in ("ratio", "kl_k1"):
+        raise ValueError(f"rejection_sampling.agg='max' with metric={metric!r}: rlkernels has no sequence maximum of "
+                         "the log-ratio; use agg='mean' or 'sum'")
+    weight_level = "geometric" if sequence and metric == "ratio" else "token"
+    if action == "clamp":  # the weight clamped to [lower, upper]: truncation (of the geometric mean per sequence)
+        return RolloutCorrection(is_level=weight_level, is_threshold=(lower or 0.0, upper), is_mode="truncate")
+    if metric in ("ratio", "kl_k1"):  # bounds on the ratio (kl_k1: on its log)
+        bounds = (lower, upper) if metric == "ratio" else (
+            None if lower is None else math.exp(lower), math.exp(upper))
+        option = "token_k1" if not sequence else ("seq_sum_k1" if agg == "sum" else "seq_mean_k1")
+    else:  # kl_k2: an upper bound on ½ d², summed, averaged or maximised per sequence
+        if lower is not None and lower > 0:
+            raise ValueError("rejection_sampling.lower with metric='kl_k2': rlkernels bounds k2 from above only")
+        bounds = upper
+        option = "token_k2" if not sequence else f"seq_{agg}_k2"
+    # the survivors' weight: their own untruncated ratio (the sequence's geometric mean for a sequence ratio)
+    return RolloutCorrection(is_level=weight_level, is_threshold=(0.0, math.inf), is_mode="mask", rs={option: bounds})
+
+
+def config_from_areal(eps_clip: float, eps_clip_higher: Optional[float] = None, c_clip: Optional[float] = None,
+                      rejection_sampling=None, importance_sampling_level: str = "token") -> PolicyLossConfig:
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', got {importance_sampling_level!r}")
+    gspo = importance_sampling_level == "sequence"
+    return PolicyLossConfig(
+        loss_type="vanilla", clip_ratio_low=eps_clip, clip_ratio_high=eps_clip if eps_clip_higher is None else
+        eps_clip_higher, clip_ratio_c=c_clip, log_ratio_clamp=None, ratio_level="sequence" if gspo else "token",
+        seq_mean_advantages=gspo, loss_agg_mode="token-mean",
+        rollout_correction=rollout_correction_from_areal(rejection_sampling))
+
+
+def ppo_actor_loss_fn(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      advantages: torch.Tensor, eps_clip: float, loss_mask: torch.Tensor,
+                      eps_clip_higher: Optional[float] = None, c_clip: Optional[float] = None,
+                      rejection_sampling=None, importance_sampling_level: str = "token",
+                      cu_seqlens: Optional[torch.Tensor] = None):
+    """AReaL's `ppo_actor_loss_fn`, computed by `rlkernels.policy_loss` (module docstring)."""
+    config = config_from_areal(eps_clip, eps_clip_higher, c_clip, rejection_sampling, importance_sampling_level)
+    mask = loss_mask.bool()
+    count = max(int(mask.count_nonzero()), 1)  # AReaL's denominator: the mask before rejection
+    config = config.with_overrides(global_num_tokens=float(count))
+    rc = config.rollout_correction
+    out = policy_loss(logprobs, advantages, mask, old_logprobs=proximal_logprobs.detach(),
+                      rollout_logprobs=None if rc is None else old_logprobs.detach(), config=config,
+                      cu_seqlens=cu_seqlens if logprobs.ndim == 1 else None)
+    return out.loss, _stat(out, logprobs, proximal_logprobs, old_logprobs, advantages, config, cu_seqlens)
+
+
+def _sequence_mean(x, kept, cu_seqlens):
+    """Each token's sequence mean of x over `kept` ([B, T], or packed [N] with cu_seqlens), 0 off `kept`."""
+    x = torch.where(kept, x, torch.zeros_like(x))
+    if x.ndim == 2:
+        mean = x.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1)
+    else:
+        ids = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=x.device), cu_seqlens.diff())
+        sums = torch.zeros(len(cu_seqlens) - 1, dtype=x.dtype, device=x.device).index_add_(0, ids, x)
+        counts = torch.zeros_like(sums).index_add_(0, ids, kept.to(x.dtype)).clamp(min=1)
+        mean = (sums / counts)[ids]
+    return torch.where(kept, mean.expand_as(x), torch.zeros_like(x))
+
+
+def _stat(out, logprobs, proximal, behave, advantages, config, cu_seqlens):
+    """AReaL's per-token logging values, from the detached log-probs (no gradient)."""
+    with torch.no_grad():
+        kept = out.mask.bool()
+        delta = logprobs.detach() - proximal
+        if config.ratio_level == "sequence":
+            delta, advantages = _sequence_mean(delta, kept, cu_seqlens), _sequence_mean(advantages, kept, cu_seqlens)
+        ratio = torch.where(kept, torch.exp(delta), torch.zeros_like(delta))
+        low, high = 1 - config.clip_ratio_low, 1 + config.clip_ratio_high
+        surrogate, clipped_surrogate = -advantages * ratio, -advantages * ratio.clamp(low, high)
+        token_loss = torch.maximum(surrogate, clipped_surrogate)
+        clip_mask = (surrogate < clipped_surrogate) & kept
+        dual_clip_mask = torch.zeros_like(clip_mask)
+        if config.clip_ratio_c is not None:
+            dual = advantages.abs() * config.clip_ratio_c
+            dual_clip_mask = (dual < token_loss) & kept
+            token_loss = torch.minimum(token_loss, dual)
+        stat = dict(importance_weight=ratio, approx_kl=logprobs.detach() - proximal, clip_mask=clip_mask,
+                    dual_clip_mask=dual_clip_mask)
+        weights = out.is_weights
+        if config.rollout_correction is not None:
+            weights = torch.where(kept, weights, torch.zeros_like(weights))
+            token_loss = token_loss * weights
+            behave_mask = (weights > 0) & kept
+            stat.update(behave_imp_weight=weights, behave_mask=behave_mask,
+                        behave_approx_kl=torch.where(behave_mask, proximal - behave, 0),
+                        filtered_fraction=float(out.metrics.get("rollout_corr/rollout_rs_masked_fraction", 0.0)))
+        stat["loss"] = token_loss
+    return stat
+
+
+def install(module=None) -> None:
+    """Rebind `ppo_actor_loss_fn` where AReaL's actor reads it (`areal.trainer.ppo.actor`, or `module`)."""
+    if module is None:
+        import areal.trainer.ppo.actor as module
+    if module.ppo_actor_loss_fn is not ppo_actor_loss_fn:
+        _ORIGINAL[module] = module.ppo_actor_loss_fn
+        module.ppo_actor_loss_fn = ppo_actor_loss_fn
+
+
+def uninstall() -> None:
+    """Put AReaL's own `ppo_actor_loss_fn` back wherever `install()` replaced it."""
+    for module, original in list(_ORIGINAL.items()):
+        module.ppo_actor_loss_fn = original
+        del _ORIGINAL[module]
