@@ -79,7 +79,8 @@ def rollout_correction_from_areal(rejection_sampling) -> Optional[RolloutCorrect
 def config_from_areal(eps_clip: float, eps_clip_higher: Optional[float] = None, c_clip: Optional[float] = None,
                       rejection_sampling=None, importance_sampling_level: str = "token") -> PolicyLossConfig:
     if importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', got {importance_sampling_level!r}")
+        raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', "
+                         f"got {importance_sampling_level!r}")
     gspo = importance_sampling_level == "sequence"
     return PolicyLossConfig(
         loss_type="vanilla", clip_ratio_low=eps_clip, clip_ratio_high=eps_clip if eps_clip_higher is None else

@@ -72,7 +72,8 @@ class PolicyLoss(nn.Module):
         if policy_loss_type not in ("ppo", "gspo"):
             raise ValueError(f"policy_loss_type: expected 'ppo' or 'gspo', got {policy_loss_type!r}")
         if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
-            raise ValueError("is_correction_mode=clip requires is_correction_level=token and is_correction_gating=ratio")
+            raise ValueError("is_correction_mode=clip requires is_correction_level=token and "
+                             "is_correction_gating=ratio")
         if is_correction_gating != "ratio" and is_correction_level != "off" and is_correction_threshold[0] > 0:
             raise ValueError(f"is_correction_threshold: is_correction_gating={is_correction_gating} takes an upper "
                              "bound only (a single delta)")

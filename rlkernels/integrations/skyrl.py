@@ -81,7 +81,8 @@ def rollout_correction_from_skyrl(opc) -> Optional[RolloutCorrection]:
 def config_from_skyrl(algorithm, loss_type: str) -> PolicyLossConfig:
     """The `PolicyLossConfig` of SkyRL's loss `loss_type` under its `AlgorithmConfig` (a dataclass or dict)."""
     if loss_type not in LOSS_NAMES:
-        raise ValueError(f"loss_type: SkyRL's {loss_type!r} has no rlkernels form; expected one of {sorted(LOSS_NAMES)}")
+        raise ValueError(f"loss_type: SkyRL's {loss_type!r} has no rlkernels form; "
+                         f"expected one of {sorted(LOSS_NAMES)}")
     if _get(algorithm, "use_tis", False) or (_get(algorithm, "tis_imp_ratio_cap", -1.0) or -1.0) > 0:
         raise ValueError("use_tis / tis_imp_ratio_cap: deprecated in SkyRL 0.4 and not read here; set "
                          "off_policy_correction.tis_ratio_type='token' and token_tis_ratio_clip_high")
@@ -101,7 +102,8 @@ def config_from_skyrl(algorithm, loss_type: str) -> PolicyLossConfig:
         return PolicyLossConfig(loss_type="gspo", **common)
     if loss_type == "sapo":
         sapo = _get(algorithm, "sapo")
-        return PolicyLossConfig(loss_type="sapo", tau_pos=_get(sapo, "tau_pos", 1.0), tau_neg=_get(sapo, "tau_neg", 1.05),
+        return PolicyLossConfig(loss_type="sapo", tau_pos=_get(sapo, "tau_pos", 1.0),
+                                tau_neg=_get(sapo, "tau_neg", 1.05),
                                 **common)
     cispo = _get(algorithm, "cispo")  # cispo: sg(clamp(r, 1 - lo, 1 + hi)) A lp, r against cispo_anchor
     low, high = _get(cispo, "cispo_eps_clip_low", 1.0), _get(cispo, "cispo_eps_clip_high", 4.0)
@@ -119,7 +121,8 @@ def config_from_skyrl(algorithm, loss_type: str) -> PolicyLossConfig:
 def policy_loss_fn(loss_type: str) -> Callable:
     """SkyRL's loss `loss_type` as a function of SkyRL's registered-loss contract, computed by rlkernels."""
     if loss_type not in LOSS_NAMES:
-        raise ValueError(f"loss_type: SkyRL's {loss_type!r} has no rlkernels form; expected one of {sorted(LOSS_NAMES)}")
+        raise ValueError(f"loss_type: SkyRL's {loss_type!r} has no rlkernels form; "
+                         f"expected one of {sorted(LOSS_NAMES)}")
 
     def loss_fn(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, config,
                 loss_mask: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None):

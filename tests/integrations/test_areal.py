@@ -74,7 +74,8 @@ def _statistics(prox, behave, mask, cu):
         rows = [d[i][mask[i]] for i in range(d.shape[0])]
     values = [d[mask], 0.5 * d[mask] ** 2]
     for r in rows:
-        values.append(torch.stack([r.sum(), r.mean(), (0.5 * r ** 2).sum(), (0.5 * r ** 2).mean(), (0.5 * r ** 2).max()]))
+        k2 = 0.5 * r ** 2
+        values.append(torch.stack([r.sum(), r.mean(), k2.sum(), k2.mean(), k2.max()]))
     return torch.cat(values)
 
 
@@ -136,7 +137,8 @@ def _grpo_loss_fn_from_areals_source(ppo_actor_loss_fn, recorded):
     import contextlib
 
     tracker = types.SimpleNamespace(denominator=lambda **kw: recorded.update(kw), stat=lambda **kw: recorded.update(kw),
-                                    scalar=lambda **kw: recorded.update(kw), scope=lambda name: contextlib.nullcontext())
+                                    scalar=lambda **kw: recorded.update(kw),
+                                    scope=lambda name: contextlib.nullcontext())
     constants = {k: v for k, v in vars(__import__("areal.utils.constants", fromlist=["x"])).items()
                  if k.startswith("PROX_")}
     module.__dict__.update(torch=torch, RejectionSamplingConfig=RS, ppo_actor_loss_fn=ppo_actor_loss_fn,

@@ -110,7 +110,8 @@ def test_matches_skyrls_own_loss(loss_type, draw):
     rng = random.Random(f"{loss_type}-{draw}")
     options = _options(rng, loss_type)
     if loss_type == "cispo":
-        options["cispo"] = {"cispo_eps_clip_low": rng.choice([1.0, 0.2]), "cispo_eps_clip_high": rng.choice([4.0, 0.28])}
+        options["cispo"] = {"cispo_eps_clip_low": rng.choice([1.0, 0.2]),
+                            "cispo_eps_clip_high": rng.choice([4.0, 0.28])}
         if draw % 3 == 0:  # anchored on the sampler: no TIS (SkyRL refuses it) and no masks (refused here)
             options["cispo"]["cispo_anchor"] = "rollout"
             options["opc"] = {}
