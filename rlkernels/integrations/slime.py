@@ -1,0 +1,150 @@
+"""rlkernels inside slime (and miles): a custom loss for `--loss-type custom_loss`.
+
+    --loss-type custom_loss --custom-loss-function-path rlkernels.integrations.slime.policy_loss_function
+
+slime calls `policy_loss_function(args, batch, logits, sum_of_sample_mean) -> (loss, log)` with Megatron's packed
+logits `[1, T, V]` (float32; `V / tp` per rank under tensor parallelism) and per-sample lists. This function
+computes slime's `policy_loss_function` with `rlkernels.decoupled_ppo_loss` from the logits:
+- the response rows as slime's `get_responses` takes them: row t predicts token t + 1, sample i's response rows are
+  `[end - R - 1, end - 1)`, the logits divided by `--rollout-temperature` (the kernel's `temperature`);
+- under tensor parallelism the vocabulary-parallel pass (`tp_group=` Megatron's tensor-parallel group);
+- `--eps-clip`, `--eps-clip-high`, `--eps-clip-c` (PPO clip, dual clip; the ratio unclamped, as slime's);
+  `--advantage-estimator cispo` (CISPO) and `gspo` (the ratio of each sample's mean log-ratio, `ratio_level=
+  "sequence"`); `--use-rollout-logprobs` (the ratio against the sampler: bypass mode); `--use-tis` with
+  `--tis-clip(-low)` (token TIS) or slime's `icepop_function` (IcePop); `--use-opsm` / `--opsm-delta`;
+  `--entropy-coef`; `--use-kl-loss`, `--kl-loss-coef`, `--kl-loss-type` k1 | k2 | k3 | low_var_kl and
+  `--use-unbiased-kl`;
+- slime's reducer: each sample's masked token mean, **summed** over the samples (`seq-mean-token-mean` with
+  `global_num_seqs=1`), or `--calculate-per-token-loss` (token sums); slime then rescales for Megatron itself.
+Refused, naming slime's option: context parallelism, rollout top-p replay, a custom reducer or other custom TIS
+functions, OPSM with TIS (slime's OPSM reads π_old, rlkernels' the sampler's log-probs when it has them),
+`--use-unbiased-kl` with `low_var_kl` (slime clamps r·k3, rlkernels k3 before the ratio), and
+multi-sample rollouts whose `rollout_mask_sums` differ from a sample's own mask total (slime divides each sample
+by its rollout's total; rlkernels' sequence mean by the sample's own tokens).
+The log: slime's keys `loss`, `pg_loss`, `entropy_loss`, `pg_clipfrac`, `ppo_kl` (+ `kl_loss`) as device tensors;
+`pg_clipfrac` and `ppo_kl` are rlkernels' token means (slime sums per-sample means).
+"""
+
+from typing import List, Optional
+
+import torch
+
+from ..api import decoupled_ppo_loss
+from ..config import PolicyLossConfig, RolloutCorrection
+
+ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
+VANILLA_TIS = "slime.backends.megatron_utils.loss.vanilla_tis_function"
+_KL_TYPES = {"k1": "k1", "k2": "k2", "k3": "k3_unclamped", "low_var_kl": "k3"}
+
+
+def _opt(args, name, default=None):
+    return getattr(args, name, default)
+
+
+def _tis_kind(args) -> str:
+    path = _opt(args, "custom_tis_function_path")
+    name = path if isinstance(path, str) or path is None else f"{path.__module__}.{path.__name__}"
+    if path is None or name == VANILLA_TIS or name.endswith(".vanilla_tis_function"):
+        return "tis"
+    if name == ICEPOP or name.endswith(".icepop_function"):
+        return "icepop"
+    raise ValueError(f"custom_tis_function_path: {name!r} is not slime's vanilla_tis_function or icepop_function")
+
+
+def config_from_slime(args) -> PolicyLossConfig:
+    """The `PolicyLossConfig` of slime's arguments (an argparse namespace)."""
+    if _opt(args, "rollout_top_p", 1.0) != 1.0:
+        raise ValueError("rollout_top_p: slime's top-p replay of the logits is not supported; use 1.0")
+    if _opt(args, "custom_pg_loss_reducer_function_path") is not None:
+        raise ValueError("custom_pg_loss_reducer_function_path: a custom reducer is not supported")
+    if _opt(args, "use_opsm", False) and _opt(args, "use_tis", False):
+        raise ValueError("use_opsm with use_tis: slime's OPSM reads pi_old against the current policy, rlkernels' "
+                         "the sampler's log-probs when it has them")
+    estimator = _opt(args, "advantage_estimator", "grpo")
+    eps = _opt(args, "eps_clip", 0.2)
+    eps_high = _opt(args, "eps_clip_high") or eps
+    rc = None
+    if _opt(args, "use_tis", False):
+        bounds = (float(_opt(args, "tis_clip_low", 0.0)), float(_opt(args, "tis_clip", 2.0)))
+        rc = RolloutCorrection(is_level="token", is_threshold=bounds,
+                               is_mode="mask" if _tis_kind(args) == "icepop" else "truncate")
+    kl_coef = _opt(args, "kl_loss_coef", 0.0) if _opt(args, "use_kl_loss", False) else 0.0
+    kl_type = _opt(args, "kl_loss_type", "k1")
+    if kl_type not in _KL_TYPES:
+        raise ValueError(f"kl_loss_type: expected one of {sorted(_KL_TYPES)}, got {kl_type!r}")
+    if kl_coef and kl_type == "low_var_kl" and _opt(args, "use_unbiased_kl", False):
+        raise ValueError("use_unbiased_kl with kl_loss_type='low_var_kl': slime clamps r x k3 to [-10, 10], "
+                         "rlkernels clamps k3 before the ratio; use kl_loss_type='k3' (unclamped) or no ratio")
+    return PolicyLossConfig(
+        loss_type="cispo" if estimator == "cispo" else "vanilla", clip_ratio_low=eps, clip_ratio_high=eps_high,
+        clip_ratio_c=_opt(args, "eps_clip_c"), log_ratio_clamp=None,
+        ratio_level="sequence" if estimator == "gspo" else "token",
+        loss_agg_mode="token-sum" if _opt(args, "calculate_per_token_loss", False) else "seq-mean-token-mean",
+        global_num_seqs=1.0, temperature=float(_opt(args, "rollout_temperature", 1.0)),
+        entropy_coeff=float(_opt(args, "entropy_coef", 0.0)), compute_entropy=True,
+        kl_coef=float(kl_coef), kl_type=_KL_TYPES[kl_type], kl_bias_correction=bool(_opt(args, "use_unbiased_kl")),
+        off_policy_mask_threshold=_opt(args, "opsm_delta") if _opt(args, "use_opsm", False) else None,
+        rollout_correction=rc)
+
+
+def _cat(values: Optional[List[torch.Tensor]]) -> Optional[torch.Tensor]:
+    return torch.cat(list(values), 0) if values else None
+
+
+def _tp_group():
+    """Megatron's tensor-parallel group when it has more than one rank, else None."""
+    try:
+        from megatron.core import parallel_state as mpu
+    except ImportError:
+        return None
+    if not mpu.model_parallel_is_initialized():
+        return None
+    if mpu.get_context_parallel_world_size() > 1:
+        raise ValueError("context parallelism: slime's CP-split response windows are not supported")
+    return mpu.get_tensor_model_parallel_group() if mpu.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_mean=None, tp_group=None):
+    """slime's `policy_loss_function`, by rlkernels (module docstring). `sum_of_sample_mean` (slime's reducer) is
+    not called: the aggregation is rlkernels'."""
+    config = config_from_slime(args)
+    total_lengths, response_lengths = list(batch["total_lengths"]), list(batch["response_lengths"])
+    masks = [m.bool() for m in batch["loss_masks"]]
+    denominators = batch.get("rollout_mask_sums")
+    if denominators is not None and not config.loss_agg_mode == "token-sum":
+        own = torch.stack([m.sum() for m in masks]).to(torch.float64)
+        if not torch.equal(torch.as_tensor(denominators, dtype=torch.float64, device=own.device).reshape(-1), own):
+            raise ValueError("rollout_mask_sums: a rollout of several samples (slime divides each sample by its "
+                             "rollout's token total); rlkernels divides by the sample's own tokens")
+    # the response rows of each sample in the packed logits, and the tokens they predict
+    rows, labels, offset = [], [], 0
+    for tokens, total, response in zip(batch["unconcat_tokens"], total_lengths, response_lengths):
+        start = offset + total - response - 1
+        rows.append(torch.arange(start, start + response, device=logits.device))
+        labels.append(tokens[total - response:total].to(logits.device))
+        offset += total
+    rows_t = torch.cat(rows)
+    response_logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows_t)
+    cu = torch.zeros(len(response_lengths) + 1, dtype=torch.int64, device=logits.device)
+    cu[1:] = torch.cumsum(torch.as_tensor(response_lengths, device=logits.device), 0)
+
+    use_rollout = bool(_opt(args, "use_rollout_logprobs", False))
+    old = _cat(batch.get("rollout_log_probs") if use_rollout else batch.get("log_probs"))
+    rollout = None
+    if use_rollout:  # the ratio against the sampler: bypass mode
+        old, rollout = None, old
+    elif config.rollout_correction is not None:
+        rollout = _cat(batch["rollout_log_probs"])
+        if old is None:  # slime's TIS falls back on the current log-probs, detached: the same as the proximal
+            raise ValueError("log_probs: use_tis needs the old log-probs in the batch (slime's recomputed ones)")
+    out = decoupled_ppo_loss(
+        response_logits, torch.cat(labels), _cat(batch["advantages"]), torch.cat(masks),
+        old_logprobs=None if old is None else old.detach(), rollout_logprobs=None if rollout is None else rollout,
+        ref_logprobs=_cat(batch.get("ref_log_probs")) if config.kl_coef else None, cu_seqlens=cu, config=config,
+        tp_group=tp_group if tp_group is not None else _tp_group())
+    m = out.metrics
+    log = {"loss": out.loss.detach(), "pg_loss": m["actor/pg_loss"], "entropy_loss": m["actor/entropy"],
+           "pg_clipfrac": m["actor/pg_clipfrac"], "ppo_kl": m["actor/ppo_kl"]}
+    if "actor/kl_loss" in m:
+        log["kl_loss"] = m["actor/kl_loss"]
+    return out.loss, log
