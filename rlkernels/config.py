@@ -322,6 +322,8 @@ class PolicyLossConfig:
         seq_mean_over: "nonempty" (verl) or "all" (TRL): which sequences a sequence mean divides by.
         entropy_agg_mode: the entropy bonus's aggregation (None: loss_agg_mode; TRL: "token-mean").
         kl_bias_correction: the KL term times the policy ratio, with its gradient (DeepSeek-V3.2, TRL).
+        kl_score_gradient: the KL term times exp(lp - sg lp): its value unchanged, its gradient plus KL x grad(lp)
+            (the score-function term of grad E_pi[KL]; NeMo-RL's reference-policy KL).
         off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask delta (zero policy term for
             A < 0 in sequences whose mean rollout-minus-current log-ratio exceeds delta).
         seq_mean_advantages: each token's advantage replaced by its sequence's mean over the final mask m'
@@ -424,6 +426,7 @@ class PolicyLossConfig:
     seq_mean_over: str = "nonempty"
     entropy_agg_mode: Optional[str] = None
     kl_bias_correction: bool = False
+    kl_score_gradient: bool = False
     off_policy_mask_threshold: Optional[float] = None
     seq_mean_advantages: bool = False
     # -- parameters of single losses (verl's / TRL's names and defaults) ----------------------------
@@ -522,7 +525,8 @@ class PolicyLossConfig:
                 raise TypeError(f"off_policy_mask_threshold: expected a number or None, got "
                                 f"{self.off_policy_mask_threshold!r}")
             object.__setattr__(self, "off_policy_mask_threshold", float(self.off_policy_mask_threshold))
-        for name in ("kl_bias_correction", "m2po_quadrant", "adaptive_entropy", "seq_mean_advantages"):
+        for name in ("kl_bias_correction", "kl_score_gradient", "m2po_quadrant", "adaptive_entropy",
+                     "seq_mean_advantages"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "log_ratio_sq_coef",
@@ -551,6 +555,9 @@ class PolicyLossConfig:
             if given:
                 raise ValueError(f"loss_type: {name!r} {entry.no_token_masks}; the token masks {TOKEN_MASKS} do not "
                                  f"apply to it, got {', '.join(given)}")
+        if self.kl_score_gradient and self.kl_bias_correction:
+            raise ValueError("kl_score_gradient: the KL term is multiplied by exp(lp - sg lp) or, with "
+                             "kl_bias_correction, by the ratio r; choose one")
         if self.seq_mean_advantages and entry.sums is not None:
             raise ValueError(f"seq_mean_advantages: loss_type={name!r} sums the advantages per sequence before "
                              "rejection decides the mask their mean is over; use it with a per-token loss type")

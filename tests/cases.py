@@ -713,6 +713,7 @@ def config_options(pick, mode: str, split: Optional[str] = None, **fixed) -> dic
     kw["seq_mean_over"] = pick.choice(["nonempty", "all"])
     kw["entropy_agg_mode"] = pick.choice((None,) + LOSS_AGG_MODES)
     kw["kl_bias_correction"] = pick.one_in(2)
+    kw["kl_score_gradient"] = not kw["kl_bias_correction"] and pick.one_in(3)  # the two exclude each other
     if kw["kl_bias_correction"] and kw.get("ratio_level") == "sequence" and kw["kl_type"].startswith("k3_unclamped"):
         # per sequence, k3 x r's gradient sums (1 - e^d) r and the sequence's share of e^d r: both sides
         # (autograd in the oracle too) cancel e^d terms of up to e^40 here, so neither is an oracle

@@ -217,6 +217,11 @@ def policy_loss(
     metrics["actor/ppo_kl"] = masked_mean(kl_metric, new_mask)
     if ref is not None:
         per_token = per_token_kl(lp, ref, config.kl_type)
+        if config.kl_score_gradient:  # k x exp(lp - sg lp): the value k, plus k grad(lp) where k's clamps pass one
+            d = ref - lp.detach()
+            passes = ((d.abs() <= CLAMP) & (torch.exp(d.clamp(-CLAMP, CLAMP)) - d.clamp(-CLAMP, CLAMP) - 1 <= 10)
+                      if config.kl_type == "k3" else torch.ones_like(m))
+            per_token = per_token + torch.where(passes, per_token.detach() * (lp - lp.detach()), 0.0)
         if config.kl_bias_correction:  # TRL use_bias_correction_kl: k x r, r with its gradient
             per_token = per_token * r
             if config.kl_type == "k3_unclamped":

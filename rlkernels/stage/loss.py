@@ -123,6 +123,15 @@ def kl_and_grad(lp: Tensor, ref: Tensor, kl_type: str):
     return kl, torch.where(live, 1 - torch.exp(d), torch.zeros_like(lp))
 
 
+def kl_gradient_passes(lp: Tensor, ref: Tensor, kl_type: str) -> Tensor:
+    """Where the KL estimator's clamps pass a gradient: everywhere but k3's clamps (|ref - lp| <= 20, k3 <= 10)."""
+    if kl_type != "k3":
+        return torch.ones_like(lp, dtype=torch.bool)
+    d_raw = ref - lp
+    d = d_raw.clamp(-CLAMP, CLAMP)
+    return (d_raw >= -CLAMP) & (d_raw <= CLAMP) & (torch.exp(d) - d - 1 <= 10)
+
+
 class _Inputs(NamedTuple):
     """The stage's [N] inputs on the mask (0 off it), in the statistics' dtype, and SPEC §1's mode. The
     mode's policies are properties, not fields: fields that alias one another (l_old is old in decoupled
@@ -376,6 +385,8 @@ def _add_kl(total: _Total, x: _Inputs, c: _Corrected, ratio: _Ratio, a: Tensor, 
     zero = torch.zeros((), dtype=a.dtype, device=a.device)
     kl, dkl = kl_and_grad(x.lp, x.ref, config.kl_type)
     g_total = total.through_ratio
+    if config.kl_score_gradient:  # k x exp(lp - sg lp) (NeMo-RL): the value k, the gradient dk + k where k's passes
+        dkl = dkl + torch.where(kl_gradient_passes(x.lp, x.ref, config.kl_type), kl, zero)
     if config.kl_bias_correction:  # k x r (DeepSeek-V3.2, TRL's use_bias_correction_kl); r carries gradient
         kl, dkl = _bias_corrected_kl(kl, dkl, x, ratio, config)
         if config.ratio_level == "sequence" and config.kl_coef:  # the ratio's part goes through the sequence
