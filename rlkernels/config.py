@@ -36,6 +36,7 @@ RS_OPTIONS = TOKEN_RS_OPTIONS + SEQ_RS_OPTIONS
 LOG_RATIO_RS_OPTIONS = tuple(o for o in RS_OPTIONS if o not in DIVERGENCE_RS_OPTIONS)
 IS_LEVELS = (None, "token", "sequence", "geometric")
 SEQ_TOKENS = ("mask", "kept")
+RS_MODES = ("mask", "zero_weight")
 # policy losses, named as verl 0.9.1 registers them ("ppo_clip" is this library's older name of "vanilla"), read
 # off the stage's table (rlkernels/stage/policy_terms.py: one function per loss type)
 LOSS_TYPES = tuple(LOSS_TERMS)
@@ -144,6 +145,9 @@ class RolloutCorrection:
         seq_tokens: the tokens a sequence's statistics run over (its IS weight at the sequence / geometric level,
             and the seq_sum / seq_mean / seq_max rejection statistics): "mask" (every token of m) or "kept" (those
             the token-level rejection options keep: SkyRL's order, token masks first; seq_all_k1 reads m).
+        rs_mode: what rejection does to a token: "mask" (it leaves m': every denominator and term loses it) or
+            "zero_weight" (it stays in m' with IS weight 0: the denominators, the KL and entropy terms keep it;
+            OpenRLHF's mask mode, NeMo-RL's seq-mask-tis). "zero_weight" needs an IS level and decoupled mode.
     """
 
     is_level: Optional[str] = None
@@ -152,6 +156,7 @@ class RolloutCorrection:
     rs: Tuple[Tuple[str, Threshold], ...] = field(default=())
     is_mode: Optional[str] = None
     seq_tokens: str = "mask"
+    rs_mode: str = "mask"
 
     def __post_init__(self):
         if self.is_level not in IS_LEVELS:
@@ -193,6 +198,17 @@ class RolloutCorrection:
         object.__setattr__(self, "rs", tuple(normalized))
         if self.seq_tokens not in SEQ_TOKENS:
             raise ValueError(f"seq_tokens: expected one of {SEQ_TOKENS}, got {self.seq_tokens!r}")
+        if self.rs_mode not in RS_MODES:
+            raise ValueError(f"rs_mode: expected one of {RS_MODES}, got {self.rs_mode!r}")
+        if self.rs_mode == "zero_weight":
+            if self.is_level is None:
+                raise ValueError("rs_mode: 'zero_weight' zeroes the IS weights of the rejected tokens; set is_level "
+                                 "(is_threshold=(0, inf), is_mode='mask' for untruncated weights)")
+            if self.is_batch_normalize:
+                raise ValueError("rs_mode: 'zero_weight' with is_batch_normalize has no agreed mean; use one")
+            if self.is_level != "token" and any(o.startswith("token_") for o, _ in self.rs):
+                raise ValueError(f"rs_mode: 'zero_weight' with token-level options and is_level={self.is_level!r}: "
+                                 "one weight per sequence cannot be zero on some of its tokens")
 
     # -- derived views ---------------------------------------------------------------------------
     @property
@@ -562,6 +578,9 @@ class PolicyLossConfig:
             raise ValueError(f"seq_mean_advantages: loss_type={name!r} sums the advantages per sequence before "
                              "rejection decides the mask their mean is over; use it with a per-token loss type")
         rc = self.rollout_correction
+        if rc is not None and rc.rs and rc.rs_mode == "zero_weight" and entry.sums is not None:
+            raise ValueError(f"rollout_correction: rs_mode='zero_weight' with loss_type={name!r}, which sums its "
+                             "weights per sequence before rejection is decided; use rs_mode='mask'")
         if rc is not None and rc.is_level not in entry.is_levels:
             raise ValueError(f"rollout_correction: loss_type={name!r} "
                              f"{entry.is_level_refusal.format(is_level=repr(rc.is_level))}")

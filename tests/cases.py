@@ -646,7 +646,7 @@ def _ratio_bound(pick):
     return (lo, hi) if pick.one_in(2) else hi
 
 
-def _rollout_correction(pick, is_levels) -> Optional[RolloutCorrection]:
+def _rollout_correction(pick, is_levels, mode: str = "decoupled", sums: bool = False) -> Optional[RolloutCorrection]:
     """A rollout correction over the option product, with an IS level the loss type takes."""
     if pick.one_in(6):
         return None
@@ -659,8 +659,14 @@ def _rollout_correction(pick, is_levels) -> Optional[RolloutCorrection]:
         rs[option] = _ratio_bound(pick) if option.endswith("k1") else pick.choice([0.001, 0.05, 0.5, 4.0])
         if option == "seq_all_k1" and pick.one_in(2):  # an open end (SkyRL's unset outlier threshold)
             rs[option] = pick.choice([(None, 2.0), (0.5, None), (0.0, 5.0)])
-    return RolloutCorrection(is_level=pick.choice(is_levels), is_threshold=threshold, is_batch_normalize=pick.one_in(2),
-                             rs=rs, is_mode=is_mode, seq_tokens=pick.choice(["mask", "kept"]))
+    is_level, normalize = pick.choice(is_levels), pick.one_in(2)
+    rs_mode = "mask"
+    if mode == "decoupled" and not sums and is_level is not None and rs and pick.one_in(3):  # rs_mode="zero_weight"
+        rs_mode, normalize = "zero_weight", False
+        if is_level != "token":
+            rs = {option: bound for option, bound in rs.items() if not option.startswith("token_")}
+    return RolloutCorrection(is_level=is_level, is_threshold=threshold, is_batch_normalize=normalize, rs=rs,
+                             is_mode=is_mode, seq_tokens=pick.choice(["mask", "kept"]), rs_mode=rs_mode)
 
 
 def drawable_loss_types(mode: str):
@@ -690,7 +696,8 @@ def config_options(pick, mode: str, split: Optional[str] = None, **fixed) -> dic
         compute_entropy=pick.one_in(2),
         kl_coef=0.0 if kl is None else 0.05,
         kl_type=kl or "k3",
-        rollout_correction=None if mode == "on-policy" else _rollout_correction(pick, entry.is_levels),
+        rollout_correction=None if mode == "on-policy" else _rollout_correction(pick, entry.is_levels, mode,
+                                                                                      entry.sums is not None),
     )
     if entry.sums is None and pick.one_in(6):  # the loss types with per-sequence sums refuse it
         kw["seq_mean_advantages"] = True

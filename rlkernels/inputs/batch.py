@@ -200,6 +200,9 @@ def _check_options(config: PolicyLossConfig, args: Arguments) -> None:
     if args.is_weights is not None and rc is not None and rc.is_level is not None:
         raise ValueError(f"is_weights: given while rollout_correction computes IS weights too (is_level="
                          f"{rc.is_level!r}); pass one or the other")
+    if rc is not None and rc.rs and rc.rs_mode == "zero_weight" and args.old_logprobs is None:
+        raise ValueError("old_logprobs: rollout_correction.rs_mode='zero_weight' rejects through the IS weights, which "
+                         "weigh the loss in decoupled mode only (SPEC §1); pass old_logprobs, or use rs_mode='mask'")
     if rc is not None and rc.enabled and args.rollout_logprobs is None:
         raise ValueError("rollout_logprobs: expected a tensor since rollout_correction is set, got None")
     if rc is not None and rc.needs_divergence and all(t is None for t in args.sampler):

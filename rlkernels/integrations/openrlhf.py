@@ -17,14 +17,13 @@ is_filter_ratio)` as device tensors (no synchronisation). What it maps:
 - aggregation: `token_level_loss` (token-mean; seq-mean-token-mean over non-empty sequences) with the global counts
   the trainer passes (`batch_num_tokens` / `global_batch_size` over `dp_size`);
 - the correction (`is_correction_level` token | seq, `_mode` clip | mask, `_gating` ratio | binary_kl | tv,
-  `_threshold`): clip = truncated token IS; token ratio mask = IcePop; every other mask drops its units (the
-  rejection options `seq_mean_k1`, `token_bkl`, `seq_mean_bkl`, `token_btv`, `seq_mean_btv`) and gives the
-  survivors their untruncated token IS weight π_old/μ, with OpenRLHF's denominators, which count the dropped units.
+  `_threshold`): clip = truncated token IS; token ratio mask = IcePop; every other mask gives its dropped units
+  weight 0 (the rejection options `seq_mean_k1`, `token_bkl`, `seq_mean_bkl`, `token_btv`, `seq_mean_btv` with
+  `rs_mode="zero_weight"`: they stay in every denominator, as OpenRLHF's action mask is untouched) and the
+  survivors their untruncated token IS weight π_old/μ.
 
-Refused, naming OpenRLHF's option: a token-level divergence gate with `token_level_loss=False` (OpenRLHF keeps a
-dropped token in its sequence's token count; rlkernels' masks take it out of the sequence's mean).
-`clip_ratio`, `ppo_kl` are rlkernels' `actor/pg_clipfrac` and `actor/ppo_kl`, over the tokens the correction keeps
-(OpenRLHF's: over the action mask); `vllm_kl` is `rollout_corr/kl`; `is_filter_ratio` the dropped fraction.
+`clip_ratio`, `ppo_kl` are rlkernels' `actor/pg_clipfrac` and `actor/ppo_kl` over the action mask; `vllm_kl` is
+`rollout_corr/kl`; `is_filter_ratio` the dropped fraction.
 """
 
 import math
@@ -57,8 +56,9 @@ def rollout_correction_from_openrlhf(level: str, mode: str, gating: str, thresho
         rs = {"seq_mean_k1": (low, high)}
     else:
         rs = {f"{'token' if level == 'token' else 'seq_mean'}_{_GATE_KINDS[gating]}": high}
-    # survivors keep their own token IS weight, untruncated
-    return RolloutCorrection(is_level="token", is_threshold=(0.0, math.inf), is_mode="mask", rs=rs)
+    # survivors keep their own token IS weight, untruncated; the dropped units stay in every denominator
+    return RolloutCorrection(is_level="token", is_threshold=(0.0, math.inf), is_mode="mask", rs=rs,
+                             rs_mode="zero_weight")
 
 
 class PolicyLoss(nn.Module):
@@ -84,11 +84,6 @@ class PolicyLoss(nn.Module):
         self.rollout_correction = None if gspo else rollout_correction_from_openrlhf(
             is_correction_level, is_correction_mode, is_correction_gating, tuple(is_correction_threshold))
         rc = self.rollout_correction
-        if (not self.token_level_loss and rc is not None
-                and any(option.startswith("token_") for option, _ in rc.rs)):
-            raise ValueError(f"is_correction_gating={is_correction_gating!r} at is_correction_level='token' with "
-                             "token_level_loss=False: OpenRLHF keeps a dropped token in its sequence's token count, "
-                             "rlkernels' masks take it out; use the sequence level or a token-level loss")
         self.config = PolicyLossConfig(
             loss_type="vanilla", clip_ratio_low=clip_eps_low, clip_ratio_high=clip_eps_high, clip_ratio_c=dual_clip,
             ratio_level="sequence" if gspo else "token", log_ratio_clamp=None if gspo else 20.0,
@@ -109,11 +104,6 @@ class PolicyLoss(nn.Module):
         elif not self.token_level_loss and global_batch_size is not None:
             overrides["global_num_seqs"] = float(global_batch_size) / dp_size
         rc = self.rollout_correction
-        if rc is not None and rc.rs:  # OpenRLHF's denominators count the units a mask drops (one host read)
-            if self.token_level_loss:
-                overrides.setdefault("global_num_tokens", max(float(mask.sum()), 1.0))
-            else:
-                overrides.setdefault("global_num_seqs", max(float(mask.any(-1).sum()), 1.0))
         if self.policy_loss_type == "gspo" and correcting:  # GSPO's ratio against the sampler: bypass mode
             old, rollout = None, rollout_log_probs.detach()
         else:

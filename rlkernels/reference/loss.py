@@ -154,8 +154,13 @@ def policy_loss(
             w, w_pre, norm = correction.is_weights(delta, m, seqs, rc, token_kept)
         if rc is not None and rc.rs:
             new_mask, rs_info = correction.rejection(delta, m, seqs, rc, l_train, roll)
+            if rc.rs_mode == "zero_weight":  # the rejected tokens stay in the mask with weight 0
+                w_pre = torch.where(new_mask, w_pre, torch.zeros_like(w_pre))
+                w = torch.where(new_mask, w, torch.zeros_like(w))
         metrics.update(correction.diagnostics(l_train, roll, m, seqs, rc, w_pre, norm, new_mask, rs_info,
                                               token_kept))
+        if rc is not None and rc.rs and rc.rs_mode == "zero_weight":
+            new_mask = m
     metrics.update(correction.response_length_metrics(m, seqs))
     # VESPO folds the truncated token weights into its sequence ratio before any batch normalisation (SPEC §6)
     token_weights = w_pre if rc is not None and rc.is_level == "token" else None

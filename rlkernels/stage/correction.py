@@ -130,7 +130,10 @@ def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
     if rc is not None and rc.is_level == "token":
         raw = torch.exp(delta_hat)
         token_weights = _truncate(raw, mask, rc)
-        table.add_sum("weights", token_weights)  # batch normalisation and the rollout_is_seq_* metrics
+        # batch normalisation and the rollout_is_seq_* metrics (with rs_mode="zero_weight": 0 where rejected)
+        kept_weights = torch.where(keep, token_weights, torch.zeros_like(raw)) if rc.rs_mode == "zero_weight" \
+            else token_weights
+        table.add_sum("weights", kept_weights)
         table.add_sum("raw_weights", torch.where(mask, raw, torch.zeros_like(raw)))
     return TokenTerms(train, rollout, delta, k_stats, keep, token_weights)
 
@@ -152,6 +155,10 @@ class Decisions(NamedTuple):
     mask: torch.Tensor  # [N] bool, the final mask m'
     final_lengths: torch.Tensor  # [S] tokens of each sequence in m'
     options: List[Option]
+    # the tokens and lengths the rejection options keep: m' itself, or, with rs_mode="zero_weight" (where m' = m
+    # and the rejected tokens get weight 0), what the rollout_rs_* fractions describe
+    kept: Optional[torch.Tensor] = None
+    kept_lengths: Optional[torch.Tensor] = None
 
 
 def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable,
@@ -204,7 +211,12 @@ def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable
     final_mask = terms.token_keep & seg.expand(keep_seq)
     # the final lengths from whole-sequence values: a token rejection is local, a sequence one global
     final_lengths = torch.where(keep_seq, table.sum("kept"), torch.zeros_like(lengths))
-    return Decisions(truncated, seq_weights, log_ratio, final_mask, final_lengths, options)
+    if rc.rs_mode == "zero_weight":  # OpenRLHF's, NeMo-RL's: rejected tokens stay in m', their weight 0
+        truncated = torch.where(final_mask, truncated, torch.zeros_like(truncated))
+        if seq_weights is not None:
+            seq_weights = torch.where(keep_seq, seq_weights, torch.zeros_like(seq_weights))
+        return Decisions(truncated, seq_weights, log_ratio, mask, lengths, options, final_mask, final_lengths)
+    return Decisions(truncated, seq_weights, log_ratio, final_mask, final_lengths, options, final_mask, final_lengths)
 
 
 class Normalisers(NamedTuple):
@@ -342,8 +354,8 @@ def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> N
         metrics.mean(f"{prefix}_masked_fraction", (~option.keep).to(dt), mask, n_tok)
         _option_spread(metrics, prefix, option, valid, n, sets)
     if decisions.options:
-        metrics.mean("rollout_corr/rollout_rs_masked_fraction", (mask & ~decisions.mask).to(dt), mask, n_tok)
-        seq_rejected = (decisions.final_lengths < sets.lengths).to(dt)
+        metrics.mean("rollout_corr/rollout_rs_masked_fraction", (mask & ~decisions.kept).to(dt), mask, n_tok)
+        seq_rejected = (decisions.kept_lengths < sets.lengths).to(dt)
         metrics.mean("rollout_corr/rollout_rs_seq_masked_fraction", seq_rejected, sets.nonempty, sets.n_seq, True)
 
 
@@ -411,6 +423,8 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
         seq_w, seq_raw = decisions.sequence_weights, torch.exp(log_ratio)
     else:
         seq_w = table.sum("weights") / sets.lengths.clamp_min(1)
+        if rc.rs_mode == "zero_weight":  # a sequence the options drop has every weight 0
+            seq_w = torch.where(decisions.kept_lengths > 0, seq_w, torch.zeros_like(seq_w))
         seq_raw = table.sum("raw_weights") / sets.lengths.clamp_min(1)
     _sequence_spread(metrics, name("rollout_is_seq"), seq_w, nonempty, n_seq, centre=1.0)
     metrics.mean(name("rollout_is_seq_fraction_high"), (seq_raw > hyper(seq_raw, hi)).to(dt), nonempty, n_seq, True)
@@ -474,7 +488,9 @@ def correct(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg:
     SPEC §9's per-token values (TRM's kl options read them; their sequence maxima feed the metrics)."""
     table = SequenceTable(seg, mask, train.dtype)
     terms = None if rollout is None else token_terms(train, rollout, mask, rc, table, divergences)
-    token_keep = mask if terms is None else terms.token_keep
+    # the tokens the loss's per-sequence sums run over: those no token-level rejection drops from m'
+    zero_weight = rc is not None and rc.rs_mode == "zero_weight"
+    token_keep = mask if terms is None or zero_weight else terms.token_keep
     kept_sums = dict(kept_sums or {})
     transform = kept_sums.get("log_weights")
     if callable(transform):  # of the token-level weights computed here, or nothing when there are none

@@ -1,0 +1,141 @@
+"""rlkernels inside NeMo-RL: a `LossFunction` that stands in for `ClippedPGLossFn`.
+
+    from rlkernels.integrations.nemo_rl import ClippedPGLossFn
+    (policy, ..., loss_fn, ...) = grpo.setup(...)
+    loss_fn = ClippedPGLossFn(master_config["loss_fn"])                      # input_type LOGPROB
+    loss_fn = ClippedPGLossFn(master_config["loss_fn"], input_type="logit")  # the fused pass from the logits
+    grpo_train(policy, ..., loss_fn, ...)
+
+NeMo-RL has no loss registry: `grpo.setup()` returns the loss function `grpo_train(...)` then uses, so the one
+line replaces it in the run script. The class has NeMo-RL's `LossFunction` protocol (`loss_type`, `input_type`,
+`__call__(data, global_valid_seqs, global_valid_toks, **inputs) -> (loss, metrics)`) and reads
+`ClippedPGLossConfig`'s names (a dict or an object):
+- `ratio_clip_min/max`, `ratio_clip_c` (dual clip), the unclamped ratio to `prev_logprobs`;
+  `sequence_level_importance_ratios` (GSPO: the ratio of each sequence's mean log-ratio and sequence-level IS
+  weights); `use_cispo`; `disable_ppo_ratio` (REINFORCE: −A·ℓθ); `force_on_policy_ratio`;
+- `use_importance_sampling_correction` with `truncated_importance_sampling_type` None (untruncated π_prev/π_gen),
+  "tis" (truncated to [min, max]), "icepop" (0 outside) or "seq-mask-tis" (sequences whose geometric-mean ratio
+  leaves [min, max] dropped, survivors keep the untruncated weight);
+- `token_level_loss`: the token mean over `global_valid_toks`, or the mean of sequence means over
+  `global_valid_seqs` (NeMo-RL's global denominators, passed in);
+- `reference_policy_kl_penalty` with `reference_policy_kl_type` k1 | k2 | k3, the KL term times
+  exp(ℓθ − sg ℓθ) as NeMo-RL weighs it (`kl_score_gradient`): k3 with its default clamps (20 on the log-ratio,
+  10 on the value) is rlkernels' k3; k1 and k2 are unclamped here (NeMo-RL clamps them at the same values).
+Refused, naming NeMo-RL's option: `use_on_policy_kl_approximation` (its KL weight is against the generator while
+the ratio is against π_prev), other KL clamp values, `positive_example_nll_weight`, `ratio_clip_c` with
+`disable_ppo_ratio`.
+`input_type="logit"`: the loss takes the model's logits `[B, T, V]` (row t predicts `input_ids[:, t + 1]`) and runs
+`rlkernels.decoupled_ppo_loss` on them (`tp_group=` for vocabulary-parallel logits). Metrics are Python floats, as
+NeMo-RL's (one synchronisation).
+"""
+
+import math
+from typing import Optional
+
+from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss
+from ..config import PolicyLossConfig, RolloutCorrection
+
+TOKEN_LEVEL, SEQUENCE_LEVEL = "token_level", "sequence_level"  # NeMo-RL's LossType values
+_KL_TYPES = ("k1", "k2", "k3")
+
+
+def _get(cfg, name, default=None):
+    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+
+
+def _nemo_enums():
+    """NeMo-RL's LossType / LossInputType where it is importable, else their string values."""
+    try:
+        from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+    except ImportError:
+        return None, None
+    return LossType, LossInputType
+
+
+def rollout_correction_from_nemo_rl(cfg) -> Optional[RolloutCorrection]:
+    if not _get(cfg, "use_importance_sampling_correction", False):
+        return None
+    level = "sequence" if _get(cfg, "sequence_level_importance_ratios", False) else "token"
+    kind = _get(cfg, "truncated_importance_sampling_type")
+    high = _get(cfg, "truncated_importance_sampling_ratio")
+    low = _get(cfg, "truncated_importance_sampling_ratio_min")
+    if high is None or kind is None:  # NeMo-RL applies its weights only truncated when a ratio is set
+        return RolloutCorrection(is_level=level, is_threshold=(0.0, math.inf), is_mode="mask")
+    if kind == "tis":
+        return RolloutCorrection(is_level=level, is_threshold=(low or 0.0, high), is_mode="truncate")
+    if kind == "icepop":
+        return RolloutCorrection(is_level=level, is_threshold=(low, high), is_mode="mask")
+    if kind == "seq-mask-tis":
+        return RolloutCorrection(is_level=level, is_threshold=(0.0, math.inf), is_mode="mask",
+                                 rs={"seq_mean_k1": (low, high)}, rs_mode="zero_weight")
+    raise ValueError(f"truncated_importance_sampling_type: expected None, 'tis', 'icepop' or 'seq-mask-tis', "
+                     f"got {kind!r}")
+
+
+def config_from_nemo_rl(cfg) -> PolicyLossConfig:
+    """The `PolicyLossConfig` of NeMo-RL's `ClippedPGLossConfig` (without the global denominators)."""
+    if _get(cfg, "use_on_policy_kl_approximation", False):
+        raise ValueError("use_on_policy_kl_approximation: NeMo-RL weighs the KL by pi / pi_gen while the ratio is "
+                         "against pi_prev; rlkernels' KL ratio is the loss's own")
+    if (_get(cfg, "positive_example_nll_weight", 0.0) or 0.0) > 0:
+        raise ValueError("positive_example_nll_weight: VAPO's NLL term on correct samples is not supported")
+    if (_get(cfg, "kl_input_clamp_value", 20.0), _get(cfg, "kl_output_clamp_value", 10.0)) != (20.0, 10.0):
+        raise ValueError("kl_input_clamp_value / kl_output_clamp_value: only NeMo-RL's defaults (20, 10) are "
+                         "rlkernels' k3 clamps")
+    disable_ratio = _get(cfg, "disable_ppo_ratio", False)
+    if disable_ratio and _get(cfg, "ratio_clip_c") is not None:
+        raise ValueError("ratio_clip_c with disable_ppo_ratio: a dual clip on -A lp has no rlkernels form")
+    kl_type = _get(cfg, "reference_policy_kl_type", "k3")
+    if kl_type not in _KL_TYPES:
+        raise ValueError(f"reference_policy_kl_type: expected one of {_KL_TYPES}, got {kl_type!r}")
+    penalty = 0.0 if _get(cfg, "use_kl_in_reward", False) else _get(cfg, "reference_policy_kl_penalty", 0.01)
+    loss_type = "gpg" if disable_ratio else ("cispo" if _get(cfg, "use_cispo", False) else "vanilla")
+    sequence_ratio = _get(cfg, "sequence_level_importance_ratios", False)
+    return PolicyLossConfig(
+        loss_type=loss_type, clip_ratio_low=_get(cfg, "ratio_clip_min", 0.2),
+        clip_ratio_high=_get(cfg, "ratio_clip_max", 0.2), clip_ratio_c=_get(cfg, "ratio_clip_c"),
+        log_ratio_clamp=None, ratio_level="sequence" if sequence_ratio and loss_type == "vanilla" else "token",
+        loss_agg_mode="token-mean" if _get(cfg, "token_level_loss", True) else "seq-mean-token-mean",
+        kl_coef=float(penalty), kl_type=kl_type, kl_score_gradient=bool(penalty),
+        rollout_correction=rollout_correction_from_nemo_rl(cfg))
+
+
+class ClippedPGLossFn:
+    """NeMo-RL's `ClippedPGLossFn` (same config), computed by rlkernels; a NeMo-RL `LossFunction`."""
+
+    def __init__(self, cfg=None, use_fused_linear_logprobs: bool = False, input_type: str = "logprob",
+                 tp_group=None):
+        cfg = {} if cfg is None else cfg
+        self.config = config_from_nemo_rl(cfg)
+        self.force_on_policy_ratio = bool(_get(cfg, "force_on_policy_ratio", False))
+        if input_type not in ("logprob", "logit"):
+            raise ValueError(f"input_type: expected 'logprob' or 'logit', got {input_type!r}")
+        self.tp_group = tp_group
+        loss_type_enum, input_type_enum = _nemo_enums()
+        level = TOKEN_LEVEL if self.config.loss_agg_mode == "token-mean" else SEQUENCE_LEVEL
+        self.loss_type = level if loss_type_enum is None else loss_type_enum(level)
+        self.input_type = input_type if input_type_enum is None else getattr(input_type_enum, input_type.upper())
+        self.use_fused_linear_logprobs = use_fused_linear_logprobs
+
+    def __call__(self, data, global_valid_seqs, global_valid_toks, next_token_logprobs=None, logits=None, **_):
+        token_mask = data["token_mask"][:, 1:].bool() & data["sample_mask"].bool()[:, None]
+        counts = dict(global_num_tokens=float(global_valid_toks)) if self.config.loss_agg_mode == "token-mean" \
+            else dict(global_num_seqs=float(global_valid_seqs))
+        config = self.config.with_overrides(**counts)
+        rc = config.rollout_correction
+        kw = dict(advantages=data["advantages"][:, 1:], response_mask=token_mask,
+                  rollout_logprobs=None if rc is None else data["generation_logprobs"][:, 1:],
+                  ref_logprobs=data["reference_policy_logprobs"][:, 1:] if config.kl_coef else None, config=config)
+        if logits is not None:
+            labels = data["input_ids"][:, 1:]
+            old = None if self.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
+            out = decoupled_ppo_loss(logits[:, :-1], labels, old_logprobs=old, tp_group=self.tp_group, **kw)
+            if self.force_on_policy_ratio and rc is not None:
+                raise ValueError("force_on_policy_ratio with importance sampling from the logits: pass log-probs")
+        else:
+            lp = next_token_logprobs
+            old = lp.detach() if self.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
+            out = policy_loss(lp, old_logprobs=old, **kw)
+        metrics = metrics_to_floats(out.metrics)
+        metrics.update(loss=float(out.loss.detach()), actor_loss=metrics.get("actor/pg_loss", 0.0))
+        return out.loss, metrics
