@@ -1,3 +1,5 @@
-"""Glue for trainers, a folder per trainer: `rlkernels.integrations.trl` (a drop-in `GRPOTrainer`) and
-`rlkernels.integrations.verl` (the plugin `import verl` loads); `configs` (their option names) and `hf` are shared.
-Each trainer's folder imports its trainer only when imported itself, so `import rlkernels` never needs one."""
+"""Glue for trainers: `rlkernels.integrations.trl` (a drop-in `GRPOTrainer`) and `rlkernels.integrations.verl` (the
+plugin `import verl` loads) are folders; `skyrl`, `openrlhf`, `torchtitan`, `areal`, `prime_rl`, `slime` and `nemo_rl`
+are one module each (docs/integrations.md); `configs` (verl's and TRL's option names) and `hf` are shared. Each
+adapter imports its trainer only when imported itself (or when its one line runs), so `import rlkernels` never needs
+one, and none changes its trainer until selected."""
