@@ -67,13 +67,15 @@ def naive_decoupled_ppo_loss(
     keep = response_mask.bool()
     lengths = seq_sum(mask).clamp(min=1.0)
     for option, bound in rs:
-        kind = option[-2:]
+        kind = option.rsplit("_", 1)[1]
         if kind == "k1":
             stat = -delta_hat
         elif kind == "k2":
             stat = 0.5 * delta_hat**2
-        else:
+        elif kind == "k3":
             stat = torch.exp(delta_hat) - 1.0 - delta_hat
+        else:
+            raise NotImplementedError(f"naive baseline: rejection statistic {kind!r} is not written here")
         stat = stat * mask
         if option.startswith("seq_sum_"):
             stat = seq_sum(stat)[seq_id]
