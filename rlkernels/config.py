@@ -202,13 +202,14 @@ class RolloutCorrection:
             raise ValueError(f"rs_mode: expected one of {RS_MODES}, got {self.rs_mode!r}")
         if self.rs_mode == "zero_weight":
             if self.is_level is None:
-                raise ValueError("rs_mode: 'zero_weight' zeroes the IS weights of the rejected tokens; set is_level "
-                                 "(is_threshold=(0, inf), is_mode='mask' for untruncated weights)")
+                raise ValueError("rs_mode: 'zero_weight' expected an is_level (it zeroes the rejected tokens' IS "
+                                 "weights; is_threshold=(0, inf), is_mode='mask' leaves the others untruncated)")
             if self.is_batch_normalize:
-                raise ValueError("rs_mode: 'zero_weight' with is_batch_normalize has no agreed mean; use one")
+                raise ValueError("rs_mode: 'zero_weight' expected is_batch_normalize=False (a mean of weights some "
+                                 "of which rejection zeroed has no agreed meaning)")
             if self.is_level != "token" and any(o.startswith("token_") for o, _ in self.rs):
-                raise ValueError(f"rs_mode: 'zero_weight' with token-level options and is_level={self.is_level!r}: "
-                                 "one weight per sequence cannot be zero on some of its tokens")
+                raise ValueError(f"rs_mode: 'zero_weight' expected no token-level option with is_level="
+                                 f"{self.is_level!r} (one weight per sequence cannot be zero on some of its tokens)")
 
     # -- derived views ---------------------------------------------------------------------------
     @property
@@ -572,15 +573,15 @@ class PolicyLossConfig:
                 raise ValueError(f"loss_type: {name!r} {entry.no_token_masks}; the token masks {TOKEN_MASKS} do not "
                                  f"apply to it, got {', '.join(given)}")
         if self.kl_score_gradient and self.kl_bias_correction:
-            raise ValueError("kl_score_gradient: the KL term is multiplied by exp(lp - sg lp) or, with "
-                             "kl_bias_correction, by the ratio r; choose one")
+            raise ValueError("kl_score_gradient: expected kl_bias_correction=False (the KL term is multiplied by "
+                             "exp(lp - sg lp) or by the ratio r, not both)")
         if self.seq_mean_advantages and entry.sums is not None:
-            raise ValueError(f"seq_mean_advantages: loss_type={name!r} sums the advantages per sequence before "
-                             "rejection decides the mask their mean is over; use it with a per-token loss type")
+            raise ValueError(f"seq_mean_advantages: expected a per-token loss type; loss_type={name!r} sums the "
+                             "advantages per sequence before rejection decides the mask their mean is over")
         rc = self.rollout_correction
         if rc is not None and rc.rs and rc.rs_mode == "zero_weight" and entry.sums is not None:
-            raise ValueError(f"rollout_correction: rs_mode='zero_weight' with loss_type={name!r}, which sums its "
-                             "weights per sequence before rejection is decided; use rs_mode='mask'")
+            raise ValueError(f"rollout_correction: expected rs_mode='mask' with loss_type={name!r}, which sums its "
+                             "weights per sequence before rejection is decided")
         if rc is not None and rc.is_level not in entry.is_levels:
             raise ValueError(f"rollout_correction: loss_type={name!r} "
                              f"{entry.is_level_refusal.format(is_level=repr(rc.is_level))}")

@@ -424,6 +424,25 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
     ("one_ulp", BF16): Tol(ULP[BF16], 0.0,
                            "a gradient rounded once to bf16 or fp16 after fp32 math, against the unrounded float64 "
                            "value: within one ulp of bf16 (the coarser of the two dtypes)"),
+    # -- the trainer adapters against the trainers' own losses (tests/integrations); atol scales by the magnitude --
+    ("skyrl", F64): Tol(1e-6, 1e-7, "SkyRL exponentiates every ratio in float32 (safe_exp_delta) whatever the "
+                                    "inputs' dtype: its float64 loss carries float32 rounding (6e-8 relative per "
+                                    "ratio, summed over tokens)"),
+    ("openrlhf", F64): Tol(1e-7, 1e-9, "OpenRLHF computes in float64 here but divides its per-sample means by "
+                                       "count + 1e-8: a relative 1e-8 / count rlkernels does not add"),
+    ("torchtitan", F32): Tol(1e-5, 1e-5, "TorchTitan upcasts logits to float32 (compute_logprobs): two float32 "
+                                         "log-softmaxes over V = 37 and a clipped sum, a few ulps each (1e-6 "
+                                         "relative), 1e-5 for the gradients' products"),
+    ("areal", F64): Tol(1e-6, 1e-7, "AReaL takes its rejection statistics and behaviour weights in float32 "
+                                    "(.float()) and multiplies the float64 loss by them: float32 rounding of "
+                                    "each weight (6e-8 relative), summed"),
+    ("transcribed", F64): Tol(1e-9, 1e-12, "a float64 transcription of the trainer's own arithmetic (prime-rl, "
+                                           "slime) against rlkernels in float64: the same formulas in another "
+                                           "summation order"),
+    ("nemo_rl", F64): Tol(1e-8, 1e-12, "a float64 transcription of NeMo-RL's loss, whose masked means divide by "
+                                       "norm + 1e-8: relative 1e-8 / norm, and a sequence's own norm may be 1"),
+    ("metric", F64): Tol(1e-9, 1e-12, "a trainer's logged statistic recomputed from the same float64 values: "
+                                      "only the summation order differs"),
 }
 assert all(t.why for t in TOL.values()), "every tolerance states its reason"
 

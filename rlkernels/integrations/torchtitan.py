@@ -64,8 +64,10 @@ def _titan_metrics(out, effective, rollout, config, denominator):
             "trainer/entropy/mean": m["actor/entropy"] / denominator}
 
 
-def _denominator(global_valid_tokens):
-    return 1 if global_valid_tokens is None else max(global_valid_tokens, 1)
+def _titan_result(out, effective, rollout, config, global_valid_tokens):
+    """(loss, metrics) as TorchTitan's losses return them: the sum over `global_valid_tokens` (1 when None)."""
+    denominator = 1 if global_valid_tokens is None else max(global_valid_tokens, 1)
+    return out.loss / denominator, _titan_metrics(out, effective, rollout, config, denominator)
 
 
 class DAPOLoss(BaseLoss):
@@ -84,8 +86,7 @@ class DAPOLoss(BaseLoss):
         effective, rollout = _inputs(generator_logprobs, loss_mask, labels)
         out = decoupled_ppo_loss(logits, labels.clamp(min=0), advantages, effective, rollout_logprobs=rollout,
                                  config=self.config)
-        denominator = _denominator(global_valid_tokens)
-        return out.loss / denominator, _titan_metrics(out, effective, rollout, self.config, denominator)
+        return _titan_result(out, effective, rollout, self.config, global_valid_tokens)
 
 
 class GRPOLoss(DAPOLoss):
@@ -126,8 +127,7 @@ class LinearDAPOLoss(ChunkedLossWrapper):
         effective, rollout = _inputs(generator_logprobs, loss_mask, labels)
         out = linear_decoupled_ppo_loss(pred, weight, labels.clamp(min=0), advantages, effective, bias=bias,
                                         rollout_logprobs=rollout, config=self.config)
-        denominator = _denominator(global_valid_tokens)
-        return out.loss / denominator, _titan_metrics(out, effective, rollout, self.config, denominator)
+        return _titan_result(out, effective, rollout, self.config, global_valid_tokens)
 
 
 class LinearGRPOLoss(LinearDAPOLoss):

@@ -19,19 +19,10 @@ import torch
 
 from rlkernels.integrations import areal as rlk_areal
 
-from ..cases import assert_close
+from ..cases import F64, assert_close, tol
+from .trainer_imports import trainer_or_skip
 
-
-def _areal():
-    try:
-        from rlkernels.testing.trainers import areal_functional
-
-        return areal_functional()
-    except ImportError as exc:  # pragma: no cover - reported by the skip
-        pytest.skip(f"AReaL 1.0.4 is not importable here ({exc})", allow_module_level=True)
-
-
-AR = _areal()
+AR = trainer_or_skip("areal_functional", "AReaL 1.0.4")
 F = AR.functional
 RS = AR.RejectionSamplingConfig
 
@@ -116,12 +107,13 @@ def test_matches_areals_own_loss(rejection, is_level, packed, draw):
 
     theirs, ours = run(F.ppo_actor_loss_fn), run(rlk_areal.ppo_actor_loss_fn)
     scale = max(1.0, float(theirs[0].abs()))
-    assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-7 * scale, name="loss")
-    assert_close(ours[1], theirs[1], rtol=1e-6, atol=1e-7 * max(1e-3, float(theirs[1].abs().max())), name="dlogp")
+    assert_close(ours[0], theirs[0], **tol("areal", F64, scale=scale), name="loss")
+    assert_close(ours[1], theirs[1], **tol("areal", F64, scale=max(1e-3, float(theirs[1].abs().max()))), name="dlogp")
     for key in ("clip_mask", "dual_clip_mask") + (("behave_mask",) if spec is not None else ()):
         assert torch.equal(ours[2][key], theirs[2][key].bool()), key
     for key in ("importance_weight", "loss") + (("behave_imp_weight",) if spec is not None else ()):
-        assert_close(ours[2][key].to(torch.float64), theirs[2][key].to(torch.float64), rtol=1e-6, atol=1e-7, name=key)
+        assert_close(ours[2][key].to(torch.float64), theirs[2][key].to(torch.float64), **tol("areal", F64),
+                     name=key)
 
 
 def _grpo_loss_fn_from_areals_source(ppo_actor_loss_fn, recorded):
@@ -166,8 +158,8 @@ def test_installed_under_areals_grpo_loss_fn():
         results.append((loss.detach(), torch.autograd.grad(loss, lp)[0]))
     rlk_areal.uninstall()
     assert ours_module.ppo_actor_loss_fn is F.ppo_actor_loss_fn
-    assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-8, name="loss")
-    assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-8, name="dlogp")
+    assert_close(results[1][0], results[0][0], **tol("areal", F64), name="loss")
+    assert_close(results[1][1], results[0][1], **tol("areal", F64), name="dlogp")
     assert set(recorded_ours) == set(recorded_theirs)  # every statistic AReaL logs is there
 
 

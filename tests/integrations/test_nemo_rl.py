@@ -15,7 +15,7 @@ import torch
 
 from rlkernels.integrations import nemo_rl as rlk_nemo
 
-from ..cases import assert_close
+from ..cases import F64, assert_close, tol
 from .transcribed import nemo_rl as nemo
 
 B, T, V = 5, 9, 23
@@ -98,8 +98,9 @@ def test_matches_nemo_rls_own_clipped_pg_loss(case, seed, input_type):
         ref_lp = torch.log_softmax(ref_x, -1)[:, :-1].gather(-1, data["input_ids"][:, 1:, None])[..., 0]
         (their_grad_logits,) = torch.autograd.grad((ref_lp * their_grad).sum(), ref_x)
         my_grad, their_grad = grad_logits, their_grad_logits
-    assert_close(mine.detach(), theirs.detach(), rtol=1e-8, atol=1e-12, name="loss")
-    assert_close(my_grad, their_grad, rtol=1e-8, atol=1e-12 * max(1.0, float(their_grad.abs().max())), name="grad")
+    assert_close(mine.detach(), theirs.detach(), **tol("nemo_rl", F64), name="loss")
+    assert_close(my_grad, their_grad, **tol("nemo_rl", F64, scale=max(1.0, float(their_grad.abs().max()))),
+                 name="grad")
     assert isinstance(metrics["loss"], float)
 
 

@@ -15,19 +15,10 @@ import torch
 
 from rlkernels.integrations import openrlhf as rlk_openrlhf
 
-from ..cases import assert_close
+from ..cases import F64, assert_close, tol
+from .trainer_imports import trainer_or_skip
 
-
-def _openrlhf():
-    try:
-        from rlkernels.testing.trainers import openrlhf_loss
-
-        return openrlhf_loss()
-    except ImportError as exc:  # pragma: no cover - reported by the skip
-        pytest.skip(f"OpenRLHF 0.11.2 is not importable here ({exc})", allow_module_level=True)
-
-
-OPENRLHF = _openrlhf()
+OPENRLHF = trainer_or_skip("openrlhf_loss", "OpenRLHF 0.11.2")
 CORRECTIONS = [("off", "mask", "ratio", (0.5, 5.0)),
                ("token", "clip", "ratio", (0.8, 1.25)), ("token", "mask", "ratio", (0.0, 1.5)),
                ("token", "mask", "ratio", (0.7, 1.3)), ("seq", "mask", "ratio", (0.9, 1.1)),
@@ -106,12 +97,12 @@ def test_matches_openrlhfs_own_policy_loss(loss_type, correction, token_level, g
         rlk_openrlhf.uninstall()
     assert installed.PolicyLoss is OPENRLHF.PolicyLoss
     scale = max(1.0, float(theirs[0].abs()))
-    assert_close(ours[0].detach(), theirs[0].detach(), rtol=1e-7, atol=1e-9 * scale, name="loss")
+    assert_close(ours[0].detach(), theirs[0].detach(), **tol("openrlhf", F64, scale=scale), name="loss")
     g_scale = max(1e-3, float(their_grad.abs().max()))
-    assert_close(our_grad, their_grad, rtol=1e-7, atol=1e-9 * g_scale, name="dlog_probs")
+    assert_close(our_grad, their_grad, **tol("openrlhf", F64, scale=g_scale), name="dlog_probs")
     if theirs[3] is not None:
-        assert_close(ours[3], theirs[3], rtol=1e-9, atol=1e-12, name="vllm_kl")
-    assert_close(ours[1], theirs[1].to(ours[1].dtype), rtol=1e-9, atol=1e-12, name="clip_ratio")  # the action mask
+        assert_close(ours[3], theirs[3], **tol("metric", F64), name="vllm_kl")
+    assert_close(ours[1], theirs[1].to(ours[1].dtype), **tol("metric", F64), name="clip_ratio")  # the action mask
 
 
 def test_install_is_reversible_and_refusals_name_the_option():

@@ -15,19 +15,10 @@ import torch
 
 from rlkernels.integrations import skyrl as rlk_skyrl
 
-from ..cases import assert_close
+from ..cases import F64, approx, assert_close, tol
+from .trainer_imports import trainer_or_skip
 
-
-def _skyrl():
-    try:
-        from rlkernels.testing.trainers import skyrl_ppo_utils
-
-        return skyrl_ppo_utils()
-    except ImportError as exc:  # pragma: no cover - reported by the skip
-        pytest.skip(f"SkyRL 0.4.0 is not importable here ({exc})", allow_module_level=True)
-
-
-SK = _skyrl()
+SK = trainer_or_skip("skyrl_ppo_utils", "SkyRL 0.4.0")
 REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_legacy")
 MASK_BOUNDS = (0.5, 0.8, 0.99, 1.01, 1.25, 2.0, 1e-4, 100.0, 1.5, 3.0, 0.7)
 
@@ -133,14 +124,14 @@ def test_matches_skyrls_own_loss(loss_type, draw):
     theirs = run(SK.PolicyLossRegistry.get(loss_type))
     ours = run(SK.PolicyLossRegistry.get(rlk_skyrl.LOSS_NAMES[loss_type]))
     scale = max(1.0, float(theirs[0].abs()))
-    assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-7 * scale, name="loss")
+    assert_close(ours[0], theirs[0], **tol("skyrl", F64, scale=scale), name="loss")
     g_scale = max(1e-3, float(theirs[1].abs().max()))
-    assert_close(ours[1], theirs[1], rtol=1e-6, atol=1e-7 * g_scale, name="dlog_probs")
+    assert_close(ours[1], theirs[1], **tol("skyrl", F64, scale=g_scale), name="dlog_probs")
     rc = rlk_skyrl.rollout_correction_from_skyrl(algorithm.off_policy_correction)
     # SkyRL's clip_ratio is over the mask before its masks; SAPO has none; CISPO's counts every capped ratio where
     # rlkernels' counts those whose cap changes the term (TRL's, verl's)
     if loss_type not in ("sapo", "cispo") and (rc is None or not rc.rs):
-        assert ours[2]["clip_ratio"] == pytest.approx(theirs[2]["clip_ratio"], abs=1e-9)
+        assert ours[2]["clip_ratio"] == approx(theirs[2]["clip_ratio"], "metric")
 
 
 def test_refusals_name_skyrls_option():

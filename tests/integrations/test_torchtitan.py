@@ -12,19 +12,10 @@ import itertools
 import pytest
 import torch
 
-from ..cases import assert_close
+from ..cases import F32, assert_close, tol
+from .trainer_imports import trainer_or_skip
 
-
-def _titan():
-    try:
-        from rlkernels.testing.trainers import torchtitan_rl
-
-        return torchtitan_rl()
-    except ImportError as exc:  # pragma: no cover - reported by the skip
-        pytest.skip(f"torchtitan 0.3.0 is not importable here ({exc})", allow_module_level=True)
-
-
-TT = _titan()
+TT = trainer_or_skip("torchtitan_rl", "torchtitan 0.3.0")
 from rlkernels.integrations import torchtitan as rlk_titan  # noqa: E402  (after TorchTitan's bare import)
 
 B, L, V, D = 3, 8, 37, 16
@@ -74,10 +65,11 @@ def test_logits_loss_matches_torchtitans_own(config, seed, gvt):
 
     theirs, ours = run(getattr(TT.losses, name)), run(getattr(rlk_titan, name))
     assert isinstance(getattr(rlk_titan, name).Config(**fields).build(), getattr(rlk_titan, name))
-    assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-7, name="loss")
-    assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5 * float(theirs[1].abs().max()), name="dlogits")
+    assert_close(ours[0], theirs[0], **tol("torchtitan", F32), name="loss")
+    assert_close(ours[1], theirs[1], **tol("torchtitan", F32, scale=float(theirs[1].abs().max())),
+                 name="dlogits")
     for key in ("loss/mean", "loss/ratio_clipped_frac", "bit_wise/logprob_diff/mean", "trainer/entropy/mean"):
-        assert_close(ours[2][key], theirs[2][key], rtol=1e-5, atol=1e-6, name=key)
+        assert_close(ours[2][key], theirs[2][key], **tol("torchtitan", F32), name=key)
 
 
 @pytest.mark.parametrize("config, seed", list(itertools.product([0, 1], range(3))))
@@ -101,9 +93,9 @@ def test_hidden_state_loss_matches_torchtitans_chunked_wrapper(config, seed):
     linear = getattr(rlk_titan, "Linear" + name).Config(**fields).build()
     assert isinstance(linear, TT.loss.ChunkedLossWrapper)  # so TorchTitan's trainer hands it hidden states
     ours = run(linear)
-    assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-7, name="loss")
+    assert_close(ours[0], theirs[0], **tol("torchtitan", F32), name="loss")
     for i, what in ((1, "dhidden"), (2, "dweight")):
-        assert_close(ours[i], theirs[i], rtol=1e-5, atol=1e-5 * float(theirs[i].abs().max()), name=what)
+        assert_close(ours[i], theirs[i], **tol("torchtitan", F32, scale=float(theirs[i].abs().max())), name=what)
 
 
 def test_linear_form_needs_the_head():
