@@ -5,6 +5,7 @@ arm per rollout correction, every arm through `rlkernels.linear_decoupled_ppo_lo
     python -m benchmarks.mismatch_study --smoke --out /tmp/s # a minute: the CI test's run
     python -m benchmarks.mismatch_study --backend torch --out /tmp/torch   # the soak run on the reference backend
     python -m benchmarks.mismatch_study --compare benchmarks/results/mismatch-study.json /tmp/torch/mismatch-study.json
+    python -m benchmarks.mismatch_study --regime collapse    # the collapse study (benchmarks/collapse_study.py)
 
 The task: sort a list of 8-20 numbers (a vocabulary of 256 ids). The reward is the fraction of positions of the
 response equal to the sorted list, over max(response length, list length): checkable, dense enough for a small
@@ -623,7 +624,16 @@ def compare(path_a: str, path_b: str) -> dict:
 
 
 def main(argv=None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--regime", choices=("mismatch", "collapse"), default="mismatch")
+    regime, argv = pre.parse_known_args(argv)
+    if regime.regime == "collapse":  # the second study: benchmarks/collapse_study.py, its own options
+        from . import collapse_study
+
+        return collapse_study.main(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--regime", choices=("mismatch", "collapse"), default="mismatch",
+                   help="collapse: the collapse study (benchmarks/collapse_study.py, docs/study.md)")
     p.add_argument("--smoke", action="store_true", help="a one-minute run (the CI test)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--backend", default="auto")

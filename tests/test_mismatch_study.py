@@ -91,3 +91,65 @@ def test_backends_agree_on_the_same_samples(runs, tmp_path):
             # staleness 2: the first three steps sample from the starting weights in both runs
             assert seed["identical_steps"] >= min(3, seed["steps"]), (name, seed)
             assert seed["first_step_within_tolerance"], (name, seed)
+
+
+# -- the collapse study (benchmarks/collapse_study.py, `--regime collapse`) ---------------------------------------
+
+COLLAPSE_ARM_WORDS = ("bypass", "decoupled", "moe", "replay", "pg_seq_is", "on_policy", "token_tis", "seq_tis",
+                      "seq_mis", "geo_rs", "trm")
+COLLAPSE_PER_STEP = ("step", "reward", "loss", "grad_norm", "entropy", "response_length", "seq_ess", "topk_kl_mean",
+                     "k3_kl", "rejected_seq_fraction", "out_of_clip_fraction", "routing_flip_rate", "collapsed",
+                     "seconds", "sample_hash")
+
+
+@pytest.fixture(scope="module")
+def collapse(tmp_path_factory):
+    out = tmp_path_factory.mktemp("collapse")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.mismatch_study", "--regime", "collapse", "--smoke",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "collapse-study.json") as f:
+        return json.load(f)
+
+
+def test_collapse_json_has_every_arm_curve_and_definition(collapse):
+    assert {"config", "calibration", "thresholds", "definitions", "arms", "summary", "predictors"} <= set(collapse)
+    names = " ".join(collapse["arms"])
+    for word in COLLAPSE_ARM_WORDS:
+        assert word in names, f"no arm named with {word!r}: {sorted(collapse['arms'])}"
+    steps = collapse["config"]["rl_steps"]
+    for name, arm in collapse["arms"].items():
+        for seed in arm["seeds"]:
+            for measure in COLLAPSE_PER_STEP:
+                assert len(seed[measure]) == steps, (name, measure)
+            assert all(math.isfinite(x) for x in seed["loss"] + seed["grad_norm"] + seed["seq_ess"]), name
+            assert all(0.0 < x <= 1.0 + 1e-9 for x in seed["seq_ess"]), name
+        assert [p["seed"] for p in collapse["predictors"][name]] == list(range(collapse["config"]["seeds"]))
+    # the band and the bound are measured, not a preset: one per served path, from its calibration
+    for path in ("dense/fp8", "moe/fp8"):
+        lo, hi = collapse["thresholds"][path]["geo_rs_band"]
+        assert lo < 1.0 < hi and lo * hi == pytest.approx(1.0)
+        assert collapse["thresholds"][path]["trm_eps"] > 0
+
+
+def test_collapse_first_step_loss_equals_the_naive_loss(collapse):
+    for name, arm in collapse["arms"].items():
+        check = arm["seeds"][0]["first_step_naive_check"]
+        # the arm's own advantages (0 when every sample of a group scored alike) and the +-1 probe, which is not 0
+        assert check["probe"]["naive"] != 0.0, name
+        for c in (check, check["probe"]):
+            q = tol("value", F32, scale=max(1.0, abs(c["naive"])))
+            assert c["abs_diff"] <= q["atol"] + q["rtol"] * abs(c["naive"]), (name, c)
+
+
+def test_collapse_moe_sampler_flips_routes_and_the_fp32_sampler_does_not(collapse):
+    calibration = collapse["calibration"]
+    assert calibration["moe/fp8"]["routing_flip_rate"] > 0.0  # bf16 router on bf16 activations
+    assert calibration["moe/fp32"]["routing_flip_rate"] == 0.0  # the trainer's numerics, a KV cache
+    for path in ("dense/fp32", "dense/fp8"):
+        assert calibration[path]["routing_flip_rate"] == 0.0  # no router at all
+    assert calibration["dense/fp32"]["exact_kl_mu_pi_token_mean"] == approx(0.0, "mismatch.fp32_kl", F32)
+    assert calibration["dense/fp8"]["exact_kl_mu_pi_token_mean"] > 0.0
+    for name, arm in collapse["arms"].items():
+        flips = arm["seeds"][0]["routing_flip_rate"]
+        assert (max(flips) > 0.0) == name.startswith("moe"), (name, flips)

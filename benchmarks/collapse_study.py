@@ -1,0 +1,744 @@
+"""The collapse study: the mismatch study (benchmarks/mismatch_study.py) in the regime where published runs
+collapse. Sampler-anchored objectives (bypass mode: π_old := μ, REINFORCE / vanilla policy gradient with the
+rollout correction as its IS weight), responses of 177-233 tokens, and a small mixture-of-experts variant whose
+sampler routes in bfloat16, so that routing flips give the mismatch a heavy tail.
+
+    python -m benchmarks.mismatch_study --regime collapse                      # the study (see docs/study.md)
+    python -m benchmarks.mismatch_study --regime collapse --smoke --out /tmp/c # the CI test's run (seconds)
+
+Everything not written here is the mismatch study's: the transformer (`TinyLM`, `Block`), the served copy of it
+(FP8 E4M3 weights per output row, bf16 activations, token-by-token decoding from a KV cache), `generate` with the
+sampler's top-20, the trainer's float32 pass and the reward (`rewards_of`: the fraction of positions right, over
+max(response length, target length)).
+
+The task: a walk of n numbers, n = 176..232 in steps of 8: the prompt is BOS a d L SEP (a start value of 32,
+a step d of 1..7, a length token L of 8), the answer a, a + d, a + 2d, ... mod 32 (ids 4-35 of a 256-id
+vocabulary; the other ids are a tail the model must learn to avoid), then EOS. The reward is the fraction of
+positions equal to the walk, over max(response length, n): one wrong token shifts the rest of a walk the model
+continues from its own last token, so the reward rewards long error-free stretches. Answers are 177-233 tokens.
+A supervised phase of 250 steps (teacher forcing) leaves the model partly right (reward about 0.2).
+
+Design fixed before any run (docs/study.md, "The collapse regime"):
+- staleness 0: the published collapses are synchronous runs whose mismatch is the numerics alone;
+- one batch: 4 prompts x 8 samples, two minibatches (two Adam steps), gradient clip 1, group-mean advantages
+  (Dr. GRPO), token-mean aggregation; lr 3e-4, the only setting chosen by a run: the on-policy control alone fell
+  from 0.21 to 0.04 within 50 steps at the mismatch study's 1e-3, and kept its reward at 1e-4 and 3e-4 over 60
+  steps (3e-4 the larger);
+- the geo-RS band and the TRM bound come from the lr = 0 calibration of the arm's sampler path: the 99th
+  percentile of |mean_t log rho_t| and of max_t KL_topk(mu_t || pi_t) over the calibration's sequences, so that
+  each rejects about 1 % of the sequences at the start, and more only if the mismatch grows;
+- collapse: the 10-step mean reward falls COLLAPSE_MARGIN below its running peak (from step 10 on), or a NaN;
+  an ESS fall: the 10-step mean sequence ESS below ESS_FALL x its mean over steps 0-9; a gradient spike: a
+  gradient norm above GRAD_SPIKE x the median of every earlier step's.
+
+Output: DIR/collapse-study.json ({"config", "calibration", "thresholds", "arms": {arm: {"seeds": [{"seed",
+"step": [...], ...}]}}, "summary", "predictors"}), the mismatch study's schema, and DIR/collapse-study.png.
+"""
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import rlkernels
+from rlkernels import PolicyLossConfig, RolloutCorrection
+
+from . import mismatch_study as ms
+from .harness import environment, rss_bytes
+from .mismatch_study import BOS, EOS, FIRST_NUMBER, PAD, SEP
+
+COLLAPSE_MARGIN = 0.15  # fixed before any run (the mismatch study's margin)
+ESS_FALL = 0.5
+GRAD_SPIKE = 3.0
+CLIP_BAND = (0.8, 1.2)  # the PPO clip band (clip 0.2) the calibration counts tokens outside of
+CALIBRATION_QUANTILE = 0.99
+
+
+@dataclasses.dataclass
+class CollapseConfig(ms.StudyConfig):
+    min_items: int = 176
+    max_items: int = 232
+    d_model: int = 48
+    layers: int = 2
+    heads: int = 4
+    sft_steps: int = 250
+    sft_batch: int = 32
+    rl_steps: int = 250
+    prompts_per_step: int = 4
+    lr: float = 3e-4  # chosen on the on-policy control alone: at 1e-3 the control itself fell 0.21 -> 0.04 by step 50
+    group_size: int = 8
+    minibatches: int = 2
+    sampler: str = "fp8"
+    staleness: int = 0
+    seeds: int = 2
+    collapse_margin: float = COLLAPSE_MARGIN
+    experts: int = 4  # the MoE variant: top-1 of 4 experts per block (Switch-style gate: softmax prob x expert)
+    expert_hidden: int = 96
+    calibration_prompts: int = 8
+    workers: int = 2
+
+    @property
+    def prompt_width(self) -> int:
+        return 5  # BOS a d L SEP
+
+
+SMOKE = dict(min_items=12, max_items=19, d_model=32, sft_steps=10, sft_batch=16, rl_steps=3, prompts_per_step=2,
+             group_size=4, seeds=1, calibration_prompts=16, workers=1)
+
+
+def arms(thresholds: Dict[str, dict]) -> Dict[str, dict]:
+    """Arm name -> how it trains. `mode`: bypass (loss_type reinforce, rollout_logprobs only) or decoupled (PPO
+    clip against the trainer's own π_old); `model`: dense or moe; `sampler`: the served path."""
+    def geo(path):
+        return RolloutCorrection(rs={"seq_mean_k1": thresholds[path]["geo_rs_band"]})
+
+    def trm(path):
+        return RolloutCorrection.trm(thresholds[path]["trm_eps"])
+
+    seq_is = RolloutCorrection(is_level="sequence", is_threshold=(0, math.inf), is_mode="mask")
+    dense = dict(mode="bypass", model="dense", sampler="fp8")
+    moe = dict(mode="bypass", model="moe", sampler="fp8")
+    return {
+        # the control: the same objective with no mismatch (the sampler is the trainer: float32, the same weights)
+        "on_policy_bypass_none": dict(dense, rc=None, sampler="fp32"),
+        "bypass_none": dict(dense, rc=None),
+        "bypass_token_tis": dict(dense, rc=RolloutCorrection(is_level="token", is_threshold=2.0)),
+        "bypass_seq_tis": dict(dense, rc=RolloutCorrection(is_level="sequence", is_threshold=2.0)),
+        "bypass_seq_mis": dict(dense, rc=RolloutCorrection(is_level="sequence", is_threshold=(0, 2.0),
+                                                           is_mode="mask")),
+        "bypass_geo_rs": dict(dense, rc=geo("dense/fp8")),
+        "bypass_trm_kl": dict(dense, rc=trm("dense/fp8")),
+        "bypass_pg_seq_is": dict(dense, rc=seq_is),
+        "decoupled_none": dict(dense, rc=None, mode="decoupled"),
+        "moe_bypass_none": dict(moe, rc=None),
+        "moe_bypass_pg_seq_is": dict(moe, rc=seq_is),
+        "moe_replay_bypass_none": dict(moe, rc=None, replay=True),
+    }
+
+
+# -- the MoE variant --------------------------------------------------------------------------------------------
+
+
+class MoEBlock(ms.Block):
+    """The mismatch study's block with its MLP replaced by top-1 routing over `experts` MLPs (gate: the chosen
+    expert's softmax probability, so the router trains). `record` (a list) collects each call's choices [B, T];
+    `replay` ([B, T] expert ids, -1: the block's own choice) routes as another pass did (routing replay, R3)."""
+
+    def __init__(self, d: int, heads: int, experts: int, hidden: int):
+        super().__init__(d, heads)
+        del self.up, self.down
+        self.router = torch.nn.Linear(d, experts, bias=False)
+        self.ups = torch.nn.ModuleList(torch.nn.Linear(d, hidden) for _ in range(experts))
+        self.downs = torch.nn.ModuleList(torch.nn.Linear(hidden, d) for _ in range(experts))
+        self.record: Optional[list] = None
+        self.replay: Optional[torch.Tensor] = None
+
+    def forward(self, x, mask, cache=None):
+        x = x + self.attend(x, mask, cache)
+        z = self.ln2(x)
+        logits = self.router(z)  # in the module's dtype: bf16 on the served copy
+        choice = logits.argmax(-1)
+        if self.record is not None:
+            self.record.append(choice)
+        if self.replay is not None:
+            choice = torch.where(self.replay >= 0, self.replay, choice)
+        gate = torch.softmax(logits.float(), -1).gather(-1, choice[..., None]).to(z.dtype)
+        out = torch.zeros_like(z)
+        for e, (up, down) in enumerate(zip(self.ups, self.downs)):
+            out = torch.where((choice == e)[..., None], down(F.gelu(up(z))), out)
+        return x + gate * out
+
+
+class MoELM(ms.TinyLM):
+    def __init__(self, cfg: CollapseConfig):
+        super().__init__(cfg)
+        self.blocks = torch.nn.ModuleList(MoEBlock(cfg.d_model, cfg.heads, cfg.experts, cfg.expert_hidden)
+                                          for _ in range(cfg.layers))
+
+
+def build(cfg: CollapseConfig, kind: str) -> ms.TinyLM:
+    return MoELM(cfg) if kind == "moe" else ms.TinyLM(cfg)
+
+
+@torch.no_grad()
+def load_served(served: ms.TinyLM, state: Dict[str, torch.Tensor], path: str) -> None:
+    """The mismatch study's weight update; the router stays unquantised (bf16), as vLLM serves MoE gates."""
+    ms.load_served(served, state, path)
+    for name, param in served.named_parameters():
+        if ".router." in name:
+            param.copy_(state[name])
+
+
+def served_model(model: ms.TinyLM, path: str) -> ms.TinyLM:
+    served = copy.deepcopy(model).to(ms.SAMPLER_DTYPES[path]).requires_grad_(False)
+    load_served(served, model.state_dict(), path)
+    return served
+
+
+def moe_blocks(model) -> List[MoEBlock]:
+    return [b for b in model.blocks if isinstance(b, MoEBlock)]
+
+
+def set_routing(model, record: bool = False, replay: Optional[torch.Tensor] = None) -> List[list]:
+    """Start recording each MoE block's choices (returns the lists) and / or replaying [B, T, layers] routes."""
+    lists = []
+    for i, block in enumerate(moe_blocks(model)):
+        block.record = [] if record else None
+        block.replay = None if replay is None else replay[..., i]
+        lists.append(block.record)
+    return lists
+
+
+def routes_of(lists: List[list], width: int) -> Optional[torch.Tensor]:
+    """Recorded choices -> [B, width, layers] (-1 where nothing was recorded), or None for a dense model."""
+    if not lists or lists[0] is None:
+        return None
+    out = []
+    for calls in lists:
+        r = torch.cat(calls, 1)[:, :width]
+        out.append(F.pad(r, (0, width - r.shape[1]), value=-1))
+    return torch.stack(out, -1)
+
+
+# -- the task -------------------------------------------------------------------------------------------------
+
+
+LENGTHS = 8  # the prompt's length token picks n = min_items + i * length_step, i < LENGTHS
+STEPS = 7  # the step d is 1..STEPS
+
+
+def make_prompts(cfg: CollapseConfig, n_prompts: int, g: torch.Generator):
+    """Prompts [n, 5] (BOS a d L SEP), their valid mask and the targets: the n-item walk a, a + d, a + 2d, ...
+    (mod `values`), n set by the length token L."""
+    a = torch.randint(0, cfg.values, (n_prompts,), generator=g)
+    d = torch.randint(1, STEPS + 1, (n_prompts,), generator=g)
+    L = torch.randint(0, LENGTHS, (n_prompts,), generator=g)
+    length_ids = FIRST_NUMBER + cfg.values + L  # just past the values: ids the response must never use
+    prompts = torch.stack([torch.full_like(a, BOS), FIRST_NUMBER + a, FIRST_NUMBER + d, length_ids,
+                           torch.full_like(a, SEP)], 1)
+    step = (cfg.max_items - cfg.min_items) // (LENGTHS - 1)
+    targets = [[FIRST_NUMBER + (ai + k * di) % cfg.values for k in range(cfg.min_items + li * step)]
+               for ai, di, li in zip(a.tolist(), d.tolist(), L.tolist())]
+    return prompts, prompts != PAD, targets
+
+
+def supervised_start(cfg: CollapseConfig, seed: int, kind: str) -> ms.TinyLM:
+    """A brief supervised phase on correct copies (teacher forcing), float32; the same data for both kinds."""
+    torch.manual_seed(seed)
+    model = build(cfg, kind)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
+    g = torch.Generator().manual_seed(10_000 + seed)
+    R = cfg.max_response
+    for _ in range(cfg.sft_steps):
+        prompts, valid, targets = make_prompts(cfg, cfg.sft_batch, g)
+        responses = torch.full((len(targets), R), PAD, dtype=torch.long)
+        for i, t in enumerate(targets):
+            responses[i, :len(t) + 1] = torch.tensor(t + [EOS])
+        lengths = torch.tensor([len(t) + 1 for t in targets])
+        tokens, seq_valid, labels_mask = ms.trainer_inputs(cfg, prompts, valid, responses, lengths)
+        logits = model.head(ms.response_hidden(model, cfg, tokens, seq_valid))
+        loss = F.cross_entropy(logits[labels_mask], responses[labels_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def rollout(served, cfg, prompts, valid, g):
+    """`generate` with each MoE block's choices recorded: (responses, lengths, logprobs, top-k, routes)."""
+    lists = set_routing(served, record=True)
+    responses, lengths, logprobs, topk = ms.generate(served, cfg, prompts, valid, g)
+    routes = routes_of(lists, cfg.prompt_width + cfg.max_response)
+    set_routing(served)
+    return responses, lengths, logprobs, topk, routes
+
+
+def trainer_hidden(model, cfg, tokens, seq_valid, replay=None):
+    """The trainer's float32 pass; for a MoE model also its own routes [B, P + R, layers] (before any replay)."""
+    lists = set_routing(model, record=True, replay=replay)
+    h = ms.response_hidden(model, cfg, tokens, seq_valid)
+    own = routes_of(lists, tokens.shape[1])
+    set_routing(model)
+    return h, own
+
+
+def flip_rate(sampler_routes, trainer_routes, mask, cfg) -> float:
+    """The share of (response token, block) pairs whose expert differs between the sampler and the trainer, at the
+    positions that predict the response tokens."""
+    if sampler_routes is None:
+        return 0.0
+    P = cfg.prompt_width
+    s = sampler_routes[:, P - 1:P - 1 + mask.shape[1]]
+    t = trainer_routes[:, P - 1:P - 1 + mask.shape[1]]
+    valid = mask[..., None] & (s >= 0)
+    return float(((s != t) & valid).sum() / valid.sum().clamp_min(1))
+
+
+def sequence_ess(seq_log_ratio: torch.Tensor) -> float:
+    """(Σ ρ)² / (N Σ ρ²) of the sequence ratios ρ = exp(Σ_t log π/μ), in [1/N, 1]."""
+    s = seq_log_ratio.double()
+    if s.numel() == 0:
+        return math.nan
+    return float(torch.exp(2 * torch.logsumexp(s, 0) - torch.logsumexp(2 * s, 0)) / s.numel())
+
+
+def topk_kl(trainer_logp, topk_ids, topk_lp):
+    """KL(μ_t ‖ π_t) over the partition {the sampler's top-k ids, the tail} (SPEC §9.2), per token [B, R]."""
+    ids = topk_ids.clamp_min(0)
+    valid = topk_ids >= 0
+    mu = torch.where(valid, topk_lp.exp(), torch.zeros(()))
+    pi = torch.where(valid, trainer_logp.gather(-1, ids).exp(), torch.zeros(()))
+    head = torch.where(valid & (mu > 0), mu * (topk_lp - torch.log(pi)), torch.zeros(())).sum(-1)
+    mu_tail, pi_tail = (1 - mu.sum(-1)).clamp_min(0), (1 - pi.sum(-1)).clamp_min(1e-30)
+    tail = torch.where(mu_tail > 0, mu_tail * (torch.log(mu_tail.clamp_min(1e-30)) - torch.log(pi_tail)),
+                       torch.zeros(()))
+    return head + tail
+
+
+# -- calibration: lr = 0 ----------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def calibrate(cfg: CollapseConfig, start: ms.TinyLM, path: str) -> dict:
+    """No learning: sample from the served path, then the trainer's float32 pass on the same weights and tokens.
+    The mismatch every arm on this path starts from, from the numerics alone."""
+    served = served_model(start, path)
+    g = torch.Generator().manual_seed(7)
+    prompts, valid, targets = make_prompts(cfg, cfg.calibration_prompts, g)
+    G = cfg.group_size
+    prompts, valid = prompts.repeat_interleave(G, 0), valid.repeat_interleave(G, 0)
+    responses, lengths, rollout_lp, (topk_ids, topk_lp), routes = rollout(served, cfg, prompts, valid, g)
+    reward = ms.rewards_of(responses, lengths, [t for t in targets for _ in range(G)])
+    tokens, seq_valid, mask = ms.trainer_inputs(cfg, prompts, valid, responses, lengths)
+    h, own = trainer_hidden(start, cfg, tokens, seq_valid)
+    trainer_logp = torch.log_softmax(start.head(h), -1)
+    lp = trainer_logp.gather(-1, responses[..., None])[..., 0]
+    delta = torch.where(mask, lp - rollout_lp, torch.zeros(()))
+    ratio = delta[mask].exp()
+    sampler_logp = torch.log_softmax(served.head(ms.response_hidden(served, cfg, tokens, seq_valid)).float(), -1)
+    mu = sampler_logp.exp()
+    exact_kl = torch.where(mu > 0, mu * (sampler_logp - trainer_logp), torch.zeros(())).sum(-1)
+    tkl = torch.where(mask, topk_kl(trainer_logp, topk_ids, topk_lp), torch.zeros(()))
+    n = mask.sum(1).clamp_min(1)
+    seq_sum = delta.sum(1)
+    seq_mean_abs = (seq_sum / n).abs()
+    seq_max_kl = tkl.max(1).values
+    q = CALIBRATION_QUANTILE
+    return dict(
+        tokens=int(mask.sum()), sequences=int(len(lengths)), reward=float(reward.mean()),
+        response_length=float(lengths.float().mean()),
+        out_of_clip_band_fraction=float(((ratio < CLIP_BAND[0]) | (ratio > CLIP_BAND[1])).float().mean()),
+        out_of_band_fraction=float(((ratio < 0.9) | (ratio > 1.1)).float().mean()),
+        exact_kl_mu_pi_token_mean=float(exact_kl[mask].mean()), exact_kl_mu_pi_token_max=float(exact_kl[mask].max()),
+        topk_kl_token_mean=float(tkl[mask].mean()), sampled_k1=float(-delta[mask].mean()),
+        k3_kl=float((ratio - delta[mask] - 1).mean()), max_abs_log_ratio=float(delta[mask].abs().max()),
+        seq_log_ratio_std=float(seq_sum.std()), seq_log_ratio_max_abs=float(seq_sum.abs().max()),
+        seq_ess=sequence_ess(seq_sum), routing_flip_rate=flip_rate(routes, own, mask, cfg),
+        seq_mean_abs_log_ratio_q99=float(torch.quantile(seq_mean_abs.double(), q)),
+        seq_max_topk_kl_q99=float(torch.quantile(seq_max_kl.double(), q)))
+
+
+def thresholds_from(calibration: dict) -> Dict[str, dict]:
+    """Each served path's geo-RS band and TRM bound, from its calibration (module docstring)."""
+    out = {}
+    for path, c in calibration.items():
+        b = max(c["seq_mean_abs_log_ratio_q99"], 1e-6)
+        out[path] = dict(geo_rs_band=(math.exp(-b), math.exp(b)), trm_eps=max(c["seq_max_topk_kl_q99"], 1e-8))
+    return out
+
+
+# -- one arm ----------------------------------------------------------------------------------------------------
+
+MEASURES = ("reward", "loss", "grad_norm", "entropy", "response_length", "seq_ess", "is_ess", "topk_kl_mean",
+            "topk_kl_seq_max_mean", "topk_kl_max", "k3_kl", "kl", "chi2_token", "chi2_seq", "tv_token",
+            "rejected_seq_fraction", "is_zeroed_fraction", "is_weight_mean", "out_of_band_fraction",
+            "out_of_clip_fraction", "max_abs_log_ratio", "seq_log_ratio_std", "routing_flip_rate",
+            "log_ppl_abs_diff", "collapsed", "seconds", "rss_mib", "sample_hash")
+
+
+def run_arm(cfg: CollapseConfig, name: str, arm: dict, start: ms.TinyLM, seed: int, check_naive: bool) -> dict:
+    cfg = dataclasses.replace(cfg, sampler=arm["sampler"])
+    model = copy.deepcopy(start)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    bypass = arm["mode"] == "bypass"
+    config = PolicyLossConfig(loss_type="reinforce" if bypass else "ppo_clip", rollout_correction=arm["rc"],
+                              compute_entropy=True, backend=cfg.backend)
+    g_prompts = torch.Generator().manual_seed(20_000 + seed)
+    g_sample = torch.Generator().manual_seed(30_000 + seed)
+    served = served_model(model, cfg.sampler)
+    curves: Dict[str, list] = {k: [] for k in ("step",) + MEASURES}
+    peak, window = -math.inf, []
+    first_check = None
+    for step in range(cfg.rl_steps):
+        t0 = time.perf_counter()
+        load_served(served, model.state_dict(), cfg.sampler)  # staleness 0: this step's weights
+        prompts, valid, targets = make_prompts(cfg, cfg.prompts_per_step, g_prompts)
+        G = cfg.group_size
+        prompts, valid = prompts.repeat_interleave(G, 0), valid.repeat_interleave(G, 0)
+        targets = [t for t in targets for _ in range(G)]
+        responses, lengths, rollout_lp, (topk_ids, topk_lp), routes = rollout(served, cfg, prompts, valid, g_sample)
+        reward = ms.rewards_of(responses, lengths, targets)
+        tokens, seq_valid, mask = ms.trainer_inputs(cfg, prompts, valid, responses, lengths)
+        group = torch.arange(len(targets)) // G
+        group_mean = torch.zeros(cfg.prompts_per_step).index_add_(0, group, reward) / G
+        advantages = (reward - group_mean[group])[:, None].expand_as(mask) * mask
+        old_lp = None
+        if not bypass:  # π_old: the trainer's own pass before the update
+            with torch.no_grad():
+                h_old, _ = trainer_hidden(model, cfg, tokens, seq_valid)
+                old = rlkernels.linear_token_logprobs(h_old, model.head.weight, responses, bias=model.head.bias,
+                                                      backend=cfg.backend)
+            old_lp = torch.where(mask, old.logprobs, torch.zeros(()))
+        replay = routes if arm.get("replay") else None
+
+        order = torch.randperm(len(targets), generator=g_prompts)
+        grad_norms, metrics, seq_log_ratio, deltas, flips = [], [], [], [], []
+        loss0 = None
+        for part in order.chunk(cfg.minibatches):
+            h, own = trainer_hidden(model, cfg, tokens[part], seq_valid[part],
+                                    None if replay is None else replay[part])
+            if routes is not None:
+                flips.append(flip_rate(routes[part], own, mask[part], cfg))
+            anchors = dict(rollout_logprobs=rollout_lp[part]) if bypass else \
+                dict(old_logprobs=old_lp[part], rollout_logprobs=rollout_lp[part])
+            out = rlkernels.linear_decoupled_ppo_loss(
+                h, model.head.weight, responses[part], advantages[part], mask[part], bias=model.head.bias,
+                config=config, sampler_topk_ids=topk_ids[part], sampler_topk_logprobs=topk_lp[part], **anchors)
+            if check_naive and first_check is None:
+                args = (responses[part], mask[part], None if bypass else old_lp[part], rollout_lp[part],
+                        topk_ids[part], topk_lp[part], arm["rc"])
+                first_check = naive_check(model, h, advantages[part], *args, out.loss)
+                # the same inputs with advantages +-1 by sequence, so that the check cannot pass on a batch
+                # whose advantages are all 0 (every sample of a group scored alike)
+                probe_adv = ((torch.arange(len(part)) % 2) * 2 - 1.0)[:, None] * mask[part]
+                with torch.no_grad():
+                    probe = rlkernels.linear_decoupled_ppo_loss(
+                        h, model.head.weight, responses[part], probe_adv, mask[part], bias=model.head.bias,
+                        config=config, sampler_topk_ids=topk_ids[part], sampler_topk_logprobs=topk_lp[part],
+                        **anchors)
+                first_check["probe"] = naive_check(model, h, probe_adv, *args, probe.loss)
+            opt.zero_grad()
+            out.loss.backward()
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+            opt.step()
+            metrics.append(rlkernels.metrics_to_floats(out.metrics))
+            # the ratio the arm faces: π (this minibatch's pass, before its update) against μ
+            m = mask[part]
+            d = torch.where(m, out.logprobs - rollout_lp[part], torch.zeros(()))
+            seq_log_ratio.append(d.sum(1))
+            deltas.append(d[m])
+            loss0 = float(out.loss.detach()) if loss0 is None else loss0
+
+        def avg(key, default=math.nan, metrics=metrics):
+            return _mean_or(m.get(key, default) for m in metrics)
+
+        delta = torch.cat(deltas)
+        ratio = delta.exp()
+        seq = torch.cat(seq_log_ratio)
+        mean_reward = float(reward.mean())
+        window = (window + [mean_reward])[-10:]
+        smoothed = sum(window) / len(window)
+        peak = max(peak, smoothed)
+        finite = math.isfinite(mean_reward) and all(math.isfinite(x) for x in grad_norms) and math.isfinite(loss0)
+        values = dict(
+            reward=mean_reward, loss=loss0, grad_norm=sum(grad_norms) / len(grad_norms),
+            entropy=avg("actor/entropy"), response_length=float(lengths.float().mean()),
+            seq_ess=sequence_ess(seq), is_ess=avg("rollout_corr/rollout_is_eff_sample_size"),
+            topk_kl_mean=avg("rollout_corr/topk_kl_mean"),
+            topk_kl_seq_max_mean=avg("rollout_corr/topk_kl_seq_max_mean"),
+            topk_kl_max=max(m["rollout_corr/topk_kl_max"] for m in metrics), k3_kl=avg("rollout_corr/k3_kl"),
+            kl=avg("rollout_corr/kl"), chi2_token=avg("rollout_corr/chi2_token"), chi2_seq=avg("rollout_corr/chi2_seq"),
+            tv_token=avg("rollout_corr/tv_token"),
+            rejected_seq_fraction=avg("rollout_corr/rollout_rs_seq_masked_fraction", 0.0),
+            is_zeroed_fraction=avg("rollout_corr/rollout_is_oob_ratio", 0.0),
+            is_weight_mean=avg("rollout_corr/rollout_is_mean", 1.0),
+            out_of_band_fraction=float(((ratio < 0.9) | (ratio > 1.1)).float().mean()),
+            out_of_clip_fraction=float(((ratio < CLIP_BAND[0]) | (ratio > CLIP_BAND[1])).float().mean()),
+            max_abs_log_ratio=float(delta.abs().max()), seq_log_ratio_std=float(seq.std()),
+            routing_flip_rate=_mean_or(flips, 0.0), log_ppl_abs_diff=avg("rollout_corr/log_ppl_abs_diff"),
+            collapsed=bool((not finite) or (step >= 10 and smoothed < peak - cfg.collapse_margin)),
+            seconds=time.perf_counter() - t0, rss_mib=rss_bytes() / 2**20,
+            sample_hash=hashlib.sha1(responses.numpy().tobytes()).hexdigest()[:12])
+        curves["step"].append(step)
+        for k, v in values.items():
+            curves[k].append(v)
+        if (step + 1) % 50 == 0:
+            print(f"  {name} seed {seed} step {step + 1}: reward {smoothed:.3f}, "
+                  f"{_mean_or(curves['seconds'][-50:]):.2f} s/step", file=sys.stderr, flush=True)
+    result = {"seed": seed, **curves}
+    if first_check is not None:
+        result["first_step_naive_check"] = first_check
+    return result
+
+
+def _mean_or(xs, default=math.nan) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else default
+
+
+def naive_check(model, h, advantages, labels, mask, old_lp, rollout_lp, topk_ids, topk_lp, rc, loss) -> dict:
+    """The first step's loss against the loss written in plain PyTorch over the full logits: REINFORCE with the
+    arm's IS weight and rejection in bypass mode (below), decoupled PPO through benchmarks/naive.py."""
+    with torch.no_grad():
+        logits = model.head(h).float()
+        if old_lp is not None:
+            from .naive import naive_decoupled_ppo_loss
+
+            B, R = labels.shape
+            flat = lambda t: t.reshape(B * R)  # noqa: E731
+            naive = naive_decoupled_ppo_loss(logits.reshape(B * R, -1), flat(labels), flat(advantages), flat(mask),
+                                             flat(old_lp), flat(rollout_lp), torch.arange(0, B * R + 1, R),
+                                             is_level=None)
+        else:
+            naive = naive_bypass_loss(logits, labels, advantages, mask, rollout_lp, topk_ids, topk_lp, rc)
+    loss = float(loss.detach())
+    return {"rlkernels": loss, "naive": float(naive), "abs_diff": abs(loss - float(naive))}
+
+
+def naive_bypass_loss(logits, labels, advantages, mask, rollout_lp, topk_ids, topk_lp, rc) -> torch.Tensor:
+    """Bypass REINFORCE, token-mean over the kept tokens: Σ -A·w·log π / Σ kept, with Δ = log π - log μ (clamped to
+    ±20), w = 1, min(e^Δ_t, C), min(e^ΣΔ, C), or e^ΣΔ inside (lo, hi) and 0 outside; a sequence is rejected when
+    its geometric-mean ratio exp(mean Δ) leaves the seq_mean_k1 band, or its max top-k KL exceeds seq_max_kl."""
+    logp = torch.log_softmax(logits.float(), -1)
+    lp = logp.gather(-1, labels[..., None])[..., 0]
+    m = mask.float()
+    delta = ((lp - rollout_lp) * m).clamp(-20, 20)
+    S = delta.sum(1, keepdim=True)
+    w = torch.ones_like(lp)
+    if rc is not None and rc.is_level == "token":
+        w = torch.minimum(delta.exp(), torch.tensor(rc.is_threshold))
+    elif rc is not None and rc.is_level == "sequence":
+        rho = S.exp().expand_as(lp)
+        if rc.is_mode == "mask":
+            lo, hi = rc.is_threshold
+            w = torch.where((rho >= lo) & (rho <= hi), rho, torch.zeros(()))
+        else:
+            w = torch.minimum(rho, torch.tensor(rc.is_threshold))
+    keep = m.clone()
+    for option, bound in (() if rc is None else rc.rs):
+        if option == "seq_mean_k1":
+            geo = (S[:, 0] / m.sum(1).clamp_min(1)).exp()
+            keep = keep * ((geo >= bound[0]) & (geo <= bound[1])).float()[:, None]
+        elif option == "seq_max_kl":
+            kl = torch.where(mask, topk_kl(logp, topk_ids, topk_lp), torch.zeros(()))
+            keep = keep * (kl.max(1).values <= bound).float()[:, None]
+        else:
+            raise ValueError(f"the naive loss does not write {option}")
+    return (-advantages * w * lp * keep).sum() / keep.sum().clamp_min(1)
+
+
+# -- collapse and its predictors --------------------------------------------------------------------------------
+
+
+def first_step(flags: List[bool]) -> Optional[int]:
+    return next((i for i, c in enumerate(flags) if c), None)
+
+
+def predictors(seed: dict) -> dict:
+    """The collapse step and the first ESS fall and gradient spike (module docstring), and how many steps each came
+    before the collapse (positive: before)."""
+    ess, grad = seed["seq_ess"], seed["grad_norm"]
+    base = _mean_or(ess[:10])
+    fall, spike = [], []
+    for t in range(len(ess)):
+        window = [x for x in ess[max(0, t - 9):t + 1] if math.isfinite(x)]
+        fall.append(t >= 10 and bool(window) and sum(window) / len(window) < ESS_FALL * base)
+        earlier = sorted(grad[:t])
+        spike.append(t >= 10 and grad[t] > GRAD_SPIKE * earlier[len(earlier) // 2])
+    collapse, ess_fall, grad_spike = first_step(seed["collapsed"]), first_step(fall), first_step(spike)
+    lead = lambda p: None if collapse is None or p is None else collapse - p  # noqa: E731
+    return dict(seed=seed["seed"], collapse_step=collapse, ess_fall_step=ess_fall, grad_spike_step=grad_spike,
+                ess_fall_lead=lead(ess_fall), grad_spike_lead=lead(grad_spike))
+
+
+def summarise(arm_result: dict) -> dict:
+    out = ms.summarise(arm_result)
+    seeds = arm_result["seeds"]
+    tenth = max(1, len(seeds[0]["reward"]) // 10)
+    for key in ("seq_ess", "topk_kl_mean", "k3_kl", "entropy", "response_length", "grad_norm",
+                "out_of_clip_fraction", "routing_flip_rate", "is_zeroed_fraction"):
+        out[f"{key}_first_tenth"] = _mean_or(_mean_or(s[key][:tenth]) for s in seeds)
+        out[f"{key}_last_tenth"] = _mean_or(_mean_or(s[key][-tenth:]) for s in seeds)
+    out["peak_reward_10_step"] = [max(_smooth(s["reward"])) for s in seeds]
+    return out
+
+
+def _smooth(xs: List[float], width: int = 10) -> List[float]:
+    return [sum(xs[max(0, i - width + 1):i + 1]) / len(xs[max(0, i - width + 1):i + 1]) for i in range(len(xs))]
+
+
+# -- the study ----------------------------------------------------------------------------------------------------
+
+
+def _start_job(args):
+    cfg, seed, kind = args
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    model = supervised_start(cfg, seed, kind)
+    return (seed, kind), model.state_dict(), time.perf_counter() - t0
+
+
+def _arm_job(args):
+    cfg, name, arm, state, seed, check_naive = args
+    torch.set_num_threads(1)
+    start = build(cfg, arm["model"])
+    start.load_state_dict(state)
+    t0 = time.perf_counter()
+    result = run_arm(cfg, name, arm, start, seed, check_naive)
+    print(f"{name} seed {seed}: {time.perf_counter() - t0:.0f} s, final reward "
+          f"{_mean_or(result['reward'][-max(1, len(result['reward']) // 10):]):.3f}, collapse "
+          f"{first_step(result['collapsed'])}", flush=True)
+    return name, result
+
+
+def _pool(cfg):
+    if cfg.workers <= 1:
+        return None
+    return multiprocessing.get_context("spawn").Pool(cfg.workers)
+
+
+def run_study(cfg: CollapseConfig, out_dir: str, selected: Optional[List[str]] = None) -> dict:
+    t0 = time.perf_counter()
+    kinds = sorted({a["model"] for a in arms(_placeholder_thresholds()).values()})
+    jobs = [(cfg, s, k) for s in range(cfg.seeds) for k in kinds]
+    pool = _pool(cfg)
+    done = (pool.map(_start_job, jobs) if pool else [_start_job(j) for j in jobs])
+    states = {key: state for key, state, _ in done}
+    sft_seconds = {f"{k}/seed{s}": sec for (s, k), _, sec in done}
+    torch.set_num_threads(max(1, cfg.workers))
+    starts = {key: build(cfg, key[1]) for key in states}
+    for key, model in starts.items():
+        model.load_state_dict(states[key])
+    calibration = {}
+    for kind in kinds:
+        for path in ("fp32", "fp8"):
+            calibration[f"{kind}/{path}"] = calibrate(cfg, starts[(0, kind)], path)
+    print("calibration:", json.dumps(calibration), flush=True)
+    thresholds = thresholds_from(calibration)
+    chosen = {k: v for k, v in arms(thresholds).items() if selected is None or k in selected}
+    arm_jobs = [(cfg, name, arm, states[(s, arm["model"])], s, True) for name, arm in chosen.items()
+                for s in range(cfg.seeds)]
+    results = pool.map(_arm_job, arm_jobs, chunksize=1) if pool else [_arm_job(j) for j in arm_jobs]
+    if pool:
+        pool.close()
+        pool.join()
+    result = {"config": dataclasses.asdict(cfg), "environment": environment("cpu"),
+              "regime": "collapse", "definitions": dict(
+                  collapse_margin=cfg.collapse_margin, ess_fall=ESS_FALL, grad_spike=GRAD_SPIKE,
+                  clip_band=CLIP_BAND, calibration_quantile=CALIBRATION_QUANTILE),
+              "arms_config": {k: {**v, "rc": repr(v["rc"])} for k, v in chosen.items()},
+              "calibration": calibration, "thresholds": thresholds, "sft_seconds": sft_seconds, "arms": {}}
+    result["config"]["backend_resolved"] = ms.backend_name(cfg.backend)
+    for name in chosen:
+        seeds = sorted((r for n, r in results if n == name), key=lambda r: r["seed"])
+        result["arms"][name] = {"seeds": seeds}
+    result["summary"] = {k: summarise(v) for k, v in result["arms"].items()}
+    result["predictors"] = {k: [predictors(s) for s in v["seeds"]] for k, v in result["arms"].items()}
+    result["wall_seconds"] = time.perf_counter() - t0
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "collapse-study.json")
+    with open(path, "w") as f:
+        json.dump(_no_nan(ms._rounded(result)), f, separators=(",", ":"))
+    plot(result, os.path.join(out_dir, "collapse-study.png"))
+    for name, s in result["summary"].items():
+        print(f"{name}: final {s['final_reward_mean']:.3f} ({s['final_reward_min']:.3f}-{s['final_reward_max']:.3f}) "
+              f"collapse {s['steps_to_collapse']} predictors {result['predictors'][name]}", flush=True)
+    print(f"wrote {path} ({result['wall_seconds']:.0f} s)")
+    return result
+
+
+def _no_nan(value):
+    """NaN (a measure an arm does not have, as `is_ess` without IS weights) -> null: strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def _placeholder_thresholds():
+    return {p: dict(geo_rs_band=(0.5, 2.0), trm_eps=1.0) for p in ("dense/fp8", "moe/fp8")}
+
+
+def plot(result: dict, path: str) -> None:
+    """Reward, sequence ESS, top-k KL(μ‖π), gradient norm, rejected / zeroed sequences and routing flips per arm:
+    the mean over seeds of 10-step trailing means, with the seeds' min-max band."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG", file=sys.stderr)
+        return
+    panels = (("reward", "reward (10-step mean)", False), ("seq_ess", "sequence-ratio ESS", False),
+              ("topk_kl_mean", "top-k KL(mu || pi) per token", True), ("grad_norm", "gradient norm", True),
+              ("rejected_seq_fraction", "rejected sequences (RS)", False),
+              ("routing_flip_rate", "routing flips per (token, block), MoE", False))
+    fig, axes = plt.subplots(3, 2, figsize=(13, 12))
+    styles = {}  # the same colour for an arm in every panel (the flips panel draws the MoE arms only)
+    for i, (name, arm) in enumerate(result["arms"].items()):
+        style = "--" if name.startswith("moe") else (":" if "on_policy" in name or "decoupled" in name else "-")
+        styles[name] = style
+        color = f"C{i % 10}" if i < 10 else ("black", "olive")[i % 2]
+        for ax, (key, title, log) in zip(axes.flat, panels):
+            if key == "routing_flip_rate" and not name.startswith("moe"):
+                continue
+            data = [[x if x is not None and math.isfinite(x) else math.nan for x in s[key]] for s in arm["seeds"]]
+            series = ms._smoothed(torch.tensor(data, dtype=torch.float64))
+            steps = arm["seeds"][0]["step"]
+            ax.plot(steps, series.mean(0), label=name, lw=1.2, ls=style, color=color)
+            ax.fill_between(steps, series.min(0).values, series.max(0).values, alpha=0.10, color=color)
+            ax.set_title(title)
+            ax.set_xlabel("RL step")
+            if log:
+                ax.set_yscale("log")
+    axes[0, 0].legend(fontsize=7, ncol=2)
+    cfg = result["config"]
+    fig.suptitle(f"collapse regime: {cfg['min_items']}-{cfg['max_items']}-item walks, bypass REINFORCE unless named, "
+                 f"sampler fp8 (MoE: bf16 router), {cfg['seeds']} seeds; backend "
+                 f"{cfg.get('backend_resolved', cfg['backend'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a seconds-long run (the CI test)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--seeds", type=int)
+    p.add_argument("--rl-steps", type=int)
+    p.add_argument("--sft-steps", type=int)
+    p.add_argument("--workers", type=int)
+    p.add_argument("--arms", help="comma list of arm names (default: all)")
+    p.add_argument("--plot", metavar="JSON", help="redraw the PNG of a study JSON (beside it) and exit")
+    args = p.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
+        return 0
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    cfg = CollapseConfig(**(SMOKE if args.smoke else {}), backend=args.backend)
+    for field in ("seeds", "rl_steps", "sft_steps", "workers"):
+        if getattr(args, field) is not None:
+            cfg = dataclasses.replace(cfg, **{field: getattr(args, field)})
+    run_study(cfg, args.out, args.arms.split(",") if args.arms else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
