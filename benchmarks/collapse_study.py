@@ -1,6 +1,6 @@
 """The collapse study: the mismatch study (benchmarks/mismatch_study.py) in the regime where published runs
 collapse. Sampler-anchored objectives (bypass mode: π_old := μ, REINFORCE / vanilla policy gradient with the
-rollout correction as its IS weight), responses of 177-233 tokens, and a small mixture-of-experts variant whose
+rollout correction as its IS weight), answers of 193-249 tokens, and a small mixture-of-experts variant whose
 sampler routes in bfloat16, so that routing flips give the mismatch a heavy tail.
 
     python -m benchmarks.mismatch_study --regime collapse                      # the study (see docs/study.md)
@@ -11,11 +11,11 @@ Everything not written here is the mismatch study's: the transformer (`TinyLM`, 
 sampler's top-20, the trainer's float32 pass and the reward (`rewards_of`: the fraction of positions right, over
 max(response length, target length)).
 
-The task: a walk of n numbers, n = 176..232 in steps of 8: the prompt is BOS a d L SEP (a start value of 32,
+The task: a walk of n numbers, n = 192..248 in steps of 8: the prompt is BOS a d L SEP (a start value of 32,
 a step d of 1..7, a length token L of 8), the answer a, a + d, a + 2d, ... mod 32 (ids 4-35 of a 256-id
 vocabulary; the other ids are a tail the model must learn to avoid), then EOS. The reward is the fraction of
 positions equal to the walk, over max(response length, n): one wrong token shifts the rest of a walk the model
-continues from its own last token, so the reward rewards long error-free stretches. Answers are 177-233 tokens.
+continues from its own last token, so the reward rewards long error-free stretches. Answers are 193-249 tokens.
 A supervised phase of 250 steps (teacher forcing) leaves the model partly right (reward about 0.2).
 
 Design fixed before any run (docs/study.md, "The collapse regime"):
@@ -66,14 +66,14 @@ CALIBRATION_QUANTILE = 0.99
 
 @dataclasses.dataclass
 class CollapseConfig(ms.StudyConfig):
-    min_items: int = 176
-    max_items: int = 232
+    min_items: int = 192
+    max_items: int = 248
     d_model: int = 48
     layers: int = 2
     heads: int = 4
     sft_steps: int = 250
     sft_batch: int = 32
-    rl_steps: int = 250
+    rl_steps: int = 400
     prompts_per_step: int = 4
     lr: float = 3e-4  # chosen on the on-policy control alone: at 1e-3 the control itself fell 0.21 -> 0.04 by step 50
     group_size: int = 8
