@@ -675,13 +675,8 @@ def _placeholder_thresholds():
 def plot(result: dict, path: str) -> None:
     """Reward, sequence ESS, top-k KL(μ‖π), gradient norm, rejected / zeroed sequences and routing flips per arm:
     the mean over seeds of 10-step trailing means, with the seeds' min-max band."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG", file=sys.stderr)
+    plt = ms.pyplot()
+    if plt is None:
         return
     panels = (("reward", "reward (10-step mean)", False), ("seq_ess", "sequence-ratio ESS", False),
               ("topk_kl_mean", "top-k KL(mu || pi) per token", True), ("grad_norm", "gradient norm", True),

@@ -545,9 +545,8 @@ def _smoothed(series: torch.Tensor, width: int = 10) -> torch.Tensor:
     return torch.nn.functional.conv1d(padded[:, None], kernel)[:, 0]
 
 
-def plot(result: dict, path: str) -> None:
-    """Reward, the share of ratios outside [0.9, 1.1], the rejected sequences and the gradient norm per arm:
-    the mean over seeds of 10-step trailing means, with the seeds' min-max band."""
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a note) where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -555,6 +554,15 @@ def plot(result: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no PNG", file=sys.stderr)
+        return None
+    return plt
+
+
+def plot(result: dict, path: str) -> None:
+    """Reward, the share of ratios outside [0.9, 1.1], the rejected sequences and the gradient norm per arm:
+    the mean over seeds of 10-step trailing means, with the seeds' min-max band."""
+    plt = pyplot()
+    if plt is None:
         return
     panels = (("reward", "reward (10-step mean)", False), ("out_of_band_fraction", "ratios outside [0.9, 1.1]", False),
               ("rejected_seq_fraction", "rejected sequences", False), ("grad_norm", "gradient norm", True))
