@@ -55,7 +55,7 @@ from rlkernels import PolicyLossConfig, RolloutCorrection
 
 from . import mismatch_study as ms
 from .harness import environment, rss_bytes
-from .mismatch_study import BOS, EOS, FIRST_NUMBER, PAD, SEP
+from .mismatch_study import BOS, FIRST_NUMBER, PAD, SEP
 
 COLLAPSE_MARGIN = 0.15  # fixed before any run (the mismatch study's margin)
 ESS_FALL = 0.5
@@ -233,25 +233,8 @@ def make_prompts(cfg: CollapseConfig, n_prompts: int, g: torch.Generator):
 
 
 def supervised_start(cfg: CollapseConfig, seed: int, kind: str) -> ms.TinyLM:
-    """A brief supervised phase on correct copies (teacher forcing), float32; the same data for both kinds."""
-    torch.manual_seed(seed)
-    model = build(cfg, kind)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
-    g = torch.Generator().manual_seed(10_000 + seed)
-    R = cfg.max_response
-    for _ in range(cfg.sft_steps):
-        prompts, valid, targets = make_prompts(cfg, cfg.sft_batch, g)
-        responses = torch.full((len(targets), R), PAD, dtype=torch.long)
-        for i, t in enumerate(targets):
-            responses[i, :len(t) + 1] = torch.tensor(t + [EOS])
-        lengths = torch.tensor([len(t) + 1 for t in targets])
-        tokens, seq_valid, labels_mask = ms.trainer_inputs(cfg, prompts, valid, responses, lengths)
-        logits = model.head(ms.response_hidden(model, cfg, tokens, seq_valid))
-        loss = F.cross_entropy(logits[labels_mask], responses[labels_mask])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model
+    """The mismatch study's supervised phase on correct walks; the same data for both kinds."""
+    return ms.supervised_start(cfg, seed, build=lambda c: build(c, kind), prompts_of=make_prompts)
 
 
 def rollout(served, cfg, prompts, valid, g):

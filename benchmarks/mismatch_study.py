@@ -230,15 +230,17 @@ def rewards_of(responses: torch.Tensor, lengths: torch.Tensor, targets: List[Lis
     return torch.tensor(out)
 
 
-def supervised_start(cfg: StudyConfig, seed: int) -> TinyLM:
-    """A brief supervised phase on correct sorts (teacher forcing), float32."""
+def supervised_start(cfg: StudyConfig, seed: int, build=TinyLM, prompts_of=None) -> TinyLM:
+    """A brief supervised phase on correct answers (teacher forcing), float32: the model `build(cfg)` makes, on the
+    prompts and targets `prompts_of(cfg, n, generator)` draws (this study's sorts by default)."""
+    prompts_of = prompts_of or make_prompts
     torch.manual_seed(seed)
-    model = TinyLM(cfg)
+    model = build(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
     g = torch.Generator().manual_seed(10_000 + seed)
     R = cfg.max_response
     for _ in range(cfg.sft_steps):
-        prompts, valid, targets = make_prompts(cfg, cfg.sft_batch, g)
+        prompts, valid, targets = prompts_of(cfg, cfg.sft_batch, g)
         responses = torch.full((len(targets), R), PAD, dtype=torch.long)
         for i, t in enumerate(targets):
             responses[i, :len(t) + 1] = torch.tensor(t + [EOS])
