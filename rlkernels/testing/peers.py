@@ -38,15 +38,18 @@ class _InertModule(types.ModuleType):
 
 
 class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    ROOTS = ("ray", "transformers")
+    """Imports every module under `roots` as an instance of `module_class` (an inert stand-in)."""
+
+    def __init__(self, roots, module_class):
+        self.roots, self.module_class = frozenset(roots), module_class
 
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.ROOTS:
+        if name.split(".")[0] in self.roots:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
     def create_module(self, spec):
-        module = _InertModule(spec.name)
+        module = self.module_class(spec.name)
         module.__path__ = []
         return module
 
@@ -55,24 +58,31 @@ class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 @contextlib.contextmanager
+def stand_in_modules(roots, module_class=_InertModule):
+    """Inert modules for those of `roots` that are neither imported nor installed, while the block runs (it gets
+    their names); removed afterwards, so that nothing later finds a fake."""
+    missing = [r for r in roots if r not in sys.modules and importlib.util.find_spec(r) is None]
+    finder = _InertFinder(missing, module_class)
+    if missing:
+        sys.meta_path.insert(0, finder)
+    try:
+        yield missing
+    finally:
+        if missing:
+            sys.meta_path.remove(finder)
+            for key in list(sys.modules):
+                if key.split(".")[0] in finder.roots and isinstance(sys.modules[key], module_class):
+                    del sys.modules[key]
+
+
+@contextlib.contextmanager
 def inert_ray_transformers():
     """verl imports ray and transformers at module level but the loss functions need neither.
 
     Placeholders are installed only if the real packages are missing, and removed afterwards (Liger
     probes `transformers` and takes a wrong branch if it finds a fake one)."""
-    missing = [r for r in _InertFinder.ROOTS if importlib.util.find_spec(r) is None]
-    finder = _InertFinder()
-    if missing:
-        _InertFinder.ROOTS = tuple(missing)
-        sys.meta_path.insert(0, finder)
-    try:
+    with stand_in_modules(("ray", "transformers")):
         yield
-    finally:
-        if missing:
-            sys.meta_path.remove(finder)
-            for key in list(sys.modules):
-                if key.split(".")[0] in missing and isinstance(sys.modules[key], _InertModule):
-                    del sys.modules[key]
 
 
 _VERL = None

@@ -37,7 +37,7 @@ import os
 import sys
 import types
 
-from .peers import _InertModule
+from .peers import _InertModule, stand_in_modules
 
 PINS = {"skyrl": "0.4.0", "openrlhf": "0.11.2", "torchtitan": "0.3.0", "areal": "1.0.4"}
 # the small real dependencies each trainer's loss modules need beyond rlkernels[peers] (pure Python, no dependencies
@@ -71,39 +71,9 @@ class _Inert(_InertModule):
         return False
 
 
-class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots):
-        self.roots = frozenset(roots)
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _Inert(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-@contextlib.contextmanager
 def _stand_ins(roots):
-    """Inert modules for those of `roots` that are not installed, while the block runs; removed after."""
-    missing = [r for r in roots if r not in sys.modules and importlib.util.find_spec(r) is None]
-    finder = _StandInFinder(missing)
-    if missing:
-        sys.meta_path.insert(0, finder)
-    try:
-        yield missing
-    finally:
-        if missing:
-            sys.meta_path.remove(finder)
-            for key in list(sys.modules):
-                if key.split(".")[0] in finder.roots and isinstance(sys.modules[key], _Inert):
-                    del sys.modules[key]
+    """Inert modules (`_Inert`) for those of `roots` that are not installed, while the block runs; removed after."""
+    return stand_in_modules(roots, _Inert)
 
 
 def _bare_package(name: str):
