@@ -10,13 +10,14 @@ from typing import Dict, Optional, Sequence, Union
 
 import torch
 
-from . import ops, step
+from . import notices, ops, step
 from .config import PolicyLossConfig, RolloutCorrection
 from .inputs import (
     DEFAULT_BUCKET_EDGES,
     Arguments,
     DistillationOptions,
     check_baseline_options,
+    check_metrics,
     prepare_baseline_rows,
     prepare_correction,
     prepare_distillation,
@@ -37,6 +38,7 @@ from .outputs import (
     TokenBaseline,
     TokenDivergences,
     TokenStats,
+    floats_of,
     shaped_stats,
 )
 from .stage import baseline, parity
@@ -112,7 +114,9 @@ def decoupled_ppo_loss(
     """
     args = Arguments.of(locals())
     config, batch = prepare_logits_loss(logits, args, config, overrides)
-    return step.logits_loss(logits, batch, config)
+    out = step.logits_loss(logits, batch, config)
+    notices.watch(out.metrics, config.validate)
+    return out
 
 
 def linear_decoupled_ppo_loss(
@@ -156,7 +160,9 @@ def linear_decoupled_ppo_loss(
     """
     args = Arguments.of(locals())
     config, batch = prepare_hidden_loss(hidden, weight, bias, args, config, overrides)
-    return step.hidden_loss(hidden, weight, bias, batch, config)
+    out = step.hidden_loss(hidden, weight, bias, batch, config)
+    notices.watch(out.metrics, config.validate)
+    return out
 
 
 def policy_loss(
@@ -184,7 +190,9 @@ def policy_loss(
     args = Arguments.of(locals())
     config, batch = prepare_policy(logprobs, args, config, overrides)
     stats = ops.Statistics(logprobs.reshape(-1), None if entropy is None else entropy.reshape(-1), None)
-    return step.policy_output(stats, batch, config)
+    out = step.policy_output(stats, batch, config)
+    notices.watch(out.metrics, config.validate)
+    return out
 
 
 def token_logprobs(
@@ -204,7 +212,8 @@ def token_logprobs(
         compute_sum_pi_squared: also return sum_v p_v^2 of each row (no autograd).
         ignore_index: the label of rows outside any loss.
         backend: "auto", "torch", "cpu", "triton" or "cuda".
-        validate: run the value checks (label range, temperatures, kept ids): one host sync.
+        validate: run the value checks (label range, temperatures, kept ids): one host sync before the pass, and
+            one after it that refuses a row holding a NaN or +inf logit (read from the [N] log-probs, SPEC §11).
         inplace_backward: let the backward write dlogits into the logits' storage.
         tp_group: vocabulary parallelism, as in `decoupled_ppo_loss`.
         dp_group: accepted so that one set of group arguments fits every entry point; per-token
@@ -229,7 +238,9 @@ def token_logprobs(
     batch = prepare_stats(logits, args, backend, validate, inplace_backward, numerics)
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, inplace_backward=inplace_backward,
                               numerics=numerics)
-    return shaped_stats(ops.token_stats(logits, batch, options), batch.token_shape)
+    stats = ops.token_stats(logits, batch, options)
+    step.checked_rows("logits", stats.logprobs, batch, validate)
+    return shaped_stats(stats, batch.token_shape)
 
 
 def linear_token_logprobs(
@@ -267,6 +278,7 @@ def linear_token_logprobs(
                               memory_budget_bytes=memory_budget_bytes, head_dtype=head_dtype, numerics=numerics)
     batch = prepare_linear_stats(hidden, weight, bias, Arguments.of(locals()), validate, options)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
+    step.checked_rows("hidden", stats.logprobs, batch, validate)
     return shaped_stats(stats, batch.token_shape)
 
 
@@ -370,7 +382,9 @@ def rollout_correction(
     """
     args = Arguments.of(locals())
     given = prepare_correction(train_logprobs, args, config, validate, divergences)
-    return step.rollout_correction(train_logprobs, given.batch, config, given.divergences, given.form)
+    out = step.rollout_correction(train_logprobs, given.batch, config, given.divergences, given.form)
+    notices.watch(out.metrics, validate)
+    return out
 
 
 def optimal_token_baseline(
@@ -453,8 +467,10 @@ def logprob_parity(
 
     Over the response tokens: the fraction whose two log-probs have the same bits; each sequence's first position
     where they differ; per bucket of the rollout probability exp(rollout_logprobs), the token count and the mean
-    and max |trainer - rollout|. No host synchronisation beyond cu_seqlens' check: `metrics_to_floats(
-    report.metrics)` reads every value back with one.
+    and max |trainer - rollout|. No host synchronisation beyond the value checks (`validate=True`: one):
+    `metrics_to_floats(report.metrics)` reads every value back with one. With no response token to compare,
+    `tokens` is 0 and `match_rate` NaN ("none compared", never 0, which would read as "none matched"); so is
+    `diverged_sequence_fraction` with no sequence holding a response token.
 
     Args:
         trainer_logprobs: [B, T] (padded) or [N] (packed) float, the trainer's log-probs of the sampled tokens.
@@ -463,7 +479,8 @@ def logprob_parity(
         response_mask: like trainer_logprobs, bool or 0/1: the tokens compared.
         cu_seqlens: [S + 1] offsets of the packed layout (None: a padded batch, or one packed sequence).
         bucket_edges: increasing probabilities from 0.0 to 1.0; the last bucket includes 1.0.
-        validate: check cu_seqlens' offsets against the tokens (one host sync; only with cu_seqlens).
+        validate: the value checks, as the loss makes them (one host sync): no NaN log-prob on a response token,
+            a mask of 0/1 or bool, cu_seqlens' offsets covering the tokens.
 
     Returns:
         LogprobParity (rlkernels.outputs), with its values also as `metrics` (`logprob_parity/match_rate`,
@@ -475,9 +492,16 @@ def logprob_parity(
 
 
 def metrics_to_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
-    """Device metrics -> Python floats for loggers, with one host synchronisation for all of them."""
-    if not metrics:
-        return {}
-    names = list(metrics)
-    values = torch.stack([metrics[n].detach().reshape(()).to(torch.float64) for n in names]).cpu().tolist()
-    return dict(zip(names, values))
+    """Device metrics -> Python floats for loggers, with one host synchronisation for all of them.
+
+    Args:
+        metrics: a dict of names to 0-d (one-element) tensors, as the outputs' `.metrics`; Python numbers pass
+            through as floats. Tensors on several devices cost one synchronisation per device.
+
+    Returns:
+        {name: float}, in the dict's order. Reading a step whose rollout correction rejected every response token
+        (`rollout_corr/rollout_rs_all_rejected` = 1) also warns, once per process.
+    """
+    values = floats_of(check_metrics(metrics))
+    notices.read(values)
+    return values

@@ -390,7 +390,9 @@ class PolicyLossConfig:
             aliases of k1, k2 and k3.
         rollout_correction: a `RolloutCorrection` or None.
         backend: "auto", "torch", "cpu", "triton" or "cuda".
-        validate: run the value checks of SPEC §11 (one device sync). False for sync-free steps.
+        validate: run the value checks of SPEC §11: one device sync before the vocabulary pass (labels, NaN
+            log-probs and advantages, masks, offsets) and one after it (a row of logits or hidden states holding a
+            NaN or +inf, read from the pass's [N] log-probs). False for sync-free steps.
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).

@@ -1,10 +1,14 @@
-"""`python -m rlkernels.demo`: a synthetic RL batch with a train-inference mismatch, corrected six ways.
+"""`python -m rlkernels.demo`: a synthetic RL batch with a train-inference mismatch and a few bad responses,
+corrected six ways.
 
 Builds a packed batch of responses (128 by default) over a realistic vocabulary, simulates the
 inference engine (the same model with perturbed logits, which samples the responses and reports
-their log-probabilities, plus a few "toxic" responses whose reported probabilities drifted far),
-runs `decoupled_ppo_loss` with plain PPO and five rollout-correction presets, and prints the loss
-and the diagnostics with a health verdict. Then it times forward + backward of the fused loss
+their log-probabilities), and makes a few of the responses bad: the engine reported them far less likely
+than it drew them (a drifted engine, the failure the corrections target). It prints the batch's mismatch once,
+with and without the bad responses, then runs `decoupled_ppo_loss` with plain PPO and the rollout-correction
+presets (their bounds printed, a bound the demo sets marked as such) and says, per preset, what happened to the
+bad responses (rejected, their weight capped, or let through), how much of the batch it kept (tokens and
+sequences), and a verdict. Then it times forward + backward of the fused loss
 against the naive PyTorch composition a trainer would otherwise write: both sides on the same
 inputs, warmed up first, then run interleaved; it reports the medians, the speed-up or slow-down in
 words, the first-call times when they stand out, peak memory where it can be measured honestly
@@ -15,37 +19,53 @@ for the CPUs during the timing, and checks that both sides give the same loss an
 import argparse
 import ctypes
 import functools
+import inspect
+import math
 import statistics
 import sys
 import time
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection
 
-# Health thresholds from the rollout-correction literature (verl docs, "When Speed Kills Stability")
+# Health thresholds from the rollout-correction literature (verl docs, "When Speed Kills Stability"): of a preset's
+# IS weights, and of the batch's mismatch
 HEALTH = {
     "rollout_corr/rollout_is_mean": ("mean IS weight", lambda v: 0.5 <= v <= 2.0, "in [0.5, 2]"),
     "rollout_corr/rollout_is_eff_sample_size": ("ESS", lambda v: v >= 0.3, ">= 0.3"),
-    "rollout_corr/kl": ("kl(mu||pi)", lambda v: abs(v) <= 0.1, "|kl| <= 0.1"),
-    "rollout_corr/chi2_token": ("chi2 token", lambda v: v <= 1.0, "<= 1"),
 }
+MISMATCH = (  # (metric, label, healthy range or None)
+    ("rollout_corr/kl", "KL(mu||pi), k1 estimate (may be < 0)", (-0.1, 0.1)),
+    ("rollout_corr/k3_kl", "KL(mu||pi), k3 estimate (>= 0)", None),
+    ("rollout_corr/chi2_token", "chi2 per token", (0.0, 1.0)),
+    ("rollout_corr/tv_token", "TV per token", None),
+)
+DRIFT = 1.5  # nats per token by which the engine under-reports a bad response's log-probs
 
-PRESETS = {
-    "none (plain PPO)": None,
-    "token-TIS (C=2)": RolloutCorrection.token_tis(),
-    "seq-MIS": RolloutCorrection.seq_mis(),
-    "Geo-RS + token-TIS": RolloutCorrection.geo_rs_token_tis(bounds=(0.9, 1.1)),
-    "IcePop": RolloutCorrection.icepop(),
-    "K3-RS": RolloutCorrection.k3_rs(threshold=0.05),
-}
+# (name, preset, the keyword arguments the demo gives it: a bound set here, not the preset's own)
+PRESETS = (
+    ("none (plain PPO)", None, {}),
+    ("token-TIS", RolloutCorrection.token_tis, {}),
+    ("seq-MIS", RolloutCorrection.seq_mis, {}),
+    ("Geo-RS + token-TIS", RolloutCorrection.geo_rs_token_tis, {}),
+    ("Geo-RS + token-TIS, wide", RolloutCorrection.geo_rs_token_tis, dict(bounds=(0.9, 1.1))),
+    ("IcePop", RolloutCorrection.icepop, {}),
+    ("K3-RS", RolloutCorrection.k3_rs, dict(threshold=0.05)),
+)
 
 
-def synthetic_batch(num_seqs: int, vocab: int, device, seed: int = 0, dtype=torch.float32):
+class Batch(NamedTuple):
+    inputs: Dict[str, torch.Tensor]  # decoupled_ppo_loss's keyword arguments
+    bad: List[int]  # the bad responses (sequence indices)
+    bad_tokens: torch.Tensor  # [N] bool, their tokens
+
+
+def synthetic_batch(num_seqs: int, vocab: int, device, seed: int = 0, dtype=torch.float32) -> Batch:
     """A packed batch: the trainer's logits, the tokens the inference engine sampled, and the
-    log-probabilities the engine reported for them."""
+    log-probabilities the engine reported for them; one response in 50 (at least one) is bad."""
     device = torch.device(device)
     g_cpu = torch.Generator().manual_seed(seed)  # sequence lengths and the choice of toxic responses
     g = torch.Generator(device=device).manual_seed(seed)  # the [N, V] draws, made where they are used
@@ -66,18 +86,20 @@ def synthetic_batch(num_seqs: int, vocab: int, device, seed: int = 0, dtype=torc
         del engine
         lp = trainer.gather(1, labels[:, None]).squeeze(1) - torch.logsumexp(trainer, -1)
         del trainer
-    # a few toxic responses whose engine probabilities drifted far (the failure the fixes target)
-    toxic = torch.zeros(N, dtype=torch.bool, device=device)
-    for i in torch.randperm(num_seqs, generator=g_cpu)[: max(1, num_seqs // 50)].tolist():
-        toxic[cu[i]: cu[i + 1]] = True
-    rollout = torch.where(toxic, rollout - 1.5, rollout)
+    # a few bad responses whose engine probabilities drifted far (the failure the fixes target)
+    bad = sorted(torch.randperm(num_seqs, generator=g_cpu)[: max(1, num_seqs // 50)].tolist())
+    bad_tokens = torch.zeros(N, dtype=torch.bool, device=device)
+    for i in bad:
+        bad_tokens[cu[i]: cu[i + 1]] = True
+    rollout = torch.where(bad_tokens, rollout - DRIFT, rollout)
     old = lp - 0.02 * torch.randn(N, generator=g, device=device)  # the proximal policy: one step behind
     seq_reward = torch.randn(num_seqs, generator=g, device=device)
     advantages = seq_reward.repeat_interleave(lengths.to(device))
     mask = torch.ones(N, dtype=torch.bool, device=device)
     mask[cu[:-1].to(device)] = False  # the first token of each row is prompt, not response
-    return dict(logits=logits, labels=labels, advantages=advantages, response_mask=mask, old_logprobs=old,
-                rollout_logprobs=rollout, cu_seqlens=cu.to(device))
+    inputs = dict(logits=logits, labels=labels, advantages=advantages, response_mask=mask, old_logprobs=old,
+                  rollout_logprobs=rollout, cu_seqlens=cu.to(device))
+    return Batch(inputs, bad, bad_tokens & mask)
 
 
 def naive_decoupled_ppo(logits, labels, advantages, response_mask, old_logprobs, rollout_logprobs,
@@ -185,7 +207,7 @@ def _speed_in_words(t_naive: float, t_fused: float) -> str:
 
 
 def _arguments(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rlkernels.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=128, help="responses in the batch (default 128)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -197,6 +219,22 @@ def _arguments(argv):
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.sequences < 2:
+        parser.error(f"--sequences must be at least 2 (a bad response among good ones), got {args.sequences}")
+    if args.vocab < 2:
+        parser.error(f"--vocab must be at least 2, got {args.vocab}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available to this PyTorch "
+                     f"({torch.__version__}, {'a CPU-only build' if torch.version.cuda is None else 'no GPU found'}); "
+                     "use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     return args
 
 
@@ -215,29 +253,136 @@ def _first_calls(sides, logits, device):
     return first, (loss_naive, loss_fused), grad_diff, grad_naive.float().abs().max().item()
 
 
-def _print_presets(batch) -> None:
-    """The table: each preset's loss, kept tokens and diagnostics, with a health verdict."""
-    rows = []
-    with torch.no_grad():  # the table needs the forward only (the loss, its mask and its metrics)
-        for name, preset in PRESETS.items():
-            out = rlkernels.decoupled_ppo_loss(**batch, config=PolicyLossConfig(rollout_correction=preset))
-            m = rlkernels.metrics_to_floats(out.metrics)  # one host sync for every metric
-            kept = out.mask.sum().item() / max(1, batch["response_mask"].sum().item())
-            failed = [label for key, (label, ok, _) in HEALTH.items() if key in m and not ok(m[key])]
-            rows.append((name, out.loss.item(), kept, m.get("rollout_corr/rollout_is_mean"),
-                         m.get("rollout_corr/rollout_is_eff_sample_size"), m["rollout_corr/kl"],
-                         m["rollout_corr/chi2_token"], m["actor/pg_clipfrac"],
-                         "healthy" if not failed else "check " + ", ".join(failed)))
-            del out
-    header = (f"{'preset':<20} {'loss':>9} {'kept':>6} {'IS mean':>8} {'ESS':>6} {'kl':>8} {'chi2_tok':>9} "
-              f"{'clipfrac':>8}  verdict")
+def _print_batch(batch: Batch) -> None:
+    """The batch's story and its train-inference mismatch, once: it is the batch's, whatever the correction (the
+    IS log-ratio log pi_old - log mu of the decoupled loss), with and without the bad responses."""
+    x = batch.inputs
+    mask, cu = x["response_mask"], x["cu_seqlens"]
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    bad = len(batch.bad)
+    print(f"The batch: {len(lengths)} responses, which the engine sampled with its own numerics (the trainer's "
+          f"logits plus noise).\n{bad} of them {'is' if bad == 1 else 'are'} bad: the engine reported "
+          f"{'its' if bad == 1 else 'their'} tokens {DRIFT} nats less likely than it drew them (a drifted engine): "
+          + ", ".join(f"response #{i} ({lengths[i]} tokens)" for i in batch.bad) + ".\n")
+    columns = {}
+    for title, keep in (("all responses", mask), ("without the bad ones", mask & ~batch.bad_tokens)):
+        out = rlkernels.rollout_correction(x["old_logprobs"], x["rollout_logprobs"], keep, cu_seqlens=cu,
+                                           config=RolloutCorrection())
+        columns[title] = rlkernels.metrics_to_floats(out.metrics)
+    width = max(len(label) for _, label, _ in MISMATCH)
+    print(f"The batch's train-inference mismatch, per token (rho = pi_old / mu; the batch's, the same for every "
+          f"preset below):\n  {'':<{width}}" + "".join(f"  {title:>20}" for title in columns))
+    for key, label, healthy in MISMATCH:
+        cells = []
+        for values in columns.values():
+            v = values[key]
+            flag = "" if healthy is None or healthy[0] <= v <= healthy[1] else " (high)"
+            cells.append(f"{v:>20.4f}" if not flag else f"{f'{v:.4f}{flag}':>20}")
+        print(f"  {label:<{width}}" + "".join(f"  {c}" for c in cells))
+    print()
+
+
+def _describe(preset, overrides: dict) -> str:
+    """What a preset keeps, in words, with its bounds; a bound set here is marked, beside the preset's default."""
+    if preset is None:
+        return "no correction: every response at weight 1, whatever the engine reported"
+    rc = preset(**overrides)
+    parts = []
+    if rc.is_level is not None:
+        level = "token" if rc.is_level == "token" else "sequence"
+        lo, hi = rc.is_range
+        parts.append(f"{level} IS weight 0 outside [{lo:g}, {hi:g}]" if rc.is_icepop
+                     else f"{level} IS weight truncated at {hi:g}")
+    for option, bound in rc.rs:
+        what = {"seq_sum_k1": "its ratio prod(rho)", "seq_mean_k1": "its geometric-mean ratio",
+                "seq_mean_k3": "its mean k3 = rho - log(rho) - 1"}.get(option, option)
+        limit = f"outside [{bound[0]:g}, {bound[1]:g}]" if isinstance(bound, tuple) else f"above {bound:g}"
+        parts.append(f"reject a sequence with {what} {limit}")
+    text = "; ".join(parts)
+    if overrides:  # a bound the demo sets, beside the preset's own default
+        defaults = inspect.signature(preset).parameters
+        text += " (set here; the preset's default: " + ", ".join(
+            f"{k}={defaults[k].default}" for k in overrides) + ")"
+    return text
+
+
+class _Result(NamedTuple):
+    loss: float
+    tokens_kept: float  # the share of the response tokens left in the final mask
+    seqs_kept: int  # sequences with a response token left
+    seqs: int
+    bad_rejected: int  # bad responses with no token left
+    bad_weight: Optional[float]  # the mean IS weight of the bad responses' tokens left (None: no weights)
+    others_weight: Optional[float]  # the same of the other tokens
+    metrics: Dict[str, float]
+
+
+def _run_preset(batch: Batch, preset, overrides: dict) -> _Result:
+    x = batch.inputs
+    rc = None if preset is None else preset(**overrides)
+    with torch.no_grad():  # the forward only: the loss, its mask and its metrics
+        out = rlkernels.decoupled_ppo_loss(**x, config=PolicyLossConfig(rollout_correction=rc))
+    m = rlkernels.metrics_to_floats(out.metrics)  # one host sync for every metric
+    cu = x["cu_seqlens"].cpu()
+    mask, kept = x["response_mask"].cpu(), out.mask.cpu()
+    def per_seq(t):  # noqa: E306
+        return torch.segment_reduce(t.float(), "sum", lengths=(cu[1:] - cu[:-1]))
+    responding, left = per_seq(mask) > 0, per_seq(kept) > 0
+    bad_tokens = batch.bad_tokens.cpu()
+    weights = None if out.is_weights is None else out.is_weights.cpu()
+
+    def mean_weight(tokens):
+        tokens = tokens & kept
+        return None if weights is None or not tokens.any() else float(weights[tokens].mean())
+
+    return _Result(out.loss.item(), kept.sum().item() / max(1, mask.sum().item()), int((left & responding).sum()),
+                   int(responding.sum()), sum(not bool(left[i]) for i in batch.bad), mean_weight(bad_tokens),
+                   mean_weight(~bad_tokens), m)
+
+
+def _verdict(r: _Result, num_bad: int) -> str:
+    words = []
+    if r.seqs_kept < 0.5 * r.seqs:
+        words.append(f"rejects {1 - r.seqs_kept / r.seqs:.0%} of all sequences: bounds too narrow for this batch")
+    elif r.bad_rejected == num_bad:
+        words.append("catches the bad responses")
+    elif r.bad_weight is not None and r.others_weight is not None and r.bad_weight <= 2.5 * r.others_weight:
+        words.append("bounds the bad responses' weight")
+    else:
+        words.append("lets the bad responses through")
+    failed = [label for key, (label, ok, _) in HEALTH.items() if key in r.metrics and not ok(r.metrics[key])]
+    if failed:
+        words.append("check " + ", ".join(failed))
+    return "; ".join(words)
+
+
+def _print_presets(batch: Batch) -> None:
+    """Each preset: its bounds, then a table of what it did to the batch and to the bad responses."""
+    width = max(len(name) for name, _, _ in PRESETS)
+    print("The corrections:")
+    for name, preset, overrides in PRESETS:
+        print(f"  {name:<{width}}  {_describe(preset, overrides)}")
+    rows = [(name, _run_preset(batch, preset, overrides)) for name, preset, overrides in PRESETS]
+    header = (f"\n{'preset':<{width}}  {'loss':>8}  {'tokens kept':>11}  {'sequences kept':>14}  "
+              f"{'bad responses':<24}  {'IS mean':>7}  {'ESS':>5}  verdict")
     print(header)
-    print("-" * len(header))
-    fmt = lambda v, width: f"{'-':>{width}}" if v is None else f"{v:>{width}.3f}"  # noqa: E731
-    for name, loss, kept, is_mean, ess, kl, chi2, clipfrac, verdict in rows:
-        print(f"{name:<20} {loss:>9.5f} {kept:>6.1%} {fmt(is_mean, 8)} {fmt(ess, 6)} {kl:>8.4f} "
-              f"{chi2:>9.4f} {clipfrac:>8.3f}  {verdict}")
-    print("\nhealth thresholds: " + "; ".join(f"{label} {rule}" for label, _, rule in HEALTH.values()))
+    print("-" * len(header.strip()))
+    fmt = lambda v, w: f"{'-':>{w}}" if v is None else f"{v:>{w}.3f}"  # noqa: E731
+    for name, r in rows:
+        if r.bad_rejected:
+            fate = f"rejected {r.bad_rejected}/{len(batch.bad)}"
+        elif r.bad_weight is None:
+            fate = "kept, weight 1"
+        else:
+            fate = f"kept, weight {r.bad_weight:.2f} ({r.others_weight:.2f})" if r.others_weight is not None else \
+                f"kept, weight {r.bad_weight:.2f}"
+        print(f"{name:<{width}}  {r.loss:>8.5f}  {r.tokens_kept:>11.1%}  {f'{r.seqs_kept}/{r.seqs}':>14}  "
+              f"{fate:<24}  {fmt(r.metrics.get('rollout_corr/rollout_is_mean'), 7)}  "
+              f"{fmt(r.metrics.get('rollout_corr/rollout_is_eff_sample_size'), 5)}  {_verdict(r, len(batch.bad))}")
+    print("\n(bad responses: how many the preset rejected, or the mean IS weight their tokens got (the other tokens' "
+          "in brackets);\n the raw weight pi_old/mu of a bad token is about "
+          f"e^{DRIFT} = {math.exp(DRIFT):.1f}. Health of the IS weights: "
+          + "; ".join(f"{label} {rule}" for label, _, rule in HEALTH.values()) + ")")
 
 
 class _Timing(NamedTuple):
@@ -317,7 +462,8 @@ def _print_timing(timing: _Timing, first, repeats: int, logits_size: str) -> Non
 def main(argv=None):
     args = _arguments(argv)
     device = torch.device(args.device)
-    batch = synthetic_batch(args.sequences, args.vocab, device, dtype=getattr(torch, args.dtype))
+    bad_batch = synthetic_batch(args.sequences, args.vocab, device, dtype=getattr(torch, args.dtype))
+    batch = bad_batch.inputs
     N = batch["labels"].numel()
     logits_bytes = batch["logits"].numel() * batch["logits"].element_size()
     logits_size = _size(logits_bytes)
@@ -337,7 +483,8 @@ def main(argv=None):
                                                          **rest).loss,
     }
     first, (loss_naive, loss_fused), grad_diff, grad_scale = _first_calls(sides, logits, device)
-    _print_presets(batch)
+    _print_batch(bad_batch)
+    _print_presets(bad_batch)
     # (on the CPU the peak is the resident set, coarse by a few MiB: left out for small batches)
     timing = _time_sides(sides, logits, device, args.repeats, device.type != "cpu" or logits_bytes >= 64 * 2**20)
     _print_timing(timing, first, args.repeats, logits_size)

@@ -20,7 +20,7 @@ class PolicyLossOutput(NamedTuple):
 class LogprobParity(NamedTuple):
     """The trainer's log-probs against the rollout engine's on the response tokens (`logprob_parity`); device
     tensors, read back with one host sync through `metrics_to_floats(report.metrics)`."""
-    match_rate: torch.Tensor  # () the fraction of response tokens whose two log-probs have the same bits
+    match_rate: torch.Tensor  # () the fraction of response tokens whose two log-probs have the same bits; NaN: none
     matched: torch.Tensor  # () int64, how many
     tokens: torch.Tensor  # () int64, response tokens
     first_divergence: torch.Tensor  # [S] int64: each sequence's first response position that differs; -1: none
@@ -78,3 +78,20 @@ def shaped(t: Optional[torch.Tensor], token_shape) -> Optional[torch.Tensor]:
 def shaped_stats(stats, token_shape) -> TokenStats:
     """Flat [N] statistics (log-probs, entropy, Σπ²) as TokenStats in the caller's token shape."""
     return TokenStats(*(shaped(t, token_shape) for t in stats))
+
+
+def floats_of(items) -> Dict[str, float]:
+    """(name, 0-d tensor or number) pairs -> Python floats, with one host synchronisation per device the tensors
+    are on (one in a training step: its metrics live where its loss does)."""
+    values: Dict[str, float] = {}
+    by_device: Dict[torch.device, list] = {}
+    for name, value in items:
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(name)
+        else:
+            values[name] = float(value)
+    tensors = dict(items)
+    for names in by_device.values():
+        read = torch.stack([tensors[n].detach().reshape(()).to(torch.float64) for n in names]).cpu().tolist()
+        values.update(zip(names, read))
+    return {name: values[name] for name, _ in items}

@@ -23,6 +23,7 @@ from . import ops, stage
 from .backends import statistics_dtype
 from .config import SAMPLER_HEAD_LOSSES, PolicyLossConfig, RolloutCorrection
 from .inputs import DistillationInputs, DivergenceInputs, PreparedBatch
+from .inputs.checks import refuse_non_finite_rows
 from .outputs import (
     CorrectionOutput,
     DistillationOutput,
@@ -45,17 +46,28 @@ def pass_options(config: PolicyLossConfig) -> ops.PassOptions:
                            numerics=config.numerics)
 
 
+def checked_rows(source: str, logprobs: torch.Tensor, batch: PreparedBatch, validate: bool) -> None:
+    """validate=True: refuse a row of the pass whose logits (from `source`, "logits" or "hidden") hold a NaN or
+    +inf, read from its [N] log-probs (one host sync, SPEC §11)."""
+    if validate:
+        refuse_non_finite_rows(source, logprobs, batch.mask, batch.token_shape)
+
+
 def logits_loss(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig) -> PolicyLossOutput:
     """decoupled_ppo_loss: the current policy's statistics from the logits, then the stage."""
     options = pass_options(config)
     head = batch.sampler_head
     if head is None:
-        return policy_output(ops.token_stats(logits, batch, options), batch, config)
+        stats = ops.token_stats(logits, batch, options)
+        checked_rows("logits", stats.logprobs, batch, config.validate)
+        return policy_output(stats, batch, config)
     if head.ids is not None:
         stats = ops.head_stats(logits, batch, options, head.ids)
+        checked_rows("logits", stats.logprobs, batch, config.validate)
         return policy_output(ops.Statistics(*stats[:3]), batch, config, "logits",
                              _topk_evidence(stats.head_logprobs, batch, config))
     stats = ops.token_stats(logits, batch, options)
+    checked_rows("logits", stats.logprobs, batch, config.validate)
     with torch.no_grad():
         values = ops.full_divergences(logits.detach(), head.logits, batch.mask, batch.temperature,
                                       batch.temperature, backend=options.backend)
@@ -74,16 +86,19 @@ def hidden_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     rows = hidden.reshape(-1, hidden.shape[-1])
     head = batch.sampler_head
     if head is None:
-        return policy_output(ops.linear_token_stats(rows, weight, bias, batch, options), batch, config,
-                             "linear_two_pass")
+        stats = ops.linear_token_stats(rows, weight, bias, batch, options)
+        checked_rows("hidden", stats.logprobs, batch, config.validate)
+        return policy_output(stats, batch, config, "linear_two_pass")
     if head.ids is not None:
         # the head's log-probs from k + 1 gathered rows of the head and the pass's log p_y, with autograd only
         # for a loss that reads them
         stats = ops.linear_head_stats(rows, weight, bias, batch, options, head.ids,
                                       head_grad=config.loss_type in SAMPLER_HEAD_LOSSES)
+        checked_rows("hidden", stats.logprobs, batch, config.validate)
         return policy_output(ops.Statistics(*stats[:3]), batch, config, "linear_two_pass",
                              _topk_evidence(stats.head_logprobs, batch, config))
     stats = ops.linear_token_stats(rows, weight, bias, batch, options)
+    checked_rows("hidden", stats.logprobs, batch, config.validate)
     values = ops.linear_full_divergences(rows, weight, bias, head.logits, batch, options)
     return policy_output(stats, batch, config, "linear_two_pass",
                          SamplerEvidence(_record("full", Divergences(*values), batch.mask)))
@@ -139,6 +154,7 @@ def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
         return out.coef_logprob.index_select(0, idx), e
 
     grads = ops.linear_forward_gradient(rows, weight, bias, batch, options, coefficients, stage.kept_mask(corrected))
+    checked_rows("hidden", grads.logprobs, batch, config.validate)
     detached = TokenStats(grads.logprobs, grads.entropy, None)
     # the correction is reused unless it reads the current policy (bypass mode's mismatch metrics): then the split
     # is combined a second time. Eager either way: a compiled stage takes no precomputed correction

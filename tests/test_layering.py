@@ -33,7 +33,8 @@ ALLOWED = {
     "outputs": set(),  # the public result types
     "inputs": {"config", "stage", "ops", "backends", "outputs"},
     "step": {"config", "stage", "ops", "backends", "inputs", "outputs"},
-    "api": {"config", "stage", "ops", "backends", "inputs", "outputs", "step"},
+    "api": {"config", "stage", "ops", "backends", "inputs", "outputs", "step", "notices"},
+    "notices": set(),  # warnings read from device values without a sync
     "integrations": {"api", "config", "integrations"},
     "schedules": set(),
     "testing": {"api", "config", "stage", "inputs", "outputs", "ops", "backends"},  # helpers for tests and benchmarks

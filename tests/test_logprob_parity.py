@@ -67,7 +67,8 @@ def test_bits_not_values():
     inf = math.inf
     trainer = torch.tensor([[0.0, -inf, math.nan, -1.0]])
     rollout = torch.tensor([[-0.0, -inf, math.nan, -1.0]])
-    report = rlkernels.logprob_parity(trainer, rollout, torch.ones(1, 4, dtype=torch.bool))
+    # validate=False: a NaN log-prob is refused by the checks, as the loss refuses it; without them its bits compare
+    report = rlkernels.logprob_parity(trainer, rollout, torch.ones(1, 4, dtype=torch.bool), validate=False)
     # -0.0 has other bits than 0.0 (a different operation order, not a different value); two -inf agree (their
     # difference would be NaN); the same NaN agrees with itself
     assert int(report.matched) == 3 and report.first_divergence.tolist() == [0]
@@ -84,13 +85,45 @@ def test_one_bf16_ulp_is_a_divergence():
     assert float(report.metrics["logprob_parity/max_abs_diff"]) == 2.0**-7  # a bf16 ulp in [1, 2)
 
 
-def test_empty_responses_give_zeros():
-    report = rlkernels.logprob_parity(TRAINER, _rollout(), torch.zeros_like(MASK))
-    assert int(report.tokens) == 0 and float(report.match_rate) == 0.0
-    assert report.first_divergence.tolist() == [-1, -1]
-    assert all(float(v) == 0.0 for v in report.metrics.values())
-    empty = rlkernels.logprob_parity(torch.zeros(3, 0), torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.bool))
-    assert empty.first_divergence.tolist() == [-1, -1, -1] and int(empty.tokens) == 0
+def test_nothing_compared_reads_as_none_not_as_no_match():
+    """An all-masked or empty batch: 0 tokens, and the two fractions NaN (a fraction of nothing), every other value 0;
+    never match_rate 0, which reads as "nothing matched"."""
+    fractions = ("logprob_parity/match_rate", "logprob_parity/diverged_sequence_fraction")
+    for report in (rlkernels.logprob_parity(TRAINER, _rollout(), torch.zeros_like(MASK)),
+                   rlkernels.logprob_parity(torch.zeros(3, 0), torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.bool)),
+                   rlkernels.logprob_parity(torch.zeros(0), torch.zeros(0), torch.zeros(0),
+                                            cu_seqlens=torch.tensor([0]))):
+        assert int(report.tokens) == 0 and math.isnan(float(report.match_rate))
+        assert set(report.first_divergence.tolist()) <= {-1}
+        values = rlkernels.metrics_to_floats(report.metrics)
+        assert all(math.isnan(values[name]) for name in fractions)
+        assert all(v == 0.0 for name, v in values.items() if name not in fractions)
+    # one sequence answered, the other not: the fraction runs over the one
+    mask = torch.zeros_like(MASK)
+    mask[1, 0] = True
+    report = rlkernels.logprob_parity(TRAINER, _rollout(), mask)
+    assert float(report.match_rate) == 1.0 and float(report.metrics[fractions[1]]) == 0.0
+
+
+@pytest.mark.parametrize("name, bad", [("trainer_logprobs", "nan"), ("rollout_logprobs", "nan"),
+                                       ("response_mask", 0.5), ("response_mask", 2.0), ("response_mask", "nan")])
+def test_degenerate_values_are_refused_as_the_loss_refuses_them(name, bad):
+    """validate=True (the default) checks what decoupled_ppo_loss checks: no NaN log-prob on a response token, a mask
+    of 0/1 or bool (0.5 and 2 would be read as true). Off the mask a NaN is padding and passes."""
+    args = dict(trainer_logprobs=TRAINER.clone(), rollout_logprobs=_rollout(), response_mask=MASK.float())
+    args[name][0, 1] = float(bad)
+    with pytest.raises(ValueError, match=f"{name}: expected"):
+        rlkernels.logprob_parity(*args.values())
+    loss_name = {"trainer_logprobs": "logprobs"}.get(name, name)  # policy_loss's name of the trainer's log-probs
+    with pytest.raises(ValueError, match=f"^{loss_name}: expected"):  # the loss says the same of the same tensor
+        lp = args["trainer_logprobs"].requires_grad_(name != "trainer_logprobs")
+        rlkernels.policy_loss(lp, torch.ones_like(TRAINER), args["response_mask"],
+                              rollout_logprobs=args["rollout_logprobs"])
+    args[name][0, 1] = 1.0 if name == "response_mask" else -1.0
+    args["trainer_logprobs"] = args["trainer_logprobs"].detach()
+    off_mask = torch.nonzero(MASK == 0)[0].tolist()
+    args["trainer_logprobs"][tuple(off_mask)] = math.nan
+    assert int(rlkernels.logprob_parity(*args.values()).tokens) == int(MASK.sum())
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -113,7 +146,7 @@ def test_no_host_read(monkeypatch):
 
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
-    report = rlkernels.logprob_parity(TRAINER, _rollout(), MASK)  # padded: no offsets to check, no sync
+    report = rlkernels.logprob_parity(TRAINER, _rollout(), MASK, validate=False)  # no value checks: no sync
     monkeypatch.undo()
     assert int(report.matched) == 5
 

@@ -144,9 +144,13 @@ void stats_rows(const T* logits, int64_t stride, const int64_t* labels, int64_t 
       if (has_target || y == kForeignTarget) {
         const float* z = row_as_float(logits + r * stride, V, buffer);
         const float m = row_max_of(z, V);
-        if (m == -kInf) {  // no finite logit: no distribution
+        if (m == -kInf && std::none_of(z, z + V, [](float x) { return std::isnan(x); })) {
+          // no finite logit: no distribution (the scan for a NaN, which never wins the max, runs on such rows
+          // only: a NaN row must come out NaN, as in the other backends, for validate=True to refuse it)
           out_ln = -kInf;
           out_lp = has_target ? -kInf : 0.f;
+        } else if (m == -kInf) {
+          out_ln = out_lp = out_h = out_s2 = std::numeric_limits<float>::quiet_NaN();
         } else {
           // kLanes partial sums over blocks of kBlock elements, each block's total added in
           // float64: the float32 error grows with kBlock / kLanes terms, not V / kLanes

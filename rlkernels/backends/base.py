@@ -18,6 +18,9 @@ Conventions shared by every backend (and checked by tests/backends against the r
   parallelism, ops/vocab_parallel.py), or a row with no label at all (divergences): its row_max,
   log_norm, entropy and sum p^2 are computed, its logprob is 0, and its gradient is that of a row
   without the target column. Every backend supports it.
+- A row holding a NaN or +inf logit has no distribution either: its log_norm, logprob, entropy and sum p^2 are
+  NaN in every backend (never the -inf of a row without a finite logit), so that `validate=True` can refuse it
+  from the pass's [N] log-probs (inputs.checks.refuse_non_finite_rows) without another read of the logits.
 - `temperature` is a `Temperature` (backends/temperature.py); a float or an [N] tensor given instead is
   read as one (`Temperature.of`).
 - Statistics are float32 (float64 for float64 logits, which only the torch backend accepts).
@@ -110,7 +113,8 @@ def head_logprobs(logits: torch.Tensor, head_ids: torch.Tensor, stats: RowStats,
     lp = (z - stats.row_max[:, None]) * temperature.inverse(acc) - stats.log_norm[:, None]
     V = logits.shape[-1]
     active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
-    has_distribution = torch.isfinite(stats.log_norm) & active
+    # -inf: no finite logit (no distribution); a NaN normaliser (a NaN or +inf logit) stays NaN in every log-prob
+    has_distribution = (stats.log_norm != float("-inf")) & active
     minus_inf = torch.full((), float("-inf"), dtype=acc, device=lp.device)
     lp = torch.where((head_ids >= 0) & has_distribution[:, None] & (z > float("-inf")), lp, minus_inf)
     return torch.where(active[:, None], lp, torch.zeros_like(lp))

@@ -125,6 +125,8 @@ class TorchBackend:
         entropy = torch.zeros_like(row_max) if compute_entropy else None
         sum_pi_squared = torch.zeros_like(row_max) if compute_sum_pi_squared else None
         target = torch.zeros_like(row_max)
+        empty = torch.zeros(N, dtype=torch.bool, device=logits.device)  # rows without a finite logit
+        poisoned = torch.zeros_like(empty)  # rows holding a NaN or +inf logit
         # a row with a foreign target recovers log_norm from its largest log p (= -log_norm exactly)
         log_p_max = torch.zeros_like(row_max) if self.vocab_shard else None
         temperature = Temperature.of(temperature)
@@ -132,7 +134,10 @@ class TorchBackend:
         for s, e, chunk, _ in self._chunks(logits):
             target[s:e] = chunk.gather(1, safe_labels[s:e]).squeeze(1).to(acc)
             m = chunk.amax(1).to(acc)
-            # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats)
+            # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats); amax
+            # propagates a NaN, so a NaN (or +inf) row is not taken for an empty one
+            empty[s:e] = m == float("-inf")
+            poisoned[s:e] = torch.isnan(m) | (m == float("inf"))
             row_max[s:e] = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             log_p = torch.log_softmax(self._scaled(chunk, row_max[s:e], acc, self._rows(inv_t, s, e)), dim=1,
                                       dtype=acc)
@@ -148,8 +153,9 @@ class TorchBackend:
                     sum_pi_squared[s:e] = row_sum(p * p)
         # softmax of a row without a finite entry is NaN: no distribution, logprob -inf, entropy and
         # sum p^2 0 (see base.RowStats); log_norm = (z_y - row_max)/T - logprob, so that
-        # lse = row_max/T + log_norm holds in the two parts the other backends keep
-        no_mass = torch.isnan(logprobs)
+        # lse = row_max/T + log_norm holds in the two parts the other backends keep. A row holding a NaN or
+        # +inf logit stays NaN throughout, as in the kernels: validate=True refuses it from that NaN
+        no_mass = empty & torch.isnan(logprobs)
         logprobs = logprobs.masked_fill(no_mass, float("-inf"))
         log_norm = (target - row_max) * inv_t.squeeze(1) if temperature.per_row else \
             (target - row_max) / temperature.value()
@@ -160,7 +166,9 @@ class TorchBackend:
             log_norm = torch.where(foreign | torch.isnan(log_norm), -log_p_max, log_norm)
         log_norm = torch.where(no_mass, torch.full_like(logprobs, float("-inf")), log_norm)
         zero = torch.zeros((), dtype=acc, device=logits.device)
-        keep = lambda t: None if t is None else torch.where(active & ~no_mass, t, zero)  # noqa: E731
+        nan = torch.full((), float("nan"), dtype=acc, device=logits.device)
+        keep = lambda t: None if t is None else \
+            torch.where(active & ~no_mass, torch.where(poisoned, nan, t), zero)  # noqa: E731
         return RowStats(
             torch.where(active, row_max, zero), torch.where(active, log_norm, zero), torch.where(valid, logprobs, zero),
             keep(entropy), keep(sum_pi_squared),
@@ -231,11 +239,13 @@ class TorchBackend:
         out = torch.zeros(labels.shape[0], dtype=torch.float32, device=logits.device)
         safe = labels.clamp(0, max(V - 1, 0))
         t32 = T.tensor.to(device=logits.device, dtype=torch.float32)
+        empty = torch.zeros(labels.shape[0], dtype=torch.bool, device=logits.device)
         for s, e, chunk, _ in self._chunks(logits):
             z = chunk.to(torch.float32, copy=True)
             z.div_(t32[s:e].unsqueeze(1) if T.per_row else t32.reshape(1, 1))
             out[s:e] = torch.log_softmax(z, dim=-1, dtype=torch.float32).gather(1, safe[s:e, None]).squeeze(1)
-        out = torch.where(torch.isnan(out), float("-inf"), out)
+            empty[s:e] = z.amax(1) == float("-inf")  # not a NaN row: its log-prob stays NaN
+        out = torch.where(torch.isnan(out) & empty, float("-inf"), out)
         return torch.where((labels >= 0) & (labels < V), out, torch.zeros((), dtype=torch.float32, device=out.device))
 
     def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy, compute_sum_pi_squared):

@@ -50,6 +50,7 @@ def prepare_baseline_rows(token_rewards, response_mask, group_index, old_logprob
     if validate:
         checks = ValueChecks()
         checks.layout(cu_seqlens, token_shape[0], None, None)
+        checks.mask_values("response_mask", response_mask)
         checks.values(mask, "tokens of the response mask",
                       finite=[("token_rewards", token_rewards.reshape(-1)), ("is_weights", flat(is_weights))],
                       not_nan=[("old_logprobs", old_logprobs.reshape(-1)),

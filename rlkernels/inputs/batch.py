@@ -257,6 +257,7 @@ def prepare_loss(source: str, token_shape, local_vocab: int, device, args: Argum
     checks = ValueChecks() if config.validate else None
     if checks is not None:
         checks.layout(args.cu_seqlens, layout.num_tokens, args.token_index, layout.positions)
+        checks.mask_values("response_mask", args.response_mask)
         checks.labels(in_mask, labels, V, args.ignore_index, "tokens of the response mask")
         checks.values(in_mask, "tokens of the response mask",
                       finite=[("advantages", layout.advantages), ("is_weights", flat(args.is_weights))],
@@ -367,6 +368,7 @@ def prepare_policy(logprobs, args: Arguments, config: Optional[PolicyLossConfig]
     if config.validate:
         checks = ValueChecks()
         checks.layout(args.cu_seqlens, layout.num_tokens, args.token_index, layout.positions)
+        checks.mask_values("response_mask", args.response_mask)
         checks.values(mask, "tokens of the response mask",
                       finite=[("advantages", layout.advantages), ("is_weights", flat(args.is_weights))],
                       not_nan=[("logprobs", flat(logprobs)), ("old_logprobs", flat(args.old_logprobs)),
@@ -399,6 +401,7 @@ def prepare_correction(train_logprobs, args: Arguments, config: RolloutCorrectio
     if validate:
         checks = ValueChecks()
         checks.layout(args.cu_seqlens, layout.num_tokens, args.token_index, layout.positions)
+        checks.mask_values("response_mask", args.response_mask)
         checks.values(mask, "tokens of the response mask",
                       not_nan=[("train_logprobs", flat(train_logprobs)),
                                ("rollout_logprobs", flat(args.rollout_logprobs))])

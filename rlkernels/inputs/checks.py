@@ -7,7 +7,7 @@ Structural checks (type, dtype, rank, shape, device) are free and always run, be
 `validate=False` skips them for sync-free steps.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -95,6 +95,22 @@ def check_cu_seqlens(cu_seqlens, token_shape: Tuple[int, ...], device) -> None:
         raise ValueError(f"cu_seqlens: expected a tensor on {device} (the device of logits), got {cu_seqlens.device}")
 
 
+def check_metrics(metrics) -> List[Tuple[str, object]]:
+    """`metrics_to_floats`' argument: a mapping of names to one-element tensors (any real dtype, any device) or
+    Python numbers; (name, value) pairs in its order."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics: expected a dict of name -> 0-d tensor (a PolicyLossOutput's .metrics), got "
+                        f"{_describe(metrics)}")
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.dtype.is_complex:
+                raise ValueError(f"metrics[{name!r}]: expected a 0-d (one-element) real tensor, got "
+                                 f"{_describe(value)}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"metrics[{name!r}]: expected a 0-d tensor or a number, got {_describe(value)}")
+    return list(metrics.items())
+
+
 def check_group(name: str, group) -> None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"{name}: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
@@ -125,6 +141,29 @@ _read_flags = torch.compiler.disable(
 )
 
 
+# what a row of each source is, in refuse_non_finite_rows' message
+_ROW_SOURCES = {
+    "logits": "logits: expected finite logits on every row the pass reads, got a NaN or +inf logit in row {row}",
+    "hidden": "hidden: expected finite logits hidden @ weight.T + bias on every row the pass reads, got a NaN or +inf "
+              "logit in row {row} (a NaN or inf in that row of hidden, or in weight or bias)",
+}
+
+
+def refuse_non_finite_rows(source: str, logprobs: torch.Tensor, rows: torch.Tensor, token_shape) -> None:
+    """validate=True, after the vocabulary pass: a row the pass read whose logits hold a NaN or +inf has a NaN
+    log-prob (backends.base: every backend keeps the NaN; a row of -inf logits has a -inf one, which is legal), so
+    the [N] log-probs say which rows are bad without another read of [N, V]. One host synchronisation, for the
+    first offending row's index in the caller's token shape. `source`: "logits" or "hidden"."""
+    if logprobs.numel() == 0:
+        return
+    bad = rows & torch.isnan(logprobs.detach())
+    first = torch.where(bad.any(), bad.to(torch.int8).argmax(), -1)
+    (index,) = _read_flags(first.reshape(1))
+    if index >= 0:
+        row = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tuple(token_shape)))
+        raise ValueError(_ROW_SOURCES[source].format(row=row[0] if len(row) == 1 else row))
+
+
 class ValueChecks:
     """Collects device-side boolean failure flags and raises for the first one, with one sync."""
 
@@ -140,6 +179,13 @@ class ValueChecks:
         out_of_range = valid & (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
         self.add(out_of_range.any(), f"labels: expected values in [0, {vocab}) or ignore_index={ignore_index} on "
                  f"{where}, got a label outside that range")
+
+    def mask_values(self, name: str, mask: torch.Tensor) -> None:
+        """A numeric mask must hold 0 and 1 only: it is read as bool, so a weight of 0.5 (or a NaN) would silently
+        count as a whole token."""
+        if mask.dtype != torch.bool:
+            self.add(((mask != 0) & (mask != 1)).any(), f"{name}: expected a bool mask or values 0 and 1, got "
+                     "another value (a numeric mask is read as bool: weigh tokens through the advantages instead)")
 
     def values(self, valid: torch.Tensor, where: str, finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
                not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = ()) -> None:

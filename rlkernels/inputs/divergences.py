@@ -43,6 +43,7 @@ def _divergence_rows(token_shape, vocab: int, device, labels, temperatures: Tupl
         rows = torch.ones(N, dtype=torch.bool, device=device)
         if mask is not None:
             check_tensor("response_mask", mask, kind="mask", shape=token_shape, device=device)
+            checks.mask_values("response_mask", mask)
             rows = mask.reshape(-1).bool()
         row_labels = torch.where(rows, FOREIGN_TARGET, -1).to(torch.int64)
     else:

@@ -91,6 +91,11 @@ def _merge(parts: torch.Tensor, temperature: float):
     logprob = torch.where(finite, lp_owner - LN_safe, torch.full_like(LN, float("-inf")))
     entropy = torch.where(w > 0, w * (ent - (a - LN_safe)), torch.zeros_like(w)).sum(0)
     sum_pi_squared = (w * w * s2).sum(0)
+    # a shard holding a NaN or +inf logit has a NaN normaliser: the row's statistics are NaN, as on one rank
+    # (has_mass above would drop that shard's mass without a trace)
+    poisoned = torch.isnan(ln).any(0)
+    nan = torch.full_like(logprob, float("nan"))
+    logprob, entropy, sum_pi_squared = (torch.where(poisoned, nan, t) for t in (logprob, entropy, sum_pi_squared))
     # rank r's backward normaliser for its own shift m_r (the kernel's row_max, 0 without mass)
     backward_log_norm = torch.where(finite, (M_safe - torch.where(has_mass, m, torch.zeros_like(m))) / temperature
                                     + LN_safe, torch.full_like(m, float("-inf")))

@@ -270,6 +270,7 @@ def diagnostics(
         out["rollout_rs_masked_fraction"] = masked_mean((mask & ~new_mask).double(), mask)
         rejected = [(mask[idx] & ~new_mask[idx]).any().double() for idx in seqs if mask[idx].any()]
         out["rollout_rs_seq_masked_fraction"] = mean_or_zero(rejected, device)
+        out["rollout_rs_all_rejected"] = (mask.any() & ~(mask & new_mask).any()).double()
         for option, info in rs_info.items():
             v = info["values"]
             out[f"rollout_rs_{option}_mean"] = v.mean() if v.numel() else _zero(device)

@@ -357,6 +357,11 @@ def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> N
         metrics.mean("rollout_corr/rollout_rs_masked_fraction", (mask & ~decisions.kept).to(dt), mask, n_tok)
         seq_rejected = (decisions.kept_lengths < sets.lengths).to(dt)
         metrics.mean("rollout_corr/rollout_rs_seq_masked_fraction", seq_rejected, sets.nonempty, sets.n_seq, True)
+        # 1 when the batch had response tokens and rejection kept none of them: a step that learns nothing
+        # (a count, not the fraction above, whose sum of 1/n terms need not round to exactly 1)
+        metrics.total("_rs_kept_tokens", (mask & decisions.kept).sum().to(dt))
+        metrics.derive("rollout_corr/rollout_rs_all_rejected", lambda kept: ((kept == 0) & (n_tok > 0)).to(dt),
+                       "_rs_kept_tokens")
 
 
 def _mismatch_metrics(metrics: Metrics, terms: TokenTerms, sets: _Sets) -> None:

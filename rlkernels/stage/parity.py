@@ -1,6 +1,7 @@
 """The log-prob parity report (`rlkernels.logprob_parity`): trainer against rollout log-probs, bit for bit, on the
 response tokens. Every value stays on the device; nothing here reads one back."""
 
+import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
@@ -63,14 +64,17 @@ def logprob_parity(rows: ParityRows) -> Tuple:
     count, total, worst = count[:K], total[:K], worst[:K]
     mean = total / count.clamp(min=1)
 
-    match_rate = matched.double() / tokens.clamp(min=1)
+    # a fraction of nothing is NaN, not 0: "none compared" must not read as "none matched"
+    match_rate = torch.where(tokens > 0, matched.double() / tokens.clamp(min=1), math.nan)
+    sequences = responding.sum()
     metrics: Dict[str, torch.Tensor] = {
         "logprob_parity/tokens": tokens.double(),
         "logprob_parity/match_rate": match_rate,
         "logprob_parity/mean_abs_diff": gap.sum() / tokens.clamp(min=1),
         "logprob_parity/max_abs_diff": gap.max() if gap.numel() else gap.new_zeros(()),
         # of the sequences with a response token (the same whatever the layout)
-        "logprob_parity/diverged_sequence_fraction": (first >= 0).sum().double() / responding.sum().clamp(min=1),
+        "logprob_parity/diverged_sequence_fraction": torch.where(
+            sequences > 0, (first >= 0).sum().double() / sequences.clamp(min=1), math.nan),
     }
     for k in range(K):
         name = f"logprob_parity/{_label(rows.edges, k)}"

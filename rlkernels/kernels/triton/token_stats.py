@@ -79,8 +79,9 @@ def _token_stats_fwd_kernel(
         m_i = m_new
 
     # A row without a finite entry has no distribution: row_max 0, log_norm -inf, logprob -inf,
-    # entropy 0 and sum p^2 0, never NaN (the torch backend's convention).
-    has_mass = l_i > 0.0
+    # entropy 0 and sum p^2 0, never NaN (the torch backend's convention). A NaN or +inf logit makes l_i NaN,
+    # which stays in every statistic (`!=`, not `>`: NaN != 0 holds), as in the CUDA and C++ kernels.
+    has_mass = l_i != 0.0
     row_max = safe_shift(m_i)
     log_norm = tl.log(l_i)
     z_y = tl.load(row_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
