@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import List
+from typing import List, Optional
 
 from .worker import MARKER
 
@@ -128,6 +128,15 @@ def format_table(records: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def default_tag(device: str, suite: str, shapes: Optional[List[str]]) -> str:
+    """The results file's stem: the suite's (`cpu-quick`), or with --shape one named after the shapes, so that a
+    one-off shape never overwrites a suite's (committed) results."""
+    if not shapes:
+        return f"{device}-{suite}"
+    names = ["-".join(part for part in shape.replace("-", "").split(":") if part) for shape in shapes]
+    return f"{device}-shapes-" + "_".join(names)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -142,7 +151,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--max-seconds", type=float, default=None, help="time cap per (provider, problem, mode)")
     parser.add_argument("--timeout", type=float, default=900.0, help="CPU: seconds before a worker is killed")
-    parser.add_argument("--tag", default=None, help="file name stem (default: <device>-<suite>)")
+    parser.add_argument("--tag", default=None, help="file name stem (default: <device>-<suite>, or with --shape "
+                                                   "<device>-<the shapes>: never a suite's file)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--in-process", action="store_true",
                         help="CPU: measure in this process instead of one fresh subprocess per job (faster; "
@@ -154,7 +164,7 @@ def main(argv=None) -> int:
 
     from .harness import environment, measure
     from .problems import CASES
-    from .providers import PROVIDERS
+    from .providers import PROVIDERS, REFERENCE
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device in this process", file=sys.stderr)
@@ -178,7 +188,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown provider(s) {unknown}; known: {list(PROVIDERS)}")
 
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.tag or f'{args.device}-{args.suite}'}.json")
+    path = os.path.join(args.out, f"{args.tag or default_tag(args.device, args.suite, args.shape)}.json")
     started = time.time()
     records: List[dict] = []
     N0, V0, dt0 = (4096, 32768, "fp32") if args.device == "cpu" else (8192, 151936, "bf16")
@@ -238,8 +248,12 @@ def main(argv=None) -> int:
     checks = result["checks"]
     print(format_table(records))
     bad = [c for c in checks if not c["ok"]]
-    print(f"\nagreement with rlkernels[torch]: {len(checks) - len(bad)}/{len(checks)} within tolerance "
-          f"(loss 1e-4 rel, |grad| sum 1e-3 rel)")
+    if checks:
+        print(f"\nagreement with {REFERENCE}: {len(checks) - len(bad)}/{len(checks)} within tolerance "
+              f"(loss 1e-4 rel, |grad| sum 1e-3 rel)")
+    else:
+        print(f"\nagreement: not checked ({REFERENCE}, the reference, "
+              f"{'was not among the providers' if REFERENCE not in providers else 'measured nothing'})")
     for c in bad:
         print(f"  MISMATCH {c['provider']} {c['op']} {c['case']} N={c['N']} V={c['V']} {c['mode']} {c['field']}: "
               f"{c['value']:.8g} vs {c['ref_value']:.8g} (rel {c['rel_err']:.2e})")

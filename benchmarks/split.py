@@ -6,10 +6,13 @@ all_gather / all_reduce calls and the bytes each rank sent -- counted by wrappin
 as tests/stage/test_batch_split.py does (it asserts the call counts; this prints the sizes). The counts do
 not depend on the hardware; run it anywhere:
 
-    python -m benchmarks.split [--tokens 4096] [--seqs 16]
+    python -m benchmarks.split [--tokens 4096] [--seqs 16] [--json benchmarks/results/cpu-split.json]
+
+docs/distributed.md quotes the bytes of benchmarks/results/cpu-split.json.
 """
 
 import argparse
+import json
 import random
 
 import torch
@@ -84,11 +87,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seqs", type=int, default=16)
+    parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
     print(f"packed batch: ~{args.tokens} tokens in {args.seqs} sequences per data-parallel rank, V = 64")
     print(f"{'groups':8} {'config':62} {'rank tokens':>11}  forward calls (bytes sent)  | backward")
+    rows = []
     for kinds in (["tp"], ["dp"], ["cp"], ["dp", "tp"], ["cp", "tp"], ["dp", "cp"]):
         results = mp.get_context("spawn").SimpleQueue()
         spawn(2 ** len(kinds), _measure, kinds, args.tokens, args.seqs, results)
@@ -97,6 +102,14 @@ def main():
             fmt = lambda c, s: ", ".join(f"{g}:{op}x{c[(op, g)]} ({s[(op, g)]} B)"  # noqa: E731
                                          for (op, g) in sorted(c) if c[(op, g)]) or "none"
             print(f"{label:8} {name:62} {n:>11}  {fmt(calls, sent)}  | {fmt(b_calls, b_sent)}")
+            counts = lambda c, s: [dict(group=g, op=op, calls=c[(op, g)], bytes=s[(op, g)])  # noqa: E731
+                                   for (op, g) in sorted(c) if c[(op, g)]]
+            rows.append(dict(groups=label, config=name, rank_tokens=n, forward=counts(calls, sent),
+                             backward=counts(b_calls, b_sent)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(tokens=args.tokens, seqs=args.seqs, rows=rows), f, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

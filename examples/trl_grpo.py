@@ -64,8 +64,11 @@ def main(max_steps: int = 3, output_dir: str = "/tmp/rlkernels-trl-example"):
     trainer.train()
     for entry in trainer.state.log_history:
         if "loss" in entry:
-            clip, rew = entry.get("clip_ratio/region_mean", float("nan")), entry.get("reward", float("nan"))
-            print(f"step {entry['step']}: loss {entry['loss']:.5f}, clip ratio {clip:.3f}, reward {rew:.3f}")
+            line = f"step {entry['step']}: loss {entry['loss']:.5f}, clip ratio {entry['clip_ratio/region_mean']:.3f}"
+            # TRL logs a reward on the steps that generate; with num_iterations=2 every other step trains on the
+            # batch of the step before, and has none of its own
+            line += f", reward {entry['reward']:.3f}" if "reward" in entry else ", the previous step's batch again"
+            print(line)
     return trainer
 
 

@@ -11,7 +11,7 @@ from typing import Dict, Optional, Sequence, Union
 import torch
 
 from . import notices, ops, step
-from .config import PolicyLossConfig, RolloutCorrection
+from .config import PolicyLossConfig, RolloutCorrection, check_head_dtype
 from .inputs import (
     DEFAULT_BUCKET_EDGES,
     Arguments,
@@ -262,11 +262,11 @@ def linear_token_logprobs(
         bias: [V] or None.
         memory_budget_bytes: the largest chunk of logits formed at once (None: 512 MiB on CUDA, 32 MiB on
             CPU).
-        head_dtype: None (the head GEMM in the inputs' dtype), "float32" (float32 GEMMs on bf16/fp16 operands,
-            as vLLM's `head_dtype=float32` and SGLang's `--enable-fp32-lm-head`) or "tf32" (NeMo-RL's choice:
-            TF32 matrix units on CUDA, float32 on a CPU). Forward and backward alike; the weight is upcast a block
-            of vocabulary rows at a time, never whole (at most one chunk of float32 logits' bytes more). Not yet
-            with tp_group or a small kept set (`sampling_support`).
+        head_dtype: None (the head GEMM in the inputs' dtype), "float32" or torch.float32 (float32 GEMMs on
+            bf16/fp16 operands, as vLLM's `head_dtype=float32` and SGLang's `--enable-fp32-lm-head`) or "tf32"
+            (NeMo-RL's choice: TF32 matrix units on CUDA, float32 on a CPU). Forward and backward alike; the weight
+            is upcast a block of vocabulary rows at a time, never whole (at most one chunk of float32 logits' bytes
+            more). Not yet with tp_group or a small kept set (`sampling_support`).
         numerics: as in `token_logprobs`, on each chunk's logits.
 
     Returns:
@@ -274,8 +274,8 @@ def linear_token_logprobs(
         from logprobs and entropy to hidden, weight and bias. Under torch.no_grad() this is the lean
         pass trainers run for old and reference log-probs.
     """
-    options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend,
-                              memory_budget_bytes=memory_budget_bytes, head_dtype=head_dtype, numerics=numerics)
+    options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes=memory_budget_bytes,
+                              head_dtype=check_head_dtype(head_dtype), numerics=numerics)
     batch = prepare_linear_stats(hidden, weight, bias, Arguments.of(locals()), validate, options)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
     step.checked_rows("hidden", stats.logprobs, batch, validate)

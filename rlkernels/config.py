@@ -402,9 +402,9 @@ class PolicyLossConfig:
             coefficients allow (SPEC §2.1: three GEMMs of the loss's rows instead of four, the gradients held
             from the forward to the backward). False: always the two-pass form.
         head_dtype: the fused-linear path's head GEMM: None (the inputs' dtype, float32 accumulation), "float32"
-            (float32 GEMMs on bf16/fp16 operands: vLLM's `head_dtype=float32`, SGLang's `--enable-fp32-lm-head`)
-            or "tf32" (NeMo-RL's `fp32_lm_head: tf32`: float32 with TF32 matrix units on CUDA; float32 on a CPU).
-            The logits path has no head: `decoupled_ppo_loss` refuses it.
+            or torch.float32 (float32 GEMMs on bf16/fp16 operands: vLLM's `head_dtype=float32`, SGLang's
+            `--enable-fp32-lm-head`) or "tf32" (NeMo-RL's `fp32_lm_head: tf32`: float32 with TF32 matrix units on
+            CUDA; float32 on a CPU). The logits path has no head: `decoupled_ppo_loss` refuses it.
         numerics: the log-probs' arithmetic: "default" (each backend's fastest exact form), "vllm" (vLLM's own
             operations, bit for bit on the same device: its V2 sampler's on the Triton backend, its V1 sampler's on
             the others; "vllm_raw": its raw log-probs, before the temperature) or "batch_invariant" (every
@@ -518,7 +518,7 @@ class PolicyLossConfig:
         if self.compile_stage is not None and not isinstance(self.compile_stage, bool):
             raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
         check_memory_budget(self.memory_budget_bytes)
-        check_head_dtype(self.head_dtype)
+        object.__setattr__(self, "head_dtype", check_head_dtype(self.head_dtype))
         check_numerics(self.numerics)
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows: expected a positive int or None, got {self.chunk_rows!r}")
@@ -651,9 +651,14 @@ def check_numerics(numerics) -> None:
         raise ValueError(f"numerics: expected 'default', 'vllm', 'vllm_raw' or 'batch_invariant', got {numerics!r}")
 
 
-def check_head_dtype(head_dtype) -> None:
-    if head_dtype not in HEAD_DTYPES:
-        raise ValueError(f"head_dtype: expected None, 'float32' or 'tf32', got {head_dtype!r}")
+def check_head_dtype(head_dtype) -> Optional[str]:
+    """The head GEMM's precision by name: None, "float32" or "tf32"; torch.float32 is read as "float32" (the dtype a
+    user passes), any other dtype is refused by name."""
+    if head_dtype is torch.float32:
+        return "float32"
+    if not (head_dtype is None or isinstance(head_dtype, str)) or head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype: expected None, 'float32' (or torch.float32) or 'tf32', got {head_dtype!r}")
+    return head_dtype
 
 
 def check_memory_budget(budget) -> None:

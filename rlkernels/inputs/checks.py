@@ -47,9 +47,10 @@ def check_logits(logits, *, allow_any_rank: bool = False) -> None:
         raise TypeError(f"logits: expected a torch.Tensor, got {_describe(logits)}")
     if logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"logits: expected float16, bfloat16, float32 or float64, got {logits.dtype}")
-    if allow_any_rank:
-        if logits.dim() < 1:
-            raise ValueError("logits: expected shape [..., V], got a 0-d tensor")
+    if allow_any_rank:  # [..., V] with at least one token dimension: a result per token, never a 0-d one
+        if logits.dim() < 2:
+            raise ValueError(f"logits: expected [..., V] with at least one token dimension ([N, V]; one row: "
+                             f"logits[None]), got shape {tuple(logits.shape)}")
     elif logits.dim() not in (2, 3):
         raise ValueError(f"logits: expected [B, T, V] (padded) or [N, V] (packed), got shape {tuple(logits.shape)}")
     if logits.shape[-1] < 1:
@@ -60,9 +61,10 @@ def check_head(hidden, weight, bias, *, allow_any_rank: bool = False) -> None:
     """The fused-linear inputs: hidden [..., H] (or [B, T, H] / [N, H]), weight [V, H], bias [V] or None,
     one float dtype and one device."""
     check_tensor("hidden", hidden, kind="float")
-    if allow_any_rank:
-        if hidden.dim() < 1:
-            raise ValueError("hidden: expected shape [..., H], got a 0-d tensor")
+    if allow_any_rank:  # as check_logits: at least one token dimension
+        if hidden.dim() < 2:
+            raise ValueError(f"hidden: expected [..., H] with at least one token dimension ([N, H]; one row: "
+                             f"hidden[None]), got shape {tuple(hidden.shape)}")
     elif hidden.dim() not in (2, 3):
         raise ValueError(f"hidden: expected [B, T, H] (padded) or [N, H] (packed), got shape {tuple(hidden.shape)}")
     check_tensor("weight", weight, kind="float", device=hidden.device)

@@ -34,6 +34,7 @@ import torch
 
 from ..api import policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
+from .requirements import import_trainer
 
 _ORIGINAL = {}
 
@@ -153,7 +154,7 @@ def _stat(out, logprobs, proximal, behave, advantages, config, cu_seqlens):
 def install(module=None) -> None:
     """Rebind `ppo_actor_loss_fn` where AReaL's actor reads it (`areal.trainer.ppo.actor`, or `module`)."""
     if module is None:
-        import areal.trainer.ppo.actor as module
+        module = import_trainer("areal", "areal.trainer.ppo.actor")
     if module.ppo_actor_loss_fn is not ppo_actor_loss_fn:
         _ORIGINAL[module] = module.ppo_actor_loss_fn
         module.ppo_actor_loss_fn = ppo_actor_loss_fn

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..api import policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
+from .requirements import import_trainer
 
 _GATE_KINDS = {"binary_kl": "bkl", "tv": "btv"}
 _TARGETS = ("openrlhf.models.loss", "openrlhf.models", "openrlhf.trainer.ray.ppo_actor")
@@ -133,7 +134,7 @@ def install() -> None:
     import importlib
     import sys
 
-    importlib.import_module("openrlhf.models.loss")
+    import_trainer("openrlhf", "openrlhf.models.loss")
     for name in _TARGETS:
         module = sys.modules.get(name)
         if module is None and name != _TARGETS[-1]:

@@ -30,6 +30,7 @@ import torch
 
 from ..api import metrics_to_floats, policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
+from .requirements import import_trainer
 
 # SkyRL's loss name -> the name registered here
 LOSS_NAMES: Dict[str, str] = {
@@ -149,7 +150,7 @@ def register(registry=None) -> Dict[str, str]:
     Call it in the driver before SkyRL validates `trainer.algorithm.policy_loss_type`; with Ray already running,
     SkyRL's registry also ships the functions to its workers."""
     if registry is None:
-        from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry as registry
+        registry = import_trainer("skyrl", "skyrl.backends.skyrl_train.utils.ppo_utils").PolicyLossRegistry
     available = set(registry.list_available())
     for skyrl_name, name in LOSS_NAMES.items():
         if name not in available:

@@ -27,13 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    from torchtitan.components.loss import BaseLoss, ChunkedLossWrapper
-except ImportError as exc:  # pragma: no cover - the message says what to install
-    raise ImportError("rlkernels.integrations.torchtitan needs torchtitan 0.3: pip install torchtitan==0.3.0") from exc
-
 from ..api import decoupled_ppo_loss, linear_decoupled_ppo_loss
 from ..config import PolicyLossConfig
+from .requirements import import_trainer
+
+_loss = import_trainer("torchtitan", "torchtitan.components.loss")
+BaseLoss, ChunkedLossWrapper = _loss.BaseLoss, _loss.ChunkedLossWrapper
 
 LOG_RATIO_CLAMP = 10.0  # TorchTitan's _MAX_LOG_RATIO
 

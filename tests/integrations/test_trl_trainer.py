@@ -249,12 +249,16 @@ def test_unsupported_options_name_the_option(tmp_path):
     assert trainer.rlkernels_config.rollout_correction.is_level == "token"
 
 
-def test_the_example_runs_as_written(tmp_path):
-    """examples/trl_grpo.py, as a user runs it (two steps here)."""
+def test_the_example_runs_as_written(tmp_path, capsys):
+    """examples/trl_grpo.py, as a user runs it (two steps here): its log reports the reward of the step that
+    generated and says that the next one reused that batch (num_iterations=2), never a NaN reward."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = example.main(max_steps=2, output_dir=str(tmp_path))
     assert trainer.state.global_step == 2
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and "nan" not in " ".join(lines)
+    assert ", reward " in lines[0] and "the previous step's batch again" in lines[1]
 
 
 def _check_ddp(rank, world, tmp_dir):

@@ -45,14 +45,12 @@ from typing import Optional
 
 import torch
 
-try:
-    from trl import GRPOTrainer as _TRLGRPOTrainer
-except ImportError as exc:  # pragma: no cover - the message says what to install
-    raise ImportError("rlkernels.integrations.trl needs TRL 1.16: pip install 'rlkernels[trl]'") from exc
-
 from ... import api
 from ...config import PolicyLossConfig, RolloutCorrection
 from ..hf import add_loss_forward, hidden_state_loss_blocker
+from ..requirements import import_trainer
+
+_TRLGRPOTrainer = import_trainer("trl", "trl").GRPOTrainer
 
 # TRL loss types whose normaliser is the window's token count (`num_items_in_batch`), not the
 # gradient-accumulation steps

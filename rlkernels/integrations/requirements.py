@@ -1,0 +1,34 @@
+"""Each adapter's trainer, the release it was tested against, and the one error an adapter raises without it."""
+
+import importlib
+from types import ModuleType
+
+# adapter -> the trainer release its parity tests run (docs/integrations.md); the install line a user needs
+RELEASES = {
+    "trl": "trl==1.16.0",
+    "skyrl": "skyrl==0.4.0",
+    "openrlhf": "openrlhf==0.11.2",
+    "torchtitan": "torchtitan==0.3.0",
+    "areal": "areal==1.0.4",
+}
+
+
+def import_trainer(adapter: str, module: str) -> ModuleType:
+    """`module` of adapter's trainer, or an ImportError that says what to install: the trainer when it is missing, a
+    release that has the module when the installed one lacks it, or the dependency the trainer's import needs (a
+    trainer installed with --no-deps may lack one: TorchTitan without tyro)."""
+    release = RELEASES[adapter]
+    trainer = release.split("==")[0]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing == trainer:
+            raise ImportError(f"rlkernels.integrations.{adapter} needs {trainer}, which is not installed: "
+                              f"pip install {release}") from exc
+        if missing.startswith(trainer + "."):
+            raise ImportError(f"rlkernels.integrations.{adapter} needs {release}: the installed {trainer} has no "
+                              f"module {missing!r} (another release?)") from exc
+        raise ImportError(f"rlkernels.integrations.{adapter}: {trainer} is installed, but {module} imports "
+                          f"{missing!r}, which is not: pip install {missing.split('.')[0]} (or reinstall {release} "
+                          "with its dependencies)") from exc
