@@ -133,6 +133,21 @@ def test_metrics_to_floats():
     assert rlkernels.metrics_to_floats({}) == {}
 
 
+def test_metrics_to_floats_takes_what_a_user_passes_and_names_what_it_refuses():
+    """Numbers pass through, one-element tensors of any real dtype are read (in the dict's order); anything else is
+    refused by name, never with PyTorch's internal messages."""
+    mixed = {"a": torch.tensor(2), "b": 0.5, "c": torch.tensor([True]), "d": torch.tensor(1.5, dtype=torch.float64)}
+    assert list(rlkernels.metrics_to_floats(mixed).items()) == [("a", 2.0), ("b", 0.5), ("c", 1.0), ("d", 1.5)]
+    cases = [([torch.tensor(1.0)], TypeError, "metrics: expected a dict"),
+             ({"x": torch.ones(3)}, ValueError, r"metrics\['x'\]: expected a 0-d"),
+             ({"x": torch.tensor(1j)}, ValueError, r"metrics\['x'\]: expected a 0-d \(one-element\) real"),
+             ({"x": "0.5"}, TypeError, r"metrics\['x'\]: expected a 0-d tensor or a number"),
+             ({"x": None}, TypeError, r"metrics\['x'\]"), ({"x": True}, TypeError, r"metrics\['x'\]")]
+    for metrics, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            rlkernels.metrics_to_floats(metrics)
+
+
 @settings(max_examples=scaled(60))
 @given(batch=batches(), mode=st.sampled_from(MODES), data=st.data())
 def test_policy_loss_matches_reference(batch, mode, data):

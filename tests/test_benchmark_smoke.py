@@ -3,6 +3,8 @@ naive PyTorch baseline computes the same loss as rlkernels (so the benchmark com
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +173,46 @@ def test_the_numerics_benchmark_counts_matches_and_costs():
     assert matches and all(r["equal"] == r["N"] for r in matches if r["numerics"] == "vllm")
     assert {r["backend"] for r in matches} >= {"torch"}
     assert {r["numerics"] for r in costs} == {"default", "vllm", "batch_invariant"}
+
+
+def test_a_shape_run_never_writes_over_a_suites_results():
+    """`--shape` without `--tag` is named after its shapes (docs/numerics.md's command once overwrote the committed
+    cpu-quick.json); a suite keeps its own name."""
+    assert run.default_tag("cpu", "quick", None) == "cpu-quick"
+    tag = run.default_tag("cpu", "quick", ["logprobs:-:4096:32768:fp32", "ppo:seq_mis:4096:32768:fp32"])
+    assert tag == "cpu-shapes-logprobs-4096-32768-fp32_ppo-seq_mis-4096-32768-fp32"
+    committed = {p.stem for p in (Path(run.__file__).parent / "results").glob("*.json")}
+    assert tag not in committed
+
+
+def test_without_the_reference_provider_agreement_is_not_claimed(tmp_path, capsys):
+    rc = run.main(["--device", "cpu", "--in-process", "--no-plot", "--out", str(tmp_path), "--providers", "naive",
+                   "--warmup", "0", "--reps", "1", "--shape", "logprobs:-:64:128:fp32"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert "agreement: not checked (rlkernels[torch], the reference, was not among the providers)" in printed
+    assert "0/0" not in printed
+    assert (tmp_path / "cpu-shapes-logprobs-64-128-fp32.json").exists()
+
+
+DOC_COMMAND = re.compile(r"`python -m benchmarks\.(run|linear) ([^`]*)`")
+RESULTS_FILE = re.compile(r"benchmarks/results/([\w.-]+)\.json")
+
+
+def test_the_docs_benchmark_commands_write_the_files_they_cite():
+    """Every `python -m benchmarks.run|linear` command of the docs that a results file follows (within its
+    paragraph) names that file with --tag: rerunning it regenerates the figure's source, and nothing else."""
+    root = Path(run.__file__).resolve().parents[1]
+    checked = 0
+    for page in [root / "README.md", *(root / "docs").glob("*.md")]:
+        text = page.read_text()
+        for match in DOC_COMMAND.finditer(text):
+            paragraph = text[match.end():].split("\n\n", 1)[0]
+            cited = RESULTS_FILE.search(paragraph)
+            if cited is None:
+                continue
+            tag = re.search(r"--tag (\S+)", match.group(2))
+            assert tag and tag.group(1) == cited.group(1), f"{page.name}: `{match.group(0)[:90]}...` writes " \
+                f"{tag.group(1) if tag else 'its default name'}, the page cites {cited.group(1)}.json"
+            checked += 1
+    assert checked >= 3

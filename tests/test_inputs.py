@@ -143,6 +143,31 @@ def test_bad_input_raises_naming_the_argument(thunk, exc, argument):
     assert "expected" in message or "unknown" in message or "must" in message or "only valid" in message
 
 
+def test_every_entry_point_needs_a_token_dimension():
+    """One row is [1, V] (or [1, H]): 1-D logits or hidden states are refused alike, never read as a 0-d result."""
+    cases = [(lambda: rlkernels.token_logprobs(torch.randn(V), torch.tensor(1)), "logits"),
+             (lambda: rlkernels.linear_token_logprobs(torch.randn(4), torch.randn(V, 4), torch.tensor(1)), "hidden"),
+             (lambda: rlkernels.token_divergences(torch.randn(V), torch.tensor(1), reference_logits=torch.randn(V)),
+              "logits"),
+             (lambda: call(logits=torch.zeros(V)), "logits")]
+    for thunk, name in cases:
+        with pytest.raises(ValueError, match=rf"^{name}: expected"):
+            thunk()
+    one = rlkernels.token_logprobs(torch.randn(1, V), torch.tensor([1]))
+    assert one.logprobs.shape == (1,)
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, math.nan])
+def test_a_mask_of_anything_but_0_1_is_refused(value):
+    """A numeric response mask is read as bool: a 0.5 (a weight) or a 2 would count as a whole token, silently."""
+    mask = good()["response_mask"].float().clone()
+    mask[0, 1] = value
+    with pytest.raises(ValueError, match="response_mask: expected a bool mask or values 0 and 1"):
+        call(response_mask=mask)
+    mask[0, 1] = 1.0
+    assert torch.isfinite(call(response_mask=mask).loss)
+
+
 def test_bad_input_raises_before_any_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(TorchBackend, "token_stats_fwd", lambda *a, **k: calls.append(1))

@@ -37,9 +37,11 @@ import os
 import sys
 import types
 
+from ..integrations.requirements import RELEASES
 from .peers import _InertModule, stand_in_modules
 
-PINS = {"skyrl": "0.4.0", "openrlhf": "0.11.2", "torchtitan": "0.3.0", "areal": "1.0.4"}
+# the trainers CI installs with --no-deps, at the releases their adapters name (TRL comes with rlkernels[peers])
+PINS = {name: RELEASES[name].split("==")[1] for name in ("skyrl", "openrlhf", "torchtitan", "areal")}
 # the small real dependencies each trainer's loss modules need beyond rlkernels[peers] (pure Python, no dependencies
 # of their own on Linux): SkyRL's GSPO / SAPO losses import loguru when they run, TorchTitan's loss code calls
 # spmd_types, AReaL's log formatter subclasses colorlog's

@@ -106,9 +106,20 @@ def test_the_weight_is_upcast_in_blocks_no_larger_than_a_chunk_of_logits():
     assert len(linear._weight_blocks(wide, 1)) == 16  # 9,496 vocabulary rows a block, not one
 
 
+def test_torch_float32_is_the_same_as_the_name():
+    """A user passes the dtype: torch.float32 is "float32", to the bit (in the config too); other dtypes are named."""
+    by_name, _ = _run("float32")
+    by_dtype, _ = _run(torch.float32)
+    assert torch.equal(by_name.logprobs, by_dtype.logprobs) and torch.equal(by_name.entropy, by_dtype.entropy)
+    assert rlkernels.PolicyLossConfig(head_dtype=torch.float32).head_dtype == "float32"
+    for bad in (torch.bfloat16, torch.float64, "fp32", 32):
+        with pytest.raises(ValueError, match=r"head_dtype: expected None, 'float32' \(or torch.float32\) or 'tf32'"):
+            rlkernels.PolicyLossConfig(head_dtype=bad)
+
+
 def test_where_it_is_refused():
     hidden, weight, bias, labels = _inputs()
-    with pytest.raises(ValueError, match="head_dtype: expected None, 'float32' or 'tf32'"):
+    with pytest.raises(ValueError, match=r"head_dtype: expected None, 'float32' \(or torch.float32\) or 'tf32'"):
         rlkernels.linear_token_logprobs(hidden, weight, labels, head_dtype="bf16")
     with pytest.raises(ValueError, match="head_dtype: 'float32' sets the precision"):
         rlkernels.decoupled_ppo_loss(torch.randn(N, V), labels, torch.zeros(N), labels >= 0, head_dtype="float32")
