@@ -277,7 +277,7 @@ def _print_batch(batch: Batch) -> None:
         for values in columns.values():
             v = values[key]
             flag = "" if healthy is None or healthy[0] <= v <= healthy[1] else " (high)"
-            cells.append(f"{v:>20.4f}" if not flag else f"{f'{v:.4f}{flag}':>20}")
+            cells.append(f"{f'{v:.4f}{flag}':>20}")
         print(f"  {label:<{width}}" + "".join(f"  {c}" for c in cells))
     print()
 
@@ -324,10 +324,10 @@ def _run_preset(batch: Batch, preset, overrides: dict) -> _Result:
         out = rlkernels.decoupled_ppo_loss(**x, config=PolicyLossConfig(rollout_correction=rc))
     m = rlkernels.metrics_to_floats(out.metrics)  # one host sync for every metric
     cu = x["cu_seqlens"].cpu()
+    lengths = cu[1:] - cu[:-1]
     mask, kept = x["response_mask"].cpu(), out.mask.cpu()
-    def per_seq(t):  # noqa: E306
-        return torch.segment_reduce(t.float(), "sum", lengths=(cu[1:] - cu[:-1]))
-    responding, left = per_seq(mask) > 0, per_seq(kept) > 0
+    responding = torch.segment_reduce(mask.float(), "sum", lengths=lengths) > 0
+    left = torch.segment_reduce(kept.float(), "sum", lengths=lengths) > 0
     bad_tokens = batch.bad_tokens.cpu()
     weights = None if out.is_weights is None else out.is_weights.cpu()
 

@@ -50,14 +50,14 @@ def _poll() -> None:
 
 def watch(metrics: Dict[str, torch.Tensor], validate: bool) -> None:
     """After a step that produced `metrics` (device tensors): warn now, or once its flag reaches the host."""
-    flag = metrics.get(ALL_REJECTED)
     if _warned or torch.compiler.is_compiling():
         return
-    if flag is not None and flag.device.type == "cuda":
+    flag = metrics.get(ALL_REJECTED)
+    if flag is not None and flag.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         host = torch.empty((), dtype=flag.dtype, pin_memory=True)
         host.copy_(flag.detach(), non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(flag.device))  # the stream the copy was queued on
         _pending.append((event, host))
     elif flag is not None and flag.device.type == "cpu" and validate and flag.item() == 1.0:
         _warn()
