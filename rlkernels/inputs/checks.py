@@ -159,7 +159,7 @@ def refuse_non_finite_rows(source: str, logprobs: torch.Tensor, rows: torch.Tens
     if logprobs.numel() == 0:
         return
     bad = rows & torch.isnan(logprobs.detach())
-    first = torch.where(bad.any(), bad.to(torch.int8).argmax(), -1)
+    first = torch.where(bad.any(), bad.int().argmax(), -1)
     (index,) = _read_flags(first.reshape(1))
     if index >= 0:
         row = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tuple(token_shape)))
