@@ -42,7 +42,8 @@ def rejected_share(rc: RolloutCorrection, sigma: float, length: int, sequences: 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.preset_rejection", description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=512, help="sequences per cell (default 512)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"the JSON written (default {RESULTS.name})")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="the JSON written (default benchmarks/results/preset-rejection.json)")
     args = parser.parse_args(argv)
     table = {name: {f"sigma={s:g}": {f"T={t}": rejected_share(rc, s, t, args.sequences) for t in LENGTHS}
                     for s in SIGMAS} for name, rc in PRESETS.items()}

@@ -469,7 +469,8 @@ def logprob_parity(
     where they differ; per bucket of the rollout probability exp(rollout_logprobs), the token count and the mean
     and max |trainer - rollout|. No host synchronisation beyond the value checks (`validate=True`: one):
     `metrics_to_floats(report.metrics)` reads every value back with one. With no response token to compare,
-    `tokens` is 0 and `match_rate` NaN ("none compared", never 0, which would read as "none matched"); so is
+    `tokens` is 0 and `match_rate` NaN ("none compared", never 0, which would read as "none matched"); so is every
+    statistic of nothing: the mean and max |difference| of no token (overall, or in an empty bucket), and
     `diverged_sequence_fraction` with no sequence holding a response token.
 
     Args:

@@ -1,5 +1,5 @@
-"""`python -m rlkernels.demo`: a synthetic RL batch with a train-inference mismatch and a few bad responses,
-corrected six ways.
+"""`python -m rlkernels.demo`: a synthetic RL batch with a train-inference mismatch and a few bad responses, and
+what six rollout-correction presets do with them.
 
 Builds a packed batch of responses (128 by default) over a realistic vocabulary, simulates the
 inference engine (the same model with perturbed logits, which samples the responses and reports
@@ -40,7 +40,7 @@ HEALTH = {
 MISMATCH = (  # (metric, label, healthy range or None)
     ("rollout_corr/kl", "KL(mu||pi), k1 estimate (may be < 0)", (-0.1, 0.1)),
     ("rollout_corr/k3_kl", "KL(mu||pi), k3 estimate (>= 0)", None),
-    ("rollout_corr/chi2_token", "chi2 per token", (0.0, 1.0)),
+    ("rollout_corr/chi2_token", "chi2 per token (may be < 0)", (-1.0, 1.0)),
     ("rollout_corr/tv_token", "TV per token", None),
 )
 DRIFT = 1.5  # nats per token by which the engine under-reports a bad response's log-probs
@@ -53,7 +53,7 @@ PRESETS = (
     ("Geo-RS + token-TIS", RolloutCorrection.geo_rs_token_tis, {}),
     ("Geo-RS + token-TIS, wide", RolloutCorrection.geo_rs_token_tis, dict(bounds=(0.9, 1.1))),
     ("IcePop", RolloutCorrection.icepop, {}),
-    ("K3-RS", RolloutCorrection.k3_rs, dict(threshold=0.05)),
+    ("K3-RS", RolloutCorrection.k3_rs, {}),
 )
 
 
@@ -207,7 +207,8 @@ def _speed_in_words(t_naive: float, t_fused: float) -> str:
 
 
 def _arguments(argv):
-    parser = argparse.ArgumentParser(prog="python -m rlkernels.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m rlkernels.demo",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--sequences", type=int, default=128, help="responses in the batch (default 128)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default 32000)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -233,7 +234,7 @@ def _arguments(argv):
                      "use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         parser.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
         parser.error(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     return args
 
@@ -271,14 +272,16 @@ def _print_batch(batch: Batch) -> None:
         columns[title] = rlkernels.metrics_to_floats(out.metrics)
     width = max(len(label) for _, label, _ in MISMATCH)
     print(f"The batch's train-inference mismatch, per token (rho = pi_old / mu; the batch's, the same for every "
-          f"preset below):\n  {'':<{width}}" + "".join(f"  {title:>20}" for title in columns))
+          f"preset below; sample means, so an estimate of a quantity >= 0 may come out < 0):\n  {'':<{width}}"
+          + "".join(f"  {title:>28}" for title in columns))
     for key, label, healthy in MISMATCH:
         cells = []
         for values in columns.values():
             v = values[key]
-            flag = "" if healthy is None or healthy[0] <= v <= healthy[1] else " (high)"
+            flag = "" if healthy is None or healthy[0] <= v <= healthy[1] else \
+                f" (outside [{healthy[0]:g}, {healthy[1]:g}])"
             cells.append(f"{f'{v:.4f}{flag}':>20}")
-        print(f"  {label:<{width}}" + "".join(f"  {c}" for c in cells))
+        print(f"  {label:<{width}}" + "".join(f"  {c:>28}" for c in cells))
     print()
 
 
@@ -381,7 +384,8 @@ def _print_presets(batch: Batch) -> None:
               f"{fmt(r.metrics.get('rollout_corr/rollout_is_eff_sample_size'), 5)}  {_verdict(r, len(batch.bad))}")
     print("\n(bad responses: how many the preset rejected, or the mean IS weight their tokens got (the other tokens' "
           "in brackets);\n the raw weight pi_old/mu of a bad token is about "
-          f"e^{DRIFT} = {math.exp(DRIFT):.1f}. Health of the IS weights: "
+          f"e^{DRIFT} = {math.exp(DRIFT):.1f}. IS mean and ESS: of the weights on every response token, before "
+          "rejection (verl's\n convention), healthy when "
           + "; ".join(f"{label} {rule}" for label, _, rule in HEALTH.values()) + ")")
 
 
@@ -450,6 +454,9 @@ def _print_timing(timing: _Timing, first, repeats: int, logits_size: str) -> Non
         notes.append("first call: one-time start-up included, kept out of the medians")
     if show_peak:
         notes.append(f"peak memory: above the inputs, including the {logits_size} gradient each side writes")
+    else:
+        notes.append("peak memory: not measured (on a CPU only for 64 MiB of logits or more, where the resident set "
+                     "is fine-grained enough)")
     if contended is not None and contended > 0.2:
         notes.append(f"tasks waited for a CPU during {min(contended, 1):.0%} of the timed runs: other processes "
                      "competed for the CPUs, so these timings do not represent an idle machine")

@@ -26,8 +26,8 @@ class LogprobParity(NamedTuple):
     first_divergence: torch.Tensor  # [S] int64: each sequence's first response position that differs; -1: none
     bucket_edges: torch.Tensor  # [K + 1] float64 edges of the rollout probability exp(rollout_logprobs)
     bucket_tokens: torch.Tensor  # [K] int64 response tokens per bucket
-    bucket_mean_abs_diff: torch.Tensor  # [K] float64 mean |trainer - rollout| (0 in an empty bucket)
-    bucket_max_abs_diff: torch.Tensor  # [K] float64 max |trainer - rollout|
+    bucket_mean_abs_diff: torch.Tensor  # [K] float64 mean |trainer - rollout| (NaN in an empty bucket)
+    bucket_max_abs_diff: torch.Tensor  # [K] float64 max |trainer - rollout| (NaN in an empty bucket)
     metrics: Dict[str, torch.Tensor]  # the same as 0-d tensors: logprob_parity/<name>, logprob_parity/p[a,b)/<name>
 
 

@@ -37,6 +37,7 @@ def test_it_names_the_bad_responses_it_injected(output):
 def test_the_batch_diagnostics_are_printed_once_apart_from_the_presets(output):
     head, table = output.split("The corrections:")
     assert head.count("k1 estimate (may be < 0)") == 1 and "k3 estimate (>= 0)" in head
+    assert "(high)" not in head  # a flag says which bound a value is outside of
     assert "k1" not in table and "chi2" not in table.split("timing:")[0]
     assert "all responses" in head and "without the bad ones" in head
 
@@ -54,13 +55,17 @@ def test_each_preset_says_what_it_did_to_the_bad_responses(output):
     assert "bounds the bad responses' weight" in rows["token-TIS"]
     # the bounds the demo sets itself are printed, beside the preset's own
     assert "[0.9, 1.1] (set here; the preset's default: bounds=(0.999, 1.001))" in table
-    assert "above 0.05 (set here; the preset's default: threshold=0.01)" in table
+    assert table.count("set here") == sum(bool(overrides) for _, _, overrides in PRESETS) == 1
+    assert "catches the bad responses" in rows["K3-RS"]
+    # what the two columns of weights mean, and that the bad responses' raw weight is what the drift makes it
+    assert "before rejection" in table and f"e^{DRIFT} = {2.718281828 ** DRIFT:.1f}" in table
 
 
 @pytest.mark.parametrize("args, message", [
     (["--sequences", "0"], "--sequences must be at least 2"),
     (["--vocab", "1"], "--vocab must be at least 2"),
     (["--device", "tpu"], "--device: expected cpu or cuda"),
+    (["--device", "cpu:1"], "--device: expected cpu or cuda"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     pytest.param(["--device", "cuda"], "no CUDA device is available", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="this machine has a CUDA device")),

@@ -232,3 +232,13 @@ def test_the_hidden_state_example_trains_on_a_realistic_mismatch(page, index):
                  + _python_blocks(ROOT / page)[index], "example", "exec"), namespace)
     assert float(hidden.grad.abs().sum()) > 0 and float(head.weight.grad.abs().sum()) > 0
     assert float(namespace["out"].mask.float().mean()) > 0.99
+
+
+def test_every_loss_type_is_listed_where_a_user_chooses_one():
+    """README's table of losses, the guide's option list and docs/losses.md each name every `loss_type` value."""
+    from rlkernels.config import LOSS_TYPES
+
+    for page in ("README.md", "docs/guide.md", "docs/losses.md"):
+        text = (ROOT / page).read_text()
+        missing = [name for name in LOSS_TYPES if f"`{name}`" not in text and f'"{name}"' not in text]
+        assert not missing, f"{page} does not name loss_type {missing}"

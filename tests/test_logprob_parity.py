@@ -17,6 +17,12 @@ TRAINER = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-3.0, -0.1, -0.2, -7.0]])
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
 
 
+def assert_same(actual, expected):
+    """Equal values, NaN where NaN is expected (a statistic of nothing)."""
+    expected = torch.as_tensor(expected, dtype=actual.dtype)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
 def _rollout():
     rollout = TRAINER.clone()
     rollout[0, 2] = torch.nextafter(torch.tensor(-0.5), torch.tensor(0.0))  # one float32 ulp above: 2^-25
@@ -33,8 +39,9 @@ def test_a_padded_batch_by_hand():
     # default edges 0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1: the rollout p of the seven response tokens are
     # e^-1 .37, e^-2 .14, ~e^-.5 .61 | e^-3 .050, e^-.1 .90, e^-.2 .82, e^-6 .0025
     assert report.bucket_tokens.tolist() == [0, 0, 1, 1, 2, 2, 1]
-    assert report.bucket_max_abs_diff.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 2.0**-25, 0.0]
-    assert report.bucket_mean_abs_diff.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 2.0**-26, 0.0]
+    nan = math.nan  # the two empty buckets: a statistic of nothing
+    assert_same(report.bucket_max_abs_diff, [nan, nan, 1.0, 0.0, 0.0, 2.0**-25, 0.0])
+    assert_same(report.bucket_mean_abs_diff, [nan, nan, 1.0, 0.0, 0.0, 2.0**-26, 0.0])
     floats = rlkernels.metrics_to_floats(report.metrics)
     assert floats["logprob_parity/max_abs_diff"] == 1.0
     assert floats["logprob_parity/mean_abs_diff"] == approx((1.0 + 2.0**-25) / 7, "by_hand.relative")
@@ -54,7 +61,7 @@ def test_the_packed_layout_gives_the_same_report():
     padded = rlkernels.logprob_parity(TRAINER, rollout, MASK)
     assert report.first_divergence.tolist() == [2, 3, -1, -1]
     for name in ("match_rate", "matched", "tokens", "bucket_tokens", "bucket_mean_abs_diff", "bucket_max_abs_diff"):
-        assert torch.equal(getattr(report, name), getattr(padded, name)), name
+        assert_same(getattr(report, name), getattr(padded, name))
     # of the sequences with a response token: both diverge, as in the padded batch
     assert float(report.metrics["logprob_parity/diverged_sequence_fraction"]) == 1.0
     with pytest.raises(ValueError, match="cu_seqlens: expected cu_seqlens\\[-1\\] == N = 10"):
@@ -86,9 +93,8 @@ def test_one_bf16_ulp_is_a_divergence():
 
 
 def test_nothing_compared_reads_as_none_not_as_no_match():
-    """An all-masked or empty batch: 0 tokens, and the two fractions NaN (a fraction of nothing), every other value 0;
-    never match_rate 0, which reads as "nothing matched"."""
-    fractions = ("logprob_parity/match_rate", "logprob_parity/diverged_sequence_fraction")
+    """An all-masked or empty batch: 0 tokens, and every statistic of them NaN (a fraction or a gap of nothing);
+    never match_rate 0, which reads as "nothing matched", nor a gap of 0, which reads as "no difference"."""
     for report in (rlkernels.logprob_parity(TRAINER, _rollout(), torch.zeros_like(MASK)),
                    rlkernels.logprob_parity(torch.zeros(3, 0), torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.bool)),
                    rlkernels.logprob_parity(torch.zeros(0), torch.zeros(0), torch.zeros(0),
@@ -96,13 +102,15 @@ def test_nothing_compared_reads_as_none_not_as_no_match():
         assert int(report.tokens) == 0 and math.isnan(float(report.match_rate))
         assert set(report.first_divergence.tolist()) <= {-1}
         values = rlkernels.metrics_to_floats(report.metrics)
-        assert all(math.isnan(values[name]) for name in fractions)
-        assert all(v == 0.0 for name, v in values.items() if name not in fractions)
+        counts = [name for name in values if name.endswith("/tokens")]
+        assert len(counts) == 8 and all(values[name] == 0.0 for name in counts)
+        assert all(math.isnan(v) for name, v in values.items() if name not in counts)
     # one sequence answered, the other not: the fraction runs over the one
     mask = torch.zeros_like(MASK)
     mask[1, 0] = True
     report = rlkernels.logprob_parity(TRAINER, _rollout(), mask)
-    assert float(report.match_rate) == 1.0 and float(report.metrics[fractions[1]]) == 0.0
+    assert float(report.match_rate) == 1.0
+    assert float(report.metrics["logprob_parity/diverged_sequence_fraction"]) == 0.0
 
 
 @pytest.mark.parametrize("name, bad", [("trainer_logprobs", "nan"), ("rollout_logprobs", "nan"),
@@ -157,4 +165,4 @@ def test_on_a_gpu_the_report_is_the_cpus():
     gpu = rlkernels.logprob_parity(TRAINER.cuda(), _rollout().cuda(), MASK.cuda())
     for name in ("match_rate", "matched", "tokens", "first_divergence", "bucket_tokens", "bucket_mean_abs_diff",
                  "bucket_max_abs_diff"):
-        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+        assert_same(getattr(gpu, name).cpu(), getattr(cpu, name))

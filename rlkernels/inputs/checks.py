@@ -187,7 +187,8 @@ class ValueChecks:
         count as a whole token."""
         if mask.dtype != torch.bool:
             self.add(((mask != 0) & (mask != 1)).any(), f"{name}: expected a bool mask or values 0 and 1, got "
-                     "another value (a numeric mask is read as bool: weigh tokens through the advantages instead)")
+                     "another value (a weight such as 0.5 would count as a whole token: weigh tokens through the "
+                     "advantages instead)")
 
     def values(self, valid: torch.Tensor, where: str, finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
                not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = ()) -> None:

@@ -62,7 +62,9 @@ def logprob_parity(rows: ParityRows) -> Tuple:
     total = torch.zeros(K + 1, dtype=torch.float64, device=mask.device).index_add_(0, bucket, gap)
     worst = torch.zeros(K + 1, dtype=torch.float64, device=mask.device).scatter_reduce(0, bucket, gap, "amax")
     count, total, worst = count[:K], total[:K], worst[:K]
-    mean = total / count.clamp(min=1)
+    # a statistic of nothing is NaN ("none compared"), never a 0 that reads as "no gap"
+    mean = torch.where(count > 0, total / count.clamp(min=1), math.nan)
+    worst = torch.where(count > 0, worst, math.nan)
 
     # a fraction of nothing is NaN, not 0: "none compared" must not read as "none matched"
     match_rate = torch.where(tokens > 0, matched.double() / tokens.clamp(min=1), math.nan)
@@ -70,8 +72,9 @@ def logprob_parity(rows: ParityRows) -> Tuple:
     metrics: Dict[str, torch.Tensor] = {
         "logprob_parity/tokens": tokens.double(),
         "logprob_parity/match_rate": match_rate,
-        "logprob_parity/mean_abs_diff": gap.sum() / tokens.clamp(min=1),
-        "logprob_parity/max_abs_diff": gap.max() if gap.numel() else gap.new_zeros(()),
+        "logprob_parity/mean_abs_diff": torch.where(tokens > 0, gap.sum() / tokens.clamp(min=1), math.nan),
+        "logprob_parity/max_abs_diff": torch.where(tokens > 0, gap.max(), math.nan) if gap.numel() else
+        gap.new_full((), math.nan),
         # of the sequences with a response token (the same whatever the layout)
         "logprob_parity/diverged_sequence_fraction": torch.where(
             sequences > 0, (first >= 0).sum().double() / sequences.clamp(min=1), math.nan),
