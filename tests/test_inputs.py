@@ -67,6 +67,9 @@ BAD_INPUTS = [
     ("advantages_inf", lambda: call(advantages=adv_with(float("inf"))), ValueError, "advantages"),
     ("mask_wrong_shape", lambda: call(response_mask=torch.ones(B, 1, dtype=torch.bool)), ValueError, "response_mask"),
     ("old_logprobs_nan", lambda: call(old_logprobs=torch.full((B, T), float("nan"))), ValueError, "old_logprobs"),
+    # a log-prob may be -inf (probability 0, test_infinite_logprob_is_legal), never +inf
+    ("rollout_logprobs_plus_inf", lambda: call(rollout_logprobs=torch.full((B, T), math.inf)), ValueError,
+     "rollout_logprobs"),
     ("rollout_wrong_shape", lambda: call(rollout_logprobs=torch.zeros(B, T, 1)), ValueError, "rollout_logprobs"),
     ("meta_device_mismatch", lambda: call(advantages=torch.zeros(B, T, device="meta")), ValueError, "advantages"),
     ("cu_seqlens_with_padded", lambda: call(cu_seqlens=torch.tensor([0, 3, 6])), ValueError, "cu_seqlens"),

@@ -192,9 +192,13 @@ class ValueChecks:
 
     def values(self, valid: torch.Tensor, where: str, finite: Sequence[Tuple[str, Optional[torch.Tensor]]] = (),
                not_nan: Sequence[Tuple[str, Optional[torch.Tensor]]] = ()) -> None:
+        """`finite`: no NaN or ±inf (advantages, weights); `not_nan`: log-probs and the like, which may be -inf (a
+        probability of 0) but never NaN or +inf (a probability above 1)."""
         for name, x in not_nan:
             if x is not None:
-                self.add((valid & torch.isnan(x)).any(), f"{name}: expected no NaN on {where}, got NaN")
+                self.add((valid & (torch.isnan(x) | (x == float("inf")))).any(),
+                         f"{name}: expected no NaN or +inf on {where} (-inf is a probability of 0; +inf is none), "
+                         "got NaN or +inf")
         for name, x in finite:
             if x is not None:
                 self.add((valid & ~torch.isfinite(x)).any(),
