@@ -11,7 +11,7 @@ from typing import Dict, Optional, Sequence, Union
 import torch
 
 from . import notices, ops, step
-from .config import PolicyLossConfig, RolloutCorrection, check_head_dtype
+from .config import PolicyLossConfig, RolloutCorrection
 from .inputs import (
     DEFAULT_BUCKET_EDGES,
     Arguments,
@@ -275,8 +275,8 @@ def linear_token_logprobs(
         pass trainers run for old and reference log-probs.
     """
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes=memory_budget_bytes,
-                              head_dtype=check_head_dtype(head_dtype), numerics=numerics)
-    batch = prepare_linear_stats(hidden, weight, bias, Arguments.of(locals()), validate, options)
+                              head_dtype=head_dtype, numerics=numerics)
+    batch, options = prepare_linear_stats(hidden, weight, bias, Arguments.of(locals()), validate, options)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
     step.checked_rows("hidden", stats.logprobs, batch, validate)
     return shaped_stats(stats, batch.token_shape)

@@ -67,7 +67,7 @@ def synthetic_batch(num_seqs: int, vocab: int, device, seed: int = 0, dtype=torc
     """A packed batch: the trainer's logits, the tokens the inference engine sampled, and the
     log-probabilities the engine reported for them; one response in 50 (at least one) is bad."""
     device = torch.device(device)
-    g_cpu = torch.Generator().manual_seed(seed)  # sequence lengths and the choice of toxic responses
+    g_cpu = torch.Generator().manual_seed(seed)  # sequence lengths and the choice of bad responses
     g = torch.Generator(device=device).manual_seed(seed)  # the [N, V] draws, made where they are used
     lengths = torch.randint(8, 65, (num_seqs,), generator=g_cpu)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])

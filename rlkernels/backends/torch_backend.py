@@ -125,8 +125,7 @@ class TorchBackend:
         entropy = torch.zeros_like(row_max) if compute_entropy else None
         sum_pi_squared = torch.zeros_like(row_max) if compute_sum_pi_squared else None
         target = torch.zeros_like(row_max)
-        empty = torch.zeros(N, dtype=torch.bool, device=logits.device)  # rows without a finite logit
-        poisoned = torch.zeros_like(empty)  # rows holding a NaN or +inf logit
+        raw_max = torch.zeros_like(row_max)  # amax, which propagates a NaN: tells empty rows from poisoned ones
         # a row with a foreign target recovers log_norm from its largest log p (= -log_norm exactly)
         log_p_max = torch.zeros_like(row_max) if self.vocab_shard else None
         temperature = Temperature.of(temperature)
@@ -134,10 +133,8 @@ class TorchBackend:
         for s, e, chunk, _ in self._chunks(logits):
             target[s:e] = chunk.gather(1, safe_labels[s:e]).squeeze(1).to(acc)
             m = chunk.amax(1).to(acc)
-            # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats); amax
-            # propagates a NaN, so a NaN (or +inf) row is not taken for an empty one
-            empty[s:e] = m == float("-inf")
-            poisoned[s:e] = torch.isnan(m) | (m == float("inf"))
+            # -inf is the max identity: a row with no finite entry keeps shift 0 (see base.RowStats)
+            raw_max[s:e] = m
             row_max[s:e] = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             log_p = torch.log_softmax(self._scaled(chunk, row_max[s:e], acc, self._rows(inv_t, s, e)), dim=1,
                                       dtype=acc)
@@ -155,6 +152,8 @@ class TorchBackend:
         # sum p^2 0 (see base.RowStats); log_norm = (z_y - row_max)/T - logprob, so that
         # lse = row_max/T + log_norm holds in the two parts the other backends keep. A row holding a NaN or
         # +inf logit stays NaN throughout, as in the kernels: validate=True refuses it from that NaN
+        empty = raw_max == float("-inf")  # no finite logit (a NaN or +inf row's amax is NaN / +inf)
+        poisoned = ~torch.isfinite(raw_max) & ~empty
         no_mass = empty & torch.isnan(logprobs)
         logprobs = logprobs.masked_fill(no_mass, float("-inf"))
         log_norm = (target - row_max) * inv_t.squeeze(1) if temperature.per_row else \

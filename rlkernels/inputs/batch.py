@@ -311,15 +311,17 @@ def prepare_stats(logits, args: Arguments, backend: str, validate: bool, inplace
     return _stats_batch(tuple(logits.shape[:-1]), logits.shape[-1], logits.device, args, backend, validate, inplace)
 
 
-def prepare_linear_stats(hidden, weight, bias, args: Arguments, validate: bool, options) -> PreparedBatch:
-    """linear_token_logprobs: the batch of [..., H] hidden states' rows under the head [V, H]; `options` are the
-    call's ops.PassOptions (its backend, memory budget, head dtype and numerics are checked here)."""
+def prepare_linear_stats(hidden, weight, bias, args: Arguments, validate: bool, options):
+    """linear_token_logprobs: (the batch of [..., H] hidden states' rows under the head [V, H], the call's
+    ops.PassOptions with its head dtype by name); the options' backend, memory budget, head dtype and numerics are
+    checked here."""
     check_head(hidden, weight, bias, allow_any_rank=True)
     check_memory_budget(options.memory_budget_bytes)
-    check_head_dtype(options.head_dtype)
+    options = options._replace(head_dtype=check_head_dtype(options.head_dtype))
     check_numerics(options.numerics)
-    return _stats_batch(tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, args, options.backend, validate,
-                        False)
+    batch = _stats_batch(tuple(hidden.shape[:-1]), weight.shape[0], hidden.device, args, options.backend, validate,
+                         False)
+    return batch, options
 
 
 def _stats_batch(token_shape, local_vocab: int, device, args: Arguments, backend: str, validate: bool,

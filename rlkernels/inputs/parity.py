@@ -28,15 +28,15 @@ def prepare_parity(trainer_logprobs, rollout_logprobs, response_mask, cu_seqlens
     if len(edges) < 2 or edges[0] != 0.0 or edges[-1] != 1.0 or any(b <= a for a, b in zip(edges, edges[1:])) \
             or not all(math.isfinite(e) for e in edges):
         raise ValueError(f"bucket_edges: expected increasing probabilities from 0.0 to 1.0, got {tuple(bucket_edges)}")
+    mask = response_mask.detach().reshape(-1).bool()
     if validate:  # the loss's checks (offsets that do not cover the tokens would index out of range)
         checks = ValueChecks()
         checks.layout(cu_seqlens, shape[0], None, None)
         checks.mask_values("response_mask", response_mask)
-        mask = response_mask.reshape(-1).bool()
         checks.values(mask, "tokens of the response mask",
                       not_nan=[("trainer_logprobs", trainer_logprobs.reshape(-1)),
                                ("rollout_logprobs", rollout_logprobs.reshape(-1))])
         checks.run()
     row, position, num_rows, width = _rows_of(shape, cu_seqlens, device)
     return ParityRows(trainer_logprobs.detach().reshape(-1), rollout_logprobs.detach().reshape(-1),
-                      response_mask.detach().reshape(-1).bool(), row, position, num_rows, width, edges)
+                      mask, row, position, num_rows, width, edges)
