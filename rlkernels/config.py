@@ -61,6 +61,7 @@ _KL_BASE = ("k1", "k2", "k3", "k3_unclamped", "abs", "low_var_kl", "kl", "mse")
 KL_TYPES = _KL_BASE + tuple(f"{k}+" for k in _KL_BASE)
 _KL_ALIASES = {"low_var_kl": "k3", "kl": "k1", "mse": "k2"}
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+METRICS_MODES = ("all", "loss_only")  # PolicyLossConfig.metrics
 
 Threshold = Union[float, Tuple[float, float]]
 
@@ -396,6 +397,9 @@ class PolicyLossConfig:
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
+        metrics: "all" (every metric of SPEC §8 in the output's `.metrics`, verl's names) or "loss_only" (none:
+            the loss and its gradient alone, for steps that log no metrics; the stage's ~60 metric reductions
+            and their launches are skipped, the loss and gradient are the same bits).
         memory_budget_bytes: the fused-linear path (`linear_decoupled_ppo_loss`) forms logits in chunks
             of rows whose logits take at most this many bytes (None: 512 MiB on CUDA, 32 MiB on CPU).
         linear_one_pass: the fused-linear path forms the gradient in its forward pass where every token's
@@ -434,6 +438,7 @@ class PolicyLossConfig:
     chunk_rows: Optional[int] = None
     inplace_backward: bool = False
     compile_stage: Optional[bool] = None
+    metrics: str = "all"
     memory_budget_bytes: Optional[int] = None
     linear_one_pass: bool = True
     head_dtype: Optional[str] = None
@@ -517,6 +522,8 @@ class PolicyLossConfig:
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.compile_stage is not None and not isinstance(self.compile_stage, bool):
             raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
+        if self.metrics not in METRICS_MODES:
+            raise ValueError(f"metrics: expected one of {METRICS_MODES}, got {self.metrics!r}")
         check_memory_budget(self.memory_budget_bytes)
         object.__setattr__(self, "head_dtype", check_head_dtype(self.head_dtype))
         check_numerics(self.numerics)

@@ -114,7 +114,8 @@ def policy_output(stats: ops.Statistics, batch: PreparedBatch, config: PolicyLos
     head_logprobs = None if evidence is None else evidence.head_logprobs
     if head_logprobs is not None:
         evidence = evidence._replace(head_logprobs=head_logprobs.detach().to(dt))
-    out = stage.select(lp, config.compile_stage)(detached, batch, config, evidence=evidence)
+    out = stage.select(lp, config.compile_stage)(detached, batch, config, metrics=config.metrics == "all",
+                                                 evidence=evidence)
     loss = ops.CoefficientLossFunction.apply(out.loss, lp, entropy, out.coef_logprob, out.coef_entropy,
                                              head_logprobs, out.coef_head)
     return _output(loss, detached, out, batch, path)
@@ -159,7 +160,7 @@ def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     # the correction is reused unless it reads the current policy (bypass mode's mismatch metrics): then the split
     # is combined a second time. Eager either way: a compiled stage takes no precomputed correction
     reuse = None if stage.correction_reads_current_policy(batch) else corrected
-    out = stage.run(detached, batch, config, corrected=reuse)
+    out = stage.run(detached, batch, config, corrected=reuse, metrics=config.metrics == "all")
     d_hidden = None if grads.d_hidden is None else grads.d_hidden.view(hidden.shape)
     loss = ops.ForwardGradientFunction.apply(out.loss, hidden, weight, bias, d_hidden, grads.d_weight, grads.d_bias)
     return _output(loss, detached, out, batch, "linear_one_pass")

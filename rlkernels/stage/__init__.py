@@ -41,12 +41,12 @@ def _compiled():
         return _COMPILED[0]
     compiled = torch.compile(run, dynamic=True)
 
-    def compiled_run(stats, batch, config, evidence=None):
+    def compiled_run(stats, batch, config, metrics=True, evidence=None):
         # no_grad: the stage's inputs are detached anyway, and Dynamo guards on grad mode (one graph
         # for training steps and one for evaluation otherwise)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=STAGE_RECOMPILE_LIMIT), \
                 _leaves_no_float_specialisations():
-            return compiled(stats, batch, config, evidence=evidence)
+            return compiled(stats, batch, config, metrics=metrics, evidence=evidence)
 
     _COMPILED.append(compiled_run)
     return compiled_run

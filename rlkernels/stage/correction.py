@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .metrics import Metrics, sample_std, std
+from .metrics import Metrics, std
 from .policy_terms import binary_kl
 from .segments import Segments, SequenceTable, hyper, log_hyper
 
@@ -297,7 +297,6 @@ def record_divergence_metrics(metrics: Metrics, divergences: DivergenceRecord, m
     original mask."""
     lengths = table.sum("len")
     n_tok, nonempty, n_seq = norms.tokens, lengths > 0, norms.seqs
-    dt = divergences.values["kl"].dtype
     for name in DIVERGENCE_METRICS:
         x = divergences.values.get(name)
         if x is None:
@@ -313,7 +312,7 @@ def record_divergence_metrics(metrics: Metrics, divergences: DivergenceRecord, m
                             largest=False)
     if "sampled_in_head" in divergences.values:
         metrics.mean(f"rollout_corr/{divergences.form}_sampled_in_head_fraction",
-                     divergences.values["sampled_in_head"].to(dt), mask, n_tok)
+                     divergences.values["sampled_in_head"], mask, n_tok)
 
 
 LENGTH_QUANTILE = 0.9
@@ -351,11 +350,11 @@ def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> N
         metrics.mean(f"{prefix}_mean", option.values, valid, n, option.per_sequence)
         metrics.extreme(f"{prefix}_max", option.values, valid, n, largest=True)
         metrics.extreme(f"{prefix}_min", option.values, valid, n, largest=False)
-        metrics.mean(f"{prefix}_masked_fraction", (~option.keep).to(dt), mask, n_tok)
+        metrics.mean(f"{prefix}_masked_fraction", ~option.keep, mask, n_tok)
         _option_spread(metrics, prefix, option, valid, n, sets)
     if decisions.options:
-        metrics.mean("rollout_corr/rollout_rs_masked_fraction", (mask & ~decisions.kept).to(dt), mask, n_tok)
-        seq_rejected = (decisions.kept_lengths < sets.lengths).to(dt)
+        metrics.mean("rollout_corr/rollout_rs_masked_fraction", mask & ~decisions.kept, mask, n_tok)
+        seq_rejected = decisions.kept_lengths < sets.lengths
         metrics.mean("rollout_corr/rollout_rs_seq_masked_fraction", seq_rejected, sets.nonempty, sets.n_seq, True)
         # 1 when the batch had response tokens and rejection kept none of them: a step that learns nothing
         # (a count, not the fraction above, whose sum of 1/n terms need not round to exactly 1)
@@ -400,21 +399,20 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
                     sets: _Sets) -> None:
     """The rollout_is_* metrics of the truncated IS weights (before batch normalisation)."""
     name = lambda k: f"rollout_corr/{k}"  # noqa: E731
-    mask, n_tok, nonempty, n_seq, table, dt = sets.mask, sets.n_tok, sets.nonempty, sets.n_seq, sets.table, sets.dt
+    mask, n_tok, nonempty, n_seq, table = sets.mask, sets.n_tok, sets.nonempty, sets.n_seq, sets.table
     lo, hi = rc.is_bounds
     w = weights.truncated
     x = torch.minimum(w.clamp_min(0), hyper(w, hi))
     metrics.mean(name("rollout_is_mean"), w, mask, n_tok)
-    metrics.moments("_is_x", x, mask)
-    metrics.derive(name("rollout_is_std"), std, "_is_x")
+    metrics.std(name("rollout_is_std"), x, mask, moments="_is_x")
     metrics.extreme(name("rollout_is_min"), w, mask, n_tok, largest=False)
     metrics.extreme(name("rollout_is_max"), w, mask, n_tok, largest=True)
     per_sequence = rc.is_level != "token"
     valid, n = (nonempty, n_seq) if per_sequence else (mask, n_tok)
     log_ratio = decisions.log_ratio
-    metrics.mean(name("rollout_is_ratio_fraction_high"), (log_ratio > log_hyper(log_ratio, hi)).to(dt), valid, n,
+    metrics.mean(name("rollout_is_ratio_fraction_high"), log_ratio > log_hyper(log_ratio, hi), valid, n,
                  per_sequence)
-    metrics.mean(name("rollout_is_ratio_fraction_low"), (log_ratio < log_hyper(log_ratio, lo)).to(dt), valid, n,
+    metrics.mean(name("rollout_is_ratio_fraction_low"), log_ratio < log_hyper(log_ratio, lo), valid, n,
                  per_sequence)
     metrics.derive(name("rollout_is_eff_sample_size"), _effective_sample_size, "_is_x")
     if rc.is_batch_normalize:
@@ -422,7 +420,7 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
     if rc.is_icepop:  # the weights IcePop zeroes (verl's rollout_is_oob_ratio)
         lo_m, hi_m = rc.is_range
         outside = (log_ratio < log_hyper(log_ratio, lo_m)) | (log_ratio > log_hyper(log_ratio, hi_m))
-        metrics.mean(name("rollout_is_oob_ratio"), outside.to(dt), valid, n, per_sequence)
+        metrics.mean(name("rollout_is_oob_ratio"), outside, valid, n, per_sequence)
     # each sequence's mean weight (verl's rollout_is_seq_*); its raw (untruncated) mean against the bounds
     if per_sequence:
         seq_w, seq_raw = decisions.sequence_weights, torch.exp(log_ratio)
@@ -432,8 +430,8 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
             seq_w = torch.where(decisions.kept_lengths > 0, seq_w, torch.zeros_like(seq_w))
         seq_raw = table.sum("raw_weights") / sets.lengths.clamp_min(1)
     _sequence_spread(metrics, name("rollout_is_seq"), seq_w, nonempty, n_seq, centre=1.0)
-    metrics.mean(name("rollout_is_seq_fraction_high"), (seq_raw > hyper(seq_raw, hi)).to(dt), nonempty, n_seq, True)
-    metrics.mean(name("rollout_is_seq_fraction_low"), (seq_raw < hyper(seq_raw, lo)).to(dt), nonempty, n_seq, True)
+    metrics.mean(name("rollout_is_seq_fraction_high"), seq_raw > hyper(seq_raw, hi), nonempty, n_seq, True)
+    metrics.mean(name("rollout_is_seq_fraction_low"), seq_raw < hyper(seq_raw, lo), nonempty, n_seq, True)
 
 
 def _sequence_spread(metrics: Metrics, prefix: str, values: torch.Tensor, valid: torch.Tensor, n: torch.Tensor,
@@ -441,8 +439,7 @@ def _sequence_spread(metrics: Metrics, prefix: str, values: torch.Tensor, valid:
     """{prefix}_mean|std|max|min|max_deviation of one value per sequence over `valid` sequences
     (std with Bessel's correction, |value - centre| for the deviation), as verl's *_seq_* metrics."""
     metrics.mean(f"{prefix}_mean", values, valid, n, True)
-    metrics.moments(f"_{prefix}_moments", values, valid, per_sequence=True)
-    metrics.derive(f"{prefix}_std", sample_std, f"_{prefix}_moments")
+    metrics.std(f"{prefix}_std", values, valid, per_sequence=True, bessel=True)
     metrics.extreme(f"{prefix}_max", values, valid, n, largest=True)
     metrics.extreme(f"{prefix}_min", values, valid, n, largest=False)
     metrics.extreme(f"{prefix}_max_deviation", (values - centre).abs(), valid, n, largest=True)
@@ -454,22 +451,21 @@ def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, se
     token statistic over the sequence)."""
     lo, hi = option.bounds
     k1 = option.name.endswith("k1")
-    values, nonempty, n_seq, dt = option.values, sets.nonempty, sets.n_seq, sets.dt
-    metrics.mean(f"{prefix}_fraction_high", (values > hyper(values, hi)).to(dt), valid, n, option.per_sequence)
+    values, nonempty, n_seq = option.values, sets.nonempty, sets.n_seq
+    metrics.mean(f"{prefix}_fraction_high", values > hyper(values, hi), valid, n, option.per_sequence)
     low = (values < hyper(values, lo)) if k1 else torch.zeros_like(values, dtype=torch.bool)
-    metrics.mean(f"{prefix}_fraction_low", low.to(dt), valid, n, option.per_sequence)
+    metrics.mean(f"{prefix}_fraction_low", low, valid, n, option.per_sequence)
     clamped = torch.minimum(torch.maximum(values, hyper(values, lo)), hyper(values, hi))
-    metrics.moments(f"_{prefix}_clamped", clamped, valid, option.per_sequence)
-    metrics.derive(f"{prefix}_std", std, f"_{prefix}_clamped")
+    metrics.std(f"{prefix}_std", clamped, valid, option.per_sequence)
     kind = rs_kind(option.name)
     seq_values = values if option.per_sequence else sets.table.sum(kind) / sets.lengths.clamp_min(1)
     _sequence_spread(metrics, f"{prefix}_seq", seq_values, nonempty, n_seq, centre=0.0)
-    metrics.mean(f"{prefix}_seq_fraction_high", (seq_values > hyper(seq_values, hi)).to(dt), nonempty, n_seq, True)
+    metrics.mean(f"{prefix}_seq_fraction_high", seq_values > hyper(seq_values, hi), nonempty, n_seq, True)
     if k1:
-        metrics.mean(f"{prefix}_seq_fraction_low", (seq_values < hyper(seq_values, lo)).to(dt), nonempty, n_seq,
+        metrics.mean(f"{prefix}_seq_fraction_low", seq_values < hyper(seq_values, lo), nonempty, n_seq,
                      True)
     rejected = ~option.seq_keep if option.per_sequence else sets.table.sum(f"rejected_{option.name}") > 0
-    metrics.mean(f"{prefix}_seq_masked_fraction", rejected.to(dt), nonempty, n_seq, True)
+    metrics.mean(f"{prefix}_seq_masked_fraction", rejected, nonempty, n_seq, True)
 
 
 def _effective_sample_size(moments: torch.Tensor) -> torch.Tensor:

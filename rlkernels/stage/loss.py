@@ -145,6 +145,7 @@ class _Inputs(NamedTuple):
     rollout: Optional[Tensor]
     ref: Optional[Tensor]
     given_weights: Optional[Tensor]
+    zero: Tensor  # 0-d 0 of the statistics' dtype, for every where() of the stage
 
     @property
     def decoupled(self) -> bool:
@@ -176,7 +177,7 @@ def _masked_inputs(stats, batch) -> _Inputs:
 
     return _Inputs(valid(stats.logprobs), valid(stats.entropy), valid(batch.advantages), mask,
                    valid(batch.old_logprobs), valid(batch.rollout_logprobs), valid(batch.ref_logprobs),
-                   valid(batch.is_weights))
+                   valid(batch.is_weights), zero)
 
 
 class _Corrected(NamedTuple):
@@ -230,8 +231,7 @@ def _vaco_keep(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossConf
     over = seg.expand(seq_divergence > hyper(seq_divergence, config.vaco_threshold))
     log_ratio = x.l_train.clamp(_VACO_LOG_FLOOR, 0.0) - x.rollout.clamp(_VACO_LOG_FLOOR, 0.0)
     keep = ~(over & (torch.sign(log_ratio) * x.advantages > 0))
-    dt = x.lp.dtype
-    c.metrics.mean("actor/vaco_masked_fraction", (~keep).to(dt), c.decisions.mask, c.norms.kept_tokens)
+    c.metrics.mean("actor/vaco_masked_fraction", ~keep, c.decisions.mask, c.norms.kept_tokens)
     c.metrics.mean("actor/vaco_divergence_mean", seq_divergence, lengths > 0, c.norms.kept_seqs, per_sequence=True)
     return keep
 
@@ -241,7 +241,7 @@ def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", batch, evidenc
     """correction.correct's results as the stage reads them, with the rollout_corr/* and response_length/*
     metrics recorded (unless `record` is False: a coefficients-only run)."""
     terms, table, decisions, norms, w = corrected
-    metrics = Metrics()
+    metrics = Metrics(enabled=record)
     if record:
         if terms is not None:
             correction.record_metrics(metrics, terms, x.mask, table, decisions, norms, config.rollout_correction, w)
@@ -257,19 +257,24 @@ def _corrected(x: _Inputs, corrected, config: "PolicyLossConfig", batch, evidenc
 
 
 class _Ratio(NamedTuple):
+    delta: Tensor  # [N] lp - l_old, per token and unclamped
     log_r: Tensor  # the log-ratio r is taken of: per token, or each sequence's mean (ratio_level="sequence")
     r: Tensor
     within_clamp: Tensor  # [N] bool, where log_ratio_clamp passes the gradient
-    kl_metric: Tensor  # actor/ppo_kl's default per-token value
+
+    def kl_metric(self, bound: Optional[float]) -> Tensor:
+        """actor/ppo_kl's default per-token value (formed only when the metrics are)."""
+        return -self.delta if bound is None else -self.delta.clamp(-bound, bound)
 
 
 def _policy_ratio(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossConfig") -> _Ratio:
     delta = x.lp - x.l_old
-    lengths = c.decisions.final_lengths.clamp_min(1)
-    log_r = seg.expand(c.table.sum("pg_delta") / lengths) if config.ratio_level == "sequence" else delta
-    bound = config.log_ratio_clamp
-    r, within = clamped_ratio(log_r, bound)
-    return _Ratio(log_r, r, within, -delta if bound is None else -delta.clamp(-bound, bound))
+    if config.ratio_level == "sequence":
+        log_r = seg.expand(c.table.sum("pg_delta") / c.decisions.final_lengths.clamp_min(1))
+    else:
+        log_r = delta
+    r, within = clamped_ratio(log_r, config.log_ratio_clamp)
+    return _Ratio(delta, log_r, r, within)
 
 
 def _term_context(x: _Inputs, c: _Corrected, ratio: _Ratio, seg: Segments, config: "PolicyLossConfig",
@@ -279,13 +284,13 @@ def _term_context(x: _Inputs, c: _Corrected, ratio: _Ratio, seg: Segments, confi
                                 c.norms.kept_tokens, c.norms.all_seqs)
     weights = WeightContext(c.is_weights, c.norm_factor, c.weighted,
                             x.given_weights is not None or c.computed_token_weights, d.sequence_weights)
-    return TermContext(x.lp, x.advantages, x.lp - x.l_old, ratio.r, x.l_old, x.behaviour, config, sequences, weights,
+    return TermContext(x.lp, x.advantages, ratio.delta, ratio.r, x.l_old, x.behaviour, config, sequences, weights,
                        c.metrics, head)
 
 
 class _Weighted(NamedTuple):
     value: Tensor  # L
-    direct: Tensor  # d
+    direct: Optional[Tensor]  # d (None: 0)
     through_ratio: Optional[Tensor]  # g
     applied_weights: Optional[Tensor]
     keep: Optional[Tensor]  # [N] bool, tokens whose policy term a token mask kept (None: every token)
@@ -297,21 +302,21 @@ def _weigh_and_mask(term: PolicyTerm, x: _Inputs, c: _Corrected, ratio: _Ratio, 
     """The IS weights on the policy term (unless the loss applied them itself), and the token masks that
     zero it (OPSM, M2PO: zero weight, the denominators keep the tokens)."""
     entry = LOSS_TERMS[config.loss_type]
-    zero = torch.zeros((), dtype=x.lp.dtype, device=x.lp.device)
+    zero = x.zero
     L, d, g = term.value, term.direct, term.through_ratio
     if g is not None and entry.ratio_levels:
         g = torch.where(ratio.within_clamp, g, zero)  # the clamp passes no gradient outside its interval
     applied = term.applied_weights
     if not entry.weights_itself and c.weighted:
         applied = c.is_weights
-        L, d = L * applied, d * applied
+        L, d = L * applied, None if d is None else d * applied
         g = None if g is None else g * applied
     keep = None
     final_mask, n_kept = c.decisions.mask, c.norms.kept_tokens
     if config.off_policy_mask_threshold is not None:
         seq_kl = c.table.sum("opsm") / c.decisions.final_lengths.clamp_min(1)
         keep = (x.advantages >= 0) | seg.expand(seq_kl <= hyper(seq_kl, config.off_policy_mask_threshold))
-        c.metrics.mean("actor/off_policy_masked_fraction", (~keep).to(L.dtype), final_mask, n_kept)
+        c.metrics.mean("actor/off_policy_masked_fraction", ~keep, final_mask, n_kept)
     if config.m2po_threshold is not None:
         m2_keep = _m2po_keep(x.lp, x.behaviour, x.advantages, final_mask, config, c.metrics, n_kept)
         keep = m2_keep if keep is None else keep & m2_keep
@@ -320,7 +325,7 @@ def _weigh_and_mask(term: PolicyTerm, x: _Inputs, c: _Corrected, ratio: _Ratio, 
         keep = vaco_keep if keep is None else keep & vaco_keep
     head = term.head_direct
     if keep is not None:
-        L, d = torch.where(keep, L, zero), torch.where(keep, d, zero)
+        L, d = torch.where(keep, L, zero), None if d is None else torch.where(keep, d, zero)
         g = None if g is None else torch.where(keep, g, zero)
         head = None if head is None else torch.where(keep[:, None], head, zero)
     return _Weighted(L, d, g, applied, keep, head)
@@ -348,8 +353,8 @@ def _m2po_keep(lp: Tensor, behaviour: Tensor, A: Tensor, mask: Tensor, config: "
     keep = ~eligible | (rank < keep_count)
     dt = lp.dtype
     n_elig_f = n_elig.to(dt)
-    metrics.mean("actor/m2po_masked_fraction", (~keep).to(dt), mask, n_valid)
-    metrics.mean("actor/m2po_trust_region_fraction", eligible.to(dt), mask, n_valid)
+    metrics.mean("actor/m2po_masked_fraction", ~keep, mask, n_valid)
+    metrics.mean("actor/m2po_trust_region_fraction", eligible, mask, n_valid)
     metrics.mean("actor/m2po_m2_before", m2, eligible, n_elig_f)
     metrics.mean("actor/m2po_m2_after", m2, eligible & keep, keep_count.to(dt))
     return keep
@@ -357,32 +362,30 @@ def _m2po_keep(lp: Tensor, behaviour: Tensor, A: Tensor, mask: Tensor, config: "
 
 class _Total(NamedTuple):
     loss: Tensor  # 0-d
-    coef: Tensor  # [N] c_t so far
+    coef: Optional[Tensor]  # [N] c_t so far (None: 0)
     through_ratio: Optional[Tensor]  # [N] a_t g_t, still to be chained (per token or through the sequence)
 
 
-def _aggregate(term: PolicyTerm, w: _Weighted, c: _Corrected, a: Tensor) -> _Total:
+def _aggregate(term: PolicyTerm, w: _Weighted, c: _Corrected, a: Tensor, zero: Tensor) -> _Total:
     """SPEC §7 on the policy term, and its metrics."""
     final_mask, n_kept = c.decisions.mask, c.norms.kept_tokens
-    zero = torch.zeros((), dtype=a.dtype, device=a.device)
     L = torch.where(final_mask, w.value, zero)
     if term.own_mean is not None:  # GMPO: its own mean over sequences, as verl's (not loss_agg_mode)
         pg_loss, coef = term.own_mean[0], torch.where(final_mask, term.own_mean[1], zero)
         if w.keep is not None:
             coef = torch.where(w.keep, coef, zero)
     else:
-        pg_loss, coef = (a * L).sum(), a * w.direct
-    dt = a.dtype
+        pg_loss, coef = (a * L).sum(), None if w.direct is None else a * w.direct
     c.metrics.total("actor/pg_loss", pg_loss)
-    c.metrics.mean("actor/pg_clipfrac", term.clipped.to(dt), final_mask, n_kept)
-    c.metrics.mean("actor/pg_clipfrac_lower", term.dual.to(dt), final_mask, n_kept)
+    c.metrics.mean("actor/pg_clipfrac", term.clipped, final_mask, n_kept)
+    c.metrics.mean("actor/pg_clipfrac_lower", term.dual, final_mask, n_kept)
     return _Total(pg_loss, coef, None if w.through_ratio is None else a * w.through_ratio)
 
 
 def _add_kl(total: _Total, x: _Inputs, c: _Corrected, ratio: _Ratio, a: Tensor, config: "PolicyLossConfig"
             ) -> _Total:
     """beta * agg(KL(current || reference)) (SPEC §6), with its coefficients."""
-    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    zero = x.zero
     kl, dkl = kl_and_grad(x.lp, x.ref, config.kl_type)
     g_total = total.through_ratio
     if config.kl_score_gradient:  # k x exp(lp - sg lp) (NeMo-RL): the value k, the gradient dk + k where k's passes
@@ -396,18 +399,17 @@ def _add_kl(total: _Total, x: _Inputs, c: _Corrected, ratio: _Ratio, a: Tensor, 
     c.metrics.total("actor/kl_loss", kl_loss)
     if not config.kl_coef:
         return total._replace(through_ratio=g_total)
-    return _Total(total.loss + config.kl_coef * kl_loss, total.coef + config.kl_coef * a * dkl, g_total)
+    return _Total(total.loss + config.kl_coef * kl_loss, _plus(total.coef, config.kl_coef * a * dkl), g_total)
 
 
 def _add_log_ratio_sq(total: _Total, x: _Inputs, c: _Corrected, a: Tensor, config: "PolicyLossConfig") -> _Total:
     """log_ratio_sq_coef * agg((lp - l_mu)^2), the Kimi-K2.5 term (SPEC §6.1), against the sampler (else the
     proximal policy), aggregated as the loss over m', never IS-weighted; its coefficients 2 tau a_t d_t."""
-    zero = torch.zeros((), dtype=a.dtype, device=a.device)
-    d = torch.where(c.decisions.mask, x.lp - x.behaviour, zero)
+    d = torch.where(c.decisions.mask, x.lp - x.behaviour, x.zero)
     square = (a * d * d).sum()
     c.metrics.total("actor/log_ratio_sq", square)
     tau = hyper(a, config.log_ratio_sq_coef)
-    return _Total(total.loss + tau * square, total.coef + 2 * tau * a * d, total.through_ratio)
+    return _Total(total.loss + tau * square, _plus(total.coef, 2 * tau * a * d), total.through_ratio)
 
 
 def _bias_corrected_kl(kl: Tensor, dkl: Tensor, x: _Inputs, ratio: _Ratio, config: "PolicyLossConfig"):
@@ -428,15 +430,20 @@ def _bias_corrected_kl(kl: Tensor, dkl: Tensor, x: _Inputs, ratio: _Ratio, confi
     return value, dkl * r + torch.where(within_clamp, value, torch.zeros_like(value))
 
 
-def _chain_through_ratio(total: _Total, c: _Corrected, seg: Segments, config: "PolicyLossConfig") -> Tensor:
+def _chain_through_ratio(total: _Total, x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossConfig"
+                         ) -> Tensor:
     """c_t with the ratio's part chained: per token, or through each sequence's mean log-ratio."""
     if total.through_ratio is None:
-        return total.coef
+        return torch.zeros_like(x.lp) if total.coef is None else total.coef
     g = total.through_ratio
     if config.ratio_level == "sequence":
-        zero = torch.zeros((), dtype=g.dtype, device=g.device)
-        g = torch.where(c.decisions.mask, seg.expand(seg.sum(g) / c.decisions.final_lengths.clamp_min(1)), zero)
-    return total.coef + g
+        g = torch.where(c.decisions.mask, seg.expand(seg.sum(g) / c.decisions.final_lengths.clamp_min(1)), x.zero)
+    return _plus(total.coef, g)
+
+
+def _plus(coef: Optional[Tensor], term: Tensor) -> Tensor:
+    """coef + term, with None for a coefficient of 0 so far (0 + term is term: the same value, one launch less)."""
+    return term if coef is None else coef + term
 
 
 def _entropy_term(x: _Inputs, c: _Corrected, a: Tensor, seg: Segments, config: "PolicyLossConfig"):
@@ -540,18 +547,18 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
     term = LOSS_TERMS[config.loss_type].term(_term_context(x, c, ratio, seg, config, head))
     weighted = _weigh_and_mask(term, x, c, ratio, seg, config)
     a = aggregation_weights(c.decisions.mask, seg, config, x.lp.dtype, c.decisions.final_lengths, c.norms)
-    total = _aggregate(term, weighted, c, a)
+    total = _aggregate(term, weighted, c, a, x.zero)
     coef_head = None  # the head's log-probs enter the loss as the token's own (a_t, m', no IS weight)
     if weighted.head_direct is not None:
-        coef_head = torch.where(c.decisions.mask[:, None], a[:, None] * weighted.head_direct,
-                                torch.zeros((), dtype=a.dtype, device=a.device))
-    c.metrics.mean("actor/ppo_kl", ratio.kl_metric if term.kl_metric is None else term.kl_metric,
-                   c.decisions.mask, c.norms.kept_tokens)
+        coef_head = torch.where(c.decisions.mask[:, None], a[:, None] * weighted.head_direct, x.zero)
+    if c.metrics.enabled:
+        kl_metric = ratio.kl_metric(config.log_ratio_clamp) if term.kl_metric is None else term.kl_metric
+        c.metrics.mean("actor/ppo_kl", kl_metric, c.decisions.mask, c.norms.kept_tokens)
     if x.ref is not None:
         total = _add_kl(total, x, c, ratio, a, config)
     if config.log_ratio_sq_coef:
         total = _add_log_ratio_sq(total, x, c, a, config)
-    coef = _chain_through_ratio(total, c, seg, config)
+    coef = _chain_through_ratio(total, x, c, seg, config)
     bonus, coef_entropy = _entropy_term(x, c, a, seg, config)
     loss = total.loss + bonus if coef_entropy is not None else total.loss
     scale = batch.split.loss_scale  # 1, or the data-parallel world size (see the docstring)
@@ -559,7 +566,7 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
         loss, coef = loss * scale, coef * scale
         coef_entropy = None if coef_entropy is None else coef_entropy * scale
         coef_head = None if coef_head is None else coef_head * scale
-    finished = c.metrics.finish(batch.split) if metrics else {}  # finish: the split's metric combine
+    finished = c.metrics.finish(batch.split)  # every metric reduction, and the split's metric combine
     return StageOutput(loss, coef, coef_entropy, weighted.applied_weights, c.decisions.mask, finished, coef_head)
 
 

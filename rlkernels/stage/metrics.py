@@ -1,4 +1,4 @@
-"""The stage's metrics (SPEC §8) as partial values that combine across ranks.
+"""The stage's metrics (SPEC §8) as partial values that combine across ranks, reduced a kind at a time.
 
 A metric is recorded as a partial value of one of a few kinds, each with a combine rule that makes
 the result on a split batch equal to the result on the whole batch:
@@ -13,6 +13,12 @@ the result on a split batch equal to the result on the whole batch:
     moments  (per token or per sequence)  (count, mean, M2) of one rank's values; combined with Chan's
                                           pairwise formula, so a variance is never E[x^2] - E[x]^2
 
+Recording a metric computes nothing: it keeps its inputs. `finish` reduces every record of a kind and length
+at once, on an [M, L] stack (one masked mean, max or logsumexp of M rows instead of M of each: the stage's
+metrics were most of its ~600 launches), and finishes each kind elementwise on its [M] values. Each row is
+the same computation, in the same order, as a reduction of that record alone, so a metric's value does not
+depend on what else was recorded beside it (tests/stage/test_metrics.py holds this bit for bit).
+
 Without a split nothing is combined or packed: every metric is finished from its own value (which
 is then the whole batch's). With one, the records are packed by kind into one vector and combined
 with one collective per group (`split.BatchSplit.combine_metrics`). Per-sequence records are
@@ -20,9 +26,10 @@ already whole on every rank of a context-parallel group (sequences were combined
 so across that group they are taken once, not summed.
 """
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
+from torch import Tensor
 
 # kinds, in packing order; each occupies one slot per record except MOMENTS (three)
 SUM_TOKEN, SUM_SEQ, MAX, MIN, LSE_SEQ, MOMENTS, MOMENTS_SEQ = range(7)
@@ -30,56 +37,72 @@ KINDS = (SUM_TOKEN, SUM_SEQ, MAX, MIN, LSE_SEQ, MOMENTS, MOMENTS_SEQ)
 SLOTS = {kind: 3 if kind in (MOMENTS, MOMENTS_SEQ) else 1 for kind in KINDS}
 
 
+class _Masked(NamedTuple):
+    """A reduction still to run: x over `valid` (n: the global size of `valid`, None for moments)."""
+    x: Tensor
+    valid: Tensor
+    n: Optional[Tensor]
+
+
+class _Spread(NamedTuple):
+    name: str
+    moments: str  # the record whose (count, mean, M2) it is taken of
+    bessel: bool  # the sample standard deviation (torch.std's default), 0 for fewer than two values
+
+
 class Metrics:
-    def __init__(self):
-        self._records: Dict[int, List[Tuple[str, torch.Tensor]]] = {kind: [] for kind in KINDS}
-        self._finish: Dict[str, Callable] = {}  # name -> finishing function of the combined value
+    """The records of one stage run. `enabled=False` (a run for the loss alone) keeps nothing and finishes empty."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._records: Dict[int, List[Tuple[str, Union[Tensor, _Masked]]]] = {kind: [] for kind in KINDS}
+        self._spreads: List[_Spread] = []
         self._derived: List[Tuple[str, Callable, Tuple[str, ...]]] = []
         self._order: List[str] = []  # public names in the order they were recorded
 
-    def _add(self, name: str, kind: int, value: torch.Tensor, finish: Optional[Callable] = None) -> None:
+    def _add(self, name: str, kind: int, value: Union[Tensor, _Masked]) -> None:
+        if not self.enabled:
+            return
         self._records[kind].append((name, value))
-        if finish is not None:
-            self._finish[name] = finish
         if not name.startswith("_"):
             self._order.append(name)
 
-    def total(self, name: str, value: torch.Tensor) -> None:
+    def total(self, name: str, value: Tensor) -> None:
         """A per-token sum (a loss term with global normalisers already in its weights)."""
         self._add(name, SUM_TOKEN, value)
 
-    def mean(self, name: str, x: torch.Tensor, valid: torch.Tensor, n: torch.Tensor,
-             per_sequence: bool = False) -> None:
-        """Mean of x over `valid` (0 when empty), n = the global size of `valid`. Each term is divided
-        before the sum, so that a mean of values near the dtype's maximum (exp of a large log-ratio in
-        float32) does not overflow in the running sum. Values off `valid` may be NaN."""
-        value = torch.where(valid, x / n.clamp_min(1).to(x.dtype), torch.zeros_like(x)).sum()
-        self._add(name, SUM_SEQ if per_sequence else SUM_TOKEN, value)
+    def mean(self, name: str, x: Tensor, valid: Tensor, n: Tensor, per_sequence: bool = False) -> None:
+        """Mean of x (float, or bool for a fraction) over `valid` (0 when empty), n = the global size of `valid`.
+        Each term is divided before the sum, so that a mean of values near the dtype's maximum (exp of a large
+        log-ratio in float32) does not overflow in the running sum. Values off `valid` may be NaN."""
+        self._add(name, SUM_SEQ if per_sequence else SUM_TOKEN, _Masked(x, valid, n))
 
-    def extreme(self, name: str, x: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, largest: bool) -> None:
+    def extreme(self, name: str, x: Tensor, valid: Tensor, n: Tensor, largest: bool) -> None:
         """Max (or min) of x over `valid`; 0 when the global set is empty."""
-        filled = torch.where(valid, x, torch.full_like(x, float("-inf") if largest else float("inf")))
-        if filled.numel() == 0:  # the identity of the combine (max of nothing)
-            value = x.new_full((), float("-inf") if largest else float("inf"))
-        else:
-            value = filled.max() if largest else filled.min()
-        self._add(name, MAX if largest else MIN, value, lambda v: torch.where(n > 0, v, torch.zeros_like(v)))
+        self._add(name, MAX if largest else MIN, _Masked(x, valid, n))
 
-    def mean_exp(self, name: str, a: torch.Tensor, valid: torch.Tensor, n: torch.Tensor) -> None:
+    def mean_exp(self, name: str, a: Tensor, valid: Tensor, n: Tensor) -> None:
         """mean(exp(a)) over per-sequence `valid`, as exp(logsumexp(a) - log n): finite whenever the
         mean is, even when single terms overflow the dtype (perplexities of float32 log-probs); 0 when
         empty."""
-        lse = torch.logsumexp(torch.where(valid, a, torch.full_like(a, float("-inf"))), dim=0)
-        self._add(name, LSE_SEQ, lse, lambda v: torch.exp(v - torch.log(n.clamp_min(1).to(v.dtype))))
+        self._add(name, LSE_SEQ, _Masked(a, valid, n))
 
-    def moments(self, name: str, x: torch.Tensor, valid: torch.Tensor, per_sequence: bool = False) -> None:
-        """(count, mean, M2) of x over this rank's `valid` tokens (or sequences), for a variance (`std`)."""
-        count = valid.sum().to(x.dtype)
-        mean = torch.where(valid, x / count.clamp_min(1), torch.zeros_like(x)).sum()
-        m2 = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x)).sum()
-        self._add(name, MOMENTS_SEQ if per_sequence else MOMENTS, torch.stack([count, mean, m2]))
+    def moments(self, name: str, x: Tensor, valid: Tensor, per_sequence: bool = False) -> None:
+        """(count, mean, M2) of x over this rank's `valid` tokens (or sequences), for a variance."""
+        self._add(name, MOMENTS_SEQ if per_sequence else MOMENTS, _Masked(x, valid, None))
 
-    def sequence_statistic(self, name: str, value: torch.Tensor) -> None:
+    def std(self, name: str, x: Tensor, valid: Tensor, per_sequence: bool = False, bessel: bool = False,
+            moments: Optional[str] = None) -> None:
+        """The standard deviation of x over `valid` (with Bessel's correction if `bessel`), from moments that
+        combine across a split, recorded as `moments` (default `_{name}`: another metric may derive from them)."""
+        if not self.enabled:
+            return
+        moments = moments or f"_{name}"
+        self.moments(moments, x, valid, per_sequence)
+        self._spreads.append(_Spread(name, moments, bessel))
+        self._order.append(name)
+
+    def sequence_statistic(self, name: str, value: Tensor) -> None:
         """A statistic of the whole sequences that does not combine by sum, max or moments (a quantile): the same
         on every rank of a context-parallel group (taken once there); not to be recorded on a data-parallel
         split, which no combine rule here makes whole."""
@@ -87,38 +110,117 @@ class Metrics:
 
     def derive(self, name: str, fn: Callable, *inputs: str) -> None:
         """A metric computed from combined records (by name) after the combine."""
+        if not self.enabled:
+            return
         self._derived.append((name, fn, inputs))
         self._order.append(name)
 
-    def finish(self, split) -> Dict[str, torch.Tensor]:
-        records = [(name, kind, value) for kind in KINDS for name, value in self._records[kind]]
-        if split.combines_metrics and records:  # packed by kind, one collective per group
+    def finish(self, split) -> Dict[str, Tensor]:
+        kinds = [kind for kind in KINDS if self._records[kind]]
+        values = {kind: _reduce(kind, self._records[kind]) for kind in kinds}
+        if split.combines_metrics and kinds:  # packed by kind, one collective per group
             slots = {kind: len(self._records[kind]) * SLOTS[kind] for kind in KINDS}
-            packed = split.combine_metrics(torch.cat([value.reshape(-1) for _, _, value in records]), slots)
-            sizes = [SLOTS[kind] for _, kind, _ in records]
-            values = [v if SLOTS[kind] > 1 else v.reshape(())
-                      for v, (_, kind, _) in zip(packed.split(sizes), records)]
-            records = [(name, kind, v) for (name, kind, _), v in zip(records, values)]
-        out: Dict[str, torch.Tensor] = {}
-        for name, _, value in records:
-            out[name] = self._finish[name](value) if name in self._finish else value
+            packed = split.combine_metrics(torch.cat([values[kind].reshape(-1) for kind in kinds]), slots)
+            parts = packed.split([slots[kind] for kind in kinds])
+            values = {kind: part.reshape(values[kind].shape) for kind, part in zip(kinds, parts)}
+        out: Dict[str, Tensor] = {}
+        for kind in kinds:
+            names = [name for name, _ in self._records[kind]]
+            out.update(zip(names, _finished(kind, values[kind], self._records[kind]).unbind(0)))
+        if self._spreads:
+            moments = torch.stack([out[s.moments] for s in self._spreads])
+            bessel = [s.bessel for s in self._spreads]
+            out.update(zip((s.name for s in self._spreads), _spread(moments, bessel).unbind(0)))
         for name, fn, inputs in self._derived:
             out[name] = fn(*(out[i] for i in inputs))
         return {name: out[name] for name in self._order}
 
 
-def std(moments: torch.Tensor) -> torch.Tensor:
+def _reduce(kind: int, records: List[Tuple[str, Union[Tensor, _Masked]]]) -> Tensor:
+    """The [M] (moments: [M, 3]) partial values of one kind's records, in record order: one stacked reduction
+    per length (tokens or sequences) and dtype of their inputs; values recorded as such are stacked."""
+    values = [value for _, value in records]
+    groups: Dict[tuple, List[int]] = {}
+    for i, value in enumerate(values):
+        groups.setdefault(_group_key(value), []).append(i)
+    parts, order = [], []
+    for key, members in groups.items():
+        chosen = [values[i] for i in members]
+        parts.append(torch.stack(chosen) if key is None else _reduce_group(kind, chosen))
+        order += members
+    if len(parts) == 1:
+        return parts[0]
+    # back in record order (unbind and stack: a permutation built on the host would be a copy to the device)
+    rows = dict(zip(order, (row for part in parts for row in part.unbind(0))))
+    return torch.stack([rows[i] for i in range(len(values))])
+
+
+def _group_key(value: Union[Tensor, _Masked]) -> Optional[tuple]:
+    """Records reduced together: the same length and float dtype (a fraction's bool joins the dtype of its n)."""
+    if not isinstance(value, _Masked):
+        return None
+    dtype = value.x.dtype if value.x.is_floating_point() or value.n is None else value.n.dtype
+    return tuple(value.x.shape), dtype
+
+
+def _rows(tensors: List[Tensor]) -> Tensor:
+    """One tensor for M records' inputs: the one they share (it broadcasts), or their [M, ...] stack."""
+    first = tensors[0]
+    return first if all(t is first for t in tensors) else torch.stack(tensors)
+
+
+def _reduce_group(kind: int, masked: List[_Masked]) -> Tensor:
+    x = torch.stack([m.x for m in masked])  # [M, L]; a bool fraction takes its n's dtype
+    valid = _rows([m.valid for m in masked])
+    if kind in (SUM_TOKEN, SUM_SEQ):
+        n = _rows([m.n for m in masked])
+        dt = n.dtype if not x.is_floating_point() else x.dtype
+        n = n.clamp_min(1).to(dt)
+        return torch.where(valid, x.to(dt) / (n if n.dim() == 0 else n[:, None]), 0.0).sum(1)
+    if kind in (MAX, MIN):
+        if x.shape[1] == 0:  # the identity of the combine (max of nothing)
+            return x.new_full(x.shape[:1], float("-inf") if kind == MAX else float("inf"))
+        filled = torch.where(valid, x, float("-inf") if kind == MAX else float("inf"))
+        return filled.amax(1) if kind == MAX else filled.amin(1)
+    if kind == LSE_SEQ:
+        return torch.logsumexp(torch.where(valid, x, float("-inf")), dim=1)
+    valid = valid if valid.dim() == 2 else valid.expand(x.shape)  # moments
+    count = valid.sum(1).to(x.dtype)
+    mean = torch.where(valid, x / count.clamp_min(1)[:, None], 0.0).sum(1)
+    m2 = torch.where(valid, (x - mean[:, None]) ** 2, 0.0).sum(1)
+    return torch.stack([count, mean, m2], 1)
+
+
+def _finished(kind: int, values: Tensor, records: List[Tuple[str, Union[Tensor, _Masked]]]) -> Tensor:
+    """A kind's combined values -> its metrics, elementwise: an extreme of nothing is 0, a mean of exp is
+    exp(lse - log n)."""
+    if kind not in (MAX, MIN, LSE_SEQ):
+        return values
+    n = _rows([value.n for _, value in records])
+    if kind == LSE_SEQ:
+        return torch.exp(values - torch.log(n.clamp_min(1).to(values.dtype)))
+    return torch.where(n > 0, values, 0.0)
+
+
+def _spread(moments: Tensor, bessel: List[bool]) -> Tensor:
+    """[K, 3] (count, mean, M2) -> [K] standard deviations; with Bessel's correction (torch.std's default) where
+    `bessel` says, 0 for fewer than two values there."""
+    count, _, m2 = moments.unbind(1)
+    population = torch.sqrt(m2 / count.clamp_min(1))
+    if not any(bessel):
+        return population
+    sample = torch.where(count > 1, torch.sqrt(m2 / (count - 1).clamp_min(1)), 0.0)
+    if all(bessel):
+        return sample
+    return torch.stack([s if b else p for s, p, b in zip(sample.unbind(0), population.unbind(0), bessel)])
+
+
+def std(moments: Tensor) -> Tensor:
     count, _, m2 = moments.unbind()
     return torch.sqrt(m2 / count.clamp_min(1))
 
 
-def sample_std(moments: torch.Tensor) -> torch.Tensor:
-    """With Bessel's correction (torch.std's default); 0 for fewer than two values."""
-    count, _, m2 = moments.unbind()
-    return torch.where(count > 1, torch.sqrt(m2 / (count - 1).clamp_min(1)), torch.zeros_like(m2))
-
-
-def combine_moments(parts: torch.Tensor) -> torch.Tensor:
+def combine_moments(parts: Tensor) -> Tensor:
     """parts: [ranks, records, 3] (count, mean, M2) -> [records, 3] of the union (Chan et al.)."""
     count, mean, m2 = parts.unbind(-1)
     total = count.sum(0)

@@ -90,7 +90,7 @@ class SumInputs(NamedTuple):
 
 class PolicyTerm(NamedTuple):
     value: Tensor  # [N] L_t
-    direct: Tensor  # [N] dL_t / dlp through the log-prob itself
+    direct: Optional[Tensor]  # [N] dL_t / dlp through the log-prob itself (None: 0)
     through_ratio: Optional[Tensor]  # [N] dL_t / dlog r, or None
     clipped: Tensor  # [N] bool, reported as actor/pg_clipfrac
     dual: Tensor  # [N] bool, reported as actor/pg_clipfrac_lower
@@ -151,18 +151,21 @@ def _none(like: Tensor) -> Tensor:
 def _ppo_clip(r: Tensor, A: Tensor, config, dual_clip: bool = True) -> PolicyTerm:
     """max(-A r, -A clip(r, 1 - eps_lo, 1 + eps_hi)), with dual clip -A c for A < 0; d/dlog r = -A r
     where the unclipped branch is active."""
-    L1 = -A * r
+    neg_A = -A
+    L1 = neg_A * r
     # clip bounds as tensors: a clip-ratio schedule must not recompile a compiled step
-    L2 = -A * torch.clamp(r, hyper(r, 1 - config.clip_ratio_low), hyper(r, 1 + config.clip_ratio_high))
+    L2 = neg_A * torch.clamp(r, hyper(r, 1 - config.clip_ratio_low), hyper(r, 1 + config.clip_ratio_high))
     clipped = L2 > L1
     L = torch.where(clipped, L2, L1)
-    dual = torch.zeros_like(clipped)
     if dual_clip and config.clip_ratio_c is not None:
-        L3 = -A * config.clip_ratio_c
+        L3 = neg_A * config.clip_ratio_c
         dual = (A < 0) & (L3 < L)
         L = torch.where(dual, L3, L)
-    g = torch.where(~clipped & ~dual, -A * r, torch.zeros_like(r))
-    return PolicyTerm(L, torch.zeros_like(L), g, clipped, dual)
+        active = ~(clipped | dual)
+    else:
+        dual, active = _none(clipped), ~clipped
+    g = torch.where(active, L1, torch.zeros((), dtype=r.dtype, device=r.device))
+    return PolicyTerm(L, None, g, clipped, dual)
 
 
 @loss_term("vanilla", "ppo_clip", ratio_levels=True)

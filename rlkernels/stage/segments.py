@@ -12,6 +12,7 @@ A context-parallel rank holds only some tokens of each sequence, at known global
 combines across the group in one collective before anything reads them.
 """
 
+import math
 from typing import Dict, Optional, Union
 
 import torch
@@ -131,13 +132,23 @@ def hyper(like: torch.Tensor, value) -> torch.Tensor:
     """A hyperparameter (Python float, or a symbolic float under torch.compile) as a 0-d tensor of
     `like`'s dtype and device.
 
-    It is built by arithmetic on purpose: torch.compile keeps a float that only enters tensor
-    arithmetic a run-time input of the graph, whereas passing it to clamp / where / full / a custom
-    op specialises the graph on its value -- a recompilation for every new clip ratio or threshold."""
-    return like.new_zeros(()) + value
+    Under torch.compile it is built by arithmetic on purpose: torch.compile keeps a float that only enters tensor
+    arithmetic a run-time input of the graph, whereas passing it to clamp / where / full / a custom op
+    specialises the graph on its value -- a recompilation for every new clip ratio or threshold. Eager, it is
+    one fill (the same value: 0 + value rounds as the fill does)."""
+    if torch.compiler.is_compiling():
+        return like.new_zeros(()) + value
+    return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
 def log_hyper(like: torch.Tensor, value) -> torch.Tensor:
     """log(value) as a 0-d tensor of `like`'s dtype: taken in float64 and rounded once, as math.log
     followed by the comparison's cast would (see `hyper` for why it is a tensor)."""
-    return torch.log(torch.zeros((), dtype=torch.float64, device=like.device) + value).to(like.dtype)
+    if torch.compiler.is_compiling():
+        return torch.log(torch.zeros((), dtype=torch.float64, device=like.device) + value).to(like.dtype)
+    return torch.full((), _log(value), dtype=like.dtype, device=like.device)
+
+
+def _log(value: float) -> float:
+    """torch.log's value of a float (math.log refuses 0 and negatives)."""
+    return math.log(value) if value > 0 else (-math.inf if value == 0 else math.nan)
