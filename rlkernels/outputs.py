@@ -71,8 +71,8 @@ class TokenBaseline(NamedTuple):
 
 
 def shaped(t: Optional[torch.Tensor], token_shape) -> Optional[torch.Tensor]:
-    """A flat [N] result in the caller's token shape (None stays None)."""
-    return None if t is None else t.reshape(token_shape)
+    """A flat [N] result in the caller's token shape (None stays None; one of that shape is returned as it is)."""
+    return t if t is None or t.shape == tuple(token_shape) else t.reshape(token_shape)
 
 
 def shaped_stats(stats, token_shape) -> TokenStats:

@@ -124,8 +124,7 @@ def policy_output(stats: ops.Statistics, batch: PreparedBatch, config: PolicyLos
 def _output(loss: torch.Tensor, detached: TokenStats, out: stage.StageOutput, batch: PreparedBatch,
             path: str) -> PolicyLossOutput:
     shape = batch.token_shape
-    logprobs = torch.where(batch.mask, detached.logprobs, torch.zeros_like(detached.logprobs))
-    return PolicyLossOutput(loss, shaped(logprobs, shape), shaped(detached.entropy, shape),
+    return PolicyLossOutput(loss, shaped(out.logprobs, shape), shaped(detached.entropy, shape),
                             shaped(out.is_weights, shape), shaped(out.mask, shape), out.metrics, path)
 
 

@@ -813,19 +813,7 @@ ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter
 
 def aten_ops(fn, *args) -> Dict[str, set]:
     """{ATen op name: the dtypes of its results} of every op `fn(*args)` runs, recorded below autograd as it runs
-    (a TorchDispatchMode: the same ops make_fx would put in a graph, at a fiftieth of make_fx's cost)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    (rlkernels.testing.launches: the same ops make_fx would put in a graph, at a fiftieth of make_fx's cost)."""
+    from rlkernels.testing.launches import count_launches
 
-    seen: Dict[str, set] = {}
-
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            dtypes = {t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-            seen.setdefault(func.overloadpacket.__name__, set()).update(dtypes)
-            return out
-
-    with Recorder():
-        fn(*args)
-    return seen
+    return count_launches(fn, *args)[1].dtypes

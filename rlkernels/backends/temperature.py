@@ -44,9 +44,11 @@ class Temperature:
             return value
         if isinstance(value, Tensor):
             return cls(value)
-        # built by arithmetic, so that torch.compile keeps a per-step float a run-time input
-        # (see stage.segments.hyper)
-        return cls(torch.zeros((), dtype=torch.float64) + value)
+        # built by arithmetic under torch.compile, so that it keeps a per-step float a run-time input
+        # (see stage.segments.hyper); one fill eagerly
+        if torch.compiler.is_compiling():
+            return cls(torch.zeros((), dtype=torch.float64) + value)
+        return cls(torch.full((), value, dtype=torch.float64))
 
     @property
     def per_row(self) -> bool:

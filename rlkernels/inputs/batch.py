@@ -252,8 +252,8 @@ def prepare_loss(source: str, token_shape, local_vocab: int, device, args: Argum
     check_cu_seqlens(args.cu_seqlens, token_shape, device)
     _check_options(config, args)
     layout = _layout(token_shape, device, args)
-    labels = args.labels.reshape(-1).long()  # compared in int64: -100 must not wrap in uint8/int8
-    in_mask = args.response_mask.reshape(-1).bool()
+    labels = flat(args.labels).long()  # compared in int64: -100 must not wrap in uint8/int8
+    in_mask = flat(args.response_mask).bool()
     checks = ValueChecks() if config.validate else None
     if checks is not None:
         checks.layout(args.cu_seqlens, layout.num_tokens, args.token_index, layout.positions)
@@ -264,7 +264,9 @@ def prepare_loss(source: str, token_shape, local_vocab: int, device, args: Argum
                       not_nan=[("old_logprobs", flat(args.old_logprobs)),
                                ("rollout_logprobs", flat(args.rollout_logprobs)),
                                ("ref_logprobs", flat(args.ref_logprobs))])
-    mask = in_mask & (labels >= 0) & (labels < V) & (labels != args.ignore_index)
+    mask = in_mask & (labels >= 0) & (labels < V)
+    if args.ignore_index >= 0:  # a negative one (-100) is outside [0, V) already
+        mask = mask & (labels != args.ignore_index)
     temperature, support = temperature_and_support(args, token_shape, V, device, labels, mask, checks)
     head = prepare_head(SAMPLER_NAMES, args.sampler, token_shape, V, device, args.sampler_topk_mode)
     if checks is not None:

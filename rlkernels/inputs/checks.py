@@ -119,8 +119,8 @@ def check_group(name: str, group) -> None:
 
 
 def flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A per-token tensor on the flat token axis (None stays None)."""
-    return None if t is None else t.reshape(-1)
+    """A per-token tensor on the flat token axis (None stays None; a flat one is returned as it is)."""
+    return t if t is None or t.dim() == 1 else t.reshape(-1)
 
 
 def check_per_token(shape, device, **tensors) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from .metrics import Metrics, std
 from .policy_terms import binary_kl
-from .segments import Segments, SequenceTable, hyper, log_hyper
+from .segments import Segments, SequenceTable, hyper_scalar, log_hyper_scalar
 
 if TYPE_CHECKING:  # duck-typed: rlkernels.config reads the stage's loss table, so the stage imports no config
     from ..config import RolloutCorrection
@@ -64,18 +64,17 @@ def _k_stat(kind: str, train: torch.Tensor, rollout: torch.Tensor, delta_hat: to
 def _keeps(kind: str, stat: torch.Tensor, bound) -> torch.Tensor:
     if kind == "k1":  # keep lo <= rho <= hi, rho = exp(-k1), compared in log space (SPEC §5)
         lo, hi = bound
-        return (-stat >= log_hyper(stat, lo)) & (-stat <= log_hyper(stat, hi))
+        # -k1 in [log lo, log hi], written on k1 itself: negation is exact
+        return (stat <= -log_hyper_scalar(stat, lo)) & (stat >= -log_hyper_scalar(stat, hi))
     return stat <= bound
 
 
-def _truncate(raw: torch.Tensor, mask: torch.Tensor, rc: RolloutCorrection) -> torch.Tensor:
+def _truncate(raw: torch.Tensor, mask: torch.Tensor, rc: RolloutCorrection, zero: torch.Tensor) -> torch.Tensor:
     """SPEC §4: truncation (clamp to [lo, hi]) or IcePop masking (0 outside [lo, hi]); 0 off the mask."""
     lo, hi = rc.is_range
     if rc.is_icepop:
-        w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
-    else:
-        w = torch.minimum(torch.maximum(raw, hyper(raw, lo)), hyper(raw, hi))
-    return torch.where(mask, w, torch.zeros_like(w))
+        return torch.where(mask & (raw >= lo) & (raw <= hi), raw, zero)
+    return torch.where(mask, torch.clamp(raw, hyper_scalar(raw, lo), hyper_scalar(raw, hi)), zero)
 
 
 class TokenTerms(NamedTuple):
@@ -107,7 +106,7 @@ def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
         kind = rs_kind(option)
         if kind not in k_stats:
             stat = _k_stat(kind, train, rollout, delta_hat, divergences)
-            k_stats[kind] = torch.where(mask, stat, torch.zeros_like(delta))
+            k_stats[kind] = torch.where(mask, stat, table.zero)
         if rs_scope(option) in ("token", "all"):
             option_keep = _keeps(kind, k_stats[kind], bound)
             if rs_scope(option) == "token":
@@ -121,20 +120,20 @@ def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
     for option, _ in options:
         kind, scope, suffix = rs_kind(option), rs_scope(option), "_kept" if kept else ""
         if scope in ("sum", "mean", "max"):
-            values = torch.where(over, k_stats[kind], torch.zeros_like(delta)) if kept else k_stats[kind]
+            values = torch.where(over, k_stats[kind], table.zero) if kept else k_stats[kind]
             (table.add_max if scope == "max" else table.add_sum)(kind + suffix, values)
     if options:
         table.add_sum("kept", keep.to(delta.dtype))
     if rc is not None and rc.is_level in ("sequence", "geometric") and kept:
-        table.add_sum("delta_kept", torch.where(keep, delta, torch.zeros_like(delta)))
+        table.add_sum("delta_kept", torch.where(keep, delta, table.zero))
     if rc is not None and rc.is_level == "token":
         raw = torch.exp(delta_hat)
-        token_weights = _truncate(raw, mask, rc)
+        token_weights = _truncate(raw, mask, rc, table.zero)
         # batch normalisation and the rollout_is_seq_* metrics (with rs_mode="zero_weight": 0 where rejected)
-        kept_weights = torch.where(keep, token_weights, torch.zeros_like(raw)) if rc.rs_mode == "zero_weight" \
+        kept_weights = torch.where(keep, token_weights, table.zero) if rc.rs_mode == "zero_weight" \
             else token_weights
         table.add_sum("weights", kept_weights)
-        table.add_sum("raw_weights", torch.where(mask, raw, torch.zeros_like(raw)))
+        table.add_sum("raw_weights", torch.where(mask, raw, table.zero))
     return TokenTerms(train, rollout, delta, k_stats, keep, token_weights)
 
 
@@ -181,9 +180,9 @@ def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable
         if rc.is_level == "geometric":
             log_ratio = log_ratio / count.clamp_min(1)
         log_ratio = log_ratio.clamp(-CLAMP, CLAMP)
-        seq_weights = _truncate(torch.exp(log_ratio), lengths > 0, rc)
-        truncated = torch.where(mask, seg.expand(seq_weights), torch.zeros_like(terms.delta))
-    options, keep_seq = [], torch.ones_like(lengths, dtype=torch.bool)
+        seq_weights = _truncate(torch.exp(log_ratio), lengths > 0, rc, table.zero)
+        truncated = torch.where(mask, seg.expand(seq_weights), table.zero)
+    options, keep_seq = [], None  # None: every sequence kept so far
     for option, bound in rc.rs:
         kind, scope = rs_kind(option), rs_scope(option)
         stat_bounds = (-math.log(bound[1]), -math.log(bound[0]) if bound[0] > 0 else math.inf) if kind == "k1" \
@@ -194,7 +193,7 @@ def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable
                 options.append(Option(option, stat, False, _keeps(kind, stat, bound) | ~mask, stat_bounds))
                 continue
             keep = table.sum(f"rejected_{option}") == 0  # every token of the sequence inside the bounds
-            keep_seq = keep_seq & keep
+            keep_seq = keep if keep_seq is None else keep_seq & keep
             options.append(Option(option, stat, False, seg.expand(keep) | ~mask, stat_bounds, keep))
             continue
         if scope == "sum":
@@ -204,17 +203,20 @@ def decide(terms: Optional[TokenTerms], mask: torch.Tensor, table: SequenceTable
         else:
             values = table.max(kind + suffix)
         keep = _keeps(kind, values, bound)
-        keep_seq = keep_seq & keep
+        keep_seq = keep if keep_seq is None else keep_seq & keep
         options.append(Option(option, values, True, seg.expand(keep), stat_bounds, keep))
     if not rc.rs:
         return Decisions(truncated, seq_weights, log_ratio, mask, lengths, [])
-    final_mask = terms.token_keep & seg.expand(keep_seq)
     # the final lengths from whole-sequence values: a token rejection is local, a sequence one global
-    final_lengths = torch.where(keep_seq, table.sum("kept"), torch.zeros_like(lengths))
+    if keep_seq is None:  # token options only
+        final_mask, final_lengths = terms.token_keep, table.sum("kept")
+    else:
+        final_mask = terms.token_keep & seg.expand(keep_seq)
+        final_lengths = torch.where(keep_seq, table.sum("kept"), table.zero)
     if rc.rs_mode == "zero_weight":  # OpenRLHF's, NeMo-RL's: rejected tokens stay in m', their weight 0
-        truncated = torch.where(final_mask, truncated, torch.zeros_like(truncated))
-        if seq_weights is not None:
-            seq_weights = torch.where(keep_seq, seq_weights, torch.zeros_like(seq_weights))
+        truncated = torch.where(final_mask, truncated, table.zero)
+        if seq_weights is not None and keep_seq is not None:
+            seq_weights = torch.where(keep_seq, seq_weights, table.zero)
         return Decisions(truncated, seq_weights, log_ratio, mask, lengths, options, final_mask, final_lengths)
     return Decisions(truncated, seq_weights, log_ratio, final_mask, final_lengths, options, final_mask, final_lengths)
 
@@ -225,28 +227,32 @@ class Normalisers(NamedTuple):
     kept_tokens: torch.Tensor  # |m'|
     seqs: torch.Tensor  # sequences with a token in m
     kept_seqs: torch.Tensor  # sequences with a token in m' (G)
-    width: torch.Tensor  # K default of seq-mean-token-sum-norm
+    width: Optional[torch.Tensor]  # K default of seq-mean-token-sum-norm (None: the segments' own width)
     weight_mean: Optional[torch.Tensor]  # the batch mean of the truncated IS weights (is_batch_normalize)
     all_seqs: Optional[torch.Tensor] = None  # every sequence, empty ones included (GMPO's mean)
 
 
 def normalisers(table: SequenceTable, decisions: Decisions, rc: Optional[RolloutCorrection], split) -> Normalisers:
-    """From whole per-sequence values; one combine across a data-parallel split."""
+    """From whole per-sequence values; one combine across a data-parallel split. The counts are exact in any
+    order (integers in the statistics' dtype), so they are taken as two row sums of one [2, S] stack."""
     lengths = table.sum("len")
     dt = lengths.dtype
-    sums = [lengths.sum(), decisions.final_lengths.sum(), (lengths > 0).to(dt).sum(),
-            (decisions.final_lengths > 0).to(dt).sum(), lengths.new_full((), float(lengths.numel()))]
+    per_seq = torch.stack([lengths, decisions.final_lengths])
+    counts = [per_seq.sum(1), (per_seq > 0).sum(1, dtype=dt), lengths.new_full((1,), float(lengths.numel()))]
     normalise = rc is not None and rc.is_level is not None and rc.is_batch_normalize
     if normalise:  # token level: the mean over m; sequence level: over non-empty sequences, one weight each
         weights = table.sum("weights") if rc.is_level == "token" else decisions.sequence_weights
-        sums.append(weights.sum())
-    width = torch.as_tensor(table.seg.width, device=lengths.device).to(dt).reshape(1)
-    total, widest = split.combine_normalisers(torch.stack(sums), width)
+        counts.append(weights.sum().reshape(1))
+    width = None  # without a split the segments' own (read only by seq-mean-token-sum-norm), else the widest rank's
+    if split.dp_group is not None:
+        width = torch.as_tensor(table.seg.width, device=lengths.device).to(dt).reshape(1)
+    total, widest = split.combine_normalisers(torch.cat(counts), width)
     tokens, kept_tokens, seqs, kept_seqs, all_seqs = total[:5].unbind()
     weight_mean = None
     if normalise:
         weight_mean = total[5] / (tokens if rc.is_level == "token" else seqs).clamp_min(1)
-    return Normalisers(tokens, kept_tokens, seqs, kept_seqs, widest[0], weight_mean, all_seqs)
+    return Normalisers(tokens, kept_tokens, seqs, kept_seqs, None if widest is None else widest[0], weight_mean,
+                       all_seqs)
 
 
 class ISWeights(NamedTuple):
@@ -260,9 +266,10 @@ def weights(decisions: Decisions, norms: Normalisers) -> Optional[ISWeights]:
     w = decisions.truncated
     if w is None:
         return None
-    factor = torch.ones((), dtype=w.dtype, device=w.device)
-    if norms.weight_mean is not None:
-        factor = torch.where(norms.weight_mean > 1e-8, norms.weight_mean, factor)
+    one = torch.ones((), dtype=w.dtype, device=w.device)
+    if norms.weight_mean is None:  # w / 1 is w
+        return ISWeights(w, w, one)
+    factor = torch.where(norms.weight_mean > 1e-8, norms.weight_mean, one)
     return ISWeights(w / factor, w, factor)
 
 
@@ -325,7 +332,7 @@ def record_length_metrics(metrics: Metrics, table: SequenceTable, norms: Normali
     lengths = table.sum("len")
     everyone = torch.ones_like(lengths, dtype=torch.bool)
     metrics.mean("response_length/mean", lengths, everyone, norms.all_seqs, per_sequence=True)
-    metrics.extreme("response_length/max", lengths, everyone, norms.all_seqs, largest=True)
+    metrics.extreme("response_length/max", lengths, everyone, norms.all_seqs, largest=True, per_sequence=True)
     if split.dp_group is None:
         p90 = _quantile(lengths, LENGTH_QUANTILE) if lengths.numel() else lengths.new_zeros(())
         metrics.sequence_statistic("response_length/p90", p90)
@@ -348,8 +355,8 @@ def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> N
         prefix = f"rollout_corr/rollout_rs_{option.name}"
         valid, n = (sets.nonempty, sets.n_seq) if option.per_sequence else (mask, n_tok)
         metrics.mean(f"{prefix}_mean", option.values, valid, n, option.per_sequence)
-        metrics.extreme(f"{prefix}_max", option.values, valid, n, largest=True)
-        metrics.extreme(f"{prefix}_min", option.values, valid, n, largest=False)
+        metrics.extreme(f"{prefix}_max", option.values, valid, n, largest=True, per_sequence=option.per_sequence)
+        metrics.extreme(f"{prefix}_min", option.values, valid, n, largest=False, per_sequence=option.per_sequence)
         metrics.mean(f"{prefix}_masked_fraction", ~option.keep, mask, n_tok)
         _option_spread(metrics, prefix, option, valid, n, sets)
     if decisions.options:
@@ -386,8 +393,8 @@ def _mismatch_metrics(metrics: Metrics, terms: TokenTerms, sets: _Sets) -> None:
     metrics.mean(name("rollout_log_ppl"), -mean_ro, nonempty, n_seq, True)
     metrics.mean(name("log_ppl_diff"), diff, nonempty, n_seq, True)
     metrics.mean(name("log_ppl_abs_diff"), diff.abs(), nonempty, n_seq, True)
-    metrics.extreme(name("log_ppl_diff_max"), diff, nonempty, n_seq, largest=True)
-    metrics.extreme(name("log_ppl_diff_min"), diff, nonempty, n_seq, largest=False)
+    metrics.extreme(name("log_ppl_diff_max"), diff, nonempty, n_seq, largest=True, per_sequence=True)
+    metrics.extreme(name("log_ppl_diff_min"), diff, nonempty, n_seq, largest=False, per_sequence=True)
     metrics.mean_exp(name("ppl_ratio"), diff, nonempty, n_seq)
     # sqrt(2 (1 + chi2_seq)) taken as sqrt(2 E[rho_seq^2]): 1 + (E[rho^2] - 1) rounds to 0 in
     # float32 when every rho_seq is tiny, E[rho^2] itself does not
@@ -402,7 +409,7 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
     mask, n_tok, nonempty, n_seq, table = sets.mask, sets.n_tok, sets.nonempty, sets.n_seq, sets.table
     lo, hi = rc.is_bounds
     w = weights.truncated
-    x = torch.minimum(w.clamp_min(0), hyper(w, hi))
+    x = torch.clamp(w.clamp_min(0), max=hyper_scalar(w, hi))
     metrics.mean(name("rollout_is_mean"), w, mask, n_tok)
     metrics.std(name("rollout_is_std"), x, mask, moments="_is_x")
     metrics.extreme(name("rollout_is_min"), w, mask, n_tok, largest=False)
@@ -410,16 +417,16 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
     per_sequence = rc.is_level != "token"
     valid, n = (nonempty, n_seq) if per_sequence else (mask, n_tok)
     log_ratio = decisions.log_ratio
-    metrics.mean(name("rollout_is_ratio_fraction_high"), log_ratio > log_hyper(log_ratio, hi), valid, n,
+    metrics.mean(name("rollout_is_ratio_fraction_high"), log_ratio > log_hyper_scalar(log_ratio, hi), valid, n,
                  per_sequence)
-    metrics.mean(name("rollout_is_ratio_fraction_low"), log_ratio < log_hyper(log_ratio, lo), valid, n,
+    metrics.mean(name("rollout_is_ratio_fraction_low"), log_ratio < log_hyper_scalar(log_ratio, lo), valid, n,
                  per_sequence)
     metrics.derive(name("rollout_is_eff_sample_size"), _effective_sample_size, "_is_x")
     if rc.is_batch_normalize:
         metrics.derive(name("rollout_is_batch_norm_factor"), lambda: weights.norm_factor)
     if rc.is_icepop:  # the weights IcePop zeroes (verl's rollout_is_oob_ratio)
         lo_m, hi_m = rc.is_range
-        outside = (log_ratio < log_hyper(log_ratio, lo_m)) | (log_ratio > log_hyper(log_ratio, hi_m))
+        outside = (log_ratio < log_hyper_scalar(log_ratio, lo_m)) | (log_ratio > log_hyper_scalar(log_ratio, hi_m))
         metrics.mean(name("rollout_is_oob_ratio"), outside, valid, n, per_sequence)
     # each sequence's mean weight (verl's rollout_is_seq_*); its raw (untruncated) mean against the bounds
     if per_sequence:
@@ -430,8 +437,8 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
             seq_w = torch.where(decisions.kept_lengths > 0, seq_w, torch.zeros_like(seq_w))
         seq_raw = table.sum("raw_weights") / sets.lengths.clamp_min(1)
     _sequence_spread(metrics, name("rollout_is_seq"), seq_w, nonempty, n_seq, centre=1.0)
-    metrics.mean(name("rollout_is_seq_fraction_high"), seq_raw > hyper(seq_raw, hi), nonempty, n_seq, True)
-    metrics.mean(name("rollout_is_seq_fraction_low"), seq_raw < hyper(seq_raw, lo), nonempty, n_seq, True)
+    metrics.mean(name("rollout_is_seq_fraction_high"), seq_raw > hyper_scalar(seq_raw, hi), nonempty, n_seq, True)
+    metrics.mean(name("rollout_is_seq_fraction_low"), seq_raw < hyper_scalar(seq_raw, lo), nonempty, n_seq, True)
 
 
 def _sequence_spread(metrics: Metrics, prefix: str, values: torch.Tensor, valid: torch.Tensor, n: torch.Tensor,
@@ -440,9 +447,9 @@ def _sequence_spread(metrics: Metrics, prefix: str, values: torch.Tensor, valid:
     (std with Bessel's correction, |value - centre| for the deviation), as verl's *_seq_* metrics."""
     metrics.mean(f"{prefix}_mean", values, valid, n, True)
     metrics.std(f"{prefix}_std", values, valid, per_sequence=True, bessel=True)
-    metrics.extreme(f"{prefix}_max", values, valid, n, largest=True)
-    metrics.extreme(f"{prefix}_min", values, valid, n, largest=False)
-    metrics.extreme(f"{prefix}_max_deviation", (values - centre).abs(), valid, n, largest=True)
+    metrics.extreme(f"{prefix}_max", values, valid, n, largest=True, per_sequence=True)
+    metrics.extreme(f"{prefix}_min", values, valid, n, largest=False, per_sequence=True)
+    metrics.extreme(f"{prefix}_max_deviation", (values - centre).abs(), valid, n, largest=True, per_sequence=True)
 
 
 def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, sets: _Sets) -> None:
@@ -452,17 +459,17 @@ def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, se
     lo, hi = option.bounds
     k1 = option.name.endswith("k1")
     values, nonempty, n_seq = option.values, sets.nonempty, sets.n_seq
-    metrics.mean(f"{prefix}_fraction_high", values > hyper(values, hi), valid, n, option.per_sequence)
-    low = (values < hyper(values, lo)) if k1 else torch.zeros_like(values, dtype=torch.bool)
+    metrics.mean(f"{prefix}_fraction_high", values > hyper_scalar(values, hi), valid, n, option.per_sequence)
+    low = (values < hyper_scalar(values, lo)) if k1 else torch.zeros_like(values, dtype=torch.bool)
     metrics.mean(f"{prefix}_fraction_low", low, valid, n, option.per_sequence)
-    clamped = torch.minimum(torch.maximum(values, hyper(values, lo)), hyper(values, hi))
+    clamped = torch.clamp(values, hyper_scalar(values, lo), hyper_scalar(values, hi))
     metrics.std(f"{prefix}_std", clamped, valid, option.per_sequence)
     kind = rs_kind(option.name)
     seq_values = values if option.per_sequence else sets.table.sum(kind) / sets.lengths.clamp_min(1)
     _sequence_spread(metrics, f"{prefix}_seq", seq_values, nonempty, n_seq, centre=0.0)
-    metrics.mean(f"{prefix}_seq_fraction_high", seq_values > hyper(seq_values, hi), nonempty, n_seq, True)
+    metrics.mean(f"{prefix}_seq_fraction_high", seq_values > hyper_scalar(seq_values, hi), nonempty, n_seq, True)
     if k1:
-        metrics.mean(f"{prefix}_seq_fraction_low", seq_values < hyper(seq_values, lo), nonempty, n_seq,
+        metrics.mean(f"{prefix}_seq_fraction_low", seq_values < hyper_scalar(seq_values, lo), nonempty, n_seq,
                      True)
     rejected = ~option.seq_keep if option.per_sequence else sets.table.sum(f"rejected_{option.name}") > 0
     metrics.mean(f"{prefix}_seq_masked_fraction", rejected, nonempty, n_seq, True)
@@ -499,7 +506,7 @@ def correct(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, seg:
         kept_sums["log_weights"] = transform(torch.log(terms.token_weights)) if has_weights else None
     for name, x in kept_sums.items():
         if x is not None:
-            table.add_sum(name, torch.where(token_keep, x, torch.zeros_like(x)))
+            table.add_sum(name, torch.where(token_keep, x, table.zero))
     if divergences is not None:  # the sequence maxima of the divergence metrics
         for name in DIVERGENCE_METRICS:
             if divergences.values.get(name) is not None:

@@ -31,7 +31,7 @@ from .policy_terms import (
     binary_kl,
     clamped_ratio,
 )
-from .segments import Segments, hyper
+from .segments import Segments, hyper, hyper_scalar
 
 if TYPE_CHECKING:  # the stage is duck-typed on the config: rlkernels.config reads this package's loss table
     from ..config import PolicyLossConfig
@@ -47,6 +47,7 @@ class StageOutput(NamedTuple):
     mask: Tensor  # [N] bool, the final mask m'
     metrics: Dict[str, Tensor]
     coef_head: Optional[Tensor] = None  # [N, k] dLoss/dlog p at the sampler's head ids (score centering), or None
+    logprobs: Optional[Tensor] = None  # [N] the statistics' log-probs, 0 off the mask (as the output reports them)
 
 
 class SamplerEvidence(NamedTuple):
@@ -75,7 +76,7 @@ def aggregation_weights(mask: Tensor, seg: Segments, config: "PolicyLossConfig",
     if norms is None:
         count = m.sum()
         norms = correction.Normalisers(count, count, None, (final_lengths > 0).to(dtype).sum(),
-                                       torch.as_tensor(seg.width).to(dtype), None,
+                                       None, None,
                                        torch.as_tensor(float(seg.num_seqs)).to(dtype))
     mode = mode or config.loss_agg_mode
     over_all = config.seq_mean_over == "all"
@@ -96,7 +97,11 @@ def aggregation_weights(mask: Tensor, seg: Segments, config: "PolicyLossConfig",
     if mode == "seq-mean-token-sum":
         return m / G
     # a packed batch of empty sequences has width 0 and a = 0 anyway
-    K = config.loss_scale_factor if config.loss_scale_factor is not None else norms.width.clamp_min(1)
+    if config.loss_scale_factor is not None:
+        K = config.loss_scale_factor
+    else:
+        width = torch.as_tensor(seg.width, device=mask.device).to(dtype) if norms.width is None else norms.width
+        K = width.clamp_min(1)
     return m / (G * K)
 
 
@@ -195,14 +200,15 @@ def _kept_sums(x: _Inputs, config: "PolicyLossConfig") -> Dict[str, object]:
     """The per-token values summed per sequence that the loss needs (over the tokens no token-level rejection
     drops), whole over a context-parallel split."""
     entry = LOSS_TERMS[config.loss_type]
-    delta = x.lp - x.l_old
     kept_sums = {}
     if config.seq_mean_advantages:
         kept_sums["advantages"] = x.advantages
-    if config.ratio_level == "sequence":
-        kept_sums["pg_delta"] = delta
-    if entry.sums is not None:
-        kept_sums.update(entry.sums(SumInputs(x.lp, x.advantages, delta, x.given_weights, config)))
+    if config.ratio_level == "sequence" or entry.sums is not None:
+        delta = x.lp - x.l_old
+        if config.ratio_level == "sequence":
+            kept_sums["pg_delta"] = delta
+        if entry.sums is not None:
+            kept_sums.update(entry.sums(SumInputs(x.lp, x.advantages, delta, x.given_weights, config)))
     if config.off_policy_mask_threshold is not None:  # DeepSeek-V3.2: the sampler against the current policy
         kept_sums["opsm"] = x.behaviour - x.lp
     if config.vaco_threshold is not None:
@@ -228,7 +234,7 @@ def _vaco_keep(x: _Inputs, c: _Corrected, seg: Segments, config: "PolicyLossConf
     sign(log pi - log mu) A > 0."""
     lengths = c.decisions.final_lengths
     seq_divergence = c.table.sum("vaco") / lengths.clamp_min(1)
-    over = seg.expand(seq_divergence > hyper(seq_divergence, config.vaco_threshold))
+    over = seg.expand(seq_divergence > hyper_scalar(seq_divergence, config.vaco_threshold))
     log_ratio = x.l_train.clamp(_VACO_LOG_FLOOR, 0.0) - x.rollout.clamp(_VACO_LOG_FLOOR, 0.0)
     keep = ~(over & (torch.sign(log_ratio) * x.advantages > 0))
     c.metrics.mean("actor/vaco_masked_fraction", ~keep, c.decisions.mask, c.norms.kept_tokens)
@@ -315,7 +321,7 @@ def _weigh_and_mask(term: PolicyTerm, x: _Inputs, c: _Corrected, ratio: _Ratio, 
     final_mask, n_kept = c.decisions.mask, c.norms.kept_tokens
     if config.off_policy_mask_threshold is not None:
         seq_kl = c.table.sum("opsm") / c.decisions.final_lengths.clamp_min(1)
-        keep = (x.advantages >= 0) | seg.expand(seq_kl <= hyper(seq_kl, config.off_policy_mask_threshold))
+        keep = (x.advantages >= 0) | seg.expand(seq_kl <= hyper_scalar(seq_kl, config.off_policy_mask_threshold))
         c.metrics.mean("actor/off_policy_masked_fraction", ~keep, final_mask, n_kept)
     if config.m2po_threshold is not None:
         m2_keep = _m2po_keep(x.lp, x.behaviour, x.advantages, final_mask, config, c.metrics, n_kept)
@@ -347,7 +353,7 @@ def _m2po_keep(lp: Tensor, behaviour: Tensor, A: Tensor, mask: Tensor, config: "
     n_elig = eligible.sum()
     position = torch.arange(1, m2.numel() + 1, device=m2.device)
     prefix_mean = torch.cumsum(torch.where(position <= n_elig, sorted_m2, torch.zeros_like(m2)), 0) / position
-    keep_count = ((prefix_mean <= hyper(m2, config.m2po_threshold)) & (position <= n_elig)).sum()
+    keep_count = ((prefix_mean <= hyper_scalar(m2, config.m2po_threshold)) & (position <= n_elig)).sum()
     rank = torch.empty_like(order)
     rank[order] = position - 1
     keep = ~eligible | (rank < keep_count)
@@ -567,7 +573,8 @@ def run(stats, batch, config: "PolicyLossConfig", corrected=None, metrics: bool 
         coef_entropy = None if coef_entropy is None else coef_entropy * scale
         coef_head = None if coef_head is None else coef_head * scale
     finished = c.metrics.finish(batch.split)  # every metric reduction, and the split's metric combine
-    return StageOutput(loss, coef, coef_entropy, weighted.applied_weights, c.decisions.mask, finished, coef_head)
+    return StageOutput(loss, coef, coef_entropy, weighted.applied_weights, c.decisions.mask, finished, coef_head,
+                       x.lp)
 
 
 def check_split_options(config: "PolicyLossConfig", dp_group, cp_group) -> None:

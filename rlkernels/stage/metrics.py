@@ -38,10 +38,12 @@ SLOTS = {kind: 3 if kind in (MOMENTS, MOMENTS_SEQ) else 1 for kind in KINDS}
 
 
 class _Masked(NamedTuple):
-    """A reduction still to run: x over `valid` (n: the global size of `valid`, None for moments)."""
+    """A reduction still to run: x over `valid` (n: the global size of `valid`, None for moments), of tokens or
+    of sequences."""
     x: Tensor
     valid: Tensor
     n: Optional[Tensor]
+    per_sequence: bool
 
 
 class _Spread(NamedTuple):
@@ -75,21 +77,22 @@ class Metrics:
         """Mean of x (float, or bool for a fraction) over `valid` (0 when empty), n = the global size of `valid`.
         Each term is divided before the sum, so that a mean of values near the dtype's maximum (exp of a large
         log-ratio in float32) does not overflow in the running sum. Values off `valid` may be NaN."""
-        self._add(name, SUM_SEQ if per_sequence else SUM_TOKEN, _Masked(x, valid, n))
+        self._add(name, SUM_SEQ if per_sequence else SUM_TOKEN, _Masked(x, valid, n, per_sequence))
 
-    def extreme(self, name: str, x: Tensor, valid: Tensor, n: Tensor, largest: bool) -> None:
+    def extreme(self, name: str, x: Tensor, valid: Tensor, n: Tensor, largest: bool, per_sequence: bool = False
+                ) -> None:
         """Max (or min) of x over `valid`; 0 when the global set is empty."""
-        self._add(name, MAX if largest else MIN, _Masked(x, valid, n))
+        self._add(name, MAX if largest else MIN, _Masked(x, valid, n, per_sequence))
 
     def mean_exp(self, name: str, a: Tensor, valid: Tensor, n: Tensor) -> None:
         """mean(exp(a)) over per-sequence `valid`, as exp(logsumexp(a) - log n): finite whenever the
         mean is, even when single terms overflow the dtype (perplexities of float32 log-probs); 0 when
         empty."""
-        self._add(name, LSE_SEQ, _Masked(a, valid, n))
+        self._add(name, LSE_SEQ, _Masked(a, valid, n, True))
 
     def moments(self, name: str, x: Tensor, valid: Tensor, per_sequence: bool = False) -> None:
         """(count, mean, M2) of x over this rank's `valid` tokens (or sequences), for a variance."""
-        self._add(name, MOMENTS_SEQ if per_sequence else MOMENTS, _Masked(x, valid, None))
+        self._add(name, MOMENTS_SEQ if per_sequence else MOMENTS, _Masked(x, valid, None, per_sequence))
 
     def std(self, name: str, x: Tensor, valid: Tensor, per_sequence: bool = False, bessel: bool = False,
             moments: Optional[str] = None) -> None:
@@ -117,50 +120,80 @@ class Metrics:
 
     def finish(self, split) -> Dict[str, Tensor]:
         kinds = [kind for kind in KINDS if self._records[kind]]
-        values = {kind: _reduce(kind, self._records[kind]) for kind in kinds}
-        if split.combines_metrics and kinds:  # packed by kind, one collective per group
+        if not kinds:
+            return {}
+        zero = torch.zeros((), device=_device(self._records[kinds[0]][0][1]))  # the where()s' 0 (promotes to x's dtype)
+        reduced = {kind: _reduce(kind, self._records[kind], zero) for kind in kinds}
+        if split.combines_metrics:  # packed by kind, one collective per group
             slots = {kind: len(self._records[kind]) * SLOTS[kind] for kind in KINDS}
-            packed = split.combine_metrics(torch.cat([values[kind].reshape(-1) for kind in kinds]), slots)
+            packed = split.combine_metrics(torch.cat([reduced[kind][1].reshape(-1) for kind in kinds]), slots)
             parts = packed.split([slots[kind] for kind in kinds])
-            values = {kind: part.reshape(values[kind].shape) for kind, part in zip(kinds, parts)}
+            reduced = {kind: (reduced[kind][0], part.reshape(reduced[kind][1].shape))
+                       for kind, part in zip(kinds, parts)}
         out: Dict[str, Tensor] = {}
+        names: List[str] = []
+        finished: List[Tensor] = []
         for kind in kinds:
-            names = [name for name, _ in self._records[kind]]
-            out.update(zip(names, _finished(kind, values[kind], self._records[kind]).unbind(0)))
+            records, values = reduced[kind]
+            if kind in (MOMENTS, MOMENTS_SEQ):  # rows for the spreads and the derived metrics
+                out.update(zip((name for name, _ in records), values.unbind(0)))
+            else:
+                names += [name for name, _ in records]
+                finished.append(_finished(kind, values, records, zero))
         if self._spreads:
             moments = torch.stack([out[s.moments] for s in self._spreads])
-            bessel = [s.bessel for s in self._spreads]
-            out.update(zip((s.name for s in self._spreads), _spread(moments, bessel).unbind(0)))
+            names += [s.name for s in self._spreads]
+            finished.append(_spread(moments, [s.bessel for s in self._spreads], zero))
+        out.update(_unbound(names, finished))
         for name, fn, inputs in self._derived:
             out[name] = fn(*(out[i] for i in inputs))
         return {name: out[name] for name in self._order}
 
 
-def _reduce(kind: int, records: List[Tuple[str, Union[Tensor, _Masked]]]) -> Tensor:
-    """The [M] (moments: [M, 3]) partial values of one kind's records, in record order: one stacked reduction
-    per length (tokens or sequences) and dtype of their inputs; values recorded as such are stacked."""
-    values = [value for _, value in records]
-    groups: Dict[tuple, List[int]] = {}
-    for i, value in enumerate(values):
-        groups.setdefault(_group_key(value), []).append(i)
-    parts, order = [], []
+def _device(value: Union[Tensor, _Masked]) -> torch.device:
+    return (value.x if isinstance(value, _Masked) else value).device
+
+
+def _unbound(names: List[str], finished: List[Tensor]) -> Dict[str, Tensor]:
+    """name -> 0-d tensor from [M] vectors in `names`' order: one cat and one unbind per dtype."""
+    by_dtype: Dict[torch.dtype, Tuple[List[str], List[Tensor]]] = {}
+    position = 0
+    for values in finished:
+        count = values.shape[0]
+        group = by_dtype.setdefault(values.dtype, ([], []))
+        group[0].extend(names[position:position + count])
+        group[1].append(values)
+        position += count
+    out: Dict[str, Tensor] = {}
+    for group_names, parts in by_dtype.values():
+        out.update(zip(group_names, (parts[0] if len(parts) == 1 else torch.cat(parts)).unbind(0)))
+    return out
+
+
+def _reduce(kind: int, records: List[Tuple[str, Union[Tensor, _Masked]]], zero: Tensor
+            ) -> Tuple[List[Tuple[str, Union[Tensor, _Masked]]], Tensor]:
+    """(the records in the order of their values, the [M] (moments: [M, 3]) partial values) of one kind: one
+    stacked reduction per length (tokens or sequences) and dtype of their inputs; values recorded as such are
+    stacked. The order is the same on every rank (it follows the recording), as the split's combine needs."""
+    groups: Dict[Optional[tuple], list] = {}
+    for record in records:
+        groups.setdefault(_group_key(record[1]), []).append(record)
+    ordered, parts = [], []
     for key, members in groups.items():
-        chosen = [values[i] for i in members]
-        parts.append(torch.stack(chosen) if key is None else _reduce_group(kind, chosen))
-        order += members
-    if len(parts) == 1:
-        return parts[0]
-    # back in record order (unbind and stack: a permutation built on the host would be a copy to the device)
-    rows = dict(zip(order, (row for part in parts for row in part.unbind(0))))
-    return torch.stack([rows[i] for i in range(len(values))])
+        values = [value for _, value in members]
+        parts.append(torch.stack(values) if key is None else _reduce_group(kind, values, zero))
+        ordered += members
+    return ordered, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _group_key(value: Union[Tensor, _Masked]) -> Optional[tuple]:
-    """Records reduced together: the same length and float dtype (a fraction's bool joins the dtype of its n)."""
+    """Records reduced together: of tokens or of sequences, and of one float dtype (a fraction's bool joins the
+    dtype of its n). Never the shape: on a split batch a rank whose token count equals the sequence count would
+    group differently from its peers, and the packed records would no longer line up across ranks."""
     if not isinstance(value, _Masked):
         return None
     dtype = value.x.dtype if value.x.is_floating_point() or value.n is None else value.n.dtype
-    return tuple(value.x.shape), dtype
+    return value.per_sequence, dtype
 
 
 def _rows(tensors: List[Tensor]) -> Tensor:
@@ -169,14 +202,14 @@ def _rows(tensors: List[Tensor]) -> Tensor:
     return first if all(t is first for t in tensors) else torch.stack(tensors)
 
 
-def _reduce_group(kind: int, masked: List[_Masked]) -> Tensor:
+def _reduce_group(kind: int, masked: List[_Masked], zero: Tensor) -> Tensor:
     x = torch.stack([m.x for m in masked])  # [M, L]; a bool fraction takes its n's dtype
     valid = _rows([m.valid for m in masked])
     if kind in (SUM_TOKEN, SUM_SEQ):
         n = _rows([m.n for m in masked])
         dt = n.dtype if not x.is_floating_point() else x.dtype
         n = n.clamp_min(1).to(dt)
-        return torch.where(valid, x.to(dt) / (n if n.dim() == 0 else n[:, None]), 0.0).sum(1)
+        return torch.where(valid, x.to(dt) / (n if n.dim() == 0 else n[:, None]), zero).sum(1)
     if kind in (MAX, MIN):
         if x.shape[1] == 0:  # the identity of the combine (max of nothing)
             return x.new_full(x.shape[:1], float("-inf") if kind == MAX else float("inf"))
@@ -186,12 +219,12 @@ def _reduce_group(kind: int, masked: List[_Masked]) -> Tensor:
         return torch.logsumexp(torch.where(valid, x, float("-inf")), dim=1)
     valid = valid if valid.dim() == 2 else valid.expand(x.shape)  # moments
     count = valid.sum(1).to(x.dtype)
-    mean = torch.where(valid, x / count.clamp_min(1)[:, None], 0.0).sum(1)
-    m2 = torch.where(valid, (x - mean[:, None]) ** 2, 0.0).sum(1)
+    mean = torch.where(valid, x / count.clamp_min(1)[:, None], zero).sum(1)
+    m2 = torch.where(valid, (x - mean[:, None]) ** 2, zero).sum(1)
     return torch.stack([count, mean, m2], 1)
 
 
-def _finished(kind: int, values: Tensor, records: List[Tuple[str, Union[Tensor, _Masked]]]) -> Tensor:
+def _finished(kind: int, values: Tensor, records: List[Tuple[str, Union[Tensor, _Masked]]], zero: Tensor) -> Tensor:
     """A kind's combined values -> its metrics, elementwise: an extreme of nothing is 0, a mean of exp is
     exp(lse - log n)."""
     if kind not in (MAX, MIN, LSE_SEQ):
@@ -199,17 +232,17 @@ def _finished(kind: int, values: Tensor, records: List[Tuple[str, Union[Tensor, 
     n = _rows([value.n for _, value in records])
     if kind == LSE_SEQ:
         return torch.exp(values - torch.log(n.clamp_min(1).to(values.dtype)))
-    return torch.where(n > 0, values, 0.0)
+    return torch.where(n > 0, values, zero)
 
 
-def _spread(moments: Tensor, bessel: List[bool]) -> Tensor:
+def _spread(moments: Tensor, bessel: List[bool], zero: Tensor) -> Tensor:
     """[K, 3] (count, mean, M2) -> [K] standard deviations; with Bessel's correction (torch.std's default) where
     `bessel` says, 0 for fewer than two values there."""
     count, _, m2 = moments.unbind(1)
     population = torch.sqrt(m2 / count.clamp_min(1))
     if not any(bessel):
         return population
-    sample = torch.where(count > 1, torch.sqrt(m2 / (count - 1).clamp_min(1)), 0.0)
+    sample = torch.where(count > 1, torch.sqrt(m2 / (count - 1).clamp_min(1)), zero)
     if all(bessel):
         return sample
     return torch.stack([s if b else p for s, p, b in zip(sample.unbind(0), population.unbind(0), bessel)])

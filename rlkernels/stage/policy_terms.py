@@ -34,7 +34,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .segments import hyper
+from .segments import hyper, hyper_scalar
 
 CLAMP = 20.0  # SPEC §4: every log-ratio is clamped before exp
 
@@ -153,8 +153,8 @@ def _ppo_clip(r: Tensor, A: Tensor, config, dual_clip: bool = True) -> PolicyTer
     where the unclipped branch is active."""
     neg_A = -A
     L1 = neg_A * r
-    # clip bounds as tensors: a clip-ratio schedule must not recompile a compiled step
-    L2 = neg_A * torch.clamp(r, hyper(r, 1 - config.clip_ratio_low), hyper(r, 1 + config.clip_ratio_high))
+    # clip bounds as `hyper_scalar`s: a clip-ratio schedule must not recompile a compiled step
+    L2 = neg_A * torch.clamp(r, hyper_scalar(r, 1 - config.clip_ratio_low), hyper_scalar(r, 1 + config.clip_ratio_high))
     clipped = L2 > L1
     L = torch.where(clipped, L2, L1)
     if dual_clip and config.clip_ratio_c is not None:
@@ -445,12 +445,12 @@ def vespo(ctx: TermContext) -> PolicyTerm:
 _KPOP_CLAMP = 1e-6  # prime-rl PR #3283: the probabilities of its binary KLs are clamped to [1e-6, 1 - 1e-6]
 
 
-def clamped_ratio(log_r: Tensor, bound: Optional[float]) -> Tuple[Tensor, Tensor]:
-    """(r, where the clamp passes the gradient) for r = exp(log r) with log r clamped to [-bound, bound]
+def clamped_ratio(log_r: Tensor, limit: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """(r, where the clamp passes the gradient) for r = exp(log r) with log r clamped to [-limit, limit]
     (log_ratio_clamp; None: unclamped, the gradient everywhere)."""
-    if bound is None:
+    if limit is None:
         return torch.exp(log_r), torch.ones_like(log_r, dtype=torch.bool)
-    return torch.exp(log_r.clamp(-bound, bound)), (log_r >= -bound) & (log_r <= bound)
+    return torch.exp(log_r.clamp(-limit, limit)), log_r.abs() <= limit
 
 
 def _rollout_trust_region(ctx: TermContext, keep: Tensor) -> PolicyTerm:

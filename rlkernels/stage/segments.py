@@ -20,15 +20,22 @@ import torch
 
 class Segments:
     def __init__(
-        self, seq_id: torch.Tensor, num_seqs: int, width: Union[int, torch.Tensor], padded_T: Optional[int],
+        self, seq_id: torch.Tensor, num_seqs: int, width: Union[int, torch.Tensor, None], padded_T: Optional[int],
         cu_seqlens: Optional[torch.Tensor] = None, order: Optional[torch.Tensor] = None,
     ):
         self.seq_id = seq_id  # [N] int64, the sequence of each token
         self.num_seqs = num_seqs  # S, known from shapes alone
-        self.width = width  # K default of seq-mean-token-sum-norm: T, or the longest packed sequence
+        self._width = width  # K default of seq-mean-token-sum-norm: T, or the longest packed sequence (None: later)
         self.padded_T = padded_T  # T of the padded layout, None when packed
         self.cu_seqlens = cu_seqlens  # [S + 1] int64 offsets of the tokens (after `order`), None when padded
         self.order = order  # [N] permutation that groups the tokens by sequence, None when they already are
+
+    @property
+    def width(self) -> Union[int, torch.Tensor]:
+        """The longest sequence's length: formed on first use (only seq-mean-token-sum-norm reads it)."""
+        if self._width is None:
+            self._width = longest(self.cu_seqlens)
+        return self._width
 
     @classmethod
     def padded(cls, B: int, T: int, device) -> "Segments":
@@ -43,7 +50,7 @@ class Segments:
         cu = cu_seqlens.to(device=device, dtype=torch.long)
         S = cu.numel() - 1
         seq_id = torch.searchsorted(cu[1:], torch.arange(N, device=device), right=True)
-        return cls(seq_id, S, longest(cu), None, cu)
+        return cls(seq_id, S, None, None, cu)
 
     @classmethod
     def at_positions(cls, positions: torch.Tensor, cu_seqlens: torch.Tensor, width: Union[int, torch.Tensor],
@@ -96,6 +103,7 @@ class SequenceTable:
     def __init__(self, seg: Segments, mask: torch.Tensor, dtype: torch.dtype):
         self.seg = seg
         self.mask = mask
+        self.zero = torch.zeros((), dtype=dtype, device=mask.device)  # for every where() on the table's columns
         self._sum_columns: Dict[str, torch.Tensor] = {"len": mask.to(dtype)}
         self._max_columns: Dict[str, torch.Tensor] = {}
         self._sums: Dict[str, torch.Tensor] = {}
@@ -139,6 +147,22 @@ def hyper(like: torch.Tensor, value) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return like.new_zeros(()) + value
     return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
+def hyper_scalar(like: torch.Tensor, value):
+    """A hyperparameter for a comparison or a clamp: eagerly the Python number itself, which the op rounds to
+    `like`'s dtype exactly as `hyper`'s 0-d tensor holds it, without a launch; `hyper`'s tensor under
+    torch.compile (or for a value that is not a plain number)."""
+    if torch.compiler.is_compiling() or not isinstance(value, (int, float)):
+        return hyper(like, value)
+    return float(value)
+
+
+def log_hyper_scalar(like: torch.Tensor, value):
+    """log(value) for a comparison, as `hyper_scalar` (eagerly a Python float, `log_hyper` under torch.compile)."""
+    if torch.compiler.is_compiling() or not isinstance(value, (int, float)):
+        return log_hyper(like, value)
+    return _log(value)
 
 
 def log_hyper(like: torch.Tensor, value) -> torch.Tensor:

@@ -87,8 +87,10 @@ class BatchSplit:
             return whole_sums, None
         return whole_sums, gathered[:, n_sum:].amax(0).to(maxes.dtype).reshape(maxes.shape)
 
-    def combine_normalisers(self, sums: torch.Tensor, maxes: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Batch counts ([k], summed) and widths ([j], maxed) of this rank -> the whole batch's."""
+    def combine_normalisers(self, sums: torch.Tensor, maxes: Optional[torch.Tensor]
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Batch counts ([k], summed) and widths ([j], maxed, given with a dp_group) of this rank -> the whole
+        batch's."""
         if self.dp_group is None:
             return sums, maxes
         gathered = _all_gather(torch.cat([sums, maxes]), self.dp_group)
