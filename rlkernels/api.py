@@ -275,7 +275,7 @@ def linear_token_logprobs(
         pass trainers run for old and reference log-probs.
     """
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes=memory_budget_bytes,
-                              head_dtype=head_dtype, numerics=numerics)
+                              head_dtype=head_dtype, numerics=numerics, select_rows=validate)
     batch, options = prepare_linear_stats(hidden, weight, bias, Arguments.of(locals()), validate, options)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
     step.checked_rows("hidden", stats.logprobs, batch, validate)

@@ -43,7 +43,7 @@ def pass_options(config: PolicyLossConfig) -> ops.PassOptions:
     return ops.PassOptions(entropy=config.needs_entropy, backend=config.backend, chunk_rows=config.chunk_rows,
                            memory_budget_bytes=config.memory_budget_bytes,
                            inplace_backward=config.inplace_backward, head_dtype=config.head_dtype,
-                           numerics=config.numerics)
+                           numerics=config.numerics, select_rows=config.validate)
 
 
 def checked_rows(source: str, logprobs: torch.Tensor, batch: PreparedBatch, validate: bool) -> None:
@@ -161,7 +161,8 @@ def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     reuse = None if stage.correction_reads_current_policy(batch) else corrected
     out = stage.run(detached, batch, config, corrected=reuse, metrics=config.metrics == "all")
     d_hidden = None if grads.d_hidden is None else grads.d_hidden.view(hidden.shape)
-    loss = ops.ForwardGradientFunction.apply(out.loss, hidden, weight, bias, d_hidden, grads.d_weight, grads.d_bias)
+    loss = ops.ForwardGradientFunction.apply(out.loss, hidden, weight, bias, d_hidden, grads.d_weight, grads.d_bias,
+                                             config.validate)
     return _output(loss, detached, out, batch, "linear_one_pass")
 
 

@@ -94,8 +94,8 @@ class ExtensionBackend(TorchBackend):
 
 
 def _labels(labels: torch.Tensor) -> torch.Tensor:
-    return labels.to(torch.int64).contiguous()
+    return labels if labels.dtype == torch.int64 and labels.is_contiguous() else labels.to(torch.int64).contiguous()
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float32).contiguous()
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()

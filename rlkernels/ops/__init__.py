@@ -49,6 +49,9 @@ class PassOptions(NamedTuple):
     inplace_backward: bool = False  # the gradient may overwrite the logits' storage
     head_dtype: Optional[str] = None  # the fused-linear head GEMM: None (the inputs' dtype), "float32" or "tf32"
     numerics: str = "default"  # the sampled token's log-prob: the pass's own, or an engine's order (config.NUMERICS)
+    # the fused-linear path runs only the rows in the loss through the head, which costs one host sync (their count
+    # sets the GEMM chunks); False (validate=False): every row, no sync (linear.loss_rows)
+    select_rows: bool = True
 
 
 class Statistics(NamedTuple):
@@ -150,10 +153,11 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
         return Statistics(*vocab_parallel.vocab_parallel_linear_token_stats(
             hidden, weight, bias, batch.row_labels, batch.temperature, options.entropy,
             options.sum_pi_squared, name, chunk_rows, batch.tp_group))
-    return _present(linear.linear_token_stats(
-        hidden, weight, bias, batch.row_labels, batch.temperature.tensor, options.entropy, options.sum_pi_squared,
-        # a large kept set: masked chunks of logits
-        name, chunk_rows, False, batch.support, options.head_dtype or "", options.numerics), options)
+    head = linear.HeadOptions(name, chunk_rows, support=batch.support,  # a large kept set: masked chunks of logits
+                              head_dtype=options.head_dtype or "", numerics=options.numerics,
+                              select_rows=options.select_rows)
+    return _present(linear.linear_token_stats(hidden, weight, bias, batch.row_labels, batch.temperature.tensor,
+                                              options.entropy, options.sum_pi_squared, **head.op_kwargs()), options)
 
 
 def _linear_chunk_rows(hidden: torch.Tensor, weight: torch.Tensor, options: PassOptions) -> int:
@@ -188,7 +192,7 @@ def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) ->
     """The kept-set statistics of the rows in the loss (the others stay 0 and never touch the head)."""
     N = hidden.shape[0]
     row_labels, support = batch.row_labels, batch.support
-    rows = torch.nonzero(row_labels >= 0).squeeze(1)  # a sync, as the fused-linear path's own row selection
+    rows = linear.loss_rows(row_labels >= 0, options.select_rows)  # as the fused-linear path's own selection
     budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
     sub = support.index_select(0, rows)
     kept = kept_set.linear_logits_kept(hidden.index_select(0, rows), weight, bias, sub, budget)
@@ -197,7 +201,11 @@ def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) ->
     acc = backends.statistics_dtype(hidden.dtype)
 
     def full(t):
-        return None if t is None else torch.zeros(N, dtype=acc, device=hidden.device).index_copy(0, rows, t)
+        if t is None:
+            return None
+        if not options.select_rows:  # every row was computed: those without a label are 0, as when skipped
+            return torch.where(row_labels >= 0, t.to(acc), torch.zeros((), dtype=acc, device=hidden.device))
+        return torch.zeros(N, dtype=acc, device=hidden.device).index_copy(0, rows, t)
 
     return Statistics(*(full(t) for t in stats))
 
@@ -233,9 +241,11 @@ def linear_forward_gradient(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     _refuse_unverified_invariance(options, name, hidden)
     chunk_rows = _linear_chunk_rows(hidden, weight, options)
     need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    plan = linear.OnePassPlan(batch.row_labels, batch.temperature, batch.support, options.entropy,
-                              options.sum_pi_squared, name, chunk_rows, need, kept, options.head_dtype,
-                              options.numerics)
+    plan = linear.OnePassPlan(row_labels=batch.row_labels, temperature=batch.temperature, support=batch.support,
+                              compute_entropy=options.entropy, compute_sum_pi_squared=options.sum_pi_squared,
+                              backend=name, chunk_rows=chunk_rows, need=need, kept=kept,
+                              head_dtype=options.head_dtype, numerics=options.numerics,
+                              select_rows=options.select_rows)
     return linear.linear_forward_gradient(hidden, weight, bias, plan, coefficients)
 
 
@@ -269,7 +279,7 @@ def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     with torch.set_grad_enabled(head_grad and torch.is_grad_enabled()):
         head = linear_head_logprobs(hidden, weight, bias, batch.row_labels, head_ids,
                                     stats.logprobs if head_grad else stats.logprobs.detach(),
-                                    batch.temperature, budget)
+                                    batch.temperature, budget, options.select_rows)
     return HeadStatistics(stats.logprobs, stats.entropy, stats.sum_pi_squared, head)
 
 
@@ -292,5 +302,5 @@ def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     name = backends.resolve(options.backend, hidden)
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
     values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, name,
-                                           chunk_rows)
+                                           chunk_rows, options.select_rows)
     return tuple(values.unbind(1))

@@ -40,22 +40,29 @@ class ForwardGradientFunction(torch.autograd.Function):
     """loss -> (hidden, weight, bias) with dLoss/d* formed in the forward (ops.linear_forward_gradient) for a
     unit incoming gradient; the backward hands back g * each.
 
-    For g = 1 (a plain loss.backward()) it hands back the very tensors the forward filled: without a retained
-    graph autograd frees its saved copies first and takes them as they are (into .grad, or on into the model's
+    With `read_scale` (validate=True) g is read on the host (one synchronisation) and for g = 1 (a plain
+    loss.backward()) the backward hands back the very tensors the forward filled: without a retained graph
+    autograd frees its saved copies first and takes them as they are (into .grad, or on into the model's
     backward), so the step holds each gradient once, as the two-pass form does. Any other g (a scaled loss, a
     retained graph's second pass, gradcheck) gets fresh d * g, with g a host float: the product is formed in
-    float32 and rounded once (a 0-d tensor would be rounded to a half-precision d's dtype first). Reading g
-    costs the backward one host synchronisation; the two-pass backward's row selection has one too."""
+    float32 and rounded once (a 0-d tensor would be rounded to a half-precision d's dtype first). Without it
+    (validate=False: no host reads) every g is applied on the device, d * g: one pass over the gradients and one
+    transient copy each, exact for g = 1 and for powers of two (a loss averaged over 2^k micro-batches), else
+    rounded once more for a half-precision d (g is rounded to its dtype first)."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, d_hidden, d_weight, d_bias):
+    def forward(ctx, loss, hidden, weight, bias, d_hidden, d_weight, d_bias, read_scale=True):
         ctx.save_for_backward(d_hidden, d_weight, d_bias)
+        ctx.read_scale = read_scale
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
         refuse_double_backward()
-        g = float(grad_loss)
-        scaled = lambda d: None if d is None else (d if g == 1.0 else d * g)  # noqa: E731
+        if ctx.read_scale:
+            g = float(grad_loss)
+            scaled = lambda d: None if d is None else (d if g == 1.0 else d * g)  # noqa: E731
+        else:
+            scaled = lambda d: None if d is None else d * grad_loss.to(d.dtype)  # noqa: E731
         d_hidden, d_weight, d_bias = ctx.saved_tensors
-        return None, scaled(d_hidden), scaled(d_weight), scaled(d_bias), None, None, None
+        return None, scaled(d_hidden), scaled(d_weight), scaled(d_bias), None, None, None, None

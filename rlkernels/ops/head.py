@@ -27,6 +27,7 @@ from .. import backends
 from ..backends.base import FOREIGN_TARGET, statistics_dtype
 from ..backends.temperature import Temperature
 from .kept_set import linear_logits_kept
+from .linear import loss_rows
 from .vocab import refuse_double_backward, token_grad
 
 
@@ -148,18 +149,23 @@ def head_token_stats(logits: Tensor, labels: Tensor, head_ids: Tensor, temperatu
 
 
 def linear_head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, head_ids: Tensor,
-                         logprobs: Tensor, temperature: Temperature, budget_bytes: int) -> Tensor:
+                         logprobs: Tensor, temperature: Temperature, budget_bytes: int, select_rows: bool = True
+                         ) -> Tensor:
     """[N, k] log p at the head ids of logits = hidden @ weight.T + bias, for rows with a label (labels >= 0;
     the others 0): (z_j - z_y) / T + log p_y, with log p_y ([N], autograd) from the fused-linear pass and the
-    k + 1 logits from gathered rows of the head (kept_set.linear_logits_kept: no V-wide product). One host
-    synchronisation (the rows with a label), as the fused-linear pass's own row selection."""
+    k + 1 logits from gathered rows of the head (kept_set.linear_logits_kept: no V-wide product). The rows with a
+    label cost one host synchronisation, as the fused-linear pass's own row selection (select_rows=False: every
+    row, no sync; linear.loss_rows)."""
     N, k = head_ids.shape
     acc = statistics_dtype(hidden.dtype)
-    rows = torch.nonzero(labels >= 0).squeeze(1)
+    labelled = labels >= 0
+    rows = loss_rows(labelled, select_rows)
     ids = torch.cat([head_ids.index_select(0, rows), labels.index_select(0, rows)[:, None]], 1)
     z = linear_logits_kept(hidden.index_select(0, rows), weight, bias, ids.clamp_min(0), budget_bytes).to(acc)
     inv_t = temperature.rows(rows).inverse(acc)
     lp = (z[:, :k] - z[:, k:]) * inv_t + logprobs.index_select(0, rows)[:, None].to(acc)
     minus_inf = torch.full((), float("-inf"), dtype=acc, device=hidden.device)
     lp = torch.where((ids[:, :k] >= 0) & (z[:, :k] > float("-inf")), lp, minus_inf)
+    if not select_rows:  # every row: the rows without a label are 0, as when skipped
+        return torch.where(labelled[:, None], lp, torch.zeros((), dtype=acc, device=hidden.device))
     return torch.zeros(N, k, dtype=acc, device=hidden.device).index_copy(0, rows, lp)

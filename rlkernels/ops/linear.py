@@ -54,8 +54,28 @@ def chunk_rows_for(V: int, dtype: torch.dtype, device: torch.device, memory_budg
     return max(1, int(memory_budget_bytes // max(per_row, 1)))
 
 
-def _rows(selected: torch.Tensor) -> torch.Tensor:
-    return torch.nonzero(selected).squeeze(1)  # the pass's one host synchronisation (its row count)
+def loss_rows(selected: Tensor, select: bool) -> Tensor:
+    """The rows to run through the head: the `selected` ones (select=True: one host synchronisation, the count
+    that sets the number of GEMM chunks), or every row (select=False, validate=False's sync-free form: the rows
+    outside take the GEMMs too, and come out as zeros)."""
+    if select:
+        return torch.nonzero(selected).squeeze(1)
+    return torch.arange(selected.shape[0], device=selected.device)
+
+
+class HeadOptions(NamedTuple):
+    """How the fused-linear custom ops run the head: the call's options beside its data, handed to
+    `linear_token_stats` / `linear_token_grad` as keywords (`op_kwargs`: a custom op's schema takes primitives)."""
+    backend: str  # a resolved backend name
+    chunk_rows: int  # rows per chunk of logits
+    vocab_shard: bool = False  # the weight is one shard of a vocabulary-parallel head (backends.select)
+    support: Optional[Tensor] = None  # [N, K] kept ids (a large kept set), or None
+    head_dtype: str = ""  # "" (the inputs' dtype), "float32" or "tf32" (_head)
+    numerics: str = "default"  # the log-probs' order (vocab.engine_logprobs)
+    select_rows: bool = True  # run only the rows in the loss (one host sync: loss_rows)
+
+    def op_kwargs(self) -> dict:
+        return self._asdict()
 
 
 def logits_dtype(dtype: torch.dtype, head_dtype: Optional[str]) -> torch.dtype:
@@ -229,7 +249,7 @@ def _kept(logits: Tensor, support: Optional[Tensor], idx: Tensor) -> Tensor:
 def linear_token_stats(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, temperature: Tensor,
     compute_entropy: bool, compute_sum_pi_squared: bool, backend: str, chunk_rows: int, vocab_shard: bool = False,
-    support: Optional[Tensor] = None, head_dtype: str = "", numerics: str = "default",
+    support: Optional[Tensor] = None, head_dtype: str = "", numerics: str = "default", select_rows: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(row_max, log_norm, logprobs, entropy, sum_pi_squared), [N] each (absent ones empty [0]).
 
@@ -238,7 +258,8 @@ def linear_token_stats(
     has a data-dependent size). vocab_shard: the weight is one shard of a vocabulary-parallel head
     (see backends.select). support: (N, K) kept ids (sampler replay, a large kept set): the logits
     outside them are set to -inf before the pass (p = 0 there, and a zero gradient). head_dtype: "" (the inputs'
-    dtype), "float32" or "tf32" (a float32 head, linear._head)."""
+    dtype), "float32" or "tf32" (a float32 head, linear._head). The arguments past the statistics' flags are
+    HeadOptions' fields (select_rows: loss_rows)."""
     impl = backends.select(backend, hidden, vocab_shard=vocab_shard)
     T = Temperature(temperature)
     N = hidden.shape[0]
@@ -247,7 +268,8 @@ def linear_token_stats(
     row_max, log_norm, logprobs = new(), new(), new()
     entropy = new(N if compute_entropy else 0)
     sum_pi_squared = new(N if compute_sum_pi_squared else 0)
-    rows = _rows(row_labels != -1)  # -1: outside the loss (-2: target in another vocabulary shard)
+    in_loss = row_labels != -1  # -1: outside the loss (-2: target in another vocabulary shard)
+    rows = loss_rows(in_loss, select_rows)
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         logits = _kept(_head(hidden.index_select(0, idx), weight, bias, head_dtype or None,
@@ -259,12 +281,20 @@ def linear_token_stats(
                            (entropy, stats.entropy), (sum_pi_squared, stats.sum_pi_squared)):
             if value is not None:
                 out.index_copy_(0, idx, value.to(acc))
+    if not select_rows:  # the rows outside the loss were computed too: theirs are zeros, as when skipped
+        row_max, log_norm, logprobs, entropy, sum_pi_squared = (
+            _zero_outside(t, in_loss) for t in (row_max, log_norm, logprobs, entropy, sum_pi_squared))
     return row_max, log_norm, logprobs, entropy, sum_pi_squared
+
+
+def _zero_outside(t: Tensor, rows: Tensor) -> Tensor:
+    """[N] t with 0 off `rows` (an absent [0] output stays as it is)."""
+    return t if t.numel() == 0 else torch.where(rows, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 @linear_token_stats.register_fake
 def _(hidden, weight, bias, row_labels, temperature, compute_entropy, compute_sum_pi_squared, backend, chunk_rows,
-      vocab_shard=False, support=None, head_dtype="", numerics="default"):
+      vocab_shard=False, support=None, head_dtype="", numerics="default", select_rows=True):
     N = hidden.shape[0]
     new = lambda n: hidden.new_empty(n, dtype=backends.statistics_dtype(hidden.dtype))  # noqa: E731
     return new(N), new(N), new(N), new(N if compute_entropy else 0), new(N if compute_sum_pi_squared else 0)
@@ -275,7 +305,7 @@ def linear_token_grad(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], row_labels: Tensor, row_max: Tensor, log_norm: Tensor,
     entropy: Tensor, coef_logprob: Tensor, coef_entropy: Tensor, temperature: Tensor, backend: str, chunk_rows: int,
     need_hidden: bool, need_weight: bool, need_bias: bool, vocab_shard: bool = False, support: Optional[Tensor] = None,
-    head_dtype: str = "", numerics: str = "default",
+    head_dtype: str = "", numerics: str = "default", select_rows: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(d_hidden, d_weight, d_bias) from the coefficients (c_t, e_t); an empty coef_entropy means e = 0.
     Gradients that are not needed come back empty [0]."""
@@ -284,7 +314,7 @@ def linear_token_grad(
     c = coef_logprob
     e = coef_entropy if coef_entropy.numel() > 0 else None
     live = (row_labels != -1) & ((c != 0) | (e != 0 if e is not None else False))
-    rows = _rows(live)
+    rows = loss_rows(live, select_rows)  # every row: those with no coefficient give exact zeros
     fixed = numerics == "batch_invariant"
     grads = _HeadGradients(hidden, weight, bias, (need_hidden, need_weight, need_bias), head_dtype or None, fixed)
     for start in range(0, rows.numel(), chunk_rows):
@@ -306,7 +336,7 @@ def linear_token_grad(
 @linear_token_grad.register_fake
 def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, backend,
       chunk_rows, need_hidden, need_weight, need_bias, vocab_shard=False, support=None, head_dtype="",
-      numerics="default"):
+      numerics="default", select_rows=True):
     dense = dict(memory_format=torch.contiguous_format)  # what the real op returns, whatever the input layout
     return (
         torch.empty_like(hidden, **dense) if need_hidden else hidden.new_empty(0),
@@ -317,28 +347,26 @@ def _(hidden, weight, bias, row_labels, row_max, log_norm, entropy, coef_logprob
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, row_labels, temperature = inputs[:5]
-    backend, chunk_rows, vocab_shard, support, head_dtype, numerics = inputs[7:13]
+    backend, chunk_rows, vocab_shard, support, head_dtype, numerics, select_rows = inputs[7:14]
     row_max, log_norm, _, entropy, sum_pi_squared = output
     ctx.save_for_backward(hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support)
-    ctx.options = (backend, chunk_rows, vocab_shard, head_dtype, numerics)
+    ctx.options = HeadOptions(backend, chunk_rows, vocab_shard, None, head_dtype, numerics, select_rows)
     ctx.mark_non_differentiable(row_max, log_norm, sum_pi_squared)
 
 
 def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared):
     refuse_double_backward()
     hidden, weight, bias, row_labels, row_max, log_norm, entropy, temperature, support = ctx.saved_tensors
-    backend, chunk_rows, vocab_shard, head_dtype, numerics = ctx.options
+    head = ctx.options._replace(support=support)
     c = torch.zeros_like(row_max) if grad_logprobs is None else grad_logprobs.to(row_max.dtype)
     use_entropy = grad_entropy is not None and entropy.numel() > 0
     e = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     d_hidden, d_weight, d_bias = linear_token_grad(
-        hidden, weight, bias, row_labels, row_max, log_norm, entropy, c, e, temperature, backend, chunk_rows,
-        need_h, need_w, need_b, vocab_shard, support, head_dtype, numerics,
-    )
+        hidden, weight, bias, row_labels, row_max, log_norm, entropy, c, e, temperature,
+        need_hidden=need_h, need_weight=need_w, need_bias=need_b, **head.op_kwargs())
     return (d_hidden if need_h else None, d_weight if need_w else None,
-            d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None, None, None,
-            None)
+            d_bias if (need_b and bias is not None) else None) + (None,) * 11
 
 
 linear_token_stats.register_autograd(_backward, setup_context=_setup_context)
@@ -372,6 +400,7 @@ class OnePassPlan(NamedTuple):
     kept: Optional[Tensor] = None  # [N] bool: rows whose coefficients may be nonzero (None: every row)
     head_dtype: Optional[str] = None  # None, "float32" or "tf32" (linear._head)
     numerics: str = "default"  # the log-probs' order (vocab.engine_logprobs); the gradient is the pass's
+    select_rows: bool = True  # run only the rows in the loss (one host sync: loss_rows)
 
 
 def linear_forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], plan: OnePassPlan,
@@ -405,9 +434,12 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
     in_loss = row_labels != -1
     # the rows that can carry a gradient first, then those that only need their statistics (rows the rollout
     # correction rejected: in chunks of their own, they never enter GEMMs 2 and 3)
-    groups = [(_rows(in_loss if plan.kept is None else in_loss & plan.kept), True)]
-    if plan.kept is not None:
-        groups.append((_rows(in_loss & ~plan.kept), False))
+    if not plan.select_rows:  # every row, in one group: the others' coefficients are 0, so are their gradients
+        groups = [(loss_rows(in_loss, False), True)]
+    else:
+        groups = [(loss_rows(in_loss if plan.kept is None else in_loss & plan.kept, True), True)]
+        if plan.kept is not None:
+            groups.append((loss_rows(in_loss & ~plan.kept, True), False))
     for rows, with_gradient in groups:
         for start in range(0, rows.numel(), plan.chunk_rows):
             idx = rows[start:start + plan.chunk_rows]
@@ -428,4 +460,8 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
                 t_rows, True,  # the chunk's logits are ours: the gradient overwrites them
             )
             grads.add(idx, grad_logits, h)
+    if not plan.select_rows:
+        logprobs = _zero_outside(logprobs, in_loss)
+        entropy = None if entropy is None else _zero_outside(entropy, in_loss)
+        sum_pi_squared = None if sum_pi_squared is None else _zero_outside(sum_pi_squared, in_loss)
     return ForwardGradient(logprobs, entropy, sum_pi_squared, *grads.rounded())

@@ -155,13 +155,14 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
                 compute_sum_pi_squared: bool, backend_name: str, chunk_rows: int, group):
         local = _local_labels(row_labels, weight.shape[0], group, hidden.device)
         T = temperature.tensor
+        head = linear.HeadOptions(backend_name, chunk_rows, vocab_shard=True)
         stats = RowStats(*linear.linear_token_stats(hidden, weight, bias, local, T, compute_entropy,
-                                                    compute_sum_pi_squared, backend_name, chunk_rows, True))
+                                                    compute_sum_pi_squared, **head.op_kwargs()))
         stats = stats._replace(entropy=stats.entropy if compute_entropy else None,
                                sum_pi_squared=stats.sum_pi_squared if compute_sum_pi_squared else None)
         logprob, entropy, sum_pi_squared, bw_log_norm = _gather_and_merge(stats, local, temperature.value(), group)
         ctx.save_for_backward(hidden, weight, bias, local, stats.row_max, bw_log_norm, entropy, T)
-        ctx.options = (backend_name, chunk_rows, compute_entropy, group)
+        ctx.options = (head, compute_entropy, group)
         ctx.mark_non_differentiable(sum_pi_squared)
         return logprob, entropy if compute_entropy else None, sum_pi_squared if compute_sum_pi_squared else None
 
@@ -169,15 +170,14 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy, _grad_sum_pi_squared):
         refuse_double_backward()
         hidden, weight, bias, local, row_max, log_norm, entropy, T = ctx.saved_tensors
-        backend_name, chunk_rows, compute_entropy, group = ctx.options
+        head, compute_entropy, group = ctx.options
         c, e = _coefficients(row_max, grad_logprobs, grad_entropy, compute_entropy)
         use_entropy = e is not None
         e = e if use_entropy else row_max.new_empty(0)  # the op takes an empty tensor for "none"
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         d_hidden, d_weight, d_bias = linear.linear_token_grad(
             hidden, weight, bias, local, row_max, log_norm, entropy if use_entropy else row_max.new_empty(0), c, e,
-            T, backend_name, chunk_rows, True, need_w, need_b and bias is not None, True,
-        )
+            T, need_hidden=True, need_weight=need_w, need_bias=need_b and bias is not None, **head.op_kwargs())
         dist.all_reduce(d_hidden, group=group)  # the backward's one collective: sum of the shards' G_r @ W_r
         return (d_hidden if need_h else None, d_weight if need_w else None,
                 d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None)
