@@ -203,8 +203,8 @@ def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) ->
     def full(t):
         if t is None:
             return None
-        if not options.select_rows:  # every row was computed: those without a label are 0, as when skipped
-            return torch.where(row_labels >= 0, t.to(acc), torch.zeros((), dtype=acc, device=hidden.device))
+        if not options.select_rows:  # every row was computed; those without a label are 0 (kept_set_stats)
+            return t.to(acc)
         return torch.zeros(N, dtype=acc, device=hidden.device).index_copy(0, rows, t)
 
     return Statistics(*(full(t) for t in stats))

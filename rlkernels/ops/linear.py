@@ -57,7 +57,8 @@ def chunk_rows_for(V: int, dtype: torch.dtype, device: torch.device, memory_budg
 def loss_rows(selected: Tensor, select: bool) -> Tensor:
     """The rows to run through the head: the `selected` ones (select=True: one host synchronisation, the count
     that sets the number of GEMM chunks), or every row (select=False, validate=False's sync-free form: the rows
-    outside take the GEMMs too, and come out as zeros)."""
+    outside take the GEMMs too, and come out as zeros: the backends skip a row labelled -1, its statistics and its
+    gradient row 0, as if it had not been run)."""
     if select:
         return torch.nonzero(selected).squeeze(1)
     return torch.arange(selected.shape[0], device=selected.device)
@@ -268,8 +269,7 @@ def linear_token_stats(
     row_max, log_norm, logprobs = new(), new(), new()
     entropy = new(N if compute_entropy else 0)
     sum_pi_squared = new(N if compute_sum_pi_squared else 0)
-    in_loss = row_labels != -1  # -1: outside the loss (-2: target in another vocabulary shard)
-    rows = loss_rows(in_loss, select_rows)
+    rows = loss_rows(row_labels != -1, select_rows)  # -1: outside the loss (-2: target in another vocabulary shard)
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         logits = _kept(_head(hidden.index_select(0, idx), weight, bias, head_dtype or None,
@@ -281,15 +281,7 @@ def linear_token_stats(
                            (entropy, stats.entropy), (sum_pi_squared, stats.sum_pi_squared)):
             if value is not None:
                 out.index_copy_(0, idx, value.to(acc))
-    if not select_rows:  # the rows outside the loss were computed too: theirs are zeros, as when skipped
-        row_max, log_norm, logprobs, entropy, sum_pi_squared = (
-            _zero_outside(t, in_loss) for t in (row_max, log_norm, logprobs, entropy, sum_pi_squared))
     return row_max, log_norm, logprobs, entropy, sum_pi_squared
-
-
-def _zero_outside(t: Tensor, rows: Tensor) -> Tensor:
-    """[N] t with 0 off `rows` (an absent [0] output stays as it is)."""
-    return t if t.numel() == 0 else torch.where(rows, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 @linear_token_stats.register_fake
@@ -460,8 +452,4 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
                 t_rows, True,  # the chunk's logits are ours: the gradient overwrites them
             )
             grads.add(idx, grad_logits, h)
-    if not plan.select_rows:
-        logprobs = _zero_outside(logprobs, in_loss)
-        entropy = None if entropy is None else _zero_outside(entropy, in_loss)
-        sum_pi_squared = None if sum_pi_squared is None else _zero_outside(sum_pi_squared, in_loss)
     return ForwardGradient(logprobs, entropy, sum_pi_squared, *grads.rounded())

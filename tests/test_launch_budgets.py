@@ -1,0 +1,150 @@
+"""What a call launches, as tests (rlkernels/testing/launches.py; the figures: `python -m benchmarks.launches`).
+
+- validate=False makes no host synchronisation on any public path, forward or backward: logits and hidden states,
+  the sampler's top-k and logits, divergences, distillation, the numerics modes, the corrections alone.
+- The ATen ops one decoupled_ppo_loss forward + backward runs stay within their budgets: every op below autograd
+  that is not a view is a kernel launch on a GPU, and host time the device never hides.
+
+The budgets hold today's counts with a little room (a regression that adds a launch per metric fails); the
+targets of the issue that set them (at most 200 launches with every metric, 60 for the loss alone) need the fused
+stage kernel, which the CPU has no use for: see docs/benchmarks.md, "Launches".
+"""
+
+import pytest
+import torch
+
+import rlkernels
+from rlkernels import PolicyLossConfig, RolloutCorrection, backends
+from rlkernels.testing.launches import count_launches, count_step
+
+N, V, H, K = 24, 50, 16, 4
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, V, (N,), generator=g)
+    mask = torch.rand(N, generator=g) > 0.2
+    old = -torch.rand(N, generator=g) * 3
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(N)])
+    topk = torch.log_softmax(torch.randn(N, K, generator=g), -1) - 0.5
+    return dict(labels=labels, mask=mask, adv=torch.randn(N, generator=g), old=old, roll=old - 0.05, ref=old + 0.02,
+                cu=torch.tensor([0, 7, 7, N]), ids=ids, topk=topk, logits=torch.randn(N, V, generator=g),
+                sampler_logits=torch.randn(N, V, generator=g), hidden=torch.randn(N, H, generator=g),
+                weight=torch.randn(V, H, generator=g))
+
+
+def _public_calls(backend: str):
+    """name -> a call of a public function with validate=False, returning what to differentiate (or None)."""
+    x = _inputs()
+    leaf = lambda t: t.clone().requires_grad_(True)  # noqa: E731
+    config = lambda **kw: PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=0.01,  # noqa: E731
+                                           validate=False, backend=backend, **kw)
+    common = dict(old_logprobs=x["old"], rollout_logprobs=x["roll"], cu_seqlens=x["cu"])
+    topk = dict(sampler_topk_ids=x["ids"], sampler_topk_logprobs=x["topk"])
+
+    def loss(**kw):
+        return lambda: rlkernels.decoupled_ppo_loss(leaf(x["logits"]), x["labels"], x["adv"], x["mask"], **common,
+                                                    **kw).loss
+
+    def linear(**kw):
+        return lambda: rlkernels.linear_decoupled_ppo_loss(leaf(x["hidden"]), leaf(x["weight"]), x["labels"],
+                                                           x["adv"], x["mask"], **common, **kw).loss
+
+    return {
+        "logits": loss(ref_logprobs=x["ref"], config=config(kl_coef=0.1)),
+        "logits_loss_only": loss(config=config(metrics="loss_only")),
+        "logits_sampler_topk": loss(**topk, config=config()),
+        "logits_sampler_logits": loss(sampler_logits=x["sampler_logits"], config=config()),
+        "logits_numerics_vllm": loss(config=config(numerics="vllm")),
+        "logits_numerics_batch_invariant": loss(config=config(numerics="batch_invariant")),
+        "hidden_one_pass": linear(config=config()),
+        "hidden_two_pass": linear(config=config(linear_one_pass=False)),
+        "hidden_sampler_topk": linear(**topk, config=config()),
+        "hidden_sampler_logits": linear(sampler_logits=x["sampler_logits"], config=config()),
+        "token_logprobs": lambda: rlkernels.token_logprobs(leaf(x["logits"]), x["labels"], compute_entropy=True,
+                                                           backend=backend, validate=False).logprobs.sum(),
+        "linear_token_logprobs": lambda: rlkernels.linear_token_logprobs(
+            leaf(x["hidden"]), leaf(x["weight"]), x["labels"], backend=backend, validate=False).logprobs.sum(),
+        "token_divergences_topk": lambda: rlkernels.token_divergences(
+            leaf(x["logits"]), x["labels"], reference_topk_ids=x["ids"], reference_topk_logprobs=x["topk"],
+            backend=backend, validate=False).kl.sum(),
+        "token_divergences_full": lambda: rlkernels.token_divergences(
+            leaf(x["logits"]), x["labels"], reference_logits=x["sampler_logits"], backend=backend,
+            validate=False).kl.sum(),
+        "topk_distillation_loss": lambda: rlkernels.topk_distillation_loss(
+            leaf(x["logits"]), x["ids"], x["topk"], x["mask"], backend=backend, validate=False).loss,
+        "policy_loss": lambda: rlkernels.policy_loss(leaf(x["old"]), x["adv"], x["mask"], entropy=leaf(x["adv"]),
+                                                     **common, config=config()).loss,
+        "rollout_correction": lambda: rlkernels.rollout_correction(x["old"], x["roll"], x["mask"], cu_seqlens=x["cu"],
+                                                                   config=RolloutCorrection.seq_mis(),
+                                                                   validate=False) and None,
+        "logprob_parity": lambda: rlkernels.logprob_parity(x["old"], x["roll"], x["mask"], cu_seqlens=x["cu"],
+                                                           validate=False) and None,
+        "optimal_token_baseline": lambda: rlkernels.optimal_token_baseline(
+            torch.rand(3, 8), torch.ones(3, 8), torch.tensor([0, 0, 1]), -torch.rand(3, 8), torch.rand(3, 8),
+            validate=False) and None,
+    }
+
+
+BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    not backends.is_available("cpu"), reason="the CPU kernels are not built here (pip install -e . builds them)"))]
+PATHS = list(_public_calls("torch"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", PATHS)
+def test_validate_false_makes_no_host_sync(path, backend):
+    out, forward = count_launches(_public_calls(backend)[path])
+    assert forward.total > 0, "the counter saw the call"
+    assert forward.syncs == [], f"{path}: the forward synchronised the host ({forward.syncs})"
+    if out is not None:
+        _, backward = count_launches(out.backward)
+        assert backward.syncs == [], f"{path}: the backward synchronised the host ({backward.syncs})"
+
+
+def test_the_counter_sees_a_sync():
+    """Negative control: the reads a sync-free path must not make are counted, inside a custom op's implementation
+    too (where the fused-linear row selection lives)."""
+    x = torch.randn(8)
+    assert count_launches(lambda: x.sum().item())[1].syncs == ["_local_scalar_dense"]
+    assert count_launches(lambda: x[x > 0])[1].syncs == ["index"]
+    assert count_launches(torch.nonzero, x)[1].syncs == ["nonzero"]
+    hidden, weight, labels = torch.randn(N, H), torch.randn(V, H), torch.randint(0, V, (N,))
+    selecting = count_launches(rlkernels.linear_token_logprobs, hidden, weight, labels)[1]  # validate=True
+    assert "nonzero" in selecting.syncs
+
+
+# The ATen ops (views excluded: no kernel) of one decoupled_ppo_loss forward + backward on the CPU kernels: packed,
+# decoupled, seq-MIS, validate=False, N = 1024, V = 4096, 16 sequences. Measured 260 and 90 (2026-12-05), from 587
+# and 162 before the metrics were stacked and the hot path trimmed (the same counter on commit c4b7cd3).
+LAUNCH_BUDGET = {"all": 270, "loss_only": 95}
+
+
+def _ppo_step(metrics: str, backend: str):
+    g = torch.Generator().manual_seed(0)
+    n, v = 1024, 4096
+    logits = torch.randn(n, v, generator=g, requires_grad=True)
+    labels, advantages = torch.randint(0, v, (n,), generator=g), torch.randn(n, generator=g)
+    mask, old = torch.rand(n, generator=g) > 0.1, torch.randn(n, generator=g) * 0.1 - 3
+    rollout, cu_seqlens = old + 0.01, torch.linspace(0, n, 17).long()
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False, backend=backend,
+                              metrics=metrics)
+    return count_step(lambda: rlkernels.decoupled_ppo_loss(logits, labels, advantages, mask, old_logprobs=old,
+                                                           rollout_logprobs=rollout, cu_seqlens=cu_seqlens,
+                                                           config=config))
+
+
+@pytest.mark.skipif(not backends.is_available("cpu"), reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("metrics", list(LAUNCH_BUDGET))
+def test_decoupled_ppo_loss_launch_budget(metrics):
+    forward, backward = _ppo_step(metrics, "cpu")
+    launches = forward.launching + backward.launching
+    assert launches <= LAUNCH_BUDGET[metrics], (
+        f"metrics={metrics!r}: {launches} launches (forward {forward.launching}, backward {backward.launching}) "
+        f"over the budget of {LAUNCH_BUDGET[metrics]}: {(forward + backward).ops.most_common(12)}")
+
+
+def test_the_metrics_cost_what_they_report():
+    """Negative control of the budget's split: the metrics are most of the launches, and 'loss_only' sheds them."""
+    every, alone = (sum(c.launching for c in _ppo_step(m, "torch")) for m in ("all", "loss_only"))
+    assert every - alone > 100
