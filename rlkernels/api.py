@@ -260,8 +260,8 @@ def linear_token_logprobs(
         weight: [V, H] the LM head's weight, in hidden's dtype.
         labels: [...] integer; `ignore_index` rows give 0, never touch the head, and get no gradient.
         bias: [V] or None.
-        memory_budget_bytes: the largest chunk of logits formed at once (None: 512 MiB on CUDA, 32 MiB on
-            CPU).
+        memory_budget_bytes: the largest chunk of logits formed at once (None: on CUDA a quarter of the free memory,
+            512 MiB to 4 GiB; 32 MiB on CPU).
         head_dtype: None (the head GEMM in the inputs' dtype), "float32" or torch.float32 (float32 GEMMs on
             bf16/fp16 operands, as vLLM's `head_dtype=float32` and SGLang's `--enable-fp32-lm-head`) or "tf32"
             (NeMo-RL's choice: TF32 matrix units on CUDA, float32 on a CPU). Forward and backward alike; the weight

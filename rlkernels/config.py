@@ -393,7 +393,9 @@ class PolicyLossConfig:
         backend: "auto", "torch", "cpu", "triton" or "cuda".
         validate: run the value checks of SPEC §11: one device sync before the vocabulary pass (labels, NaN
             log-probs and advantages, masks, offsets) and one after it (a row of logits or hidden states holding a
-            NaN or +inf, read from the pass's [N] log-probs). False for sync-free steps.
+            NaN or +inf, read from the pass's [N] log-probs). False for sync-free steps: no public path then reads
+            the device from the host (a step can be captured in a CUDA graph); the fused-linear path, whose row
+            selection is such a read, then runs every row through its head instead (the same results).
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
@@ -401,7 +403,8 @@ class PolicyLossConfig:
             the loss and its gradient alone, for steps that log no metrics; the stage's ~60 metric reductions
             and their launches are skipped, the loss and gradient are the same bits).
         memory_budget_bytes: the fused-linear path (`linear_decoupled_ppo_loss`) forms logits in chunks
-            of rows whose logits take at most this many bytes (None: 512 MiB on CUDA, 32 MiB on CPU).
+            of rows whose logits take at most this many bytes (None: on CUDA a quarter of the memory free for it,
+            a power of two from 512 MiB to 4 GiB; 32 MiB on CPU).
         linear_one_pass: the fused-linear path forms the gradient in its forward pass where every token's
             coefficients allow (SPEC §2.1: three GEMMs of the loss's rows instead of four, the gradients held
             from the forward to the backward). False: always the two-pass form.

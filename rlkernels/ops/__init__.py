@@ -193,7 +193,7 @@ def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) ->
     N = hidden.shape[0]
     row_labels, support = batch.row_labels, batch.support
     rows = linear.loss_rows(row_labels >= 0, options.select_rows)  # as the fused-linear path's own selection
-    budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
+    budget = options.memory_budget_bytes or linear.default_memory_budget(hidden.device)
     sub = support.index_select(0, rows)
     kept = kept_set.linear_logits_kept(hidden.index_select(0, rows), weight, bias, sub, budget)
     stats = kept_set.kept_set_stats(kept, sub >= 0, kept_set.label_slots(sub, row_labels.index_select(0, rows)),
@@ -275,7 +275,7 @@ def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     _refuse_head_dtype(options, "sampler_topk_ids")
     _refuse_numerics(options, "sampler_topk_ids")
     stats = linear_token_stats(hidden, weight, bias, batch, options)
-    budget = options.memory_budget_bytes or linear.DEFAULT_MEMORY_BUDGET_BYTES["cuda" if hidden.is_cuda else "cpu"]
+    budget = options.memory_budget_bytes or linear.default_memory_budget(hidden.device)
     with torch.set_grad_enabled(head_grad and torch.is_grad_enabled()):
         head = linear_head_logprobs(hidden, weight, bias, batch.row_labels, head_ids,
                                     stats.logprobs if head_grad else stats.logprobs.detach(),

@@ -35,13 +35,31 @@ from ..backends.temperature import Temperature
 from .kept_set import kept_mask
 from .vocab import engine_logprobs, refuse_double_backward
 
-# Default size of one chunk of logits (memory_budget_bytes=None). On a GPU the GEMMs need a few
-# thousand rows to run at full rate (512 MiB is ~1,700 rows at V = 151,936 in bf16, a fifth of the
-# 2.5 GB of logits of an 8k-token micro-batch). On a CPU 128+ rows already saturate the cores, and a
-# small chunk stays in cache: 32 MiB is 256 rows at V = 32,768 in fp32 (measured on 2 cores,
-# N = 4096, H = 512, half the rows in the loss: 256 MiB chunks gave 126 MiB peak working memory,
-# 32 MiB ones 21 MiB, at the same speed: 2.11 s and 2.00 s; benchmarks/linear.py).
+# Default size of one chunk of logits (memory_budget_bytes=None). On a CPU 128+ rows already saturate the cores,
+# and a small chunk stays in cache: 32 MiB is 256 rows at V = 32,768 in fp32 (measured on 2 cores, N = 4096,
+# H = 512, half the rows in the loss: 256 MiB chunks gave 126 MiB peak working memory, 32 MiB ones 21 MiB, at the
+# same speed: 2.11 s and 2.00 s; benchmarks/linear.py). On a GPU fewer, larger chunks: each chunk is three GEMMs
+# and a pass over the weight gradient, so the budget is sized from the memory free for it (`default_memory_budget`):
+# a quarter of it, as a power of two between 512 MiB (~1,700 rows at V = 151,936 in bf16) and 4 GiB (the 4,096
+# loss rows of an 8k-token micro-batch at half its rows in the loss, in one chunk). 512 MiB under torch.compile,
+# where a budget read from the device would change the chunk size, a custom op's argument, between steps.
 DEFAULT_MEMORY_BUDGET_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
+MAX_DEVICE_BUDGET_BYTES = 4 << 30
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """The chunk budget for memory_budget_bytes=None (see DEFAULT_MEMORY_BUDGET_BYTES)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return DEFAULT_MEMORY_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    free, _ = torch.cuda.mem_get_info(device)  # the driver's count: no stream synchronisation
+    # what the caching allocator holds but no tensor uses is free for this chunk too
+    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    floor = DEFAULT_MEMORY_BUDGET_BYTES["cuda"]
+    if available // 4 <= floor:
+        return floor
+    # a power of two: the chunk size (and with it the GEMMs' shapes and last bits) moves only when the free
+    # memory doubles or halves, not with every allocation between two steps
+    return min(MAX_DEVICE_BUDGET_BYTES, 1 << ((available // 4).bit_length() - 1))
 
 
 def chunk_rows_for(V: int, dtype: torch.dtype, device: torch.device, memory_budget_bytes: Optional[int]) -> int:
@@ -49,7 +67,7 @@ def chunk_rows_for(V: int, dtype: torch.dtype, device: torch.device, memory_budg
     their gradient; the torch backend's float32 temporaries are bounded by its own ~1 Mi-element
     sub-chunks, the kernels have none.)"""
     if memory_budget_bytes is None:
-        memory_budget_bytes = DEFAULT_MEMORY_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
+        memory_budget_bytes = default_memory_budget(device)
     per_row = V * (torch.finfo(dtype).bits // 8)
     return max(1, int(memory_budget_bytes // max(per_row, 1)))
 
@@ -169,22 +187,46 @@ def _mm_into_float32(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_rows: torch.Tensor) -> None:
-    """acc[V, H] += G.T @ h with acc in float32 (float64 for float64 inputs).
+@functools.lru_cache(maxsize=None)
+def _addmm_into_float32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch.addmm(acc, a, b, out_dtype=float32, out=acc) accumulates `dtype` operands into a float32 acc in
+    place (the GEMM's own beta: no temporary, no second pass; CUDA with torch >= 2.9); probed once on 1 x 1
+    matrices, by the result's dtype and storage (no host read)."""
+    try:
+        one = torch.ones(1, 1, dtype=dtype, device=device_type)
+        acc = torch.zeros(1, 1, dtype=torch.float32, device=device_type)
+        out = torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+        return out.dtype == torch.float32 and out.data_ptr() == acc.data_ptr()
+    except (TypeError, NotImplementedError, RuntimeError):
+        return False
 
-    Same dtype: in place (addmm_), no temporary. fp16/bf16 operands: the product goes straight into
-    float32 where torch can (mm(..., out_dtype=float32), CUDA), else it is rounded once to the input
-    dtype first; either way in blocks of vocabulary rows, so that the temporary is never larger than
-    the chunk of logits (never a second [V, H])."""
+
+def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_rows: torch.Tensor,
+                            first: bool) -> None:
+    """acc[V, H] += G.T @ h with acc in float32 (float64 for float64 inputs); `first`: acc holds nothing yet
+    (uninitialised memory), and this product is its value (beta = 0: never read).
+
+    Same dtype: in place (addmm_), no temporary. fp16/bf16 operands: into the float32 accumulator inside the GEMM
+    where torch can (addmm(..., out_dtype=float32, out=acc), CUDA: one pass over acc per chunk, and for a single
+    chunk holding every loss row one write), else the product goes into float32 through a temporary (mm(...,
+    out_dtype=float32)) or is rounded once to the input dtype first; either way in blocks of vocabulary rows, so
+    that the temporary is never larger than the chunk of logits (never a second [V, H])."""
+    beta = 0 if first else 1
     if grad_logits.dtype == acc.dtype:
-        acc.addmm_(grad_logits.t(), hidden_rows)
+        acc.addmm_(grad_logits.t(), hidden_rows, beta=beta)
+        return
+    if _addmm_into_float32(grad_logits.device.type, grad_logits.dtype):
+        torch.addmm(acc, grad_logits.t(), hidden_rows, beta=beta, out_dtype=acc.dtype, out=acc)
         return
     into_float32 = _mm_into_float32(grad_logits.device.type, grad_logits.dtype)
     block = max(1, grad_logits.numel() // max(hidden_rows.shape[1], 1))
     for v0 in range(0, acc.shape[0], block):
         g = grad_logits[:, v0:v0 + block].t()
         product = torch.mm(g, hidden_rows, out_dtype=acc.dtype) if into_float32 else g @ hidden_rows
-        acc[v0:v0 + block].add_(product)
+        if first:
+            acc[v0:v0 + block].copy_(product)
+        else:
+            acc[v0:v0 + block].add_(product)
 
 
 class _HeadGradients:
@@ -200,7 +242,9 @@ class _HeadGradients:
         self.upcast = logits_dtype(weight.dtype, head_dtype) != weight.dtype
         self.wide = torch.float64 if weight.dtype == torch.float64 else torch.float32
         self.d_hidden = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-        self.d_weight = torch.zeros(weight.shape, dtype=self.wide, device=weight.device) if need_weight else None
+        # written by the first chunk (beta = 0), not filled with zeros to be read back; zeroed if no chunk comes
+        self.d_weight = torch.empty(weight.shape, dtype=self.wide, device=weight.device) if need_weight else None
+        self.weight_written = False
         need_bias = need_bias and bias is not None
         self.d_bias = torch.zeros(weight.shape[0], dtype=self.wide, device=weight.device) if need_bias else None
 
@@ -214,7 +258,8 @@ class _HeadGradients:
                     self.d_hidden.index_copy_(0, idx, _in_row_blocks(lambda g: g @ self.weight, grad_logits,
                                                                      self.fixed_rows))
                 if self.d_weight is not None:
-                    _accumulate_weight_grad(self.d_weight, grad_logits, h)
+                    _accumulate_weight_grad(self.d_weight, grad_logits, h, first=not self.weight_written)
+        self.weight_written = True
         if self.d_bias is not None:
             self.d_bias.add_(grad_logits.sum(0, dtype=self.wide))
 
@@ -228,12 +273,14 @@ class _HeadGradients:
                 w = self.weight[v0:v1].float()
                 d_h += _in_row_blocks(lambda rows: rows @ w, g, self.fixed_rows)  # noqa: B023
             if self.d_weight is not None:
-                self.d_weight[v0:v1].addmm_(g.t(), h32)
+                self.d_weight[v0:v1].addmm_(g.t(), h32, beta=0 if not self.weight_written else 1)
         if d_h is not None:
             self.d_hidden.index_copy_(0, idx, d_h.to(self.d_hidden.dtype))
 
     def rounded(self) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """(d_hidden, d_weight, d_bias) in the inputs' dtypes, None where not formed."""
+        if self.d_weight is not None and not self.weight_written:  # no row carried a gradient
+            self.d_weight.zero_()
         return (self.d_hidden, None if self.d_weight is None else self.d_weight.to(self.weight.dtype),
                 None if self.d_bias is None else self.d_bias.to(self.bias.dtype))
 

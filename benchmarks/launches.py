@@ -1,0 +1,172 @@
+"""What one call launches: ATen ops, host syncs, and on a GPU the CUDA kernels and the time of a forward + backward
+eager, with the stage compiled, and replayed from a CUDA graph.
+
+    python -m benchmarks.launches                                  # CPU: ATen ops per call (seconds)
+    python -m benchmarks.launches --device cuda --json out.json    # + CUDA kernels (profiler) and times
+
+Every ATen op below autograd that is not a view launches a kernel on a GPU, from the host: the count is the host
+cost of a call that the device never hides (rlkernels/testing/launches.py counts them, inside our custom ops too).
+Cases, all with validate=False (no host sync, so a step can be captured in a CUDA graph):
+
+    ppo[all] / ppo[loss_only]   decoupled_ppo_loss, packed, decoupled, seq-MIS: every metric, or the loss alone
+    logprobs                    token_logprobs: the vocabulary pass alone (the floor the loss is measured against)
+    topk_head / plain_pass      the sampler's top-k form (ops.head_stats, k ids) against the plain pass
+    linear                      linear_decoupled_ppo_loss, the one-pass form (hidden states)
+
+On CUDA each case also reports the kernels the profiler saw per forward + backward and the median time of a forward
++ backward: eager, and (ppo cases) replayed from a CUDA graph captured after warm-up. Runs interleave the variants.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import rlkernels
+from rlkernels import PolicyLossConfig, RolloutCorrection
+from rlkernels.backends.temperature import Temperature
+from rlkernels.ops import vocab
+from rlkernels.ops.head import head_token_stats
+from rlkernels.testing.launches import count_launches
+
+
+def _ppo_inputs(N: int, V: int, S: int, device: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(N, generator=g) * 0.1 - 3
+    return dict(logits=(torch.randn(N, V, generator=g) * 2).to(device, dtype).requires_grad_(True),
+                labels=torch.randint(0, V, (N,), generator=g).to(device),
+                advantages=torch.randn(N, generator=g).to(device),
+                response_mask=(torch.rand(N, generator=g) > 0.1).to(device), old_logprobs=old.to(device),
+                rollout_logprobs=(old + 0.02 * torch.randn(N, generator=g)).to(device),
+                cu_seqlens=torch.linspace(0, N, S + 1).long().to(device))
+
+
+def cases(N: int, V: int, H: int, S: int, k: int, device: str, dtype: torch.dtype):
+    """name -> a forward returning a loss to differentiate, or (outputs, their incoming gradients): the two passes
+    are compared on their op alone, not on a loss of ours around them."""
+    x = _ppo_inputs(N, V, S, device, dtype)
+    logits = x.pop("logits")
+    out = {}
+    for metrics in ("all", "loss_only"):
+        config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False, metrics=metrics)
+        out[f"ppo[{metrics}]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x).loss
+    out["logprobs"] = lambda: rlkernels.token_logprobs(logits, x["labels"], validate=False).logprobs.sum()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N)]).to(device)
+    T = Temperature.of(1.0)
+    c, coef = torch.randn(N, generator=g).to(device), torch.randn(N, k, generator=g).to(device)
+    backend = rlkernels.backends.resolve("auto", logits)
+    out["plain_pass"] = lambda: ([vocab.token_stats(logits, x["labels"], T.tensor, False, False, False, backend, 0,
+                                                    "default")[2]], [c])
+    out["topk_head"] = lambda: (lambda s: ([s.logprobs, s.head_logprobs], [c, coef]))(
+        head_token_stats(logits, x["labels"], ids, T, False, False, backend))
+    hidden = (torch.randn(N, H, generator=g)).to(device, dtype).requires_grad_(True)
+    weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(device, dtype).requires_grad_(True)
+    linear_config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False)
+    out["linear"] = lambda: rlkernels.linear_decoupled_ppo_loss(hidden, weight, config=linear_config, **x).loss
+    return out
+
+
+def _backward(result) -> None:
+    if isinstance(result, tuple):
+        outputs, grads = result
+        torch.autograd.backward(outputs, grads)
+    else:
+        result.backward()
+
+
+def step(fn) -> None:
+    _backward(fn())
+
+
+def count(fn) -> dict:
+    result, forward = count_launches(fn)
+    _, backward = count_launches(_backward, result)
+    return dict(forward_launches=forward.launching, backward_launches=backward.launching,
+                launches=forward.launching + backward.launching, aten_ops=forward.total + backward.total,
+                syncs=len(forward.syncs) + len(backward.syncs))
+
+
+def cuda_kernels(fn) -> int:
+    """CUDA kernels the profiler sees in one forward + backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(fn)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _graphed(fn):
+    """The forward + backward captured in a CUDA graph after warm-up (a step with validate=False syncs nothing, so
+    it can be), or None with the reason."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step(fn)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step(fn)
+    except Exception as e:  # noqa: BLE001 (reported, not hidden: the table says why there is no graphed time)
+        return None, f"{type(e).__name__}: {str(e)[:120]}"
+    return graph.replay, None
+
+
+def time_cuda(variants: dict, reps: int) -> dict:
+    """Median ms per call of each variant, runs interleaved."""
+    times = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, run in variants.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--N", type=int, default=1024)
+    p.add_argument("--V", type=int, default=4096)
+    p.add_argument("--H", type=int, default=256)
+    p.add_argument("--S", type=int, default=16)
+    p.add_argument("--k", type=int, default=128)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    rows = {}
+    for name, fn in cases(args.N, args.V, args.H, args.S, args.k, args.device, dtype).items():
+        step(fn)  # first contact (a compiled stage compiles here), outside the counts
+        row = count(fn)
+        if args.device == "cuda":
+            row["cuda_kernels"] = cuda_kernels(fn)
+            variants = {"eager": lambda f=fn: step(f)}
+            if name.startswith("ppo"):
+                replay, why = _graphed(fn)
+                if replay is not None:
+                    variants["graphed"] = replay
+                else:
+                    row["graphed"] = why
+            row.update({f"{v}_ms": t for v, t in time_cuda(variants, args.reps).items()})
+        rows[name] = row
+        print(f"{name:16} " + "  ".join(f"{key} {value if not isinstance(value, float) else f'{value:.3f}'}"
+                                        for key, value in row.items()), flush=True)
+    over = {phase: rows["topk_head"][f"{phase}_launches"] - rows["plain_pass"][f"{phase}_launches"]
+            for phase in ("forward", "backward")}
+    print(f"the top-k form over the plain pass: {over['forward']} launches forward, {over['backward']} backward")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), torch=torch.__version__, results=rows, topk_over_plain=over), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
