@@ -28,7 +28,7 @@ from ..backends.base import FOREIGN_TARGET, statistics_dtype
 from ..backends.temperature import Temperature
 from .kept_set import linear_logits_kept
 from .linear import loss_rows
-from .vocab import refuse_double_backward, token_grad
+from .vocab import SavedPass, pass_gradient, refuse_double_backward
 
 
 class HeadStatistics(NamedTuple):
@@ -116,8 +116,8 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
     e = torch.where(active, grad_entropy.to(acc), zero) if use_entropy else None
     c_total = c + C.sum(1)
     # the backend's own backward for c + sum_j C_j: p is the softmax of the whole row, label or not
-    dlogits = token_grad(logits, labels, row_max, log_norm, entropy, c_total,
-                         row_max.new_empty(0) if e is None else e, temperature, backend, chunk_rows)
+    dlogits = pass_gradient(logits, SavedPass(labels, row_max, log_norm, entropy, temperature, backend, chunk_rows),
+                            c_total, row_max.new_empty(0) if e is None else e)
     # 1/T from the tensor itself: a host read here would be a graph break in the backward torch.compile traces
     inv_t = Temperature(temperature).inverse_tensor(acc)
     saved = (labels, head_ids, logprobs, entropy if use_entropy else None, head)

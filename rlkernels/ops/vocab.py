@@ -11,7 +11,7 @@ tensors only. The temperature arrives as `Temperature.tensor` (a 0-d float64 CPU
 per-row one; see backends/temperature.py for why) and is wrapped again here.
 """
 
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import torch
 from torch import Tensor
@@ -106,6 +106,32 @@ def _(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, te
     return None
 
 
+class SavedPass(NamedTuple):
+    """What a vocabulary pass keeps for its backward (`pass_gradient`): its rows' labels, two-part normaliser and
+    entropy, the temperature as the custom ops take it, and how it ran."""
+    labels: Tensor  # [N] int64 (-1 outside, FOREIGN_TARGET: no label)
+    row_max: Tensor  # [N]
+    log_norm: Tensor  # [N]
+    entropy: Tensor  # [N], or empty [0] when the pass formed none
+    temperature: Tensor  # 0-d float64 CPU, or [N]
+    backend: str  # a resolved backend name
+    chunk_rows: int
+
+
+def pass_gradient(logits: Tensor, saved: SavedPass, coef_logprob: Tensor, coef_entropy: Tensor,
+                  inplace: bool = False) -> Tensor:
+    """dlogits of the pass `saved` for the per-row coefficients (c_t, e_t) (an empty coef_entropy: e = 0), through
+    the custom op by name; `inplace`: written into the logits' storage (the op declares the mutation, so the
+    version counter is bumped)."""
+    args = dict(labels=saved.labels, row_max=saved.row_max, log_norm=saved.log_norm, entropy=saved.entropy,
+                coef_logprob=coef_logprob, coef_entropy=coef_entropy, temperature=saved.temperature,
+                backend=saved.backend, chunk_rows=saved.chunk_rows)
+    if inplace:
+        token_grad_(logits, **args)
+        return logits
+    return token_grad(logits, **args)
+
+
 def _setup_context(ctx, inputs, output):
     logits, labels, temperature, _, _, inplace_backward, backend, chunk_rows, _ = inputs
     row_max, log_norm, _, entropy, _ = output
@@ -122,15 +148,10 @@ def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_
         grad_logprobs = torch.zeros_like(row_max)
     use_entropy = grad_entropy is not None and entropy.numel() > 0
     coef_entropy = grad_entropy.to(row_max.dtype) if use_entropy else row_max.new_empty(0)
-    args = (logits, labels, row_max, log_norm, entropy, grad_logprobs.to(row_max.dtype), coef_entropy,
-            temperature, backend, chunk_rows)
-    if inplace_backward:
-        # the gradient is written into the logits' storage; the op's declared mutation bumps the
-        # version counter, so another op that saved these logits fails instead of reading a gradient
-        token_grad_(*args)
-        dlogits = logits
-    else:
-        dlogits = token_grad(*args)
+    saved = SavedPass(labels, row_max, log_norm, entropy, temperature, backend, chunk_rows)
+    # inplace: the gradient is written into the logits' storage; the op's declared mutation bumps the version
+    # counter, so another op that saved these logits fails instead of reading a gradient
+    dlogits = pass_gradient(logits, saved, grad_logprobs.to(row_max.dtype), coef_entropy, inplace_backward)
     return dlogits, None, None, None, None, None, None, None, None
 
 
