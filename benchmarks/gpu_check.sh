@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied, nothing installed).
-# Runs in under 10 minutes (step limits 80 + 170 + 50 + 20 + 85 + 30 + 40 + 35 + 20 + 25 + 25 + 15 s = 9.92 min;
+# Runs in under 10 minutes (step limits 80 + 170 + 50 + 20 + 85 + 30 + 20 + 40 + 35 + 20 + 15 + 15 + 15 s = 9.92 min;
 # tests/test_gpu_check.py holds the sum under 600 s), correctness first, then the timings:
 #   - versions, the CUDA extension built in place for the GPU's own target (sm_90 on an H200);
 #   - every `gpu` test (the CUDA kernels, the Triton kernels compiled at real vocabularies and past 2^31 elements,
@@ -42,6 +42,9 @@ if [ "${BUILD_CUDA:-1}" = "1" ]; then
     MAX_JOBS="${MAX_JOBS:-16}" $PY setup.py build_ext --inplace
 fi
 $PY -c "from rlkernels import backends; print('backends available:', backends.available())" 2>&1 | tee "$OUT/backends.log"
+# Liger-Kernel for the fused-linear comparison, from a wheel carried in .whl/ (the machine has no internet; fetch it
+# with `pip download --no-deps liger-kernel==0.8.5 -d .whl` and carry ".whl"); without it its provider reports so
+ls .whl/liger_kernel-*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-deps --no-index .whl/liger_kernel-*.whl
 
 # every failure, not the first (-x would hide the rest of a first run), each test named as it ends (-v: a step cut
 # at its limit still says which failed); the peers' tests fail to collect where their packages are absent (this
@@ -69,13 +72,19 @@ step divergences 20 $PY -m benchmarks.divergences --device cuda --N 8192 --V 151
 # numerics="batch_invariant" (the head GEMMs in fixed 64-row blocks)
 step linear 85 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
   --case seq_mis --reps 10 \
-  --providers "naive,rlkernels[logits],rlkernels[linear],rlkernels[linear-two-pass],rlkernels[linear-fp32-head],rlkernels[linear-tf32-head],rlkernels[linear-invariant]" \
+  --providers "naive,rlkernels[logits],rlkernels[linear],rlkernels[linear-two-pass],rlkernels[linear-sync-free],liger[ppo-logprobs],rlkernels[linear-fp32-head],rlkernels[linear-tf32-head],rlkernels[linear-invariant]" \
   --out "$OUT" --tag h200-linear-8192x4096x151936
 
 # numerics="vllm" and "batch_invariant" (docs/numerics.md): bitwise matches against vLLM's V1 (ATen on the device)
 # and V2 kernels (only where $RLKERNELS_CACHE carries its two sampler files, peers/vllm-0.33.0/, fetched on a machine
 # with internet by tests/peers/test_vllm_sampler.py: the GPU machine has none), and the modes' cost against "default"
 step numerics 30 $PY -m benchmarks.numerics --device cuda --N 1024 --V 151936 --reps 5 --json "$OUT/numerics.json"
+
+# what one call launches (validate=False): ATen ops, host syncs, CUDA kernels per forward + backward (profiler), and
+# the decoupled PPO step's time eager (the stage compiled) against its replay from a CUDA graph; the top-k form's
+# launches over the plain pass's
+step launches 20 $PY -m benchmarks.launches --device cuda --N 8192 --V 151936 --H 4096 --S 128 --k 128 --dtype bf16 \
+  --reps 10 --json "$OUT/launches.json"
 
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
 # what a (one-rank, NCCL) dp_group adds to it: packing, merging, two all_gathers, graph breaks
@@ -92,11 +101,11 @@ step baseline 20 $PY -m benchmarks.baseline --device cuda --variant otb --reps 5
 
 # the loss family's options (sequence ratio, bias-corrected k3, OPSM, M2PO's sort) in one compiled stage, and the
 # 2026 trust regions on the sampler (IPO, VACO's sequence mask, the Kimi-K2.5 term) in another
-step stage_family 25 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 20 --case family \
+step stage_family 15 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 20 --case family \
   --case rollout_trust_regions \
   --json "$OUT/stage-family.json"
 
-step quick_suite 25 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
+step quick_suite 15 $PY -m benchmarks.run --device cuda --suite quick --peak-gbps "$PEAK_GBPS" --out "$OUT" --tag cuda-quick
 
 # the CPU kernels on this machine's host CPU (a second CPU and compiler besides the development VM)
 step cpu_kernels 15 $PY -m benchmarks.cpu --N 1024 --reps 3 --no-contended --json "$OUT/cpu-kernels.json"

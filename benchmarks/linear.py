@@ -13,13 +13,19 @@ Providers:
   naive[compile]              the same under torch.compile
   rlkernels[logits]           h @ W.T, then rlkernels.decoupled_ppo_loss
   rlkernels[linear]           rlkernels.linear_decoupled_ppo_loss (no [N, V] logits); both cases take its
-                              one-pass form (the gradient formed in the forward: 3 GEMMs of the loss's rows)
+                              one-pass form (the gradient formed in the forward: 3 GEMMs of the loss's rows, selected
+                              with one host read: select_loss_rows=True, as every rlkernels[linear*] provider)
+  rlkernels[linear-sync-free] the same without the host read (validate=False alone): every row through the GEMMs
   rlkernels[linear-two-pass]  the same with linear_one_pass=False (its backward recomputes the logits: 4)
   rlkernels[linear-fp32-head] rlkernels[linear] with head_dtype="float32" (float32 GEMMs on bf16/fp16 operands)
   rlkernels[linear-tf32-head] the same with head_dtype="tf32" (TF32 matrix units on CUDA; float32 on a CPU)
   rlkernels[linear-invariant] rlkernels[linear] with numerics="batch_invariant" (head GEMMs in 64-row blocks)
   liger                       Liger-Kernel's LigerFusedLinearGRPOLoss (token_tis only; loss_type="dapo",
                               vllm_is_ratio = the IS weights)
+  liger[ppo-logprobs]         Liger-Kernel's fused-linear PPO log-probs (LigerFusedLinearScaledCrossEntropyFunction,
+                              liger-kernel >= 0.8.2: verl's default output head since verl #7461), then rlkernels'
+                              stage on them (rlkernels.policy_loss): the same loss as rlkernels[linear-two-pass],
+                              both cases
   gemm                        (GPU) the forward GEMM h @ W.T alone: t_GEMM, for the (1 + 2f) * t_GEMM floor
 
 `--gemm-count` profiles one step of every provider and reports its GEMMs (aten::mm / addmm / addmm_ calls and
@@ -114,14 +120,25 @@ def build(provider: str, x: Dict, case: str = "token_tis") -> Callable[[], torch
     if provider.startswith("rlkernels[linear"):
         head_dtype = {"rlkernels[linear-fp32-head]": "float32", "rlkernels[linear-tf32-head]": "tf32"}.get(provider)
         numerics = "batch_invariant" if provider == "rlkernels[linear-invariant]" else "default"
-        known = ("rlkernels[linear]", "rlkernels[linear-two-pass]", "rlkernels[linear-invariant]")
+        known = ("rlkernels[linear]", "rlkernels[linear-two-pass]", "rlkernels[linear-invariant]",
+                 "rlkernels[linear-sync-free]")
         if provider not in known and head_dtype is None:
             raise ValueError(f"unknown provider {provider!r}")
         kw["config"] = kw["config"].with_overrides(linear_one_pass=provider != "rlkernels[linear-two-pass]",
-                                                   head_dtype=head_dtype, numerics=numerics)
+                                                   head_dtype=head_dtype, numerics=numerics,
+                                                   select_loss_rows=provider != "rlkernels[linear-sync-free]")
         return lambda: rlkernels.linear_decoupled_ppo_loss(h, W, x["labels"], x["adv"], x["mask"], **kw).loss
     if provider == "gemm":  # the forward GEMM alone: the same for every case
         return lambda: h @ W.T
+    if provider == "liger[ppo-logprobs]":
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+
+        labels = torch.where(x["mask"], x["labels"], torch.full_like(x["labels"], -100))
+
+        def ppo_logprobs():
+            logprobs = -LigerFusedLinearScaledCrossEntropyFunction.apply(h, W, labels, 1.0, -100)
+            return rlkernels.policy_loss(logprobs, x["adv"], x["mask"], **kw).loss
+        return ppo_logprobs
     if case != "token_tis":
         raise ValueError(f"{provider} runs the token_tis case only")
     if provider == "liger":

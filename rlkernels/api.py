@@ -249,6 +249,7 @@ def linear_token_logprobs(
     compute_sum_pi_squared: bool = False, ignore_index: int = -100, backend: str = "auto", validate: bool = True,
     memory_budget_bytes: Optional[int] = None, tp_group=None, dp_group=None, cp_group=None,
     sampling_support: Optional[torch.Tensor] = None, head_dtype: Optional[str] = None, numerics: str = "default",
+    select_loss_rows: Optional[bool] = None,
 ) -> TokenStats:
     """`token_logprobs` of logits = hidden @ weight.T + bias (SPEC §2), never forming [N, V] logits.
 
@@ -268,6 +269,8 @@ def linear_token_logprobs(
             is upcast a block of vocabulary rows at a time, never whole (at most one chunk of float32 logits' bytes
             more). Not yet with tp_group or a small kept set (`sampling_support`).
         numerics: as in `token_logprobs`, on each chunk's logits.
+        select_loss_rows: only the rows with a label go through the head, their count read on the host (one sync);
+            False: every row, no host read (the others give 0). None: as `validate`.
 
     Returns:
         TokenStats(logprobs, entropy, sum_pi_squared), float32, shaped like labels; autograd flows
@@ -275,7 +278,8 @@ def linear_token_logprobs(
         pass trainers run for old and reference log-probs.
     """
     options = ops.PassOptions(compute_entropy, compute_sum_pi_squared, backend, memory_budget_bytes=memory_budget_bytes,
-                              head_dtype=head_dtype, numerics=numerics, select_rows=validate)
+                              head_dtype=head_dtype, numerics=numerics,
+                              select_rows=validate if select_loss_rows is None else select_loss_rows)
     batch, options = prepare_linear_stats(hidden, weight, bias, Arguments.of(locals()), validate, options)
     stats = ops.linear_token_stats(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch, options)
     step.checked_rows("hidden", stats.logprobs, batch, validate)

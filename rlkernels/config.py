@@ -395,7 +395,8 @@ class PolicyLossConfig:
             log-probs and advantages, masks, offsets) and one after it (a row of logits or hidden states holding a
             NaN or +inf, read from the pass's [N] log-probs). False for sync-free steps: no public path then reads
             the device from the host (a step can be captured in a CUDA graph); the fused-linear path, whose row
-            selection is such a read, then runs every row through its head instead (the same results).
+            selection is such a read, then runs every row through its head instead (the same results;
+            `select_loss_rows` decides apart).
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
@@ -405,6 +406,9 @@ class PolicyLossConfig:
         memory_budget_bytes: the fused-linear path (`linear_decoupled_ppo_loss`) forms logits in chunks
             of rows whose logits take at most this many bytes (None: on CUDA a quarter of the memory free for it,
             a power of two from 512 MiB to 4 GiB; 32 MiB on CPU).
+        select_loss_rows: the fused-linear path runs only the rows in the loss through its head GEMMs, which reads
+            their count on the host (one synchronisation; the rows outside cost nothing); False: every row, no host
+            read (the rows outside come out as zeros, at the cost of their GEMMs). None (the default): as `validate`.
         linear_one_pass: the fused-linear path forms the gradient in its forward pass where every token's
             coefficients allow (SPEC §2.1: three GEMMs of the loss's rows instead of four, the gradients held
             from the forward to the backward). False: always the two-pass form.
@@ -443,6 +447,7 @@ class PolicyLossConfig:
     compile_stage: Optional[bool] = None
     metrics: str = "all"
     memory_budget_bytes: Optional[int] = None
+    select_loss_rows: Optional[bool] = None
     linear_one_pass: bool = True
     head_dtype: Optional[str] = None
     numerics: str = "default"
@@ -523,8 +528,9 @@ class PolicyLossConfig:
         for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.compile_stage is not None and not isinstance(self.compile_stage, bool):
-            raise TypeError(f"compile_stage: expected a bool or None, got {self.compile_stage!r}")
+        for name in ("compile_stage", "select_loss_rows"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool or None, got {getattr(self, name)!r}")
         if self.metrics not in METRICS_MODES:
             raise ValueError(f"metrics: expected one of {METRICS_MODES}, got {self.metrics!r}")
         check_memory_budget(self.memory_budget_bytes)
@@ -597,6 +603,11 @@ class PolicyLossConfig:
         if rc is not None and rc.is_level not in entry.is_levels:
             raise ValueError(f"rollout_correction: loss_type={name!r} "
                              f"{entry.is_level_refusal.format(is_level=repr(rc.is_level))}")
+
+    @property
+    def selects_loss_rows(self) -> bool:
+        """Whether the fused-linear path reads its loss rows' count on the host (select_loss_rows, else validate)."""
+        return self.validate if self.select_loss_rows is None else self.select_loss_rows
 
     @property
     def needs_entropy(self) -> bool:

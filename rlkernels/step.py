@@ -43,7 +43,7 @@ def pass_options(config: PolicyLossConfig) -> ops.PassOptions:
     return ops.PassOptions(entropy=config.needs_entropy, backend=config.backend, chunk_rows=config.chunk_rows,
                            memory_budget_bytes=config.memory_budget_bytes,
                            inplace_backward=config.inplace_backward, head_dtype=config.head_dtype,
-                           numerics=config.numerics, select_rows=config.validate)
+                           numerics=config.numerics, select_rows=config.selects_loss_rows)
 
 
 def checked_rows(source: str, logprobs: torch.Tensor, batch: PreparedBatch, validate: bool) -> None:

@@ -148,3 +148,22 @@ def test_the_metrics_cost_what_they_report():
     """Negative control of the budget's split: the metrics are most of the launches, and 'loss_only' sheds them."""
     every, alone = (sum(c.launching for c in _ppo_step(m, "torch")) for m in ("all", "loss_only"))
     assert every - alone > 100
+
+
+def test_select_loss_rows_decides_apart_from_validate():
+    """select_loss_rows=True keeps the fused-linear row selection (its host reads: nonzero) with validate=False;
+    select_loss_rows=False drops it with validate=True (whose own reads, the value checks, remain)."""
+    x = _inputs()
+
+    def syncs(**config):
+        hidden, weight = x["hidden"].clone().requires_grad_(True), x["weight"].clone().requires_grad_(True)
+        out, forward = count_launches(lambda: rlkernels.linear_decoupled_ppo_loss(
+            hidden, weight, x["labels"], x["adv"], x["mask"], old_logprobs=x["old"], rollout_logprobs=x["roll"],
+            cu_seqlens=x["cu"], config=PolicyLossConfig(**config)))
+        return forward.syncs
+
+    assert syncs(validate=False) == []
+    assert set(syncs(validate=False, select_loss_rows=True)) == {"nonzero"}
+    assert "nonzero" in syncs(validate=True) and "nonzero" not in syncs(validate=True, select_loss_rows=False)
+    with pytest.raises(TypeError, match="select_loss_rows: expected a bool or None"):
+        PolicyLossConfig(select_loss_rows="yes")

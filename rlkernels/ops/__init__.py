@@ -32,7 +32,7 @@ from ..backends.temperature import Temperature
 from . import kept_set, linear, vocab, vocab_parallel
 from .coefficients import CoefficientLossFunction, ForwardGradientFunction
 from .divergences import full_divergence_stats, linear_full_divergence_values
-from .head import HeadStatistics, head_token_stats, linear_head_logprobs
+from .head import HeadRows, HeadStatistics, head_token_stats, linear_head_logprobs
 
 __all__ = ["CoefficientLossFunction", "ForwardGradientFunction", "HeadStatistics", "PassOptions", "Statistics",
            "full_divergences", "head_stats", "linear_forward_gradient", "linear_full_divergences", "linear_head_stats",
@@ -277,9 +277,8 @@ def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
     stats = linear_token_stats(hidden, weight, bias, batch, options)
     budget = options.memory_budget_bytes or linear.default_memory_budget(hidden.device)
     with torch.set_grad_enabled(head_grad and torch.is_grad_enabled()):
-        head = linear_head_logprobs(hidden, weight, bias, batch.row_labels, head_ids,
-                                    stats.logprobs if head_grad else stats.logprobs.detach(),
-                                    batch.temperature, budget, options.select_rows)
+        rows = HeadRows(batch.row_labels, head_ids, stats.logprobs if head_grad else stats.logprobs.detach())
+        head = linear_head_logprobs(hidden, weight, bias, rows, batch.temperature, budget, options.select_rows)
     return HeadStatistics(stats.logprobs, stats.entropy, stats.sum_pi_squared, head)
 
 
@@ -301,6 +300,6 @@ def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     _refuse_variant_head(options)
     name = backends.resolve(options.backend, hidden)
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
-    values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, name,
-                                           chunk_rows, options.select_rows)
+    head = linear.HeadOptions(name, chunk_rows, select_rows=options.select_rows)
+    values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, head)
     return tuple(values.unbind(1))

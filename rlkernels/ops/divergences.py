@@ -19,6 +19,7 @@ from torch import Tensor
 from .. import backends
 from ..backends.base import DIVERGENCE_STATS, DIVERGENCES
 from ..backends.temperature import Temperature
+from .linear import HeadOptions, _head, loss_rows  # the fused-linear path's own GEMM: the same logits as its pass
 from .vocab import refuse_double_backward
 
 
@@ -82,20 +83,17 @@ def full_divergence_stats(logits: Tensor, reference: Tensor, active: Tensor, tem
 
 @torch.no_grad()
 def linear_full_divergence_values(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], reference: Tensor,
-                                  active: Tensor, temperature: Temperature, backend: str, chunk_rows: int,
-                                  select_rows: bool = True) -> Tensor:
+                                  active: Tensor, temperature: Temperature, head: HeadOptions) -> Tensor:
     """[N, 4] (kl, reverse_kl, chi2, tv) of softmax((hidden @ weight.T + bias) / T) against softmax(reference / T)
-    ([N, V] reference logits), a chunk of rows of logits at a time through the backend's forward pass (`backend`:
-    a resolved name); no autograd (metrics and masks only)."""
-    from .linear import _head, loss_rows  # the fused-linear path's own GEMM: the same logits as its pass
-
+    ([N, V] reference logits), a chunk of rows of logits at a time through the backend's forward pass (`head`: its
+    resolved backend, rows per chunk and row selection); no autograd (metrics and masks only)."""
     N, V = active.shape[0], weight.shape[0]
-    impl = backends.instance(backend)
+    impl = backends.instance(head.backend)
     out = torch.zeros(N, len(DIVERGENCES), dtype=backends.statistics_dtype(hidden.dtype), device=hidden.device)
     ref_rows = reference.reshape(-1, V)
     # rows outside the loss never touch the head (one host sync), or with select_rows=False every row does (no sync)
-    rows = loss_rows(active, select_rows)
-    step = max(1, chunk_rows)
+    rows = loss_rows(active, head.select_rows)
+    step = max(1, head.chunk_rows)
     for s in range(0, rows.numel(), step):
         idx = rows[s:s + step]
         t_rows = temperature.rows(idx)
@@ -103,6 +101,6 @@ def linear_full_divergence_values(hidden: Tensor, weight: Tensor, bias: Optional
         every = torch.ones(idx.numel(), dtype=torch.bool, device=hidden.device)
         stats = impl.full_divergences_fwd(z, ref_rows.index_select(0, idx), every, t_rows, t_rows)
         out[idx] = stats[:, :len(DIVERGENCES)].to(out.dtype)
-    if not select_rows:  # every row was computed: those outside the loss are 0, as when skipped
+    if not head.select_rows:  # every row was computed: those outside the loss are 0, as when skipped
         out = torch.where(active[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out

@@ -148,14 +148,21 @@ def head_token_stats(logits: Tensor, labels: Tensor, head_ids: Tensor, temperatu
     return HeadStatistics(lp, ent if entropy else None, s2 if sum_pi_squared else None, head)
 
 
-def linear_head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, head_ids: Tensor,
-                         logprobs: Tensor, temperature: Temperature, budget_bytes: int, select_rows: bool = True
-                         ) -> Tensor:
+class HeadRows(NamedTuple):
+    """The rows a fused-linear head pass reads: their labels (-1 outside the loss), head ids and log p_y."""
+    labels: Tensor  # [N] int64
+    head_ids: Tensor  # [N, k] int64, -1 pads
+    logprobs: Tensor  # [N] log p_y from the fused-linear pass (autograd through it)
+
+
+def linear_head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], rows_in: HeadRows,
+                         temperature: Temperature, budget_bytes: int, select_rows: bool = True) -> Tensor:
     """[N, k] log p at the head ids of logits = hidden @ weight.T + bias, for rows with a label (labels >= 0;
     the others 0): (z_j - z_y) / T + log p_y, with log p_y ([N], autograd) from the fused-linear pass and the
     k + 1 logits from gathered rows of the head (kept_set.linear_logits_kept: no V-wide product). The rows with a
     label cost one host synchronisation, as the fused-linear pass's own row selection (select_rows=False: every
     row, no sync; linear.loss_rows)."""
+    labels, head_ids, logprobs = rows_in
     N, k = head_ids.shape
     acc = statistics_dtype(hidden.dtype)
     labelled = labels >= 0

@@ -91,7 +91,8 @@ def test_sync_free_head_ops_give_zeros_off_the_loss():
     from rlkernels import ops
     from rlkernels.backends.temperature import Temperature
     from rlkernels.ops.divergences import linear_full_divergence_values
-    from rlkernels.ops.head import linear_head_logprobs
+    from rlkernels.ops.head import HeadRows, linear_head_logprobs
+    from rlkernels.ops.linear import HeadOptions
 
     batch, (hidden, weight, bias), extra = _inputs(seed=5)
     labels = torch.where(batch.response_mask.bool(), batch.labels, torch.full_like(batch.labels, -1))
@@ -104,11 +105,11 @@ def test_sync_free_head_ops_give_zeros_off_the_loss():
         assert_close(free, selecting, **tol("value", F64), name=fn.__name__)
 
     def head(select):
-        return linear_head_logprobs(hidden, weight, bias, labels, extra["ids"], lp, T, 1 << 20, select)
+        return linear_head_logprobs(hidden, weight, bias, HeadRows(labels, extra["ids"], lp), T, 1 << 20, select)
 
     def divergences(select):
-        return linear_full_divergence_values(hidden, weight, bias, extra["sampler_logits"], ~outside, T, "torch", 16,
-                                             select)
+        return linear_full_divergence_values(hidden, weight, bias, extra["sampler_logits"], ~outside, T,
+                                             HeadOptions("torch", 16, select_rows=select))
 
     def kept_set(select):
         rows = SimpleNamespace(row_labels=labels, support=extra["support"], temperature=T)
