@@ -13,11 +13,12 @@ It runs in the stage's three steps, each ending where a split batch must communi
 from __future__ import annotations
 
 import math
+import struct
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .metrics import Metrics, std
+from .metrics import Metrics
 from .policy_terms import binary_kl
 from .segments import Segments, SequenceTable, hyper_scalar, log_hyper_scalar
 
@@ -81,6 +82,7 @@ class TokenTerms(NamedTuple):
     train: torch.Tensor  # [N] log-probs of the training policy, 0 off the mask
     rollout: torch.Tensor  # [N] behaviour log-probs, 0 off the mask
     delta: torch.Tensor  # [N] train - rollout
+    delta_hat: torch.Tensor  # [N] delta clamped to [-20, 20] (SPEC §4)
     k_stats: Dict[str, torch.Tensor]  # kind -> [N] k-statistic, 0 off the mask (the kinds rejection uses)
     token_keep: torch.Tensor  # [N] mask minus the tokens a token_* rejection option drops
     token_weights: Optional[torch.Tensor]  # [N] truncated token-level IS weights (is_level='token')
@@ -134,7 +136,7 @@ def token_terms(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, 
             else token_weights
         table.add_sum("weights", kept_weights)
         table.add_sum("raw_weights", torch.where(mask, raw, table.zero))
-    return TokenTerms(train, rollout, delta, k_stats, keep, token_weights)
+    return TokenTerms(train, rollout, delta, delta_hat, k_stats, keep, token_weights)
 
 
 class Option(NamedTuple):
@@ -278,6 +280,7 @@ class _Sets(NamedTuple):
     mask: torch.Tensor  # [N] tokens of m
     n_tok: torch.Tensor  # |m|
     lengths: torch.Tensor  # [S] tokens of each sequence in m
+    divisor: torch.Tensor  # [S] lengths.clamp_min(1): a sequence's mean divides by it
     nonempty: torch.Tensor  # [S] sequences with a token in m
     n_seq: torch.Tensor  # their number
     table: SequenceTable
@@ -290,7 +293,7 @@ def record_metrics(metrics: Metrics, terms: TokenTerms, mask: torch.Tensor, tabl
     """The rollout_rs_* metrics of every rejection option and the rollout_corr/* diagnostics of SPEC
     §8, on the original mask."""
     lengths = table.sum("len")
-    sets = _Sets(mask, norms.tokens, lengths, lengths > 0, norms.seqs, table, terms.delta.dtype)
+    sets = _Sets(mask, norms.tokens, lengths, lengths.clamp_min(1), lengths > 0, norms.seqs, table, terms.delta.dtype)
     _rejection_metrics(metrics, decisions, sets)
     _mismatch_metrics(metrics, terms, sets)
     if weights is not None:
@@ -342,11 +345,23 @@ def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     """torch.quantile(values, q) of a non-empty 1-D tensor, the same operations in the same order (sort, rank
     q (n - 1) in the values' dtype, lerp between the order statistics at its floor and ceiling). torch.quantile
     itself reads numel() in C++, which fails under torch.compile with a symbolic length before torch 2.13
-    (seen on 2.11: every compiled stage with a response-length metric stopped there)."""
+    (seen on 2.11: every compiled stage with a response-length metric stopped there). Eagerly the length is a host
+    number, and so are the rank and the weight (rounded as the tensor arithmetic would round them): a sort and a
+    lerp, no gathers."""
     ordered = values.sort().values
-    rank = values.new_full((), q) * (values.shape[0] - 1)
+    n = values.shape[0]
+    if isinstance(n, int) and not torch.compiler.is_compiling():
+        rank = _rounded(_rounded(q, values.dtype) * (n - 1), values.dtype)
+        below = math.floor(rank)
+        return torch.lerp(ordered[below], ordered[math.ceil(rank)], rank - below)  # rank - below: exact
+    rank = values.new_full((), q) * (n - 1)
     below, above = rank.floor().long().reshape(1), rank.ceil().long().reshape(1)  # gathered: no data-dependent int
     return torch.lerp(ordered.gather(0, below), ordered.gather(0, above), rank - below.to(rank.dtype)).squeeze(0)
+
+
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    """x rounded to `dtype` (float32 or float64), as a 0-d tensor of it holds x."""
+    return struct.unpack("f", struct.pack("f", x))[0] if dtype == torch.float32 else float(x)
 
 
 def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> None:
@@ -374,11 +389,10 @@ def _mismatch_metrics(metrics: Metrics, terms: TokenTerms, sets: _Sets) -> None:
     """The training-vs-rollout divergences and perplexities (SPEC §8)."""
     name = lambda k: f"rollout_corr/{k}"  # noqa: E731
     mask, n_tok, nonempty, n_seq, table = sets.mask, sets.n_tok, sets.nonempty, sets.n_seq, sets.table
-    delta = terms.delta
-    delta_hat = delta.clamp(-CLAMP, CLAMP)
+    delta, delta_hat = terms.delta, terms.delta_hat
     rho = torch.exp(delta_hat)
-    mean_tr = table.sum("train") / sets.lengths.clamp_min(1)
-    mean_ro = table.sum("rollout") / sets.lengths.clamp_min(1)
+    mean_tr = table.sum("train") / sets.divisor
+    mean_ro = table.sum("rollout") / sets.divisor
     diff = mean_ro - mean_tr
     rho_seq_sq = torch.exp(2 * table.sum("delta").clamp(-CLAMP, CLAMP))
     metrics.mean(name("kl"), -delta, mask, n_tok)
@@ -387,10 +401,11 @@ def _mismatch_metrics(metrics: Metrics, terms: TokenTerms, sets: _Sets) -> None:
     metrics.mean(name("chi2_token"), rho * rho - 1, mask, n_tok)
     metrics.mean(name("chi2_seq"), rho_seq_sq - 1, nonempty, n_seq, True)
     metrics.mean(name("tv_token"), 0.5 * (rho - 1).abs(), mask, n_tok)
-    metrics.mean_exp(name("training_ppl"), -mean_tr, nonempty, n_seq)
-    metrics.mean_exp(name("rollout_ppl"), -mean_ro, nonempty, n_seq)
-    metrics.mean(name("training_log_ppl"), -mean_tr, nonempty, n_seq, True)
-    metrics.mean(name("rollout_log_ppl"), -mean_ro, nonempty, n_seq, True)
+    log_ppl_tr, log_ppl_ro = -mean_tr, -mean_ro
+    metrics.mean_exp(name("training_ppl"), log_ppl_tr, nonempty, n_seq)
+    metrics.mean_exp(name("rollout_ppl"), log_ppl_ro, nonempty, n_seq)
+    metrics.mean(name("training_log_ppl"), log_ppl_tr, nonempty, n_seq, True)
+    metrics.mean(name("rollout_log_ppl"), log_ppl_ro, nonempty, n_seq, True)
     metrics.mean(name("log_ppl_diff"), diff, nonempty, n_seq, True)
     metrics.mean(name("log_ppl_abs_diff"), diff.abs(), nonempty, n_seq, True)
     metrics.extreme(name("log_ppl_diff_max"), diff, nonempty, n_seq, largest=True, per_sequence=True)
@@ -409,7 +424,8 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
     mask, n_tok, nonempty, n_seq, table = sets.mask, sets.n_tok, sets.nonempty, sets.n_seq, sets.table
     lo, hi = rc.is_bounds
     w = weights.truncated
-    x = torch.clamp(w.clamp_min(0), max=hyper_scalar(w, hi))
+    cap = hyper_scalar(w, hi)
+    x = w.clamp(0.0, cap) if isinstance(cap, float) else torch.clamp(w.clamp_min(0), max=cap)
     metrics.mean(name("rollout_is_mean"), w, mask, n_tok)
     metrics.std(name("rollout_is_std"), x, mask, moments="_is_x")
     metrics.extreme(name("rollout_is_min"), w, mask, n_tok, largest=False)
@@ -421,7 +437,7 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
                  per_sequence)
     metrics.mean(name("rollout_is_ratio_fraction_low"), log_ratio < log_hyper_scalar(log_ratio, lo), valid, n,
                  per_sequence)
-    metrics.derive(name("rollout_is_eff_sample_size"), _effective_sample_size, "_is_x")
+    metrics.derive(name("rollout_is_eff_sample_size"), _effective_sample_size, "_is_x", name("rollout_is_std"))
     if rc.is_batch_normalize:
         metrics.derive(name("rollout_is_batch_norm_factor"), lambda: weights.norm_factor)
     if rc.is_icepop:  # the weights IcePop zeroes (verl's rollout_is_oob_ratio)
@@ -432,10 +448,10 @@ def _weight_metrics(metrics: Metrics, weights: ISWeights, decisions: Decisions, 
     if per_sequence:
         seq_w, seq_raw = decisions.sequence_weights, torch.exp(log_ratio)
     else:
-        seq_w = table.sum("weights") / sets.lengths.clamp_min(1)
+        seq_w = table.sum("weights") / sets.divisor
         if rc.rs_mode == "zero_weight":  # a sequence the options drop has every weight 0
             seq_w = torch.where(decisions.kept_lengths > 0, seq_w, torch.zeros_like(seq_w))
-        seq_raw = table.sum("raw_weights") / sets.lengths.clamp_min(1)
+        seq_raw = table.sum("raw_weights") / sets.divisor
     _sequence_spread(metrics, name("rollout_is_seq"), seq_w, nonempty, n_seq, centre=1.0)
     metrics.mean(name("rollout_is_seq_fraction_high"), seq_raw > hyper_scalar(seq_raw, hi), nonempty, n_seq, True)
     metrics.mean(name("rollout_is_seq_fraction_low"), seq_raw < hyper_scalar(seq_raw, lo), nonempty, n_seq, True)
@@ -449,7 +465,8 @@ def _sequence_spread(metrics: Metrics, prefix: str, values: torch.Tensor, valid:
     metrics.std(f"{prefix}_std", values, valid, per_sequence=True, bessel=True)
     metrics.extreme(f"{prefix}_max", values, valid, n, largest=True, per_sequence=True)
     metrics.extreme(f"{prefix}_min", values, valid, n, largest=False, per_sequence=True)
-    metrics.extreme(f"{prefix}_max_deviation", (values - centre).abs(), valid, n, largest=True, per_sequence=True)
+    deviation = values.abs() if centre == 0 else (values - centre).abs()  # x - 0 is x, -0 included
+    metrics.extreme(f"{prefix}_max_deviation", deviation, valid, n, largest=True, per_sequence=True)
 
 
 def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, sets: _Sets) -> None:
@@ -465,7 +482,7 @@ def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, se
     clamped = torch.clamp(values, hyper_scalar(values, lo), hyper_scalar(values, hi))
     metrics.std(f"{prefix}_std", clamped, valid, option.per_sequence)
     kind = rs_kind(option.name)
-    seq_values = values if option.per_sequence else sets.table.sum(kind) / sets.lengths.clamp_min(1)
+    seq_values = values if option.per_sequence else sets.table.sum(kind) / sets.divisor
     _sequence_spread(metrics, f"{prefix}_seq", seq_values, nonempty, n_seq, centre=0.0)
     metrics.mean(f"{prefix}_seq_fraction_high", seq_values > hyper_scalar(seq_values, hi), nonempty, n_seq, True)
     if k1:
@@ -475,12 +492,13 @@ def _option_spread(metrics: Metrics, prefix: str, option: "Option", valid, n, se
     metrics.mean(f"{prefix}_seq_masked_fraction", rejected, nonempty, n_seq, True)
 
 
-def _effective_sample_size(moments: torch.Tensor) -> torch.Tensor:
-    """ESS = 1 / mean((x / mean x)^2) = 1 / (1 + (std / mean)^2); 0 when every weight is 0 or nothing
-    is valid. Written with the ratio std / mean so that tiny weights do not underflow a square."""
+def _effective_sample_size(moments: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """ESS = 1 / mean((x / mean x)^2) = 1 / (1 + (std / mean)^2) from the moments and the std (`spread`) of x; 0 when
+    every weight is 0 or nothing is valid. Written with the ratio std / mean so that tiny weights do not underflow a
+    square."""
     _, mean, _ = moments.unbind()
     tiny = torch.finfo(mean.dtype).tiny
-    ratio = std(moments) / mean.clamp_min(tiny)
+    ratio = spread / mean.clamp_min(tiny)
     return torch.where(mean > 0, 1.0 / (1 + ratio * ratio), torch.zeros_like(mean))
 
 

@@ -248,11 +248,6 @@ def _spread(moments: Tensor, bessel: List[bool], zero: Tensor) -> Tensor:
     return torch.stack([s if b else p for s, p, b in zip(sample.unbind(0), population.unbind(0), bessel)])
 
 
-def std(moments: Tensor) -> Tensor:
-    count, _, m2 = moments.unbind()
-    return torch.sqrt(m2 / count.clamp_min(1))
-
-
 def combine_moments(parts: Tensor) -> Tensor:
     """parts: [ranks, records, 3] (count, mean, M2) -> [records, 3] of the union (Chan et al.)."""
     count, mean, m2 = parts.unbind(-1)
