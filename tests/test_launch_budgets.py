@@ -167,3 +167,32 @@ def test_select_loss_rows_decides_apart_from_validate():
     assert "nonzero" in syncs(validate=True) and "nonzero" not in syncs(validate=True, select_loss_rows=False)
     with pytest.raises(TypeError, match="select_loss_rows: expected a bool or None"):
         PolicyLossConfig(select_loss_rows="yes")
+
+
+@pytest.mark.skipif(not backends.is_available("cpu"), reason="the CPU kernels are not built here")
+def test_the_topk_form_launches_little_over_the_plain_pass():
+    """The sampler's top-k form (ops/head.py) on the CPU kernels: the head's log-probs from k reads per row in the
+    kernels, its k + 1 columns written inside their backward loop. Budget: 15 launches over the plain pass, forward
+    and backward (measured 2 and 13 on 2026-12-05; 21 and 62 with the columns written by torch ops)."""
+    from rlkernels.backends.temperature import Temperature
+    from rlkernels.ops import vocab
+    from rlkernels.ops.head import head_token_stats
+
+    g = torch.Generator().manual_seed(0)
+    n, v, k = 64, 300, 16
+    logits = torch.randn(n, v, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    ids = (torch.randperm(v, generator=g)[:k][None, :] + torch.arange(n)[:, None]) % v
+    T = Temperature.of(0.8)
+    c, coef = torch.randn(n, generator=g), torch.randn(n, k, generator=g)
+
+    def launches(forward, grads):
+        outputs, fwd = count_launches(forward)
+        _, bwd = count_launches(torch.autograd.backward, outputs, grads)
+        return fwd.launching, bwd.launching
+
+    plain = launches(lambda: [vocab.token_stats(logits, labels, T.tensor, False, False, False, "cpu", 0,
+                                                "default")[2]], [c])
+    head = launches(lambda: (lambda s: [s.logprobs, s.head_logprobs])(
+        head_token_stats(logits, labels, ids, T, False, False, "cpu")), [c, coef])
+    assert head[0] - plain[0] <= 15 and head[1] - plain[1] <= 15, (plain, head)

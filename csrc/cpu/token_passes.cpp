@@ -213,10 +213,20 @@ RLK_ALWAYS_INLINE void grad_row(const float* z, float* g, int64_t V, float m, fl
   }
 }
 
+// A second set of columns per row with their own coefficients (SPEC §9.1, the sampler's top-k): dLoss/dlog p at
+// k ids (-1 pads), [N, k] each. The row's p term carries c + sum_j C_j; each id's column gets + C_j in float32 before
+// the one rounding, as the target gets + c (an id equal to the target gets both).
+struct HeadColumns {
+  const int64_t* ids = nullptr;  // [N, k] int64, -1 pads
+  const float* coef = nullptr;   // [N, k] float32, 0 at pads
+  int64_t k = 0;
+};
+
 template <typename T>
 void grad_rows(const T* logits, int64_t stride, T* out, int64_t out_stride, const int64_t* labels,
                const float* row_max, const float* log_norm, const float* entropy, const float* coef_logprob,
-               const float* coef_entropy, int64_t N, int64_t V, float temperature, const float* inv_t_rows) {
+               const float* coef_entropy, int64_t N, int64_t V, float temperature, const float* inv_t_rows,
+               HeadColumns head = {}) {
   const float inv_t_all = 1.0f / temperature;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(std::is_same_v<T, float> ? 0 : V);
@@ -227,8 +237,13 @@ void grad_rows(const T* logits, int64_t stride, T* out, int64_t out_stride, cons
       const bool has_target = y >= 0 && y < V;
       const float c = coef_logprob[r] * inv_t;
       const float e = coef_entropy != nullptr ? coef_entropy[r] * inv_t : 0.f;
+      const int64_t* ids = head.ids + r * head.k;
+      const float* coef = head.coef + r * head.k;
+      float c_head = 0.f;  // sum_j C_j / T: the head's share of the p term
+      for (int64_t j = 0; j < head.k; ++j) c_head += coef[j];
+      c_head *= inv_t;
       T* o = out + r * out_stride;
-      if ((!has_target && y != kForeignTarget) || (c == 0.f && e == 0.f)) {
+      if ((!has_target && y != kForeignTarget) || (c == 0.f && e == 0.f && c_head == 0.f)) {
         std::fill(o, o + V, T(0));  // skipped or zero coefficients: written, never read
         continue;
       }
@@ -239,9 +254,12 @@ void grad_rows(const T* logits, int64_t stride, T* out, int64_t out_stride, cons
       if (ln == -kInf) {  // no distribution: p = 0 everywhere
         std::fill(g, g + V, 0.f);
       } else {
-        grad_row(z, g, V, m, inv_t, ln, c + e * (entropy != nullptr ? entropy[r] : 0.f), e);
+        grad_row(z, g, V, m, inv_t, ln, c + c_head + e * (entropy != nullptr ? entropy[r] : 0.f), e);
       }
       if (has_target) g[y] += c;  // the target column in float32, rounded once below
+      for (int64_t j = 0; j < head.k; ++j) {  // the head's columns likewise (ids are distinct within a row)
+        if (ids[j] >= 0 && ids[j] < V) g[ids[j]] += coef[j] * inv_t;
+      }
       if constexpr (!std::is_same_v<T, float>) {
         for (int64_t j = 0; j < V; ++j) o[j] = static_cast<T>(g[j]);
       }
@@ -305,7 +323,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
 void launch_grad(const char* op, const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
                  const at::Tensor& log_norm, const std::optional<at::Tensor>& entropy, const at::Tensor& coef_logprob,
                  const std::optional<at::Tensor>& coef_entropy, double temperature, at::Tensor& dlogits,
-                 const std::optional<at::Tensor>& inv_temperature) {
+                 const std::optional<at::Tensor>& inv_temperature, HeadColumns head = {}) {
   check_rows(op, logits, labels);
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(entropy.has_value() == coef_entropy.has_value(), op, ": entropy and coef_entropy go together");
@@ -319,7 +337,7 @@ void launch_grad(const char* op, const at::Tensor& logits, const at::Tensor& lab
     grad_rows<T>(logits.data_ptr<T>(), logits.stride(0), dlogits.data_ptr<T>(), dlogits.stride(0),
                  labels.data_ptr<int64_t>(), f32(row_max, op, "row_max", N), f32(log_norm, op, "log_norm", N), ent,
                  f32(coef_logprob, op, "coef_logprob", N), ce, N, V, static_cast<float>(temperature),
-                 inverse_temperatures(inv_temperature, op, N));
+                 inverse_temperatures(inv_temperature, op, N), head);
   });
 }
 
@@ -350,6 +368,76 @@ void token_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, cons
   at::Tensor out = dlogits;
   launch_grad("token_grad_bwd_out", logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy,
               temperature, out, inv_temperature);
+}
+
+// [N, k] log p at a second set of ids per row (SPEC §9.1, the sampler's top-k) from the pass's normaliser, the
+// torch backend's backends.base.head_logprobs: (z_j - row_max) / T - log_norm; -inf at pads, at ids whose logit is
+// -inf (or NaN) and on rows without a distribution (a NaN normaliser stays NaN); 0 on rows outside the pass. k reads
+// per row, no V-wide work.
+template <typename T>
+void head_rows(const T* logits, int64_t stride, const int64_t* labels, const int64_t* ids, int64_t k,
+               const float* row_max, const float* log_norm, int64_t N, int64_t V, float temperature,
+               const float* inv_t_rows, float* out) {
+  const float inv_t_all = 1.0f / temperature;
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t y = labels[r];
+      float* o = out + r * k;
+      if (!((y >= 0 && y < V) || y == kForeignTarget)) {
+        std::fill(o, o + k, 0.f);
+        continue;
+      }
+      const float inv_t = inv_t_rows != nullptr ? inv_t_rows[r] : inv_t_all;
+      const float m = row_max[r], ln = log_norm[r];
+      const T* row = logits + r * stride;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t h = ids[r * k + j];
+        const float z = (h >= 0 && h < V && ln != -kInf) ? to_float(row[h]) : -kInf;
+        o[j] = z > -kInf ? (z - m) * inv_t - ln : -kInf;
+      }
+    }
+  });
+}
+
+at::Tensor head_logprobs_fwd(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& head_ids,
+                             const at::Tensor& row_max, const at::Tensor& log_norm, double temperature,
+                             const std::optional<at::Tensor>& inv_temperature) {
+  const char* op = "head_logprobs_fwd";
+  check_rows(op, logits, labels);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(head_ids.scalar_type() == at::kLong && head_ids.is_contiguous() && head_ids.dim() == 2 &&
+                  head_ids.size(0) == N,
+              op, ": head_ids must be contiguous int64 [N, k]");
+  at::Tensor out = at::empty({N, head_ids.size(1)}, logits.options().dtype(at::kFloat));
+  dispatch(op, logits, [&](auto tag) {
+    using T = decltype(tag);
+    head_rows<T>(logits.data_ptr<T>(), logits.stride(0), labels.data_ptr<int64_t>(), head_ids.data_ptr<int64_t>(),
+                 head_ids.size(1), f32(row_max, op, "row_max", N), f32(log_norm, op, "log_norm", N), N, V,
+                 static_cast<float>(temperature), inverse_temperatures(inv_temperature, op, N),
+                 out.data_ptr<float>());
+  });
+  return out;
+}
+
+// token_grad_bwd_out with the head's columns (ops/head.py): head_ids [N, k] int64 (-1 pads), head_coef [N, k] float32
+// dLoss/dlog p at them (0 at pads and at ids without mass), contiguous.
+void head_grad_bwd_out(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& row_max,
+                       const at::Tensor& log_norm, const std::optional<at::Tensor>& entropy,
+                       const at::Tensor& coef_logprob, const std::optional<at::Tensor>& coef_entropy,
+                       const at::Tensor& head_ids, const at::Tensor& head_coef, double temperature,
+                       const at::Tensor& dlogits, const std::optional<at::Tensor>& inv_temperature) {
+  const char* op = "head_grad_bwd_out";
+  const int64_t N = logits.size(0);
+  TORCH_CHECK(head_ids.scalar_type() == at::kLong && head_ids.is_contiguous() && head_ids.dim() == 2 &&
+                  head_ids.size(0) == N,
+              op, ": head_ids must be contiguous int64 [N, k]");
+  TORCH_CHECK(head_coef.scalar_type() == at::kFloat && head_coef.is_contiguous() &&
+                  head_coef.sizes() == head_ids.sizes(),
+              op, ": head_coef must be contiguous float32 like head_ids");
+  HeadColumns head{head_ids.data_ptr<int64_t>(), head_coef.data_ptr<float>(), head_ids.size(1)};
+  at::Tensor out = dlogits;
+  launch_grad(op, logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy, temperature, out,
+              inv_temperature, head);
 }
 
 
@@ -817,6 +905,11 @@ TORCH_LIBRARY(rlkernels_cpu, m) {
   m.def("token_grad_bwd_out(Tensor logits, Tensor labels, Tensor row_max, Tensor log_norm, Tensor? entropy, "
         "Tensor coef_logprob, Tensor? coef_entropy, float temperature, Tensor(a!) dlogits, "
         "Tensor? inv_temperature=None) -> ()");
+  m.def("head_logprobs_fwd(Tensor logits, Tensor labels, Tensor head_ids, Tensor row_max, Tensor log_norm, "
+        "float temperature, Tensor? inv_temperature=None) -> Tensor");
+  m.def("head_grad_bwd_out(Tensor logits, Tensor labels, Tensor row_max, Tensor log_norm, Tensor? entropy, "
+        "Tensor coef_logprob, Tensor? coef_entropy, Tensor head_ids, Tensor head_coef, float temperature, "
+        "Tensor(a!) dlogits, Tensor? inv_temperature=None) -> ()");
   m.def("full_divergences_fwd(Tensor logits, Tensor reference, Tensor active, float temperature, "
         "float reference_temperature, Tensor? inv_temperature=None, Tensor? inv_reference_temperature=None) "
         "-> Tensor");
@@ -830,6 +923,8 @@ TORCH_LIBRARY_IMPL(rlkernels_cpu, CPU, m) {
   m.impl("token_grad_bwd", &token_grad_bwd);
   m.impl("token_grad_bwd_inplace", &token_grad_bwd_inplace);
   m.impl("token_grad_bwd_out", &token_grad_bwd_out);
+  m.impl("head_logprobs_fwd", &head_logprobs_fwd);
+  m.impl("head_grad_bwd_out", &head_grad_bwd_out);
   m.impl("full_divergences_fwd", &full_divergences_fwd);
   m.impl("full_divergences_bwd", &full_divergences_bwd);
 }

@@ -92,6 +92,41 @@ class ExtensionBackend(TorchBackend):
                 self._ops().token_grad_bwd_out(*args, out_rows, inv)
         return out
 
+    def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy, compute_sum_pi_squared):
+        """The pass, then the head's log-probs by the extension's own k reads per row where it has them
+        (head_logprobs_fwd: the CPU kernels), else by torch (TorchBackend.head_stats_fwd)."""
+        if not hasattr(self._ops(), "head_logprobs_fwd"):
+            return super().head_stats_fwd(logits, labels, head_ids, temperature, compute_entropy,
+                                          compute_sum_pi_squared)
+        stats = self.token_stats_fwd(logits, labels, temperature, compute_entropy, compute_sum_pi_squared)
+        labels, head_ids = _labels(labels), _labels(head_ids)
+        scalar, inverse = Temperature.of(temperature).kernel_args()
+        pieces = [self._ops().head_logprobs_fwd(rows, labels[s:s + rows.shape[0]], head_ids[s:s + rows.shape[0]],
+                                                stats.row_max[s:s + rows.shape[0]], stats.log_norm[s:s + rows.shape[0]],
+                                                scalar, None if inverse is None else inverse[s:s + rows.shape[0]])
+                  for s, rows in row_groups(logits)]
+        return stats, pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def head_grad_bwd(self, logits, labels, head_ids, row_max, log_norm, entropy, logprobs, head, coef_logprob,
+                      coef_head, coef_entropy, temperature):
+        """The head's columns inside the kernel's backward loop where the extension has it (head_grad_bwd_out: the
+        CPU kernels), else the plain kernel and torch's column writes (TorchBackend.head_grad_bwd)."""
+        if not hasattr(self._ops(), "head_grad_bwd_out"):
+            return super().head_grad_bwd(logits, labels, head_ids, row_max, log_norm, entropy, logprobs, head,
+                                         coef_logprob, coef_head, coef_entropy, temperature)
+        has_entropy = coef_entropy is not None
+        vectors = (
+            _labels(labels), _f32(row_max), _f32(log_norm), _f32(entropy) if has_entropy else None,
+            _f32(coef_logprob), _f32(coef_entropy) if has_entropy else None, _labels(head_ids), _f32(coef_head),
+        )
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        scalar, inverse = Temperature.of(temperature).kernel_args()
+        for start, rows, out_rows in paired_row_groups(logits, out):
+            stop = start + rows.shape[0]
+            args = (rows, *(None if v is None else v[start:stop] for v in vectors), scalar)
+            self._ops().head_grad_bwd_out(*args, out_rows, None if inverse is None else inverse[start:stop])
+        return out
+
 
 def _labels(labels: torch.Tensor) -> torch.Tensor:
     return labels if labels.dtype == torch.int64 and labels.is_contiguous() else labels.to(torch.int64).contiguous()

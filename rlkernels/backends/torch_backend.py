@@ -247,6 +247,34 @@ class TorchBackend:
         out = torch.where(torch.isnan(out) & empty, float("-inf"), out)
         return torch.where((labels >= 0) & (labels < V), out, torch.zeros((), dtype=torch.float32, device=out.device))
 
+    def head_grad_bwd(self, logits, labels, head_ids, row_max, log_norm, entropy, logprobs, head, coef_logprob,
+                      coef_head, coef_entropy, temperature):
+        """The backward of head_stats_fwd (ops/head.py): this backend's token_grad_bwd for c + sum_j C_j, then the
+        k + 1 columns {y} u H overwritten by their exact values, formed in float32 and rounded once. coef_head:
+        [N, k], 0 at pads, rows outside and ids without mass."""
+        temperature = Temperature.of(temperature)
+        V = logits.shape[-1]
+        c_total = coef_logprob + coef_head.sum(1)
+        dlogits = self.token_grad_bwd(logits, labels, row_max, log_norm, entropy, c_total, coef_entropy, temperature,
+                                      False)
+        # 1/T from the tensor itself: a host read here would be a graph break in the backward torch.compile traces
+        inv_t = temperature.inverse_tensor(row_max.dtype)
+        saved = (labels, head_ids, logprobs, entropy, head)
+        idx, value, slot, donor = _fixed_columns(saved, (coef_logprob, coef_entropy, coef_head), inv_t, V)
+        flat = dlogits.view(-1, V)
+        active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
+        zero = torch.zeros((), dtype=value.dtype, device=value.device)
+        has_slot = slot.any(1)
+        donor_idx = torch.where(has_slot, idx.gather(1, donor[:, None]).squeeze(1), torch.zeros_like(donor))
+        current = flat[:, :1].squeeze(1).to(value.dtype) if V else torch.zeros_like(coef_logprob)
+        donor_value = torch.where(has_slot, value.gather(1, donor[:, None]).squeeze(1), current)
+        idx = torch.where(slot, idx, donor_idx[:, None])
+        value = torch.where(slot, value, donor_value[:, None])
+        value = torch.where(active[:, None] | ~slot, value, zero)  # rows outside the loss stay exactly 0
+        if V:
+            flat.scatter_(1, idx, value.to(flat.dtype))
+        return dlogits
+
     def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy, compute_sum_pi_squared):
         temperature = Temperature.of(temperature)
         stats = self._normalising_pass().token_stats_fwd(logits, labels, temperature, compute_entropy,
@@ -330,3 +358,35 @@ def _zero_rows(t: torch.Tensor, rows: torch.Tensor) -> None:
         t.index_fill_(0, torch.nonzero(rows).squeeze(1), 0.0)  # (t[rows] = 0 takes a slow full path)
     else:
         t.masked_fill_(rows[:, None], 0.0)
+
+
+def _fixed_columns(saved, coefficients, inv_t, V: int):
+    """(columns [N, k + 1], their exact gradient values [N, k + 1] in float32, the slots holding an id, each row's
+    donor slot) for the slots {h_1..h_k, y}. saved: (labels, head_ids, log p_y, entropy or None, head log-probs);
+    coefficients: (c, e or None, C).
+    Slots without an id take the value of a slot of the same row that has one (a 'donor'), so that every
+    write to a column carries one value; a row with no slot at all rewrites column 0 with itself (the
+    caller's gather)."""
+    labels, head_ids, logprobs, entropy, head = saved
+    c, e, C = coefficients
+    k = head_ids.shape[1]
+    has_label = (labels >= 0) & (labels < V)
+    head_slot = head_ids >= 0
+    match = (head_ids == labels[:, None]) & has_label[:, None]
+    c_total = c + C.sum(1)
+    a_head = C + torch.where(match, c[:, None], torch.zeros_like(C))
+    a_label = c + torch.where(match, C, torch.zeros_like(C)).sum(1)
+    idx = torch.cat([head_ids, labels[:, None]], 1).clamp(0, max(V - 1, 0))
+    a = torch.cat([a_head, a_label[:, None]], 1)
+    log_p = torch.cat([head, logprobs[:, None]], 1)
+    p = torch.exp(log_p)
+    value = a - c_total[:, None] * p
+    if e is not None:
+        # -e p (log p + H), with p log p = 0 at p = 0
+        value = value - e[:, None] * (torch.xlogy(p, p) + p * entropy[:, None])
+    value = value * inv_t  # a float, or the [N, 1] per-row 1 / T
+    # a head slot holding the label defers to the label's slot: one value per column (a scatter with two values for
+    # one index keeps either, on a GPU nondeterministically)
+    slot = torch.cat([head_slot & ~match, has_label[:, None]], 1)
+    donor = torch.where(has_label, torch.full_like(labels, k), slot[:, :k].to(torch.int8).argmax(1))
+    return idx, value, slot, donor

@@ -9,9 +9,11 @@ V. The backward takes an [N, k] coefficient matrix C = dLoss/dlog p_H beside the
 
     dz_v = ( c 1[v = y] + sum_j C_j 1[v = h_j] - (c + sum_j C_j) p_v - e p_v (log p_v + H) ) / T,
 
-which is the backend's own backward for the coefficient c + sum_j C_j (every column's -c p term, one pass) with
-the k + 1 columns {y} u H then overwritten by their exact values, formed in float32 and rounded once (the
-target column's 1 - p is never formed from a rounded -c p plus c; see the torch backend). Duplicate ids in a
+the backend's `head_grad_bwd` (the custom op `head_grad`). The CPU kernels form it in their backward loop: the
+p term with c + sum_j C_j, then + c at y and + C_j at each id, in float32 before the one rounding (one pass, no
+torch op around it). The others run their own backward for c + sum_j C_j (every column's -c p term, one pass) and
+overwrite the k + 1 columns {y} u H with their exact values, formed in float32 by torch and rounded once (the
+target column's 1 - p is never formed from a rounded -c p plus c; backends/torch_backend.py). Duplicate ids in a
 row are refused by the input checks: two slots with one id would each carry only their own coefficient.
 
 The fused-linear route (`linear_head_logprobs`) forms only the k + 1 logits it needs, from gathered rows of the
@@ -28,7 +30,7 @@ from ..backends.base import FOREIGN_TARGET, statistics_dtype
 from ..backends.temperature import Temperature
 from .kept_set import linear_logits_kept
 from .linear import loss_rows
-from .vocab import SavedPass, pass_gradient, refuse_double_backward
+from .vocab import refuse_double_backward
 
 
 class HeadStatistics(NamedTuple):
@@ -67,72 +69,45 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(row_max, log_norm, s2)
 
 
-def _fixed_columns(saved, coefficients, inv_t, V: int):
-    """(columns [N, k + 1], their exact gradient values [N, k + 1] in float32, the slots holding an id, each row's
-    donor slot) for the slots {h_1..h_k, y}. saved: (labels, head_ids, log p_y, entropy or None, head log-probs);
-    coefficients: (c, e or None, C).
-    Slots without an id take the value of a slot of the same row that has one (a 'donor'), so that every
-    write to a column carries one value; a row with no slot at all rewrites column 0 with itself (the
-    caller's gather)."""
-    labels, head_ids, logprobs, entropy, head = saved
-    c, e, C = coefficients
-    k = head_ids.shape[1]
-    has_label = (labels >= 0) & (labels < V)
-    head_slot = head_ids >= 0
-    match = (head_ids == labels[:, None]) & has_label[:, None]
-    c_total = c + C.sum(1)
-    a_head = C + torch.where(match, c[:, None], torch.zeros_like(C))
-    a_label = c + torch.where(match, C, torch.zeros_like(C)).sum(1)
-    idx = torch.cat([head_ids, labels[:, None]], 1).clamp(0, max(V - 1, 0))
-    a = torch.cat([a_head, a_label[:, None]], 1)
-    log_p = torch.cat([head, logprobs[:, None]], 1)
-    p = torch.exp(log_p)
-    value = a - c_total[:, None] * p
-    if e is not None:
-        # -e p (log p + H), with p log p = 0 at p = 0
-        value = value - e[:, None] * (torch.xlogy(p, p) + p * entropy[:, None])
-    value = value * inv_t  # a float, or the [N, 1] per-row 1 / T
-    # a head slot holding the label defers to the label's slot: one value per column (a scatter with two values for
-    # one index keeps either, on a GPU nondeterministically)
-    slot = torch.cat([head_slot & ~match, has_label[:, None]], 1)
-    donor = torch.where(has_label, torch.full_like(labels, k), slot[:, :k].to(torch.int8).argmax(1))
-    return idx, value, slot, donor
-
-
 def _backward(ctx, _g_row_max, _g_log_norm, grad_logprobs, grad_entropy, _g_sum_pi_squared, grad_head):
     refuse_double_backward()
     logits, labels, head_ids, row_max, log_norm, logprobs, entropy, head, temperature = ctx.saved_tensors
     backend, chunk_rows = ctx.options
     V = logits.shape[-1]
     acc = row_max.dtype
-    active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
-    zero = torch.zeros((), dtype=acc, device=row_max.device)
     labelled = (labels >= 0) & (labels < V)  # log p_y of a row without a label is the constant 0
+    active = labelled | (labels == FOREIGN_TARGET)
+    zero = torch.zeros((), dtype=acc, device=row_max.device)
     c = torch.zeros_like(row_max) if grad_logprobs is None else torch.where(labelled, grad_logprobs.to(acc), zero)
-    C = torch.zeros_like(head) if grad_head is None else grad_head.to(acc)
     # a pad, a row outside, or an id without mass (log p = -inf: p = 0, no derivative to pass on) carries none
-    C = torch.where((head_ids >= 0) & active[:, None] & (head > float("-inf")), C, zero)
+    C = zero.expand(head.shape) if grad_head is None else torch.where(
+        (head_ids >= 0) & active[:, None] & (head > float("-inf")), grad_head.to(acc), zero)
     use_entropy = grad_entropy is not None and entropy.numel() > 0
-    e = torch.where(active, grad_entropy.to(acc), zero) if use_entropy else None
-    c_total = c + C.sum(1)
-    # the backend's own backward for c + sum_j C_j: p is the softmax of the whole row, label or not
-    dlogits = pass_gradient(logits, SavedPass(labels, row_max, log_norm, entropy, temperature, backend, chunk_rows),
-                            c_total, row_max.new_empty(0) if e is None else e)
-    # 1/T from the tensor itself: a host read here would be a graph break in the backward torch.compile traces
-    inv_t = Temperature(temperature).inverse_tensor(acc)
-    saved = (labels, head_ids, logprobs, entropy if use_entropy else None, head)
-    idx, value, slot, donor = _fixed_columns(saved, (c, e, C), inv_t, V)
-    flat = dlogits.view(-1, V)
-    has_slot = slot.any(1)
-    donor_idx = torch.where(has_slot, idx.gather(1, donor[:, None]).squeeze(1), torch.zeros_like(donor))
-    current = flat[:, :1].squeeze(1).to(acc) if V else torch.zeros_like(c)
-    donor_value = torch.where(has_slot, value.gather(1, donor[:, None]).squeeze(1), current)
-    idx = torch.where(slot, idx, donor_idx[:, None])
-    value = torch.where(slot, value, donor_value[:, None])
-    value = torch.where(active[:, None] | ~slot, value, zero)  # rows outside the loss stay exactly 0
-    if V:
-        flat.scatter_(1, idx, value.to(flat.dtype))
+    e = torch.where(active, grad_entropy.to(acc), zero) if use_entropy else row_max.new_empty(0)
+    dlogits = head_grad(logits, labels, head_ids, row_max, log_norm, entropy, logprobs, head, c, C.contiguous(), e,
+                        temperature, backend, chunk_rows)
     return dlogits, None, None, None, None, None, None, None
+
+
+@torch.library.custom_op("rlkernels::head_grad", mutates_args=())
+def head_grad(
+    logits: Tensor, labels: Tensor, head_ids: Tensor, row_max: Tensor, log_norm: Tensor, entropy: Tensor,
+    logprobs: Tensor, head: Tensor, coef_logprob: Tensor, coef_head: Tensor, coef_entropy: Tensor,
+    temperature: Tensor, backend: str, chunk_rows: int,
+) -> Tensor:
+    """dlogits of the pass with head ids for the coefficients (c [N], C [N, k], e [N] or empty: none), the backend's
+    head_grad_bwd (its kernel's epilogue where it has one, else the plain backward and the k + 1 columns written
+    by torch: backends/torch_backend.py)."""
+    has_entropy = coef_entropy.numel() > 0
+    return backends.select(backend, logits, chunk_rows or None).head_grad_bwd(
+        logits, labels, head_ids, row_max, log_norm, entropy if has_entropy else None, logprobs, head, coef_logprob,
+        coef_head, coef_entropy if has_entropy else None, Temperature(temperature))
+
+
+@head_grad.register_fake
+def _(logits, labels, head_ids, row_max, log_norm, entropy, logprobs, head, coef_logprob, coef_head, coef_entropy,
+      temperature, backend, chunk_rows):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 head_stats.register_autograd(_backward, setup_context=_setup_context)
