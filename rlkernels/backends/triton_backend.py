@@ -10,6 +10,7 @@ import torch
 
 from ..kernels.triton import divergences as divergence_kernels
 from ..kernels.triton import vllm_logprobs as vllm_kernels
+from ..kernels.triton.head_columns import write_head_columns
 from ..kernels.triton.token_grad import token_grad_bwd
 from ..kernels.triton.token_stats import token_stats_fwd
 from .base import RowStats
@@ -42,6 +43,17 @@ class TritonBackend(TorchBackend):
     ) -> torch.Tensor:
         return token_grad_bwd(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy,
                               Temperature.of(temperature).value(), inplace)
+
+    def head_grad_bwd(self, logits, labels, head_ids, row_max, log_norm, entropy, logprobs, head, coef_logprob,
+                      coef_head, coef_entropy, temperature):
+        """The plain kernel for c + sum_j C_j, then the head's k + 1 columns by one more kernel (k + 1 reads and
+        writes per row: kernels/triton/head_columns.py)."""
+        T = Temperature.of(temperature).value()
+        c_total = coef_logprob + coef_head.sum(1)
+        out = token_grad_bwd(logits, labels, row_max, log_norm, entropy, c_total, coef_entropy, T, False)
+        write_head_columns(logits if logits.stride(-1) == 1 else logits.contiguous(), out, labels, head_ids, row_max,
+                           log_norm, entropy, coef_logprob, c_total, coef_head, coef_entropy, T)
+        return out
 
     def vllm_logprobs(self, logits, labels, temperature):
         """numerics="vllm": vLLM's V2 sampler's log-probs (its default runner on a GPU), with its Triton

@@ -44,7 +44,7 @@ def test_specs_cover_exactly_the_heuristic(module):
 
 def test_discovery_finds_every_kernel_module():
     found = {name: specs for name, specs in aot.discover_specs()}
-    assert {"token_stats", "token_grad", "divergences", "vllm_logprobs"} <= set(found)
+    assert {"token_stats", "token_grad", "divergences", "vllm_logprobs", "head_columns"} <= set(found)
     assert all(not isinstance(specs, str) for specs in found.values()), found
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from triton import cdiv as triton_cdiv
 
-from rlkernels.kernels.triton import divergences, token_grad, token_stats, vllm_logprobs
+from rlkernels.kernels.triton import divergences, head_columns, token_grad, token_stats, vllm_logprobs
 from rlkernels.kernels.triton.tl_math import VOCAB_TIERS, pair_config, vocab_config
 from rlkernels.testing.bounds import bounds_checked, guarded
 
@@ -83,6 +83,37 @@ def test_token_kernels_stay_inside_their_tensors(layout, V, dtype):
                                               per_row_t, False)
     assert torch.equal(grad.reshape(expected_grad.shape), expected_grad)
     assert torch.equal(in_place.reshape(expected_grad.shape), expected_grad)
+
+
+@pytest.mark.parametrize("K", [1, 45])  # one id; more than one block of ids (BLOCK_K = 32), the last one partial
+@pytest.mark.parametrize("layout", ["rows", "causal_shift"])
+def test_the_head_columns_kernel_stays_inside_its_tensors(layout, K):
+    """The sampler's top-k columns of the backward (kernels/triton/head_columns.py): reads of k ids and the label
+    per row, writes into dlogits only; pads, ids past V, skipped and foreign labels, a partial block of rows."""
+    V = 131
+    gen = torch.Generator().manual_seed(K)
+    if layout == "rows":
+        N = 2 * head_columns.BLOCK_N + 3
+        logits = guarded(torch.randn(N, V, generator=gen))
+    else:
+        B, T = 2, head_columns.BLOCK_N + 2
+        logits = guarded(torch.randn(B, T + 1, V, generator=gen))[:, :-1]
+        N = B * T
+    labels = _labels(N, V, gen)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(N)])
+    ids[::3, 0], ids[1::5, -1] = -1, V  # pads, and an id past the vocabulary (never read nor written)
+    per_row_t = 0.5 + torch.rand(N, generator=gen)
+    stats = token_stats.token_stats_fwd(logits, labels, per_row_t, True, False)
+    c, e, C = torch.randn(N, generator=gen), torch.randn(N, generator=gen), torch.randn(N, K, generator=gen)
+    dlogits = guarded(torch.zeros(N, V)).view(logits.shape) if layout == "rows" else \
+        guarded(torch.zeros(B, T, V))
+    with bounds_checked(read_only=[logits]) as violations:
+        head_columns.write_head_columns(logits, dlogits, guarded(labels), guarded(ids), guarded(stats.row_max),
+                                        guarded(stats.log_norm), guarded(stats.entropy), guarded(c),
+                                        guarded(c + C.sum(1)), guarded(C), guarded(e), guarded(per_row_t))
+    _assert_clean(violations)
+    written = dlogits.reshape(N, V) != 0
+    assert bool(written.any()) and not bool(written[(labels == -1) | (labels == V)].any()), "skipped rows untouched"
 
 
 @pytest.mark.parametrize("V", TIER_VOCABS)
