@@ -10,7 +10,7 @@ import torch
 
 from ..kernels.triton import divergences as divergence_kernels
 from ..kernels.triton import vllm_logprobs as vllm_kernels
-from ..kernels.triton.head_columns import write_head_columns
+from ..kernels.triton.head_columns import head_logprobs_fwd, write_head_columns
 from ..kernels.triton.token_grad import token_grad_bwd
 from ..kernels.triton.token_stats import token_stats_fwd
 from .base import RowStats
@@ -43,6 +43,13 @@ class TritonBackend(TorchBackend):
     ) -> torch.Tensor:
         return token_grad_bwd(logits, labels, row_max, log_norm, entropy, coef_logprob, coef_entropy,
                               Temperature.of(temperature).value(), inplace)
+
+    def head_stats_fwd(self, logits, labels, head_ids, temperature, compute_entropy, compute_sum_pi_squared):
+        """The forward kernel, then the head's log-probs by one more kernel (k reads per row)."""
+        T = Temperature.of(temperature)
+        stats = self.token_stats_fwd(logits, labels, T, compute_entropy, compute_sum_pi_squared)
+        rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+        return stats, head_logprobs_fwd(rows, labels, head_ids, stats.row_max, stats.log_norm, T.value())
 
     def head_grad_bwd(self, logits, labels, head_ids, row_max, log_norm, entropy, logprobs, head, coef_logprob,
                       coef_head, coef_entropy, temperature):

@@ -87,9 +87,10 @@ def test_token_kernels_stay_inside_their_tensors(layout, V, dtype):
 
 @pytest.mark.parametrize("K", [1, 45])  # one id; more than one block of ids (BLOCK_K = 32), the last one partial
 @pytest.mark.parametrize("layout", ["rows", "causal_shift"])
-def test_the_head_columns_kernel_stays_inside_its_tensors(layout, K):
-    """The sampler's top-k columns of the backward (kernels/triton/head_columns.py): reads of k ids and the label
-    per row, writes into dlogits only; pads, ids past V, skipped and foreign labels, a partial block of rows."""
+def test_the_head_kernels_stay_inside_their_tensors(layout, K):
+    """The sampler's top-k beside the passes (kernels/triton/head_columns.py): the head's log-probs (k reads per row)
+    and the backward's columns (reads of k ids and the label per row, writes into dlogits only); pads, ids past V,
+    skipped and foreign labels, a partial block of rows."""
     V = 131
     gen = torch.Generator().manual_seed(K)
     if layout == "rows":
@@ -108,12 +109,18 @@ def test_the_head_columns_kernel_stays_inside_its_tensors(layout, K):
     dlogits = guarded(torch.zeros(N, V)).view(logits.shape) if layout == "rows" else \
         guarded(torch.zeros(B, T, V))
     with bounds_checked(read_only=[logits]) as violations:
+        head = head_columns.head_logprobs_fwd(logits, guarded(labels), guarded(ids), guarded(stats.row_max),
+                                              guarded(stats.log_norm), guarded(per_row_t))
         head_columns.write_head_columns(logits, dlogits, guarded(labels), guarded(ids), guarded(stats.row_max),
                                         guarded(stats.log_norm), guarded(stats.entropy), guarded(c),
                                         guarded(c + C.sum(1)), guarded(C), guarded(e), guarded(per_row_t))
     _assert_clean(violations)
     written = dlogits.reshape(N, V) != 0
     assert bool(written.any()) and not bool(written[(labels == -1) | (labels == V)].any()), "skipped rows untouched"
+    skipped = (labels == -1) | (labels == V)
+    pads_in_the_loss = (ids < 0) & ~skipped[:, None]
+    assert torch.equal(head[skipped], torch.zeros_like(head[skipped]))
+    assert bool(torch.isinf(head[pads_in_the_loss]).all())
 
 
 @pytest.mark.parametrize("V", TIER_VOCABS)

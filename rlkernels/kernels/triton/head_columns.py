@@ -1,4 +1,5 @@
-"""The head's columns of the backward (SPEC §9.1, the sampler's top-k): over a plain backward's dlogits for the
+"""The sampler's top-k (SPEC §9.1) beside the plain passes: the head's log-probs after the forward (k reads per row:
+`head_logprobs_fwd`), and the head's columns of the backward: over a plain backward's dlogits for the
 coefficient c + sum_j C_j (token_grad_bwd), each row's k ids and its label get their exact gradient
 
     dz_v = ( a_v - (c + sum_j C_j) p_v - e p_v (log p_v + H) ) / T,   a_v = c 1[v = y] + sum_j C_j 1[v = h_j],
@@ -94,6 +95,64 @@ def _head_columns_kernel(
         tl.store(out_ptrs[:, None] + ids, (value * inv_t[:, None]).to(dlogits_ptr.dtype.element_ty), mask=write)
 
 
+@triton.jit
+def _head_logprobs_kernel(
+    logits_ptr, labels_ptr, ids_ptr, row_max_ptr, log_norm_ptr, out_ptr, inv_t_ptr,
+    N, V, K, rows_per_group, stride_logits_g, stride_logits_n, temperature,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TEMPERATURE: tl.constexpr = False,
+):
+    # log p_j = (z_j - row_max) / T - log_norm from the pass's normaliser (backends.base.head_logprobs): -inf at
+    # pads, at ids past V, at ids whose logit is -inf (or NaN) and on rows without a distribution (a NaN normaliser
+    # stays NaN); 0 on rows outside the pass. [N, K] float32 out, contiguous.
+    pid_n = tl.program_id(0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
+    active = mask_n & (((labels >= 0) & (labels < V)) | (labels == -2))
+    row_max = tl.load(row_max_ptr + offs_n, mask=active, other=0.0)
+    log_norm = tl.load(log_norm_ptr + offs_n, mask=active, other=0.0)
+    has_distribution = active & (log_norm != float("-inf"))
+    if ROW_TEMPERATURE:
+        inv_t = tl.load(inv_t_ptr + offs_n, mask=mask_n, other=1.0)
+    else:
+        inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
+    group, row = offs_n // rows_per_group, offs_n % rows_per_group
+    in_ptrs = logits_ptr + group * stride_logits_g + row * stride_logits_n
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        slot = mask_n[:, None] & (offs_k[None, :] < K)
+        ids = tl.load(ids_ptr + offs_n[:, None] * K + offs_k[None, :], mask=slot & active[:, None], other=-1)
+        read = has_distribution[:, None] & (ids >= 0) & (ids < V)
+        z = tl.load(in_ptrs[:, None] + ids, mask=read, other=float("-inf")).to(tl.float32)
+        lp = tl.where(z > float("-inf"), (z - row_max[:, None]) * inv_t[:, None] - log_norm[:, None],
+                      float("-inf"))
+        lp = tl.where(active[:, None], lp, 0.0)
+        tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], lp, mask=slot)
+
+
+def head_logprobs_fwd(logits: torch.Tensor, labels: torch.Tensor, head_ids: torch.Tensor, row_max: torch.Tensor,
+                      log_norm: torch.Tensor, temperature) -> torch.Tensor:
+    """[N, k] float32 log p at head_ids (-1 pads) of logits (N, V) or (B, T, V) with unit stride along V, from the
+    forward's row_max and log_norm ([N] float32); temperature: T or an [N] tensor (see the kernel)."""
+    V = logits.shape[-1]
+    N = labels.shape[0]
+    K = head_ids.shape[1]
+    out = torch.empty(N, K, dtype=torch.float32, device=logits.device)
+    if N == 0 or K == 0:
+        return out
+    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
+    rows_per_group, stride_g, stride_n = grouped_strides(logits)
+    scalar, inv_t = row_temperature(temperature)
+    row_max = f32(row_max)
+    with device_guard(logits):
+        _head_logprobs_kernel[(triton.cdiv(N, BLOCK_N),)](
+            logits, labels.to(torch.int64).contiguous(), head_ids.to(torch.int64).contiguous(), row_max,
+            f32(log_norm), out, row_max if inv_t is None else inv_t, N, V, K, rows_per_group, stride_g, stride_n,
+            scalar, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ROW_TEMPERATURE=inv_t is not None,
+        )
+    return out
+
+
 def write_head_columns(logits: torch.Tensor, dlogits: torch.Tensor, labels: torch.Tensor, head_ids: torch.Tensor,
                        row_max: torch.Tensor, log_norm: torch.Tensor, entropy, coef_logprob: torch.Tensor,
                        coef_total: torch.Tensor, coef_head: torch.Tensor, coef_entropy, temperature) -> None:
@@ -123,9 +182,23 @@ def write_head_columns(logits: torch.Tensor, dlogits: torch.Tensor, labels: torc
 
 
 def aot_specs():
-    """One AotSpec per (logits dtype, HAS_ENTROPY, ROW_TEMPERATURE) the launcher can pick."""
+    """One AotSpec per (logits dtype, HAS_ENTROPY, ROW_TEMPERATURE) the launchers can pick."""
     specs = []
     for dtype in TRITON_DTYPES.values():
+        for row_t in (False, True):
+            constexprs = {"BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "ROW_TEMPERATURE": row_t}
+            signature = {
+                "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "ids_ptr": "*i64", "row_max_ptr": "*fp32",
+                "log_norm_ptr": "*fp32", "out_ptr": "*fp32", "inv_t_ptr": "*fp32", "N": "i32", "V": "i32",
+                "K": "i32", "rows_per_group": "i32", "stride_logits_g": "i64", "stride_logits_n": "i32",
+                "temperature": "fp32", **{k: "constexpr" for k in constexprs},
+            }
+            specs.append(AotSpec(
+                name=f"head_logprobs_fwd[{dtype},ROW_TEMPERATURE={int(row_t)}]", fn=_head_logprobs_kernel,
+                signature=signature, constexprs=constexprs, num_warps=4, num_stages=1,
+                aligned=("logits_ptr", "labels_ptr", "ids_ptr", "row_max_ptr", "log_norm_ptr", "out_ptr",
+                         "inv_t_ptr", "V", "stride_logits_g", "stride_logits_n"),
+            ))
         for has_entropy in (False, True):
             for row_t in (False, True):
                 constexprs = {"HAS_ENTROPY": has_entropy, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
