@@ -395,8 +395,8 @@ class PolicyLossConfig:
             log-probs and advantages, masks, offsets) and one after it (a row of logits or hidden states holding a
             NaN or +inf, read from the pass's [N] log-probs). False for sync-free steps: no public path then reads
             the device from the host (a step can be captured in a CUDA graph); the fused-linear path, whose row
-            selection is such a read, then runs every row through its head instead (the same results;
-            `select_loss_rows` decides apart).
+            selection is such a read, then runs every row through its head instead (the same values up to the
+            GEMMs' rounding of other chunk shapes; `select_loss_rows` decides apart).
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).

@@ -240,10 +240,14 @@ void grad_rows(const T* logits, int64_t stride, T* out, int64_t out_stride, cons
       const int64_t* ids = head.ids + r * head.k;
       const float* coef = head.coef + r * head.k;
       float c_head = 0.f;  // sum_j C_j / T: the head's share of the p term
-      for (int64_t j = 0; j < head.k; ++j) c_head += coef[j];
+      bool any_head = false;  // a coefficient on an id (their sum may be 0 while the columns' values are not)
+      for (int64_t j = 0; j < head.k; ++j) {
+        c_head += coef[j];
+        any_head = any_head || coef[j] != 0.f;
+      }
       c_head *= inv_t;
       T* o = out + r * out_stride;
-      if ((!has_target && y != kForeignTarget) || (c == 0.f && e == 0.f && c_head == 0.f)) {
+      if ((!has_target && y != kForeignTarget) || (c == 0.f && e == 0.f && !any_head)) {
         std::fill(o, o + V, T(0));  // skipped or zero coefficients: written, never read
         continue;
       }

@@ -152,7 +152,7 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optiona
         _refuse_numerics(options, "tp_group")
         return Statistics(*vocab_parallel.vocab_parallel_linear_token_stats(
             hidden, weight, bias, batch.row_labels, batch.temperature, options.entropy,
-            options.sum_pi_squared, name, chunk_rows, batch.tp_group))
+            options.sum_pi_squared, name, chunk_rows, batch.tp_group, options.select_rows))
     head = linear.HeadOptions(name, chunk_rows, support=batch.support,  # a large kept set: masked chunks of logits
                               head_dtype=options.head_dtype or "", numerics=options.numerics,
                               select_rows=options.select_rows)
@@ -194,6 +194,11 @@ def _linear_kept_set_stats(hidden, weight, bias, batch, options: PassOptions) ->
     row_labels, support = batch.row_labels, batch.support
     rows = linear.loss_rows(row_labels >= 0, options.select_rows)  # as the fused-linear path's own selection
     budget = options.memory_budget_bytes or linear.default_memory_budget(hidden.device)
+    if not options.select_rows:  # every row: those without a label carry nothing and read no kept id (pads)
+        labelled = row_labels >= 0
+        hidden = linear.carrying_rows(hidden, labelled)
+        support = torch.where(labelled[:, None], support, torch.full((), -1, dtype=support.dtype,
+                                                                     device=support.device))
     sub = support.index_select(0, rows)
     kept = kept_set.linear_logits_kept(hidden.index_select(0, rows), weight, bias, sub, budget)
     stats = kept_set.kept_set_stats(kept, sub >= 0, kept_set.label_slots(sub, row_labels.index_select(0, rows)),

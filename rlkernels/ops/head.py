@@ -29,7 +29,7 @@ from .. import backends
 from ..backends.base import FOREIGN_TARGET, statistics_dtype
 from ..backends.temperature import Temperature
 from .kept_set import linear_logits_kept
-from .linear import loss_rows
+from .linear import carrying_rows, loss_rows
 from .vocab import refuse_double_backward
 
 
@@ -145,6 +145,8 @@ def linear_head_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     acc = statistics_dtype(hidden.dtype)
     labelled = labels >= 0
     rows = loss_rows(labelled, select_rows)
+    if not select_rows:  # every row: those without a label carry nothing, NaN hidden states included
+        hidden = carrying_rows(hidden, labelled)
     ids = torch.cat([head_ids.index_select(0, rows), labels.index_select(0, rows)[:, None]], 1)
     z = linear_logits_kept(hidden.index_select(0, rows), weight, bias, ids.clamp_min(0), budget_bytes).to(acc)
     inv_t = temperature.rows(rows).inverse(acc)

@@ -82,6 +82,14 @@ def loss_rows(selected: Tensor, select: bool) -> Tensor:
     return torch.arange(selected.shape[0], device=selected.device)
 
 
+def carrying_rows(hidden_rows: Tensor, carries: Tensor) -> Tensor:
+    """The hidden rows of a GEMM whose product must be exactly 0 where `carries` is False: with every row run
+    (select_rows=False) a row outside the loss may hold NaN or inf (padding), and a zero coefficient times NaN is
+    NaN in the weight's gradient, so those rows are zeroed first (selected rows never reach here)."""
+    return torch.where(carries[:, None], hidden_rows, torch.zeros((), dtype=hidden_rows.dtype,
+                                                                  device=hidden_rows.device))
+
+
 class HeadOptions(NamedTuple):
     """How the fused-linear custom ops run the head: the call's options beside its data, handed to
     `linear_token_stats` / `linear_token_grad` as keywords (`op_kwargs`: a custom op's schema takes primitives)."""
@@ -359,6 +367,8 @@ def linear_token_grad(
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         h = hidden.index_select(0, idx)
+        if not select_rows:  # every row: those without a coefficient must give exact zeros, NaN hidden states too
+            h = carrying_rows(h, live.index_select(0, idx))
         logits = _kept(_head(h, weight, bias, head_dtype or None, fixed), support, idx)
         grad_logits = impl.token_grad_bwd(
             logits, row_labels.index_select(0, idx), row_max.index_select(0, idx),
@@ -501,5 +511,8 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
                 logits, labels, stats.row_max.to(acc), stats.log_norm.to(acc), None if e is None else ent, c, e,
                 t_rows, True,  # the chunk's logits are ours: the gradient overwrites them
             )
+            if not plan.select_rows:  # every row: only those that can carry a gradient enter the weight's GEMM
+                carries = in_loss if plan.kept is None else in_loss & plan.kept
+                h = carrying_rows(h, carries.index_select(0, idx))
             grads.add(idx, grad_logits, h)
     return ForwardGradient(logprobs, entropy, sum_pi_squared, *grads.rounded())

@@ -152,10 +152,10 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, row_labels, temperature: Temperature, compute_entropy: bool,
-                compute_sum_pi_squared: bool, backend_name: str, chunk_rows: int, group):
+                compute_sum_pi_squared: bool, backend_name: str, chunk_rows: int, group, select_rows: bool = True):
         local = _local_labels(row_labels, weight.shape[0], group, hidden.device)
         T = temperature.tensor
-        head = linear.HeadOptions(backend_name, chunk_rows, vocab_shard=True)
+        head = linear.HeadOptions(backend_name, chunk_rows, vocab_shard=True, select_rows=select_rows)
         stats = RowStats(*linear.linear_token_stats(hidden, weight, bias, local, T, compute_entropy,
                                                     compute_sum_pi_squared, **head.op_kwargs()))
         stats = stats._replace(entropy=stats.entropy if compute_entropy else None,
@@ -180,7 +180,7 @@ class VocabParallelLinearTokenStats(torch.autograd.Function):
             T, need_hidden=True, need_weight=need_w, need_bias=need_b and bias is not None, **head.op_kwargs())
         dist.all_reduce(d_hidden, group=group)  # the backward's one collective: sum of the shards' G_r @ W_r
         return (d_hidden if need_h else None, d_weight if need_w else None,
-                d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None)
+                d_bias if (need_b and bias is not None) else None, None, None, None, None, None, None, None, None)
 
 
 # Collectives inside: a graph break under torch.compile, and under fullgraph=True an error that says so.

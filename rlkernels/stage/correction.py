@@ -247,7 +247,7 @@ def normalisers(table: SequenceTable, decisions: Decisions, rc: Optional[Rollout
         counts.append(weights.sum().reshape(1))
     width = None  # without a split the segments' own (read only by seq-mean-token-sum-norm), else the widest rank's
     if split.dp_group is not None:
-        width = torch.as_tensor(table.seg.width, device=lengths.device).to(dt).reshape(1)
+        width = table.seg.width_like(lengths).reshape(1)
     total, widest = split.combine_normalisers(torch.cat(counts), width)
     tokens, kept_tokens, seqs, kept_seqs, all_seqs = total[:5].unbind()
     weight_mean = None

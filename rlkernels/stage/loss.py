@@ -100,7 +100,7 @@ def aggregation_weights(mask: Tensor, seg: Segments, config: "PolicyLossConfig",
     if config.loss_scale_factor is not None:
         K = config.loss_scale_factor
     else:
-        width = torch.as_tensor(seg.width, device=mask.device).to(dtype) if norms.width is None else norms.width
+        width = seg.width_like(m) if norms.width is None else norms.width
         K = width.clamp_min(1)
     return m / (G * K)
 

@@ -13,11 +13,12 @@ the result on a split batch equal to the result on the whole batch:
     moments  (per token or per sequence)  (count, mean, M2) of one rank's values; combined with Chan's
                                           pairwise formula, so a variance is never E[x^2] - E[x]^2
 
-Recording a metric computes nothing: it keeps its inputs. `finish` reduces every record of a kind and length
-at once, on an [M, L] stack (one masked mean, max or logsumexp of M rows instead of M of each: the stage's
-metrics were most of its ~600 launches), and finishes each kind elementwise on its [M] values. Each row is
-the same computation, in the same order, as a reduction of that record alone, so a metric's value does not
-depend on what else was recorded beside it (tests/stage/test_metrics.py holds this bit for bit).
+Recording a metric computes nothing: it keeps its inputs. `finish` reduces every record of a kind, scope (tokens
+or sequences) and dtype at once, on an [M, L] stack (one masked mean, max or logsumexp of M rows instead of M of
+each: the stage's metrics were most of its ~600 launches), and finishes each kind elementwise on its [M] values.
+Each row is the reduction that record alone would run, in its own dtype; where one thread reduces it, the same
+bits (tests/stage/test_metrics.py), and past that a row's sum is split across a CPU's threads or a GPU's blocks
+by the stack's shape, so a metric may differ from its value alone in the last bits (never run to run).
 
 Without a split nothing is combined or packed: every metric is finished from its own value (which
 is then the whole batch's). With one, the records are packed by kind into one vector and combined
@@ -123,27 +124,32 @@ class Metrics:
         if not kinds:
             return {}
         zero = torch.zeros((), device=_device(self._records[kinds[0]][0][1]))  # the where()s' 0 (promotes to x's dtype)
+        # kind -> its chunks, one per dtype of its values: (the records in the order of their values, the values)
         reduced = {kind: _reduce(kind, self._records[kind], zero) for kind in kinds}
-        if split.combines_metrics:  # packed by kind, one collective per group
+        if split.combines_metrics:  # packed by kind, one collective per group (a mixed-dtype pack promotes, as ever)
             slots = {kind: len(self._records[kind]) * SLOTS[kind] for kind in KINDS}
-            packed = split.combine_metrics(torch.cat([reduced[kind][1].reshape(-1) for kind in kinds]), slots)
-            parts = packed.split([slots[kind] for kind in kinds])
-            reduced = {kind: (reduced[kind][0], part.reshape(reduced[kind][1].shape))
-                       for kind, part in zip(kinds, parts)}
+            chunks = [chunk for kind in kinds for chunk in reduced[kind]]
+            packed = split.combine_metrics(torch.cat([values.reshape(-1) for _, values in chunks]), slots)
+            parts = iter(packed.split([values.numel() for _, values in chunks]))
+            reduced = {kind: [(records, next(parts).reshape(values.shape)) for records, values in reduced[kind]]
+                       for kind in kinds}
         out: Dict[str, Tensor] = {}
         names: List[str] = []
         finished: List[Tensor] = []
         for kind in kinds:
-            records, values = reduced[kind]
-            if kind in (MOMENTS, MOMENTS_SEQ):  # rows for the spreads and the derived metrics
-                out.update(zip((name for name, _ in records), values.unbind(0)))
-            else:
-                names += [name for name, _ in records]
-                finished.append(_finished(kind, values, records, zero))
-        if self._spreads:
-            moments = torch.stack([out[s.moments] for s in self._spreads])
-            names += [s.name for s in self._spreads]
-            finished.append(_spread(moments, [s.bessel for s in self._spreads], zero))
+            for records, values in reduced[kind]:
+                if kind in (MOMENTS, MOMENTS_SEQ):  # rows for the spreads and the derived metrics
+                    out.update(zip((name for name, _ in records), values.unbind(0)))
+                else:
+                    names += [name for name, _ in records]
+                    finished.append(_finished(kind, values, records, zero))
+        spreads: Dict[torch.dtype, List[_Spread]] = {}  # one stack per dtype of the moments, as above
+        for spread in self._spreads:
+            spreads.setdefault(out[spread.moments].dtype, []).append(spread)
+        for group in spreads.values():
+            moments = torch.stack([out[s.moments] for s in group])
+            names += [s.name for s in group]
+            finished.append(_spread(moments, [s.bessel for s in group], zero))
         out.update(_unbound(names, finished))
         for name, fn, inputs in self._derived:
             out[name] = fn(*(out[i] for i in inputs))
@@ -171,19 +177,21 @@ def _unbound(names: List[str], finished: List[Tensor]) -> Dict[str, Tensor]:
 
 
 def _reduce(kind: int, records: List[Tuple[str, Union[Tensor, _Masked]]], zero: Tensor
-            ) -> Tuple[List[Tuple[str, Union[Tensor, _Masked]]], Tensor]:
+            ) -> List[Tuple[List[Tuple[str, Union[Tensor, _Masked]]], Tensor]]:
     """(the records in the order of their values, the [M] (moments: [M, 3]) partial values) of one kind: one
     stacked reduction per length (tokens or sequences) and dtype of their inputs; values recorded as such are
     stacked. The order is the same on every rank (it follows the recording), as the split's combine needs."""
     groups: Dict[Optional[tuple], list] = {}
     for record in records:
         groups.setdefault(_group_key(record[1]), []).append(record)
-    ordered, parts = [], []
+    chunks: Dict[torch.dtype, Tuple[list, List[Tensor]]] = {}  # a cat of two dtypes would promote one of them
     for key, members in groups.items():
         values = [value for _, value in members]
-        parts.append(torch.stack(values) if key is None else _reduce_group(kind, values, zero))
+        part = torch.stack(values) if key is None else _reduce_group(kind, values, zero)
+        ordered, parts = chunks.setdefault(part.dtype, ([], []))
         ordered += members
-    return ordered, parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts.append(part)
+    return [(ordered, parts[0] if len(parts) == 1 else torch.cat(parts)) for ordered, parts in chunks.values()]
 
 
 def _group_key(value: Union[Tensor, _Masked]) -> Optional[tuple]:

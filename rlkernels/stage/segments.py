@@ -37,6 +37,16 @@ class Segments:
             self._width = longest(self.cu_seqlens)
         return self._width
 
+    def width_like(self, like: torch.Tensor) -> torch.Tensor:
+        """The width as a 0-d tensor of `like`'s dtype and device. The padded layout's is a host number: a fill on
+        the device, never a tensor built on the host and copied there (a blocking copy: a host synchronisation)."""
+        width = self.width
+        if isinstance(width, torch.Tensor):
+            return width.to(device=like.device, dtype=like.dtype)
+        if torch.compiler.is_compiling():  # a symbolic T: arithmetic keeps it a graph input (see `hyper`)
+            return like.new_zeros(()) + width
+        return torch.full((), float(width), dtype=like.dtype, device=like.device)
+
     @classmethod
     def padded(cls, B: int, T: int, device) -> "Segments":
         seq_id = torch.arange(B, device=device).repeat_interleave(T)

@@ -467,3 +467,29 @@ def test_peaked_bf16_sampler_logprobs_pass_the_head_mass_check():
     ids = mu.topk(8, -1).indices
     rlkernels.token_divergences(torch.randn(64, 50, generator=gen), reference_topk_ids=ids,
                                 reference_topk_logprobs=mu.gather(-1, ids).to(BF16))
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=NEEDS[b]) for b in ("cpu", "triton")])
+def test_head_coefficients_that_cancel_still_reach_their_columns(backend):
+    """A row whose head coefficients sum to 0 with c = e = 0 (score centering: IcePop's f_y = 0, C = [0.5, -0.5])
+    has no p term, but C_j / T at each id: the kernels must not skip it as a row without coefficients (the CPU
+    kernel did, found by review)."""
+    from rlkernels.backends import instance
+
+    gen = torch.Generator().manual_seed(0)
+    N, V, k = 4, 40, 3
+    logits = torch.randn(N, V, generator=gen)
+    labels = torch.randint(0, V, (N,), generator=gen)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:k] for _ in range(N)])
+    ids = torch.where(ids == labels[:, None], (ids + 1) % V, ids)  # no id is the label here
+    T = Temperature.of(0.8)
+    c = torch.tensor([0.0, 0.3, 0.0, -0.2])
+    C = torch.tensor([[0.5, -0.5, 0.0], [0.2, 0.1, 0.0], [0.25, 0.25, -0.5], [0.0, 0.0, 0.0]])
+    grads = {}
+    for name in (backend, "torch"):
+        impl = instance(name)
+        stats, head = impl.head_stats_fwd(logits, labels, ids, T, False, False)
+        grads[name] = impl.head_grad_bwd(logits, labels, ids, stats.row_max, stats.log_norm, None, stats.logprobs,
+                                         head, c, C, None, T)
+    assert bool(grads["torch"][0].ne(0).any()), "the cancelling row has a gradient"
+    assert_close(grads[backend], grads["torch"], **tol("value", F32), name="dlogits")
