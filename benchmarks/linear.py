@@ -337,6 +337,8 @@ def _report(rows, args):
         json.dump(dict(args={k: v for k, v in vars(args).items() if k != "memory_worker"}, rows=rows,
                        torch=torch.__version__, date=time.strftime("%Y-%m-%d"), loadavg=os.getloadavg()), f, indent=1)
     print(f"wrote {path}")
+    if not any(r["provider"] == "naive" for r in rows):  # the plot's ratios are to naive
+        return
     try:
         _plot(rows, path[:-5] + ".png", tag)
         print(f"wrote {path[:-5]}.png")
