@@ -138,15 +138,16 @@ class GRPOTrainer(_TRLGRPOTrainer):
                 # rollout log-probs without old ones would mean the bypass mode (a ratio against the sampler)
                 with torch.no_grad():
                     old_logprobs = api.linear_token_logprobs(hidden, weight, completion_ids, bias=bias,
-                                                             temperature=config.temperature,
-                                                             validate=False).logprobs
+                                                             temperature=config.temperature, validate=False,
+                                                             select_loss_rows=True).logprobs
             if rollout is not None and old_logprobs is not None:  # TRL: a token vLLM could not score: ratio 1
                 rollout = torch.where(torch.isnan(rollout), old_logprobs, rollout)
             out = api.linear_decoupled_ppo_loss(
                 hidden, weight, completion_ids, inputs["advantages"], mask.bool(), bias=bias,
                 old_logprobs=old_logprobs, rollout_logprobs=rollout if use_sampling else None,
                 ref_logprobs=inputs.get("ref_per_token_logps") if config.kl_coef else None,
-                is_weights=is_weights, config=config, validate=False, **overrides,
+                # no value checks; the fused-linear row selection (one host read) keeps the padding out of the GEMMs
+                is_weights=is_weights, config=config, validate=False, select_loss_rows=True, **overrides,
             )
             return out, old_logprobs
 

@@ -243,7 +243,7 @@ def _linear_stats_inputs(engine, model_inputs, output_args, micro_batch):
         hidden = hidden.reshape(-1, hidden.shape[-1])[:n].to(weight.dtype)
         stats = linear_token_logprobs(hidden, weight, labels[:n], bias=bias,
                                       temperature=_temperature(micro_batch, output_args, n), compute_entropy=entropy,
-                                      compute_sum_pi_squared=True, validate=False)
+                                      compute_sum_pi_squared=True, validate=False, select_loss_rows=True)
         return {_ROUTE: dict(stats=stats, entropy=entropy)}
 
     model_inputs["rlkernels_loss"] = stats_of
@@ -369,7 +369,10 @@ def _route_inputs(config, data, n, entropy):
     counts = verl_global_counts(info)
     if "loss_scale_factor" not in counts:  # read by seq-mean-token-sum-norm only
         counts["loss_scale_factor"] = float(mask.shape[-1])  # verl's horizon: the padded response width
-    rl_config = PolicyLossConfig.from_verl_actor(config, validate=False, compute_entropy=entropy, **counts)
+    # validate=False: no value checks in the step; the fused-linear row selection's one host read is kept (the
+    # prompt's rows stay out of the head GEMMs)
+    rl_config = PolicyLossConfig.from_verl_actor(config, validate=False, select_loss_rows=True, compute_entropy=entropy,
+                                                 **counts)
     if not entropy:  # verl adds the bonus only where the trainer asked for entropy
         rl_config = rl_config.with_overrides(entropy_coeff=0.0)
     use_kl = bool(config.get("use_kl_loss", False))
