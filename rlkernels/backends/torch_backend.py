@@ -264,13 +264,18 @@ class TorchBackend:
         flat = dlogits.view(-1, V)
         active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
         zero = torch.zeros((), dtype=value.dtype, device=value.device)
+        # a row without a coefficient (outside the loss, or rejected) stays exactly 0, as the plain backward left it,
+        # whatever its p (NaN on a row holding a NaN logit): masked before the donors copy anything
+        carries = (coef_logprob != 0) | (coef_head != 0).any(1)
+        if coef_entropy is not None:
+            carries = carries | (coef_entropy != 0)
+        value = torch.where((active & carries)[:, None], value, zero)
         has_slot = slot.any(1)
         donor_idx = torch.where(has_slot, idx.gather(1, donor[:, None]).squeeze(1), torch.zeros_like(donor))
         current = flat[:, :1].squeeze(1).to(value.dtype) if V else torch.zeros_like(coef_logprob)
         donor_value = torch.where(has_slot, value.gather(1, donor[:, None]).squeeze(1), current)
         idx = torch.where(slot, idx, donor_idx[:, None])
         value = torch.where(slot, value, donor_value[:, None])
-        value = torch.where(active[:, None] | ~slot, value, zero)  # rows outside the loss stay exactly 0
         if V:
             flat.scatter_(1, idx, value.to(flat.dtype))
         return dlogits

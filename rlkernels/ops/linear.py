@@ -293,12 +293,16 @@ class _HeadGradients:
                 None if self.d_bias is None else self.d_bias.to(self.bias.dtype))
 
 
-def _kept(logits: Tensor, support: Optional[Tensor], idx: Tensor) -> Tensor:
+def _kept(logits: Tensor, support: Optional[Tensor], idx: Tensor, row_labels: Tensor) -> Tensor:
     """The chunk's logits, set to -inf outside the rows' kept ids when a support is given (in place:
-    the chunk is ours)."""
+    the chunk is ours). A row outside the loss (label -1: there with select_rows=False) reads no kept id: its ids
+    are unchecked with validate=False, and nothing of the row is used."""
     if support is None:
         return logits
-    return logits.masked_fill_(~kept_mask(support.index_select(0, idx), logits.shape[-1]), float("-inf"))
+    ids = support.index_select(0, idx)
+    ids = torch.where((row_labels.index_select(0, idx) != -1)[:, None], ids, torch.full((), -1, dtype=ids.dtype,
+                                                                                         device=ids.device))
+    return logits.masked_fill_(~kept_mask(ids, logits.shape[-1]), float("-inf"))
 
 
 @torch.library.custom_op("rlkernels::linear_token_stats", mutates_args=())
@@ -328,7 +332,7 @@ def linear_token_stats(
     for start in range(0, rows.numel(), chunk_rows):
         idx = rows[start:start + chunk_rows]
         logits = _kept(_head(hidden.index_select(0, idx), weight, bias, head_dtype or None,
-                             numerics == "batch_invariant"), support, idx)
+                             numerics == "batch_invariant"), support, idx, row_labels)
         labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
         stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
         lp = engine_logprobs(numerics, impl, logits, labels, t_rows, stats.logprobs)
@@ -369,7 +373,7 @@ def linear_token_grad(
         h = hidden.index_select(0, idx)
         if not select_rows:  # every row: those without a coefficient must give exact zeros, NaN hidden states too
             h = carrying_rows(h, live.index_select(0, idx))
-        logits = _kept(_head(h, weight, bias, head_dtype or None, fixed), support, idx)
+        logits = _kept(_head(h, weight, bias, head_dtype or None, fixed), support, idx, row_labels)
         grad_logits = impl.token_grad_bwd(
             logits, row_labels.index_select(0, idx), row_max.index_select(0, idx),
             log_norm.index_select(0, idx), None if e is None else entropy.index_select(0, idx),
@@ -496,7 +500,7 @@ def _forward_gradient(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], pl
         for start in range(0, rows.numel(), plan.chunk_rows):
             idx = rows[start:start + plan.chunk_rows]
             h = hidden.index_select(0, idx)
-            logits = _kept(_head(h, weight, bias, plan.head_dtype, fixed), plan.support, idx)
+            logits = _kept(_head(h, weight, bias, plan.head_dtype, fixed), plan.support, idx, row_labels)
             labels, t_rows = row_labels.index_select(0, idx), T.rows(idx)
             stats = impl.token_stats_fwd(logits, labels, t_rows, compute_entropy, compute_sum_pi_squared)
             lp = engine_logprobs(plan.numerics, impl, logits, labels, t_rows, stats.logprobs).to(acc)

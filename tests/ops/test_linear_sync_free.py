@@ -136,3 +136,23 @@ def test_sync_free_head_ops_give_zeros_off_the_loss():
 
     for fn in (head, divergences, kept_set):
         both(fn)
+
+
+@pytest.mark.parametrize("K", [2, 20])  # a small kept set (gathered rows of the head) and a large one (masked logits)
+def test_sync_free_reads_no_kept_id_off_the_loss(K):
+    """With validate=False nothing checks the kept ids, and a row outside the loss may hold any: the sync-free form
+    runs that row through the head but must read none of its ids (an id past V raised in the large kept set's
+    mask; found by review), and gives the row-selecting form's loss."""
+    gen = torch.Generator().manual_seed(K)
+    B, T, H, V = 2, 3, 8, 32
+    labels = torch.tensor([[1, 2, -100], [3, 4, 5]])
+    support = torch.stack([torch.randperm(V, generator=gen)[:K] for _ in range(B * T)]).view(B, T, K)
+    support[..., 0] = labels.clamp_min(0)
+    support[0, 2, 1] = V + 50  # on the row outside the loss
+    hidden, weight = torch.randn(B, T, H, generator=gen, dtype=F64), torch.randn(V, H, generator=gen, dtype=F64)
+    losses = [rlkernels.linear_decoupled_ppo_loss(
+        hidden, weight, labels, torch.ones(B, dtype=F64), labels != -100, old_logprobs=torch.full((B, T), -3.0,
+                                                                                                  dtype=F64),
+        sampling_support=support, config=PolicyLossConfig(validate=False, select_loss_rows=select)).loss
+        for select in (False, True)]
+    assert_close(losses[0], losses[1], **tol("value", F64), name="loss")

@@ -60,14 +60,23 @@ def _head_columns_kernel(
     in_ptrs = logits_ptr + group * stride_logits_g + row * stride_logits_n
     out_ptrs = dlogits_ptr + group * stride_dlogits_g + row * stride_dlogits_n
 
-    # the label's own a: c plus the coefficient of an id equal to it (ids are distinct within a row)
+    # the label's own a: c plus the coefficient of an id equal to it (ids are distinct within a row); and whether the
+    # row has any coefficient: one without stays exactly 0, as the plain backward left it, whatever its p (NaN on a
+    # row holding a NaN logit, one the rollout correction rejected)
     matched = tl.zeros([BLOCK_N], tl.float32)
+    any_head = tl.zeros([BLOCK_N], tl.int32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         slot = active[:, None] & (offs_k[None, :] < K)
         ids = tl.load(ids_ptr + offs_n[:, None] * K + offs_k[None, :], mask=slot, other=-1)
         coef = tl.load(coef_head_ptr + offs_n[:, None] * K + offs_k[None, :], mask=slot, other=0.0)
         matched += tl.sum(tl.where(ids == labels[:, None], coef, 0.0), axis=1)
+        any_head = tl.maximum(any_head, tl.max(tl.where(coef != 0.0, 1, 0), axis=1))
+    carries = (c != 0.0) | (any_head > 0)
+    if HAS_ENTROPY:
+        carries = carries | (e != 0.0)
+    active = active & carries
+    has_label = has_label & carries
 
     # the label's column
     # (names of their own: a name the loop below reassigns must keep its shape, the compiler checks it)
