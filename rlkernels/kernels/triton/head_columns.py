@@ -34,6 +34,8 @@ def _head_columns_kernel(
     # constexpr
     HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TEMPERATURE: tl.constexpr = False,
 ):
+    # Long on purpose: a row's three steps (its label's coefficient and whether it carries any, the label's column,
+    # the ids' columns) stay in one program, so that each column has one writer.
     # One program per BLOCK_N rows (rows on grid axis 0). Each column is written once: an id equal to the label is
     # the label's column, written with the label's a = c + C_j (two stores of one address by two threads would race,
     # and their values could differ by a contraction). Pads (-1), ids outside [0, V) and rows outside the loss write
