@@ -260,7 +260,7 @@ class TorchBackend:
         # 1/T from the tensor itself: a host read here would be a graph break in the backward torch.compile traces
         inv_t = temperature.inverse_tensor(row_max.dtype)
         saved = (labels, head_ids, logprobs, entropy, head)
-        idx, value, slot, donor = _fixed_columns(saved, (coef_logprob, coef_entropy, coef_head), inv_t, V)
+        idx, value, slot, donor = _fixed_columns(saved, (coef_logprob, coef_entropy, coef_head, c_total), inv_t, V)
         flat = dlogits.view(-1, V)
         active = ((labels >= 0) & (labels < V)) | (labels == FOREIGN_TARGET)
         zero = torch.zeros((), dtype=value.dtype, device=value.device)
@@ -368,17 +368,16 @@ def _zero_rows(t: torch.Tensor, rows: torch.Tensor) -> None:
 def _fixed_columns(saved, coefficients, inv_t, V: int):
     """(columns [N, k + 1], their exact gradient values [N, k + 1] in float32, the slots holding an id, each row's
     donor slot) for the slots {h_1..h_k, y}. saved: (labels, head_ids, log p_y, entropy or None, head log-probs);
-    coefficients: (c, e or None, C).
+    coefficients: (c, e or None, C, c + sum_j C_j as the plain backward took it).
     Slots without an id take the value of a slot of the same row that has one (a 'donor'), so that every
     write to a column carries one value; a row with no slot at all rewrites column 0 with itself (the
     caller's gather)."""
     labels, head_ids, logprobs, entropy, head = saved
-    c, e, C = coefficients
+    c, e, C, c_total = coefficients
     k = head_ids.shape[1]
     has_label = (labels >= 0) & (labels < V)
     head_slot = head_ids >= 0
     match = (head_ids == labels[:, None]) & has_label[:, None]
-    c_total = c + C.sum(1)
     a_head = C + torch.where(match, c[:, None], torch.zeros_like(C))
     a_label = c + torch.where(match, C, torch.zeros_like(C)).sum(1)
     idx = torch.cat([head_ids, labels[:, None]], 1).clamp(0, max(V - 1, 0))
