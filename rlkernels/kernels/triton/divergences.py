@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .aot_spec import AotSpec
-from .tl_math import TRITON_DTYPES, all_pair_configs, pair_config, safe_shift
+from .tl_math import TRITON_DTYPES, all_pair_configs, grouped_rows, one_inverse_temperature, pair_config, safe_shift
 from .token_stats import device_guard, grouped_strides
 
 STATS = 9  # kl, reverse_kl, chi2, tv, Σ π s, and (row max, log-normaliser) of z and of r
@@ -50,10 +50,10 @@ def _full_divergences_fwd_kernel(
     mask_n = offs_n < N
     active = mask_n & (tl.load(active_ptr + offs_n, mask=mask_n, other=0) != 0)
     # int64 row offsets; z may be the causal-shift view [B, T, V] (grouped rows), r is [N, V] row-strided
-    z_rows = z_ptr + (offs_n // rows_per_group) * stride_z_g + (offs_n % rows_per_group) * stride_z_n
+    z_rows = grouped_rows(z_ptr, offs_n, rows_per_group, stride_z_g, stride_z_n)
     r_rows = r_ptr + offs_n * stride_r_n
-    inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
-    inv_r = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(reference_temperature, tl.float32)
+    inv_t = one_inverse_temperature(temperature, BLOCK_N)
+    inv_r = one_inverse_temperature(reference_temperature, BLOCK_N)
 
     # pass 1: the online max / sum-exp of both rows (token_stats' recurrence, twice)
     mz = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -133,11 +133,11 @@ def _full_divergences_bwd_kernel(
     nr = tl.load(base + 8, mask=mask_n, other=0.0)
     # a row is read only when it carries a coefficient (the caller zeroed the rows outside)
     live_row = mask_n & ((a != 0.0) | (b != 0.0) | (c != 0.0) | (d != 0.0))
-    z_rows = z_ptr + (offs_n // rows_per_group) * stride_z_g + (offs_n % rows_per_group) * stride_z_n
+    z_rows = grouped_rows(z_ptr, offs_n, rows_per_group, stride_z_g, stride_z_n)
     r_rows = r_ptr + offs_n * stride_r_n
     g_rows = grad_ptr + offs_n * stride_grad_n
-    inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
-    inv_r = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(reference_temperature, tl.float32)
+    inv_t = one_inverse_temperature(temperature, BLOCK_N)
+    inv_r = one_inverse_temperature(reference_temperature, BLOCK_N)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         in_v = mask_n[:, None] & (offs_v[None, :] < V)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..temperature import row_temperature
 from .aot_spec import AotSpec
-from .tl_math import TRITON_DTYPES
+from .tl_math import TRITON_DTYPES, grouped_rows, row_inverse_temperature
 from .token_stats import device_guard, grouped_strides
 
 BLOCK_N, BLOCK_K = 16, 32
@@ -54,13 +54,9 @@ def _head_columns_kernel(
     row_max = tl.load(row_max_ptr + offs_n, mask=active, other=0.0)
     log_norm = tl.load(log_norm_ptr + offs_n, mask=active, other=0.0)
     log_norm = tl.where(log_norm == float("-inf"), float("inf"), log_norm)  # no distribution: p = 0
-    if ROW_TEMPERATURE:
-        inv_t = tl.load(inv_t_ptr + offs_n, mask=mask_n, other=1.0)
-    else:  # tl.cast: a float64 scalar must not widen the math
-        inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
-    group, row = offs_n // rows_per_group, offs_n % rows_per_group
-    in_ptrs = logits_ptr + group * stride_logits_g + row * stride_logits_n
-    out_ptrs = dlogits_ptr + group * stride_dlogits_g + row * stride_dlogits_n
+    inv_t = row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N, ROW_TEMPERATURE)
+    in_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
+    out_ptrs = grouped_rows(dlogits_ptr, offs_n, rows_per_group, stride_dlogits_g, stride_dlogits_n)
 
     # the label's own a: c plus the coefficient of an id equal to it (ids are distinct within a row); and whether the
     # row has any coefficient: one without stays exactly 0, as the plain backward left it, whatever its p (NaN on a
@@ -123,12 +119,8 @@ def _head_logprobs_kernel(
     row_max = tl.load(row_max_ptr + offs_n, mask=active, other=0.0)
     log_norm = tl.load(log_norm_ptr + offs_n, mask=active, other=0.0)
     has_distribution = active & (log_norm != float("-inf"))
-    if ROW_TEMPERATURE:
-        inv_t = tl.load(inv_t_ptr + offs_n, mask=mask_n, other=1.0)
-    else:
-        inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
-    group, row = offs_n // rows_per_group, offs_n % rows_per_group
-    in_ptrs = logits_ptr + group * stride_logits_g + row * stride_logits_n
+    inv_t = row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N, ROW_TEMPERATURE)
+    in_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         slot = mask_n[:, None] & (offs_k[None, :] < K)

@@ -20,6 +20,32 @@ def safe_shift(m_i):
     return tl.where(m_i == float("-inf"), 0.0, m_i)
 
 
+@triton.jit
+def grouped_rows(base_ptr, offs_n, rows_per_group, stride_g, stride_n):
+    """Pointers to the start of rows `offs_n` (int64: N * V > 2^31 happens) of an (N, V) or (B, T, V) tensor: row n
+    lies at (n // rows_per_group) * stride_g + (n % rows_per_group) * stride_n, so [B, T, V] views such as the
+    causal shift model_out[:, :-1] are read where they lie."""
+    return base_ptr + (offs_n // rows_per_group) * stride_g + (offs_n % rows_per_group) * stride_n
+
+
+@triton.jit
+def one_inverse_temperature(temperature, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] 1 / T of one temperature (tl.cast: a float64 scalar, from Inductor, must not widen the math:
+    Liger #1366)."""
+    return tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
+
+
+@triton.jit
+def row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N: tl.constexpr,
+                            ROW_TEMPERATURE: tl.constexpr):
+    """[BLOCK_N] 1 / T of rows `offs_n`: each row its own (a per-token temperature, from inv_t_ptr), or one."""
+    if ROW_TEMPERATURE:
+        inv_t = tl.load(inv_t_ptr + offs_n, mask=mask_n, other=1.0)
+    else:
+        inv_t = one_inverse_temperature(temperature, BLOCK_N)
+    return inv_t
+
+
 class VocabConfig(NamedTuple):
     BLOCK_V: int
     BLOCK_N: int

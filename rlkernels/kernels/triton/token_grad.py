@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..temperature import row_temperature
 from .aot_spec import AotSpec
-from .tl_math import TRITON_DTYPES, all_vocab_configs, vocab_config
+from .tl_math import TRITON_DTYPES, all_vocab_configs, grouped_rows, row_inverse_temperature, vocab_config
 from .token_stats import device_guard, grouped_strides
 
 
@@ -50,14 +50,9 @@ def _token_grad_bwd_kernel(
     # a row without a distribution (log_norm = -inf) takes log_norm = +inf: p = 0 everywhere and
     # the row's gradient is c / T at the target (-inf - -inf would be NaN)
     log_norm = tl.where(log_norm == float("-inf"), float("inf"), log_norm)
-    if ROW_TEMPERATURE:  # a per-token temperature: each row its own 1 / T
-        inv_t = tl.load(inv_t_ptr + offs_n, mask=mask_n, other=1.0)
-    else:  # tl.cast: a float64 scalar must not widen the math (Liger #1366)
-        inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
-    # int64 offsets (N * V > 2^31 happens); rows of (B, T, V) views as in the forward
-    group, row = offs_n // rows_per_group, offs_n % rows_per_group
-    in_ptrs = logits_ptr + group * stride_logits_g + row * stride_logits_n
-    out_ptrs = dlogits_ptr + group * stride_dlogits_g + row * stride_dlogits_n
+    inv_t = row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N, ROW_TEMPERATURE)
+    in_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
+    out_ptrs = grouped_rows(dlogits_ptr, offs_n, rows_per_group, stride_dlogits_g, stride_dlogits_n)
 
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)

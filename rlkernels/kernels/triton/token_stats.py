@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ..temperature import row_temperature
 from .aot_spec import AotSpec
-from .tl_math import TRITON_DTYPES, all_vocab_configs, safe_shift, vocab_config
+from .tl_math import TRITON_DTYPES, all_vocab_configs, grouped_rows, row_inverse_temperature, safe_shift, vocab_config
 
 
 @triton.jit
@@ -40,13 +40,8 @@ def _token_stats_fwd_kernel(
     # statistics are computed, its logprob is not
     has_target = mask_n & (labels >= 0) & (labels < V)
     active = has_target | (mask_n & (labels == -2))
-    # int64 offsets (N * V > 2^31 happens); row n lies at (n // rows) * stride_g + (n % rows) * stride_n,
-    # so [B, T, V] views such as the causal shift model_out[:, :-1] are read without a copy
-    row_ptrs = logits_ptr + (offs_n // rows_per_group) * stride_logits_g + (offs_n % rows_per_group) * stride_logits_n
-    if ROW_TEMPERATURE:  # a per-token temperature: each row its own 1 / T
-        inv_t = tl.load(inv_t_ptr + offs_n, mask=mask_n, other=1.0)
-    else:  # tl.cast: a float64 scalar (Inductor, Liger #1366) must not widen the math
-        inv_t = tl.full([BLOCK_N], 1.0, tl.float32) / tl.cast(temperature, tl.float32)
+    row_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
+    inv_t = row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N, ROW_TEMPERATURE)
 
     # m_i: running max of the raw logits z (T > 0 keeps the argmax); with shift = safe_shift(m_i),
     # d = (z - shift) / T is exact up to one rounding of the product (Sterbenz), and
