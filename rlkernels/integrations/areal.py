@@ -34,8 +34,10 @@ import torch
 
 from ..api import policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
-from .requirements import import_trainer
+from .activation import cancel, when_imported
+from .requirements import require_trainer
 
+_ACTOR_MODULE = "areal.trainer.ppo.actor"  # imports ppo_actor_loss_fn at module level; grpo_loss_fn calls it
 _ORIGINAL = {}
 
 
@@ -152,16 +154,25 @@ def _stat(out, logprobs, proximal, behave, advantages, config, cu_seqlens):
 
 
 def install(module=None) -> None:
-    """Rebind `ppo_actor_loss_fn` where AReaL's actor reads it (`areal.trainer.ppo.actor`, or `module`)."""
-    if module is None:
-        module = import_trainer("areal", "areal.trainer.ppo.actor")
+    """Rebind `ppo_actor_loss_fn` where AReaL's actor reads it: `module`, or `areal.trainer.ppo.actor` now if it is
+    imported and else when it is (activation.py; AReaL's workers: `python -m rlkernels.integrations.launch areal
+    areal.infra.rpc.rpc_server`, or the Ray `worker_process_setup_hook`). Imports none of AReaL."""
+    if module is not None:
+        _rebind(module)
+        return
+    require_trainer("areal")
+    when_imported(_ACTOR_MODULE, _rebind)
+
+
+def _rebind(module) -> None:
     if module.ppo_actor_loss_fn is not ppo_actor_loss_fn:
         _ORIGINAL[module] = module.ppo_actor_loss_fn
         module.ppo_actor_loss_fn = ppo_actor_loss_fn
 
 
 def uninstall() -> None:
-    """Put AReaL's own `ppo_actor_loss_fn` back wherever `install()` replaced it."""
+    """Put AReaL's own `ppo_actor_loss_fn` back wherever `install()` replaced it, and stop waiting for the rest."""
+    cancel(_ACTOR_MODULE)
     for module, original in list(_ORIGINAL.items()):
         module.ppo_actor_loss_fn = original
         del _ORIGINAL[module]

@@ -34,7 +34,8 @@ from torch import nn
 
 from ..api import policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
-from .requirements import import_trainer
+from .activation import cancel, when_imported
+from .requirements import require_trainer
 
 _GATE_KINDS = {"binary_kl": "bkl", "tv": "btv"}
 _TARGETS = ("openrlhf.models.loss", "openrlhf.models", "openrlhf.trainer.ray.ppo_actor")
@@ -130,25 +131,27 @@ class PolicyLoss(nn.Module):
 
 def install() -> None:
     """Make OpenRLHF build this `PolicyLoss`: rebinds the name where OpenRLHF's actor trainer reads it (and in
-    `openrlhf.models`, `openrlhf.models.loss`). Idempotent; `uninstall()` restores OpenRLHF's class."""
-    import importlib
-    import sys
-
-    import_trainer("openrlhf", "openrlhf.models.loss")
+    `openrlhf.models`, `openrlhf.models.loss`), in those modules already imported and in the others when they are
+    (activation.py: also the Ray `worker_process_setup_hook` that reaches OpenRLHF's actors). Imports none of
+    OpenRLHF. Idempotent; `uninstall()` restores OpenRLHF's class."""
+    require_trainer("openrlhf")
     for name in _TARGETS:
-        module = sys.modules.get(name)
-        if module is None and name != _TARGETS[-1]:
-            module = importlib.import_module(name)
-        # where the name exists (a bare `openrlhf.models`, as the tests load it, has none)
-        if module is not None and getattr(module, "PolicyLoss", PolicyLoss) is not PolicyLoss:
-            _ORIGINALS.setdefault(name, module.PolicyLoss)
-            module.PolicyLoss = PolicyLoss
+        when_imported(name, _rebind)
+
+
+def _rebind(module) -> None:
+    # where the name exists (a bare `openrlhf.models`, as the tests load it, has none)
+    if getattr(module, "PolicyLoss", PolicyLoss) is not PolicyLoss:
+        _ORIGINALS.setdefault(module.__name__, module.PolicyLoss)
+        module.PolicyLoss = PolicyLoss
 
 
 def uninstall() -> None:
-    """Put OpenRLHF's own `PolicyLoss` back wherever `install()` replaced it."""
+    """Put OpenRLHF's own `PolicyLoss` back wherever `install()` replaced it, and stop waiting for the rest."""
     import sys
 
+    for name in _TARGETS:
+        cancel(name)
     for name, original in list(_ORIGINALS.items()):
         module = sys.modules.get(name)
         if module is not None:

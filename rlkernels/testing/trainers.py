@@ -72,6 +72,9 @@ class _Inert(_InertModule):
     def __bool__(self):
         return False
 
+    def __reduce__(self):  # cloudpickled with the trainer's functions (SkyRL's registries under a live Ray)
+        return _Inert, (self.__name__,)
+
 
 def _stand_ins(roots):
     """Inert modules (`_Inert`) for those of `roots` that are not installed, while the block runs; removed after."""
@@ -257,3 +260,46 @@ def areal_functional():
         apply_rejection_sampling=functional.apply_rejection_sampling,
         RejectionSamplingConfig=cli_args.RejectionSamplingConfig)
     return _CACHE["areal"]
+
+
+class AReaLActorImports(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports `areal.trainer.ppo.actor` (AReaL 1.0.4) as the import statements of its source that bind the loss
+    functions (`from areal.utils.functional import ppo_actor_loss_fn, ...`), nothing else: the module's other imports
+    pull in AReaL's training stack (torchdata, its RPC controllers), which does not install here.
+
+    It goes through the import system (a finder on `sys.meta_path`, installed by `install()`), so a hook on the
+    module's first import (rlkernels/integrations/activation.py) sees what it would see in an AReaL worker: the
+    name bound by AReaL's own statement, once, when AReaL's actor module is imported."""
+
+    name = "areal.trainer.ppo.actor"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, origin=self._path())
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        import ast
+
+        tree = ast.parse(open(self._path()).read())
+        binding = [node for node in tree.body if isinstance(node, ast.ImportFrom)
+                   and node.module == "areal.utils.functional"]
+        exec(compile(ast.Module(body=binding, type_ignores=[]), self._path(), "exec"), module.__dict__)
+
+    @staticmethod
+    def _path():
+        spec = importlib.util.find_spec("areal")
+        return os.path.join(spec.submodule_search_locations[0], "trainer", "ppo", "actor.py")
+
+    @classmethod
+    def install(cls):
+        """areal_functional() (AReaL's loss code), `areal.trainer` bare, and this finder on `sys.meta_path`, just
+        before the finder of the file system (which would load the real file), after any import hook."""
+        areal_functional()
+        _bare_package("areal.trainer")
+        _bare_package("areal.trainer.ppo")
+        if not any(isinstance(finder, cls) for finder in sys.meta_path):  # before the file system's finder
+            sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder), cls())

@@ -1,0 +1,87 @@
+"""How an adapter reaches the processes a trainer starts.
+
+An adapter's `install()` rebinds names in the trainer's modules. Called in the user's script it reaches that process
+only, and most trainers run their actor elsewhere: OpenRLHF in `@ray.remote` actors, AReaL in RPC workers its
+scheduler launches (`python -m areal.infra.rpc.rpc_server`), SkyRL, slime and NeMo-RL in Ray actors. Each of those
+imports the trainer afresh. Two ways in, each one line on the trainer's command line or config:
+
+- Ray: the job's `runtime_env={"worker_process_setup_hook": "rlkernels.integrations.<trainer>.install"}`
+  (`ray.init(runtime_env=...)`, or `ray job submit --runtime-env-json '{...}'`, which Ray merges with the
+  runtime_env the trainer's own `ray.init` passes). Ray calls it in every worker process as the process starts.
+  It is a job-level field: Ray ignores it in an actor's `.options(runtime_env=...)`.
+- a launched worker: `python -m rlkernels.integrations.launch <trainer> <module> [args...]` in place of
+  `python -m <module> [args...]` (AReaL: `scheduling_spec.cmd`), which installs, then runs the module as `__main__`.
+
+So `install()` runs in processes that may never import the trainer (a rollout engine, a reward worker): it imports
+none of the trainer. `when_imported` applies the patch to a trainer module that is already imported, and otherwise
+the moment the module is first imported, before any other module can bind the names it defines.
+"""
+
+import importlib.abc
+import sys
+import threading
+from typing import Callable, Dict, List
+
+_PENDING: Dict[str, List[Callable]] = {}
+_LOCK = threading.Lock()
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """The module's own loader, then the patches waiting for it. Every other attribute is the original loader's, so
+    resource reads and `inspect.getsource` behave as without it."""
+
+    def __init__(self, loader, patches):
+        self._loader, self._patches = loader, patches
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        for patch in self._patches:
+            patch(module)
+
+
+class _WatchImports(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it asks the finders after it and wraps the loader they return."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        with _LOCK:
+            if fullname not in _PENDING:
+                return None
+            patches = _PENDING.pop(fullname)
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchAfterExec(spec.loader, patches)
+                return spec
+        return None
+
+
+_WATCHER = _WatchImports()
+
+
+def when_imported(module_name: str, patch: Callable) -> None:
+    """Call `patch(module)` on `module_name` now if it is imported, else right after its first import executes.
+    A module imported with its patches pending, or reloaded, is patched once: the watch ends when it fires."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        patch(module)
+        return
+    with _LOCK:
+        _PENDING.setdefault(module_name, []).append(patch)
+        if _WATCHER not in sys.meta_path:
+            sys.meta_path.insert(0, _WATCHER)
+
+
+def cancel(module_name: str) -> None:
+    """Drop the patches still waiting for `module_name` (an `uninstall()` before the trainer was imported)."""
+    with _LOCK:
+        _PENDING.pop(module_name, None)
+
