@@ -13,15 +13,17 @@ rollout_logprobs) -> (loss, metrics)`) and its meaning in SkyRL 0.4:
   optional), the token mask (`token_k1`, both bounds), token / sequence TIS (min(ρ, C); the sequence ratio over the
   mask the token mask leaves: `seq_tokens="kept"`), then the geometric / product sequence masks (`seq_mean_k1` /
   `seq_sum_k1` over that mask);
-- metrics are Python floats, as SkyRL's are (one synchronisation per call): rlkernels' metrics, and SkyRL's
-  `clip_ratio` as rlkernels' `actor/pg_clipfrac` (over the tokens the correction keeps; SkyRL's is over the mask
-  before its masks).
+- metrics are Python floats, as SkyRL's are (one synchronisation per call): every metric SkyRL's own loss logs,
+  under its name and with its value (`clip_ratio`, `cispo/ratio_*`, `is_ratio_*`, `outlier_seq_*`, `token_mask_ratio`,
+  `tis_token_clip_high_ratio` / `tis_seq_clip_high_ratio`, `geo_sequence_mask_*` / `product_sequence_mask_*`:
+  `skyrl_metrics`), and rlkernels' own (`actor/...`, `rollout_corr/...`) beside them.
 
 Not registered: SkyRL's rollout_is, dppo, clip_cov, kl_cov, cross_entropy and importance_sampling losses (their
 forms are not rlkernels loss types). Refused with an error naming SkyRL's option: the deprecated `use_tis` /
-`tis_imp_ratio_cap` (use `off_policy_correction`), cispo anchored on the rollout with a mask of the correction
-(the masks would be of π_old against μ while the ratio is of π against μ), gspo with a token mask (SkyRL takes
-the sequence's mean log-ratio over the mask before it).
+`tis_imp_ratio_cap` (use `off_policy_correction`), cispo anchored on the rollout with TIS (SkyRL refuses it too) or
+with a mask of the correction (the masks would be of π_old against μ while the ratio is of π against μ), gspo with a
+token mask (SkyRL takes the sequence's mean log-ratio over the mask before it). cispo anchored on the rollout runs
+without `old_log_probs` (SkyRL's skip-forward path).
 """
 
 from typing import Callable, Dict, Optional
@@ -40,6 +42,10 @@ LOSS_NAMES: Dict[str, str] = {
     "cispo": "rlkernels_cispo",
     "sapo": "rlkernels_sapo",
 }
+
+# SkyRL's correction options that mask (every one but tis_ratio_type and its caps)
+_MASK_OPTIONS = ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high", "token_mask_is_threshold_low",
+                 "token_mask_is_threshold_high", "sequence_mask_metric")
 
 
 def _get(node, name, default=None):
@@ -113,9 +119,16 @@ def config_from_skyrl(algorithm, loss_type: str) -> PolicyLossConfig:
     else:
         common.update(clip_ratio_low=low, clip_ratio_high=high)
     if _get(cispo, "cispo_anchor", "old") == "rollout" and rc is not None:
-        raise ValueError("cispo.cispo_anchor='rollout' with off_policy_correction masks: SkyRL takes the ratio "
-                         "against the rollout but the masks of pi_old against it; rlkernels' masks are of the "
-                         "ratio's own reference. Turn the masks off, or anchor on 'old'")
+        opc = _get(algorithm, "off_policy_correction")
+        if rc.is_level is not None:
+            raise ValueError(f"off_policy_correction.tis_ratio_type={rc.is_level!r} with cispo.cispo_anchor="
+                             "'rollout': the rollout-anchored ratio is already the off-policy correction, so TIS "
+                             "would count it twice (SkyRL refuses it too). Set off_policy_correction."
+                             "tis_ratio_type=None")
+        masks = [f"off_policy_correction.{name}" for name in _MASK_OPTIONS if _get(opc, name) is not None]
+        raise ValueError(f"{', '.join(masks)} with cispo.cispo_anchor='rollout': SkyRL takes the ratio against "
+                         "the rollout but these masks of pi_old against it; rlkernels' masks are of the ratio's "
+                         "own reference. Unset them, or set cispo.cispo_anchor='old'")
     return PolicyLossConfig(loss_type="cispo", **common)
 
 
@@ -125,24 +138,128 @@ def policy_loss_fn(loss_type: str) -> Callable:
         raise ValueError(f"loss_type: SkyRL's {loss_type!r} has no rlkernels form; "
                          f"expected one of {sorted(LOSS_NAMES)}")
 
-    def loss_fn(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, config,
+    def loss_fn(log_probs: torch.Tensor, old_log_probs: Optional[torch.Tensor], advantages: torch.Tensor, config,
                 loss_mask: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None):
         cfg = config_from_skyrl(config, loss_type)
         mask = torch.ones_like(log_probs, dtype=torch.bool) if loss_mask is None else loss_mask > 0
-        old, rollout = old_log_probs.detach(), rollout_logprobs
-        if loss_type == "cispo" and _get(_get(config, "cispo"), "cispo_anchor", "old") == "rollout":
-            if rollout is None:
+        rollout_anchor = loss_type == "cispo" and _get(_get(config, "cispo"), "cispo_anchor", "old") == "rollout"
+        if rollout_anchor:
+            if rollout_logprobs is None:
                 raise ValueError("rollout_logprobs: required by cispo with cispo_anchor='rollout'")
-            old = None  # bypass mode: the ratio against the sampler
-        elif rollout is None:
+            old = None  # bypass mode: the ratio against the sampler (SkyRL's skip-forward path passes no pi_old)
+        elif old_log_probs is None:
+            raise ValueError(f"old_log_probs: required by {loss_type} (only cispo with cispo_anchor='rollout' "
+                             "runs without them)")
+        else:
+            old = old_log_probs.detach()
+        if rollout_logprobs is None:
             cfg = cfg.with_overrides(rollout_correction=None)  # SkyRL skips the correction without them
-        out = policy_loss(log_probs, advantages, mask, old_logprobs=old, rollout_logprobs=rollout, config=cfg)
+        out = policy_loss(log_probs, advantages, mask, old_logprobs=old, rollout_logprobs=rollout_logprobs,
+                          config=cfg)
         metrics = metrics_to_floats(out.metrics)
-        metrics["clip_ratio"] = metrics.get("actor/pg_clipfrac", 0.0)
+        metrics.update(skyrl_metrics(loss_type, config, log_probs, old_log_probs, advantages, mask,
+                                     rollout_logprobs))
         return out.loss, metrics
 
     loss_fn.__name__ = LOSS_NAMES[loss_type]
     return loss_fn
+
+
+def _exp(delta: torch.Tensor) -> torch.Tensor:
+    """SkyRL's `safe_exp_delta`: exp of the delta clamped to +-20, taken in float32."""
+    return delta.float().clamp(-20.0, 20.0).exp().to(delta.dtype)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def _bound_fractions(prefix: str, stat: torch.Tensor, low, high) -> Dict[str, torch.Tensor]:
+    """`<prefix>_{masked,over_high,under_low}_ratio` of SkyRL's sequence masks: fractions of every sequence."""
+    over = stat > high if high is not None else torch.zeros_like(stat, dtype=torch.bool)
+    under = stat < low if low is not None else torch.zeros_like(stat, dtype=torch.bool)
+    n = float(stat.shape[0])
+    return {f"{prefix}_masked_ratio": (over | under).sum() / n, f"{prefix}_over_high_ratio": over.sum() / n,
+            f"{prefix}_under_low_ratio": under.sum() / n}
+
+
+def skyrl_metrics(loss_type: str, algorithm, log_probs, old_log_probs, advantages, mask, rollout_logprobs
+                  ) -> Dict[str, float]:
+    """SkyRL 0.4's metrics of its loss `loss_type` under SkyRL's names, with SkyRL's values
+    (`ppo_utils.py`'s losses, `off_policy_correction_utils.py`): computed from the detached inputs as SkyRL does
+    (ratios in float32 clamped to +-20, the fractions over the mask each step of SkyRL's correction leaves).
+    Floats, as SkyRL's: one synchronisation per call, which SkyRL's own loss makes too."""
+    with torch.no_grad():
+        lp = log_probs.detach()
+        m = mask.to(lp.dtype)
+        out = {}
+        old = None if old_log_probs is None else old_log_probs.detach()
+        if loss_type == "sapo":
+            out["clip_ratio"] = 0.0
+        elif loss_type == "cispo":
+            out.update(_cispo_metrics(_get(algorithm, "cispo"), lp, old, rollout_logprobs, mask, m))
+        else:
+            low, high = 1 - _get(algorithm, "eps_clip_low", 0.2), 1 + _get(algorithm, "eps_clip_high", 0.2)
+            log_ratio = lp - old
+            if loss_type == "gspo":  # the sequence's mean log-ratio, log <= 10
+                ratio = _masked_mean(log_ratio, m, -1).unsqueeze(-1).expand_as(lp).clamp(max=10.0).exp()
+            else:
+                ratio = _exp(log_ratio)
+            surr1, surr2 = ratio * advantages, ratio.clamp(low, high) * advantages
+            out["clip_ratio"] = _masked_mean((-surr2 > -surr1).to(lp.dtype), m)
+        opc = _get(algorithm, "off_policy_correction")
+        if rollout_logprobs is not None and rollout_correction_from_skyrl(opc) is not None:
+            out.update(_correction_metrics(opc, old, rollout_logprobs.detach(), m))
+    return {name: float(value) for name, value in out.items()}
+
+
+def _cispo_metrics(cispo, lp, old, rollout, mask, m):
+    anchor = rollout.detach() if _get(cispo, "cispo_anchor", "old") == "rollout" else old
+    low, high = 1 - _get(cispo, "cispo_eps_clip_low", 1.0), 1 + _get(cispo, "cispo_eps_clip_high", 4.0)
+    ratio = _exp(lp - anchor)
+    active = ratio[mask] if bool(mask.any()) else ratio
+    return {"clip_ratio": _masked_mean(((ratio < low) | (ratio > high)).to(lp.dtype), m),
+            "cispo/ratio_mean": _masked_mean(ratio, m), "cispo/ratio_clamped_mean": _masked_mean(
+                ratio.clamp(low, high), m), "cispo/ratio_max": active.max(), "cispo/ratio_min": active.min()}
+
+
+def _correction_metrics(opc, old, rollout, m):
+    """SkyRL's `compute_off_policy_correction` metrics, each over the mask its earlier steps leave."""
+    log_ratio = old - rollout
+    ratio = _exp(log_ratio)
+    out = {"is_ratio_mean": _masked_mean(ratio, m), "is_ratio_std": (ratio * m).std(),
+           "is_ratio_max": (ratio * m).max(), "is_ratio_min": (ratio * m).min()}
+    low, high = _get(opc, "outlier_token_is_threshold_low"), _get(opc, "outlier_token_is_threshold_high")
+    if low is not None or high is not None:
+        outside = torch.zeros_like(ratio, dtype=torch.bool)
+        over = (ratio > high) & (m > 0) if high is not None else outside
+        under = (ratio < low) & (m > 0) if low is not None else outside
+        n = float(ratio.shape[0])
+        keep = ~(over | under).any(-1, keepdim=True)
+        out.update(outlier_seq_masked_ratio=(~keep).sum() / n, outlier_seq_over_high_ratio=over.any(-1).sum() / n,
+                   outlier_seq_under_low_ratio=under.any(-1).sum() / n)
+        m = m * keep
+    low, high = _get(opc, "token_mask_is_threshold_low"), _get(opc, "token_mask_is_threshold_high")
+    if low is not None and high is not None:
+        inside = (ratio >= low) & (ratio <= high)
+        out["token_mask_ratio"] = (~inside & (m > 0)).sum() / (m > 0).sum().clamp(min=1)
+        m = m * (inside | (m == 0))
+    level = _get(opc, "tis_ratio_type")
+    if level == "token":
+        capped = (ratio > _get(opc, "token_tis_ratio_clip_high", 2.0)) & (m > 0)
+        out["tis_token_clip_high_ratio"] = capped.sum() / (m > 0).sum().clamp(min=1)
+    elif level == "sequence":
+        capped = _exp((log_ratio * m).sum(-1)) > _get(opc, "sequence_tis_ratio_clip_high", 5.0)
+        out["tis_seq_clip_high_ratio"] = capped.sum() / float(ratio.shape[0])
+    metric = _get(opc, "sequence_mask_metric")
+    if metric == "geometric":
+        geo = _exp((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))
+        out.update(_bound_fractions("geo_sequence_mask", geo, _get(opc, "geo_mask_low", 0.99),
+                                    _get(opc, "geo_mask_high", 1.01)))
+    elif metric == "product":
+        out.update(_bound_fractions("product_sequence_mask", _exp((log_ratio * m).sum(-1)),
+                                    _get(opc, "product_mask_low", 0.5), _get(opc, "product_mask_high", 2.0)))
+    return out
 
 
 def register(registry=None) -> Dict[str, str]:

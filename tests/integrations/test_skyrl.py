@@ -127,11 +127,31 @@ def test_matches_skyrls_own_loss(loss_type, draw):
     assert_close(ours[0], theirs[0], **tol("skyrl", F64, scale=scale), name="loss")
     g_scale = max(1e-3, float(theirs[1].abs().max()))
     assert_close(ours[1], theirs[1], **tol("skyrl", F64, scale=g_scale), name="dlog_probs")
-    rc = rlk_skyrl.rollout_correction_from_skyrl(algorithm.off_policy_correction)
-    # SkyRL's clip_ratio is over the mask before its masks; SAPO has none; CISPO's counts every capped ratio where
-    # rlkernels' counts those whose cap changes the term (TRL's, verl's)
-    if loss_type not in ("sapo", "cispo") and (rc is None or not rc.rs):
-        assert ours[2]["clip_ratio"] == approx(theirs[2]["clip_ratio"], "metric")
+    # every metric SkyRL logs, under its name, with its value (a SkyRL dashboard reads these)
+    assert set(theirs[2]) <= set(ours[2]), set(theirs[2]) - set(ours[2])
+    for name, value in theirs[2].items():
+        assert ours[2][name] == approx(value, "metric"), name
+
+
+def test_cispo_on_the_rollout_without_old_log_probs():
+    """SkyRL's skip-forward path: cispo anchored on the sampler is called with old_log_probs=None."""
+    rlk_skyrl.register()
+    log_probs, _, rollout, mask, advantages = _batch(7)
+    algorithm = SK.AlgorithmConfig(policy_loss_type="cispo")
+    algorithm.cispo.cispo_anchor = "rollout"
+    results = []
+    for name in ("cispo", rlk_skyrl.LOSS_NAMES["cispo"]):
+        lp = log_probs.clone().requires_grad_(True)
+        loss, metrics = SK.PolicyLossRegistry.get(name)(lp, None, advantages, algorithm, mask, rollout)
+        results.append((loss.detach(), torch.autograd.grad(loss, lp)[0], metrics))
+    theirs, ours = results
+    assert_close(ours[0], theirs[0], **tol("skyrl", F64, scale=max(1.0, float(theirs[0].abs()))), name="loss")
+    assert_close(ours[1], theirs[1], **tol("skyrl", F64, scale=max(1e-3, float(theirs[1].abs().max()))),
+                 name="dlog_probs")
+    for name, value in theirs[2].items():
+        assert ours[2][name] == approx(value, "metric"), name
+    with pytest.raises(ValueError, match="old_log_probs: required by regular"):
+        rlk_skyrl.policy_loss_fn("regular")(log_probs, None, advantages, SK.AlgorithmConfig(), mask, rollout)
 
 
 def test_refusals_name_skyrls_option():
@@ -141,7 +161,10 @@ def test_refusals_name_skyrls_option():
         rlk_skyrl.config_from_skyrl(SK.AlgorithmConfig(), "rollout_is")
     algorithm = SK.AlgorithmConfig(off_policy_correction=SK.OffPolicyCorrectionConfig(sequence_mask_metric="product"))
     algorithm.cispo.cispo_anchor = "rollout"
-    with pytest.raises(ValueError, match="cispo_anchor"):
+    with pytest.raises(ValueError, match=r"^off_policy_correction.sequence_mask_metric with cispo.cispo_anchor"):
+        rlk_skyrl.config_from_skyrl(algorithm, "cispo")
+    algorithm.off_policy_correction = SK.OffPolicyCorrectionConfig(tis_ratio_type="token")
+    with pytest.raises(ValueError, match=r"^off_policy_correction.tis_ratio_type='token' with cispo.cispo_anchor"):
         rlk_skyrl.config_from_skyrl(algorithm, "cispo")
     token_mask = SK.OffPolicyCorrectionConfig(token_mask_is_threshold_low=0.5, token_mask_is_threshold_high=2.0)
     with pytest.raises(ValueError, match="token_mask_is_threshold"):
