@@ -22,8 +22,8 @@ is_filter_ratio)` as device tensors (no synchronisation). What it maps:
   `rs_mode="zero_weight"`: they stay in every denominator, as OpenRLHF's action mask is untouched) and the
   survivors their untruncated token IS weight π_old/μ.
 
-`clip_ratio`, `ppo_kl` are rlkernels' `actor/pg_clipfrac` and `actor/ppo_kl` over the action mask; `vllm_kl` is
-`rollout_corr/kl`; `is_filter_ratio` the dropped fraction.
+`clip_ratio` is rlkernels' `actor/pg_clipfrac` over the action mask; `ppo_kl` OpenRLHF's mean of old − new log-prob
+over it, unclamped; `vllm_kl` is `rollout_corr/kl`; `is_filter_ratio` the dropped fraction.
 """
 
 import math
@@ -126,7 +126,10 @@ class PolicyLoss(nn.Module):
             else:
                 is_filter_ratio = (m["rollout_corr/rollout_is_ratio_fraction_high"]
                                    + m["rollout_corr/rollout_is_ratio_fraction_low"])
-        return out.loss, m["actor/pg_clipfrac"], m["actor/ppo_kl"], vllm_kl, is_filter_ratio
+        # OpenRLHF's ppo_kl: of the unclamped log-ratio (rlkernels' actor/ppo_kl is of the loss's, clamped to +-20)
+        counted = mask.to(old_log_probs.dtype)
+        ppo_kl = ((old_log_probs.detach() - log_probs.detach()) * counted).sum() / counted.sum()
+        return out.loss, m["actor/pg_clipfrac"], ppo_kl, vllm_kl, is_filter_ratio
 
 
 def install() -> None:

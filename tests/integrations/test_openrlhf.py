@@ -103,6 +103,21 @@ def test_matches_openrlhfs_own_policy_loss(loss_type, correction, token_level, g
     if theirs[3] is not None:
         assert_close(ours[3], theirs[3], **tol("metric", F64), name="vllm_kl")
     assert_close(ours[1], theirs[1].to(ours[1].dtype), **tol("metric", F64), name="clip_ratio")  # the action mask
+    assert_close(ours[2], theirs[2], **tol("metric", F64), name="ppo_kl")
+    if theirs[4] is not None:
+        # OpenRLHF counts the dropped units in float32 (`filtered.float()`)
+        assert_close(ours[4], theirs[4].to(ours[4].dtype), **tol("metric", torch.float32), name="is_filter_ratio")
+
+
+def test_ppo_kl_is_of_the_unclamped_log_ratio():
+    """A token 30 nats off: OpenRLHF clamps the loss's log-ratio to +-20 but reports ppo_kl of the raw one."""
+    log_probs, old, _, mask, advantages = _batch(5)
+    log_probs = log_probs.clone()
+    log_probs[0, 0] = old[0, 0] - 30.0
+    theirs = OPENRLHF.PolicyLoss()(log_probs, old, advantages, action_mask=mask)
+    ours = rlk_openrlhf.PolicyLoss()(log_probs, old, advantages, action_mask=mask)
+    assert float(theirs[2]) > 30.0 / mask.sum() - 1  # the raw log-ratio counts
+    assert_close(ours[2], theirs[2], **tol("metric", F64), name="ppo_kl")
 
 
 def test_install_is_reversible_and_refusals_name_the_option():
