@@ -18,9 +18,13 @@ AReaL's `old_logprobs` = rlkernels' `rollout_logprobs`):
   `seq_mean_k1` in ratio space; kl_k2 → `token_k2` / `seq_sum_k2` / `seq_mean_k2` / `seq_max_k2`;
 - the denominator: the loss-mask count **before** rejection (AReaL's), as `global_num_tokens` (one host read, as
   AReaL's own `count_nonzero() or 1`).
-Refused, naming AReaL's option: `metric="kl_k3"` (AReaL's k3 is exp(−Δ) − 1 + Δ, rlkernels' exp(Δ) − 1 − Δ),
-`agg="max"` with k1 or the ratio (no max of a log-ratio), `action="clamp"` with a KL metric or a sequence `agg`
-other than "mean", a lower bound on k2.
+  kl_k3 (AReaL's k3 is exp(−Δ) − 1 + Δ, rlkernels' k3 of −Δ) → the band of ratios where it is ≤ upper: `token_k1`,
+  or `seq_all_k1` for the sequence's maximum;
+- packed (1-D) input reads `cu_seqlens` only where something is sequence-level (AReaL's token-level loss ignores
+  them: a context-parallel rank's may end before its token count); there they are required and must cover it.
+Refused, naming AReaL's option: kl_k3's sequence sum or mean (no rlkernels statistic), `agg="max"` with k1 or the
+ratio (no max of a log-ratio), `action="clamp"` with a KL metric or a sequence `agg` other than "mean", a lower
+bound on k2 or k3.
 
 `stat` carries AReaL's logging keys: `loss`, `importance_weight`, `approx_kl`, `clip_mask`, `dual_clip_mask` and,
 with rejection, `behave_imp_weight`, `behave_approx_kl`, `behave_mask`, `filtered_fraction`. The per-token ones
@@ -54,8 +58,7 @@ def rollout_correction_from_areal(rejection_sampling) -> Optional[RolloutCorrect
     upper, lower = _get(rejection_sampling, "upper"), _get(rejection_sampling, "lower")
     sequence = level == "sequence"
     if metric == "kl_k3":
-        raise ValueError("rejection_sampling.metric='kl_k3': AReaL's k3 is exp(-d) - 1 + d of d = log(pi_prox / "
-                         "pi_behave), rlkernels' is exp(d) - 1 - d; use 'kl_k2' or 'ratio'")
+        return _k3_as_ratio_band(sequence, action, agg, lower, upper)
     if action == "clamp" and (metric != "ratio" or (sequence and agg != "mean")):
         raise ValueError(f"rejection_sampling.action='clamp' with metric={metric!r}, agg={agg!r}: AReaL then clamps "
                          "the weights of the units its statistic flags to the statistic's bounds, which is no "
@@ -79,6 +82,42 @@ def rollout_correction_from_areal(rejection_sampling) -> Optional[RolloutCorrect
     return RolloutCorrection(is_level=weight_level, is_threshold=(0.0, math.inf), is_mode="mask", rs={option: bounds})
 
 
+def _k3_as_ratio_band(sequence: bool, action: str, agg: str, lower, upper) -> RolloutCorrection:
+    """AReaL's kl_k3, g(d) = exp(-d) - 1 + d of d = log(pi_prox / pi_behave), is rlkernels' k3 of -d, the other
+    direction. g is convex with g(0) = 0, so {g(d) <= u} is an interval of d: a token's k3 bound is a band on its
+    ratio (`token_k1`), and a sequence's maximum k3 bound is that band on every token (`seq_all_k1`). A sequence's
+    sum or mean of g is not a function of anything rlkernels bounds, and is refused."""
+    option = "kl_k3 with level='sequence'"
+    if action != "mask" or (lower is not None and lower > 0) or upper is None:
+        raise ValueError(f"rejection_sampling: {option if sequence else 'kl_k3'} with action={action!r}, lower="
+                         f"{lower!r}, upper={upper!r}: rlkernels takes AReaL's k3 with action='mask' and an upper "
+                         "bound only")
+    if sequence and agg != "max":
+        raise ValueError(f"rejection_sampling.agg={agg!r} with metric='kl_k3' at level='sequence': AReaL's k3 is "
+                         "rlkernels' k3 of the reversed log-ratio, whose sequence sum or mean rlkernels has no "
+                         "statistic for; use agg='max', metric='kl_k2', or level='token'")
+    if not 0 < upper < 19.0:  # g(20) = 19: a band past the +-20 clamp of rlkernels' log-ratio would not be exact
+        raise ValueError(f"rejection_sampling.upper={upper!r} with metric='kl_k3': expected 0 < upper < 19")
+    band = (math.exp(_k3_root(upper, -1.0)), math.exp(_k3_root(upper, 1.0)))
+    return RolloutCorrection(is_level="token", is_threshold=(0.0, math.inf), is_mode="mask",
+                             rs={"seq_all_k1" if sequence else "token_k1": band})
+
+
+def _k3_root(u: float, side: float) -> float:
+    """The root of exp(-d) - 1 + d = u with the sign of `side`, by bisection in float64 (g is monotone on each
+    side of 0)."""
+    inside, outside = 0.0, side
+    while math.exp(-outside) - 1 + outside < u:
+        outside *= 2
+    for _ in range(200):
+        middle = 0.5 * (inside + outside)
+        if math.exp(-middle) - 1 + middle < u:
+            inside = middle
+        else:
+            outside = middle
+    return inside
+
+
 def config_from_areal(eps_clip: float, eps_clip_higher: Optional[float] = None, c_clip: Optional[float] = None,
                       rejection_sampling=None, importance_sampling_level: str = "token") -> PolicyLossConfig:
     if importance_sampling_level not in ("token", "sequence"):
@@ -99,14 +138,36 @@ def ppo_actor_loss_fn(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, o
                       cu_seqlens: Optional[torch.Tensor] = None):
     """AReaL's `ppo_actor_loss_fn`, computed by `rlkernels.policy_loss` (module docstring)."""
     config = config_from_areal(eps_clip, eps_clip_higher, c_clip, rejection_sampling, importance_sampling_level)
+    cu_seqlens = _sequences_read(logprobs, cu_seqlens, config, rejection_sampling, importance_sampling_level)
     mask = loss_mask.bool()
     count = max(int(mask.count_nonzero()), 1)  # AReaL's denominator: the mask before rejection
     config = config.with_overrides(global_num_tokens=float(count))
     rc = config.rollout_correction
     out = policy_loss(logprobs, advantages, mask, old_logprobs=proximal_logprobs.detach(),
                       rollout_logprobs=None if rc is None else old_logprobs.detach(), config=config,
-                      cu_seqlens=cu_seqlens if logprobs.ndim == 1 else None)
+                      cu_seqlens=cu_seqlens)
     return out.loss, _stat(out, logprobs, proximal_logprobs, old_logprobs, advantages, config, cu_seqlens)
+
+
+def _sequences_read(logprobs, cu_seqlens, config, rejection_sampling, importance_sampling_level):
+    """The cu_seqlens of packed input where something sequence-level reads them, else None: AReaL's token-level
+    loss ignores them, and a context-parallel rank's cu_seqlens may end before its token count."""
+    if logprobs.ndim != 1:
+        return None
+    rc = config.rollout_correction
+    by_sequence = {name: value for name, value in (
+        ("importance_sampling_level", importance_sampling_level),
+        ("rejection_sampling.level", _get(rejection_sampling, "level", "token") if rc is not None else None))
+        if value == "sequence"}
+    if not by_sequence:
+        return None
+    named = ", ".join(f"{name}='sequence'" for name in by_sequence)
+    if cu_seqlens is None:
+        raise ValueError(f"cu_seqlens: required with packed (1-D) input and {named}, as AReaL's own loss requires")
+    if cu_seqlens.numel() < 1 or int(cu_seqlens[-1]) != logprobs.shape[0]:
+        raise ValueError(f"cu_seqlens: with {named} the sequences must cover the {logprobs.shape[0]} packed tokens; "
+                         f"they end at {int(cu_seqlens[-1]) if cu_seqlens.numel() else 0}")
+    return cu_seqlens
 
 
 def _sequence_mean(x, kept, cu_seqlens):

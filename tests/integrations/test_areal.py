@@ -35,7 +35,9 @@ REJECTIONS = [None,
               ("token", "mask", "kl_k1", "mean", -0.3, 0.3), ("sequence", "mask", "kl_k1", "sum", None, 0.5),
               ("sequence", "mask", "kl_k1", "mean", -0.1, 0.1),
               ("token", "mask", "kl_k2", "mean", None, 0.03), ("sequence", "mask", "kl_k2", "sum", None, 0.2),
-              ("sequence", "mask", "kl_k2", "mean", None, 0.02), ("sequence", "mask", "kl_k2", "max", None, 0.05)]
+              ("sequence", "mask", "kl_k2", "mean", None, 0.02), ("sequence", "mask", "kl_k2", "max", None, 0.05),
+              ("token", "mask", "kl_k3", "mean", None, 0.02), ("token", "mask", "kl_k3", "mean", -1.0, 0.05),
+              ("sequence", "mask", "kl_k3", "max", None, 0.04)]
 
 
 def _batch(seed, packed):
@@ -63,10 +65,10 @@ def _statistics(prox, behave, mask, cu):
         rows = [d[int(a):int(b)] for a, b in zip(cu[:-1], cu[1:])]
     else:
         rows = [d[i][mask[i]] for i in range(d.shape[0])]
-    values = [d[mask], 0.5 * d[mask] ** 2]
+    values = [d[mask], 0.5 * d[mask] ** 2, torch.exp(-d[mask]) - 1 + d[mask]]  # AReaL's k3: exp(-d) - 1 + d
     for r in rows:
-        k2 = 0.5 * r ** 2
-        values.append(torch.stack([r.sum(), r.mean(), k2.sum(), k2.mean(), k2.max()]))
+        k2, k3 = 0.5 * r ** 2, torch.exp(-r) - 1 + r
+        values.append(torch.stack([r.sum(), r.mean(), k2.sum(), k2.mean(), k2.max(), k3.max()]))
     return torch.cat(values)
 
 
@@ -164,7 +166,10 @@ def test_installed_under_areals_grpo_loss_fn():
 
 
 @pytest.mark.parametrize("spec, match", [
-    (dict(metric="kl_k3", upper=0.1), "kl_k3"),
+    (dict(level="sequence", metric="kl_k3", agg="mean", upper=0.1),
+     r"^rejection_sampling.agg='mean' with metric='kl_k3'"),
+    (dict(metric="kl_k3", lower=0.01, upper=0.1), r"^rejection_sampling: kl_k3 with .*lower=0.01"),
+    (dict(metric="kl_k3", upper=25.0), r"^rejection_sampling.upper=25.0 with metric='kl_k3'"),
     (dict(level="sequence", metric="ratio", agg="max", upper=2.0), "agg='max'"),
     (dict(action="clamp", metric="kl_k2", upper=0.1), "clamp"),
     (dict(level="sequence", action="clamp", metric="ratio", agg="sum", upper=2.0), "clamp"),
@@ -172,3 +177,34 @@ def test_installed_under_areals_grpo_loss_fn():
 def test_refusals_name_areals_option(spec, match):
     with pytest.raises(ValueError, match=match):
         rlk_areal.rollout_correction_from_areal(RS(**spec))
+
+
+def test_packed_token_level_ignores_cu_seqlens_as_areal_does():
+    """A context-parallel rank's packed tokens: cu_seqlens end before its token count. AReaL's token-level loss (and
+    token-level rejection) never reads them; neither does the adapter."""
+    logprobs, prox, behave, mask, adv, cu = _batch(11, packed=True)
+    short = cu[:-2]  # the last sequences' tokens are past the end
+    rs = RS(level="token", action="mask", metric="ratio", lower=0.7, upper=1.3)
+    results = []
+    for fn in (F.ppo_actor_loss_fn, rlk_areal.ppo_actor_loss_fn):
+        lp = logprobs.clone().requires_grad_(True)
+        loss, _ = fn(logprobs=lp, proximal_logprobs=prox, old_logprobs=behave, advantages=adv, eps_clip=0.2,
+                     loss_mask=mask, rejection_sampling=rs, cu_seqlens=short)
+        results.append((loss.detach(), torch.autograd.grad(loss, lp)[0]))
+    assert_close(results[1][0], results[0][0], **tol("areal", F64), name="loss")
+    assert_close(results[1][1], results[0][1], **tol("areal", F64), name="dlogp")
+
+
+@pytest.mark.parametrize("where", ["importance_sampling_level", "rejection_sampling.level"])
+def test_packed_sequence_level_names_cu_seqlens(where):
+    logprobs, prox, behave, mask, adv, cu = _batch(12, packed=True)
+    kw = dict(logprobs=logprobs, proximal_logprobs=prox, old_logprobs=behave, advantages=adv, eps_clip=0.2,
+              loss_mask=mask)
+    if where == "importance_sampling_level":
+        kw["importance_sampling_level"] = "sequence"
+    else:
+        kw["rejection_sampling"] = RS(level="sequence", action="mask", metric="ratio", lower=0.9, upper=1.1)
+    with pytest.raises(ValueError, match=rf"^cu_seqlens: required with packed \(1-D\) input and {where}="):
+        rlk_areal.ppo_actor_loss_fn(**kw, cu_seqlens=None)
+    with pytest.raises(ValueError, match=rf"^cu_seqlens: with {where}='sequence' the sequences must cover"):
+        rlk_areal.ppo_actor_loss_fn(**kw, cu_seqlens=cu[:-1])
