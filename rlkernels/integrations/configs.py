@@ -15,7 +15,6 @@ import math
 from typing import Callable, Dict, Optional, Tuple
 
 from ..config import (
-    IS_LEVELS,
     IS_MODES,
     KL_TYPES,
     LOSS_TYPES,
@@ -133,6 +132,9 @@ def _verl_rejection(rollout_rs, rollout_rs_threshold) -> Tuple[Tuple[str, Thresh
     return rs
 
 
+VERL_IS_LEVELS = (None, "token", "sequence")
+
+
 def rollout_correction_from_verl(rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None,
                                  rollout_rs_threshold=None, rollout_is_batch_normalize=False) -> RolloutCorrection:
     """`RolloutCorrection.from_verl` (its docstring is the contract)."""
@@ -150,8 +152,10 @@ def rollout_correction_from_verl(rollout_is=None, rollout_is_threshold=2.0, roll
             raise TypeError(f"{name}: expected a number, a 'lo_hi' string or None, got {value!r}")
     if isinstance(rollout_is, str) and rollout_is.strip() in ("", "none", "None"):
         rollout_is = None
-    if rollout_is not in IS_LEVELS:
-        raise ValueError(f"rollout_is: expected None, 'token' or 'sequence', got {rollout_is!r}")
+    if rollout_is not in VERL_IS_LEVELS:  # verl 0.9.1's RolloutCorrectionConfig: "Must be one of {'token', 'sequence'}"
+        raise ValueError(f"rollout_is: verl takes None, 'token' or 'sequence', got {rollout_is!r}"
+                         + (" (rlkernels' geometric level is RolloutCorrection(is_level='geometric'), outside "
+                            "verl's config)" if rollout_is == "geometric" else ""))
     if not isinstance(rollout_is_batch_normalize, bool):
         raise TypeError(f"rollout_is_batch_normalize: expected a bool, got {rollout_is_batch_normalize!r}")
     # verl computes no weights when the threshold is None, whatever rollout_is says

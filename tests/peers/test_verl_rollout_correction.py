@@ -66,3 +66,22 @@ def test_rollout_correction_matches_verl(seed, is_level, threshold, options, spr
         assert name in ours, f"verl's metric {name} is missing"
         if not _by_design(name, is_level):
             assert ours[name] == approx(value, "verl.metrics"), f"{name}: {ours[name]} vs verl {value}"
+
+
+def test_from_verl_refuses_the_levels_verl_refuses():
+    """`from_verl` is verl's config: a level verl's own weights refuse ("Must be one of {'token', 'sequence'}") is
+    refused here too, even where rlkernels has it under another name (the geometric level)."""
+    log_ratio, mask = torch.zeros(2, 3, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64)
+    for level in ("token", "sequence", "geometric", "seq", "tokens"):
+        try:
+            helper.compute_rollout_correction_weights(log_ratio, mask, rollout_is=level)
+            verl_accepts = True
+        except ValueError:
+            verl_accepts = False
+        try:
+            RolloutCorrection.from_verl(rollout_is=level)
+            ours_accepts = True
+        except ValueError as exc:
+            assert str(exc).startswith("rollout_is: verl takes None, 'token' or 'sequence'"), exc
+            ours_accepts = False
+        assert ours_accepts == verl_accepts, level
