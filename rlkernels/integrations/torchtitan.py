@@ -21,6 +21,9 @@ The metrics are TorchTitan's keys, pre-divided by the denominator for its SUM re
 `loss/mean`, `loss/ratio_clipped_frac`, `bit_wise/logprob_diff/mean`, `trainer/entropy/mean` (device tensors).
 A label of -100 is TorchTitan's ignore index: rlkernels drops its token (TorchTitan gives it log-prob 0 and keeps
 it where `loss_mask` is True).
+
+Refused: TorchTitan's `debug.batch_invariant` mode, whose bitwise trainer = generator log-probs come from TorchTitan's
+own `compute_logprobs` (an rlkernels pass would break that equality).
 """
 
 from dataclasses import dataclass
@@ -35,6 +38,19 @@ _loss = import_trainer("torchtitan", "torchtitan.components.loss")
 BaseLoss, ChunkedLossWrapper = _loss.BaseLoss, _loss.ChunkedLossWrapper
 
 LOG_RATIO_CLAMP = 10.0  # TorchTitan's _MAX_LOG_RATIO
+_in_batch_invariant_mode = import_trainer("torchtitan", "torchtitan.distributed.utils").is_in_batch_invariant_mode
+
+
+def _refuse_batch_invariant_mode() -> None:
+    """TorchTitan's `debug.batch_invariant` promises the trainer's log-probs bit for bit equal to the generator's:
+    both sides run its `compute_logprobs` under batch_invariant_ops' fixed-order `_log_softmax`. rlkernels' pass
+    is another summation order, so the promise would silently break (the ratio's 1.0 drifts by an ulp or more):
+    refused, naming the option, at every call (the trainer may enable the mode after building the loss)."""
+    if _in_batch_invariant_mode():
+        raise ValueError("debug.batch_invariant=True: TorchTitan's batch-invariant mode computes the trainer's "
+                         "log-probs bitwise equal to the generator's with its own compute_logprobs; rlkernels' "
+                         "fused pass is not that order, so the equality would not hold. Use TorchTitan's own "
+                         "GRPOLoss / DAPOLoss in this mode, or turn debug.batch_invariant off")
 
 
 def _config(low: float, high: float) -> PolicyLossConfig:
@@ -82,6 +98,7 @@ class DAPOLoss(BaseLoss):
         self.config = _config(config.ratio_clip_low, config.ratio_clip_high)
 
     def __call__(self, logits, labels, global_valid_tokens=None, *, generator_logprobs, advantages, loss_mask):
+        _refuse_batch_invariant_mode()
         effective, rollout = _inputs(generator_logprobs, loss_mask, labels)
         out = decoupled_ppo_loss(logits, labels.clamp(min=0), advantages, effective, rollout_logprobs=rollout,
                                  config=self.config)
@@ -116,6 +133,7 @@ class LinearDAPOLoss(ChunkedLossWrapper):
         self.config = _config(config.ratio_clip_low, config.ratio_clip_high)
 
     def __call__(self, pred, labels, global_valid_tokens=None, *, generator_logprobs, advantages, loss_mask):
+        _refuse_batch_invariant_mode()
         head = self.lm_head
         if head is None:
             raise ValueError("lm_head: call set_lm_head(model.lm_head) first (TorchTitan's trainer does)")

@@ -103,3 +103,24 @@ def test_linear_form_needs_the_head():
     hidden, head, labels, gen, mask, adv = _batch(1)
     with pytest.raises(ValueError, match="set_lm_head"):
         loss(hidden, labels, None, generator_logprobs=gen, advantages=adv, loss_mask=mask)
+
+
+@pytest.mark.parametrize("name", ["GRPOLoss", "LinearGRPOLoss"])
+def test_batch_invariant_mode_is_refused(name, monkeypatch):
+    """TorchTitan's debug.batch_invariant (the flag its set_batch_invariance sets): the trainer's log-probs must
+    be TorchTitan's own, bitwise, so both loss forms refuse it by name; outside the mode they run."""
+    import torchtitan.distributed.utils as titan_utils
+
+    loss = getattr(rlk_titan, name).Config().build()
+    hidden, head, labels, gen, mask, adv = _batch(2)
+    if name.startswith("Linear"):
+        loss.set_lm_head(head)
+        pred = hidden
+    else:
+        pred = head(hidden)
+    call = dict(generator_logprobs=gen, advantages=adv, loss_mask=mask)
+    loss(pred, labels, None, **call)
+    monkeypatch.setattr(titan_utils, "_batch_invariant_enabled", True)
+    assert titan_utils.is_in_batch_invariant_mode()
+    with pytest.raises(ValueError, match=r"^debug.batch_invariant=True"):
+        loss(pred, labels, None, **call)
