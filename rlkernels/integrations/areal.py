@@ -29,6 +29,8 @@ bound on k2 or k3.
 `stat` carries AReaL's logging keys: `loss`, `importance_weight`, `approx_kl`, `clip_mask`, `dual_clip_mask` and,
 with rejection, `behave_imp_weight`, `behave_approx_kl`, `behave_mask`, `filtered_fraction`. The per-token ones
 are recomputed from the detached log-probs (rlkernels' pass reduces them away); they do not touch the gradient.
+With RLKERNELS_LOGPROB_PARITY=1 the parity report of π_prox against π_behave goes to AReaL's `stats_tracker.scalar`
+(`logprob_parity/...`; parity.py).
 """
 
 import math
@@ -36,9 +38,10 @@ from typing import Optional
 
 import torch
 
-from ..api import policy_loss
+from ..api import metrics_to_floats, policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
 from .activation import cancel, when_imported
+from .parity import parity_metrics
 from .requirements import require_trainer
 
 _ACTOR_MODULE = "areal.trainer.ppo.actor"  # imports ppo_actor_loss_fn at module level; grpo_loss_fn calls it
@@ -138,15 +141,26 @@ def ppo_actor_loss_fn(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, o
                       cu_seqlens: Optional[torch.Tensor] = None):
     """AReaL's `ppo_actor_loss_fn`, computed by `rlkernels.policy_loss` (module docstring)."""
     config = config_from_areal(eps_clip, eps_clip_higher, c_clip, rejection_sampling, importance_sampling_level)
-    cu_seqlens = _sequences_read(logprobs, cu_seqlens, config, rejection_sampling, importance_sampling_level)
+    sequences = _sequences_read(logprobs, cu_seqlens, config, rejection_sampling, importance_sampling_level)
     mask = loss_mask.bool()
     count = max(int(mask.count_nonzero()), 1)  # AReaL's denominator: the mask before rejection
     config = config.with_overrides(global_num_tokens=float(count))
     rc = config.rollout_correction
     out = policy_loss(logprobs, advantages, mask, old_logprobs=proximal_logprobs.detach(),
                       rollout_logprobs=None if rc is None else old_logprobs.detach(), config=config,
-                      cu_seqlens=cu_seqlens)
-    return out.loss, _stat(out, logprobs, proximal_logprobs, old_logprobs, advantages, config, cu_seqlens)
+                      cu_seqlens=sequences)
+    _log_parity(proximal_logprobs, old_logprobs, mask, sequences)
+    return out.loss, _stat(out, logprobs, proximal_logprobs, old_logprobs, advantages, config, sequences)
+
+
+def _log_parity(proximal, behave, mask, cu_seqlens) -> None:
+    """The opt-in parity report (parity.py: pi_prox, the trainer's, against pi_behave, the engine's) as AReaL logs
+    a scalar: `stats_tracker.scalar`, floats."""
+    report = parity_metrics(proximal, behave, mask, cu_seqlens)
+    if report:
+        from areal.utils import stats_tracker  # AReaL's own logger, imported only when the report is on
+
+        stats_tracker.scalar(**metrics_to_floats(report))
 
 
 def _sequences_read(logprobs, cu_seqlens, config, rejection_sampling, importance_sampling_level):

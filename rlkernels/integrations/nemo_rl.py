@@ -26,7 +26,8 @@ the ratio is against π_prev), other KL clamp values, `positive_example_nll_weig
 `disable_ppo_ratio`.
 `input_type="logit"`: the loss takes the model's logits `[B, T, V]` (row t predicts `input_ids[:, t + 1]`) and runs
 `rlkernels.decoupled_ppo_loss` on them (`tp_group=` for vocabulary-parallel logits). Metrics are Python floats, as
-NeMo-RL's (one synchronisation).
+NeMo-RL's (one synchronisation); with RLKERNELS_LOGPROB_PARITY=1 they include `logprob_parity/...` of
+`prev_logprobs` against `generation_logprobs` (parity.py).
 """
 
 import math
@@ -34,6 +35,7 @@ from typing import Optional
 
 from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
+from .parity import parity_metrics
 
 TOKEN_LEVEL, SEQUENCE_LEVEL = "token_level", "sequence_level"  # NeMo-RL's LossType values
 _KL_TYPES = ("k1", "k2", "k3")
@@ -136,6 +138,9 @@ class ClippedPGLossFn:
             lp = next_token_logprobs
             old = lp.detach() if self.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
             out = policy_loss(lp, old_logprobs=old, **kw)
-        metrics = metrics_to_floats(out.metrics)
+        prev, generated = data.get("prev_logprobs"), data.get("generation_logprobs")
+        report = {} if prev is None or generated is None else parity_metrics(prev[:, 1:], generated[:, 1:],
+                                                                             token_mask)  # opt-in: parity.py
+        metrics = metrics_to_floats({**out.metrics, **report})
         metrics.update(loss=float(out.loss.detach()), actor_loss=metrics.get("actor/pg_loss", 0.0))
         return out.loss, metrics

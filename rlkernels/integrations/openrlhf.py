@@ -23,7 +23,10 @@ is_filter_ratio)` as device tensors (no synchronisation). What it maps:
   survivors their untruncated token IS weight π_old/μ.
 
 `clip_ratio` is rlkernels' `actor/pg_clipfrac` over the action mask; `ppo_kl` OpenRLHF's mean of old − new log-prob
-over it, unclamped; `vllm_kl` is `rollout_corr/kl`; `is_filter_ratio` the dropped fraction.
+over it, unclamped; `vllm_kl` is `rollout_corr/kl`; `is_filter_ratio` the dropped fraction. OpenRLHF's actor logs
+nothing else, so the opt-in parity report (RLKERNELS_LOGPROB_PARITY=1, parity.py: π_old against the sampler, with
+the correction on) is the module's `logprob_parity` attribute after each call (device tensors), for a caller that
+logs it.
 """
 
 import math
@@ -35,6 +38,7 @@ from torch import nn
 from ..api import policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
 from .activation import cancel, when_imported
+from .parity import parity_metrics
 from .requirements import require_trainer
 
 _GATE_KINDS = {"binary_kl": "bkl", "tv": "btv"}
@@ -71,6 +75,7 @@ class PolicyLoss(nn.Module):
                  is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
                  is_correction_threshold=(0.5, 5.0)) -> None:
         super().__init__()
+        self.logprob_parity = {}
         if policy_loss_type not in ("ppo", "gspo"):
             raise ValueError(f"policy_loss_type: expected 'ppo' or 'gspo', got {policy_loss_type!r}")
         if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
@@ -129,6 +134,8 @@ class PolicyLoss(nn.Module):
         # OpenRLHF's ppo_kl: of the unclamped log-ratio (rlkernels' actor/ppo_kl is of the loss's, clamped to +-20)
         counted = mask.to(old_log_probs.dtype)
         ppo_kl = ((old_log_probs.detach() - log_probs.detach()) * counted).sum() / counted.sum()
+        # OpenRLHF's actor logs the 5-tuple only: the opt-in parity report (parity.py) waits here for the caller
+        self.logprob_parity = parity_metrics(old_log_probs, rollout_log_probs if correcting else None, mask)
         return out.loss, m["actor/pg_clipfrac"], ppo_kl, vllm_kl, is_filter_ratio
 
 

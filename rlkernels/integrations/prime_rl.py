@@ -16,7 +16,8 @@ token count). There are no old log-probs: the ratio p/q is against the sampler, 
 - `adv_tau` scales the advantages; the ratio is unclamped (prime-rl's); `loss_weights` multiply each token's
   whole loss: the policy term through rlkernels' `is_weights=`, the KL term here (rlkernels' log-ratio-square term
   takes no per-token weight).
-Metrics: prime-rl's `is_masked` (the fraction of loss tokens outside the region), and rlkernels' own.
+Metrics: prime-rl's `is_masked` (the fraction of loss tokens outside the region), and rlkernels' own; with
+RLKERNELS_LOGPROB_PARITY=1, `logprob_parity/...` of the trainer's log-probs against the inference engine's (parity.py).
 """
 
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import torch
 
 from ..api import policy_loss
 from ..config import PolicyLossConfig
+from .parity import parity_metrics
 
 
 @dataclass
@@ -56,6 +58,7 @@ def _sample_loss(inputs, config: PolicyLossConfig, adv_tau: float, kl_tau: float
         loss = loss + kl_tau * torch.where(mask, weights * d * d, torch.zeros_like(d)).sum()
     metrics = dict(out.metrics)
     metrics["is_masked"] = out.metrics["actor/pg_clipfrac"]
+    metrics.update(parity_metrics(inputs.trainer_logprobs, inputs.inference_logprobs, mask))  # opt-in: parity.py
     return _outputs_class()(loss=loss, metrics=metrics)
 
 

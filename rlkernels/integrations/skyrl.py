@@ -16,7 +16,8 @@ rollout_logprobs) -> (loss, metrics)`) and its meaning in SkyRL 0.4:
 - metrics are Python floats, as SkyRL's are (one synchronisation per call): every metric SkyRL's own loss logs,
   under its name and with its value (`clip_ratio`, `cispo/ratio_*`, `is_ratio_*`, `outlier_seq_*`, `token_mask_ratio`,
   `tis_token_clip_high_ratio` / `tis_seq_clip_high_ratio`, `geo_sequence_mask_*` / `product_sequence_mask_*`:
-  `skyrl_metrics`), and rlkernels' own (`actor/...`, `rollout_corr/...`) beside them.
+  `skyrl_metrics`), and rlkernels' own (`actor/...`, `rollout_corr/...`) beside them; with
+  RLKERNELS_LOGPROB_PARITY=1, `logprob_parity/...` of `old_log_probs` against `rollout_logprobs` (parity.py).
 
 Not registered: SkyRL's rollout_is, dppo, clip_cov, kl_cov, cross_entropy and importance_sampling losses (their
 forms are not rlkernels loss types). Refused with an error naming SkyRL's option: the deprecated `use_tis` /
@@ -32,6 +33,7 @@ import torch
 
 from ..api import metrics_to_floats, policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
+from .parity import parity_metrics
 from .requirements import import_trainer
 
 # SkyRL's loss name -> the name registered here
@@ -159,6 +161,8 @@ def policy_loss_fn(loss_type: str) -> Callable:
         metrics = metrics_to_floats(out.metrics)
         metrics.update(skyrl_metrics(loss_type, config, log_probs, old_log_probs, advantages, mask,
                                      rollout_logprobs))
+        if old_log_probs is not None:  # parity.py: pi_old against the sampler, opt-in
+            metrics.update(metrics_to_floats(parity_metrics(old_log_probs, rollout_logprobs, mask)))
         return out.loss, metrics
 
     loss_fn.__name__ = LOSS_NAMES[loss_type]

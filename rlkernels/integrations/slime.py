@@ -22,7 +22,8 @@ functions, OPSM with TIS (slime's OPSM reads π_old, rlkernels' the sampler's lo
 multi-sample rollouts whose `rollout_mask_sums` differ from a sample's own mask total (slime divides each sample
 by its rollout's total; rlkernels' sequence mean by the sample's own tokens).
 The log: slime's keys `loss`, `pg_loss`, `entropy_loss`, `pg_clipfrac`, `ppo_kl` (+ `kl_loss`) as device tensors;
-`pg_clipfrac` and `ppo_kl` are rlkernels' token means (slime sums per-sample means).
+`pg_clipfrac` and `ppo_kl` are rlkernels' token means (slime sums per-sample means). With RLKERNELS_LOGPROB_PARITY=1,
+`logprob_parity/...` of slime's `log_probs` against its `rollout_log_probs` (parity.py).
 """
 
 from typing import List, Optional
@@ -31,6 +32,7 @@ import torch
 
 from ..api import decoupled_ppo_loss
 from ..config import PolicyLossConfig, RolloutCorrection
+from .parity import parity_metrics
 
 ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 VANILLA_TIS = "slime.backends.megatron_utils.loss.vanilla_tis_function"
@@ -147,4 +149,6 @@ def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_
            "pg_clipfrac": m["actor/pg_clipfrac"], "ppo_kl": m["actor/ppo_kl"]}
     if "actor/kl_loss" in m:
         log["kl_loss"] = m["actor/kl_loss"]
+    if old is not None:  # opt-in: pi_old against the sampler (parity.py)
+        log.update(parity_metrics(old, _cat(batch.get("rollout_log_probs")), torch.cat(masks), cu))
     return out.loss, log

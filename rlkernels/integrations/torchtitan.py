@@ -19,6 +19,8 @@ sharded DTensor weight is refused).
 
 The metrics are TorchTitan's keys, pre-divided by the denominator for its SUM reduction across ranks:
 `loss/mean`, `loss/ratio_clipped_frac`, `bit_wise/logprob_diff/mean`, `trainer/entropy/mean` (device tensors).
+With RLKERNELS_LOGPROB_PARITY=1, also `logprob_parity/match_rate` and `.../mean_abs_diff` of the loss's log-probs
+against the generator's, in the same summable form (parity.py).
 A label of -100 is TorchTitan's ignore index: rlkernels drops its token (TorchTitan gives it log-prob 0 and keeps
 it where `loss_mask` is True).
 
@@ -32,6 +34,7 @@ import torch
 
 from ..api import decoupled_ppo_loss, linear_decoupled_ppo_loss
 from ..config import PolicyLossConfig
+from .parity import parity_metrics
 from .requirements import import_trainer
 
 _loss = import_trainer("torchtitan", "torchtitan.components.loss")
@@ -82,7 +85,21 @@ def _titan_metrics(out, effective, rollout, config, denominator):
 def _titan_result(out, effective, rollout, config, global_valid_tokens):
     """(loss, metrics) as TorchTitan's losses return them: the sum over `global_valid_tokens` (1 when None)."""
     denominator = 1 if global_valid_tokens is None else max(global_valid_tokens, 1)
-    return out.loss / denominator, _titan_metrics(out, effective, rollout, config, denominator)
+    metrics = _titan_metrics(out, effective, rollout, config, denominator)
+    metrics.update(_titan_parity(out.logprobs, rollout, effective, denominator))
+    return out.loss / denominator, metrics
+
+
+def _titan_parity(logprobs, rollout, effective, denominator):
+    """The opt-in parity report (parity.py: the loss's log-probs against the generator's) in TorchTitan's form: each
+    value a sum over `denominator`, so that its SUM across ranks is the global value. A maximum or a bucket's mean
+    does not sum, so the two token means only: match_rate and mean_abs_diff."""
+    report = parity_metrics(logprobs, rollout, effective)
+    if not report:
+        return {}
+    tokens = report["logprob_parity/tokens"].to(torch.float64)
+    return {f"logprob_parity/{name}": torch.nan_to_num(report[f"logprob_parity/{name}"] * tokens) / denominator
+            for name in ("match_rate", "mean_abs_diff")}
 
 
 class DAPOLoss(BaseLoss):

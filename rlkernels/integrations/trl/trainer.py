@@ -19,8 +19,10 @@ NaN log-probs turned into ratio 1) are passed as `is_weights`.
 Without old log-probs (TRL's `num_iterations = 1`) but with the sampler's (OPSM, or a
 `rollout_correction`), the old log-probs are the current ones, detached, as in TRL: computed here
 without autograd from the same hidden states. A sampler log-prob that is NaN stands for the old one
-(ratio 1, as TRL's IS weights); for OPSM that token then adds old - current to its sequence's mean
-(TRL: 0), which differs only when old != current (`num_iterations > 1`).
+(ratio 1, as TRL's IS weights), and is left out of the opt-in parity report (RLKERNELS_LOGPROB_PARITY=1:
+`logprob_parity/...` of the old log-probs against the sampler's, in TRL's logged metrics; parity.py); for OPSM
+that token then adds old - current to its sequence's mean (TRL: 0), which differs only when old != current
+(`num_iterations > 1`).
 
 The loss is computed inside the model's forward, as TRL's fused head is: the trainer calls the model it
 is handed (DDP- or FSDP-wrapped) with `rlkernels_loss=`, and the forward (patched on top of TRL's) runs
@@ -48,6 +50,7 @@ import torch
 from ... import api
 from ...config import PolicyLossConfig, RolloutCorrection
 from ..hf import add_loss_forward, hidden_state_loss_blocker
+from ..parity import parity_metrics
 from ..requirements import import_trainer
 
 _TRLGRPOTrainer = import_trainer("trl", "trl").GRPOTrainer
@@ -158,7 +161,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
             self._adapt_entropy_coefficient(out.entropy, mask)
         if mode == "train" and self.accelerator.sync_gradients and getattr(self, "_entropy_bonus_enabled", False):
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)  # TRL logs it at each optimizer step
-        self._log_rlkernels_metrics(mode, out.metrics, entropy_scale)
+        metrics = dict(out.metrics)
+        if sampling is not None:  # opt-in (parity.py): pi_old, or the current log-probs, against vLLM's
+            scored = mask.bool() & ~torch.isnan(sampling)  # a token vLLM could not score is not compared
+            metrics.update(parity_metrics(out.logprobs if old is None else old, sampling, scored))
+        self._log_rlkernels_metrics(mode, metrics, entropy_scale)
         self._log_trl_metrics(mode, out.logprobs, old, inputs, mask)
         return loss
 

@@ -2,11 +2,14 @@
 verl's unless asked for: `RLKERNELS_VERL_CORRECTION=1` in the driver's environment, or `install_correction()`,
 puts `compute_rollout_correction_and_add_to_batch` below, built on `rlkernels.rollout_correction`, in its place. Its
 differences from verl's are those of SPEC §14: k1 bounds keep lo <= rho <= hi as verl's docs state (verl's code keeps
-1/hi <= rho <= 1/lo; equal for symmetric bounds), metrics of empty rows, sequence-level metric weighting.
+1/hi <= rho <= 1/lo; equal for symmetric bounds), metrics of empty rows, sequence-level metric weighting. With
+RLKERNELS_LOGPROB_PARITY=1 its metrics include the parity report of `old_log_probs` against `rollout_log_probs`
+(`logprob_parity/...`; rlkernels/integrations/parity.py).
 """
 
 from ...api import metrics_to_floats, rollout_correction
 from ...config import RolloutCorrection
+from ..parity import parity_metrics
 
 CORRECTION_ENV = "RLKERNELS_VERL_CORRECTION"  # the explicit opt-in ("1")
 
@@ -32,13 +35,14 @@ def compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config):
                                      get("rollout_rs", None), get("rollout_rs_threshold", None),
                                      get("rollout_is_batch_normalize", False))
     mask = batch.batch["response_mask"]
-    out = rollout_correction(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], mask.bool(), config=rc,
-                             validate=False)
+    old, rollout = batch.batch["old_log_probs"], batch.batch["rollout_log_probs"]
+    out = rollout_correction(old, rollout, mask.bool(), config=rc, validate=False)
+    report = parity_metrics(old, rollout, mask)  # opt-in (RLKERNELS_LOGPROB_PARITY=1): pi_old against the sampler
     batch.batch["response_mask"] = out.mask.to(mask.dtype)
     if out.weights is not None:
         weights = out.weights.to(batch.batch["old_log_probs"].dtype)  # verl's weights are in the log-probs' dtype
         batch = batch.union(DataProto.from_dict(tensors={"rollout_is_weights": weights}))
-    return batch, metrics_to_floats(out.metrics)
+    return batch, metrics_to_floats({**out.metrics, **report})
 
 
 def install_correction() -> None:
