@@ -1,10 +1,14 @@
 """rlkernels inside AReaL 1.0: `ppo_actor_loss_fn`, the decoupled PPO loss AReaL's actor calls, by rlkernels.
 
     import rlkernels.integrations.areal as rlk_areal
-    rlk_areal.install()          # AReaL's grpo_loss_fn now calls rlkernels' ppo_actor_loss_fn
+    rlk_areal.install()          # AReaL's loss and its FSDP engine's log-prob passes, by rlkernels
 
 AReaL has no loss registry: `areal/trainer/ppo/actor.py` imports `ppo_actor_loss_fn` at module level and its
-`grpo_loss_fn` calls that name. `install()` rebinds it there; `uninstall()` restores AReaL's.
+`grpo_loss_fn` calls that name; `areal/engine/fsdp_engine.py` imports `gather_logprobs` and
+`gather_logprobs_entropy`, which its old, reference and update forwards call on the model's logits. `install()`
+rebinds the three names there (`gather_logprobs(_entropy)` below: one fused pass over the logits in their own
+dtype, where AReaL's chunks a float32 copy and saves its softmax); `uninstall()` restores AReaL's. In AReaL's worker
+processes: docs/integrations.md (the launch command, or Ray's setup hook).
 
 Same signature and return as AReaL's `(loss, stat)`. The mapping (π_prox = rlkernels' `old_logprobs`, π_behave =
 AReaL's `old_logprobs` = rlkernels' `rollout_logprobs`):
@@ -38,13 +42,15 @@ from typing import Optional
 
 import torch
 
-from ..api import metrics_to_floats, policy_loss
+from ..api import metrics_to_floats, policy_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
 from .activation import cancel, when_imported
 from .parity import parity_metrics
 from .requirements import require_trainer
 
-_ACTOR_MODULE = "areal.trainer.ppo.actor"  # imports ppo_actor_loss_fn at module level; grpo_loss_fn calls it
+# where AReaL reads the names at module level: the actor's grpo_loss_fn calls ppo_actor_loss_fn; the FSDP engine's
+# _compute_logprobs(_entropy) (old, ref and update forwards) call gather_logprobs(_entropy)
+_TARGETS = ("areal.trainer.ppo.actor", "areal.engine.fsdp_engine")
 _ORIGINAL = {}
 
 
@@ -228,26 +234,53 @@ def _stat(out, logprobs, proximal, behave, advantages, config, cu_seqlens):
     return stat
 
 
+def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, tp_group=None,
+                    chunk_size: int = 1024) -> torch.Tensor:
+    """AReaL's `gather_logprobs` (`areal/utils/functional/vocab_parallel.py`), by one fused `rlkernels.token_logprobs`
+    pass over the logits in their own dtype: no float32 copy of the logits, no softmax saved for the backward.
+    `chunk_size` is not read (rlkernels picks its own row blocks); float32 log-probs, as AReaL's."""
+    del chunk_size
+    return token_logprobs(logits, labels, temperature=temperature, tp_group=tp_group, validate=False).logprobs
+
+
+def gather_logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, tp_group=None,
+                            chunk_size: int = 1024):
+    """AReaL's `gather_logprobs_entropy`: (log-probs, entropy), both with autograd, from the same fused pass."""
+    del chunk_size
+    stats = token_logprobs(logits, labels, temperature=temperature, tp_group=tp_group, compute_entropy=True,
+                           validate=False)
+    return stats.logprobs, stats.entropy
+
+
 def install(module=None) -> None:
-    """Rebind `ppo_actor_loss_fn` where AReaL's actor reads it: `module`, or `areal.trainer.ppo.actor` now if it is
-    imported and else when it is (activation.py; AReaL's workers: `python -m rlkernels.integrations.launch areal
-    areal.infra.rpc.rpc_server`, or the Ray `worker_process_setup_hook`). Imports none of AReaL."""
+    """Rebind `ppo_actor_loss_fn` where AReaL's actor reads it and `gather_logprobs(_entropy)` where its FSDP engine
+    does: in `module`, or in `_TARGETS` now if they are imported and else when they are (activation.py; AReaL's
+    workers: `python -m rlkernels.integrations.launch areal areal.infra.rpc.rpc_server`, or the Ray
+    `worker_process_setup_hook`). Imports none of AReaL."""
     if module is not None:
         _rebind(module)
         return
     require_trainer("areal")
-    when_imported(_ACTOR_MODULE, _rebind)
+    for name in _TARGETS:
+        when_imported(name, _rebind)
+
+
+_OURS = {"ppo_actor_loss_fn": ppo_actor_loss_fn, "gather_logprobs": gather_logprobs,
+         "gather_logprobs_entropy": gather_logprobs_entropy}
 
 
 def _rebind(module) -> None:
-    if module.ppo_actor_loss_fn is not ppo_actor_loss_fn:
-        _ORIGINAL[module] = module.ppo_actor_loss_fn
-        module.ppo_actor_loss_fn = ppo_actor_loss_fn
+    for name, ours in _OURS.items():
+        theirs = getattr(module, name, ours)
+        if theirs is not ours:  # where the module has the name (the engine has no loss, the actor no log-probs)
+            _ORIGINAL[(module, name)] = theirs
+            setattr(module, name, ours)
 
 
 def uninstall() -> None:
-    """Put AReaL's own `ppo_actor_loss_fn` back wherever `install()` replaced it, and stop waiting for the rest."""
-    cancel(_ACTOR_MODULE)
-    for module, original in list(_ORIGINAL.items()):
-        module.ppo_actor_loss_fn = original
-        del _ORIGINAL[module]
+    """Put AReaL's own functions back wherever `install()` replaced them, and stop waiting for the rest."""
+    for name in _TARGETS:
+        cancel(name)
+    for (module, name), original in list(_ORIGINAL.items()):
+        setattr(module, name, original)
+        del _ORIGINAL[(module, name)]

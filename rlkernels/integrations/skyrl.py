@@ -27,14 +27,17 @@ token mask (SkyRL takes the sequence's mean log-ratio over the mask before it). 
 without `old_log_probs` (SkyRL's skip-forward path).
 """
 
+import sys
+import weakref
 from typing import Callable, Dict, Optional
 
 import torch
 
-from ..api import metrics_to_floats, policy_loss
+from ..api import metrics_to_floats, policy_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
+from .activation import cancel, when_imported
 from .parity import parity_metrics
-from .requirements import import_trainer
+from .requirements import import_trainer, require_trainer
 
 # SkyRL's loss name -> the name registered here
 LOSS_NAMES: Dict[str, str] = {
@@ -134,14 +137,31 @@ def config_from_skyrl(algorithm, loss_type: str) -> PolicyLossConfig:
     return PolicyLossConfig(loss_type="cispo", **common)
 
 
-def policy_loss_fn(loss_type: str) -> Callable:
-    """SkyRL's loss `loss_type` as a function of SkyRL's registered-loss contract, computed by rlkernels."""
+def policy_loss_fn(loss_type: str, routes: bool = False) -> "RegisteredLoss":
+    """SkyRL's loss `loss_type` as a callable of SkyRL's registered-loss contract, computed by rlkernels; with
+    `routes`, unpickling it (in each SkyRL worker) also installs the log-prob route there (`install_routes`)."""
     if loss_type not in LOSS_NAMES:
         raise ValueError(f"loss_type: SkyRL's {loss_type!r} has no rlkernels form; "
                          f"expected one of {sorted(LOSS_NAMES)}")
+    return RegisteredLoss(loss_type, routes)
 
-    def loss_fn(log_probs: torch.Tensor, old_log_probs: Optional[torch.Tensor], advantages: torch.Tensor, config,
-                loss_mask: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None):
+
+class RegisteredLoss:
+    """SkyRL's loss `loss_type`, computed by rlkernels: what `register()` puts in SkyRL's registry. SkyRL's registry
+    cloudpickles it into its Ray actor and each worker unpickles it in `PolicyWorkerBase.__init__`, before the model
+    is built; pickled by reference to `_unpickled_loss`, which installs the log-prob route in that process when the
+    loss was registered with `routes=True`."""
+
+    def __init__(self, loss_type: str, routes: bool):
+        self.loss_type, self.routes = loss_type, routes
+        self.__name__ = LOSS_NAMES[loss_type]
+
+    def __reduce__(self):
+        return _unpickled_loss, (self.loss_type, self.routes)
+
+    def __call__(self, log_probs: torch.Tensor, old_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
+                 config, loss_mask: Optional[torch.Tensor] = None, rollout_logprobs: Optional[torch.Tensor] = None):
+        loss_type = self.loss_type
         cfg = config_from_skyrl(config, loss_type)
         mask = torch.ones_like(log_probs, dtype=torch.bool) if loss_mask is None else loss_mask > 0
         rollout_anchor = loss_type == "cispo" and _get(_get(config, "cispo"), "cispo_anchor", "old") == "rollout"
@@ -165,8 +185,11 @@ def policy_loss_fn(loss_type: str) -> Callable:
             metrics.update(metrics_to_floats(parity_metrics(old_log_probs, rollout_logprobs, mask)))
         return out.loss, metrics
 
-    loss_fn.__name__ = LOSS_NAMES[loss_type]
-    return loss_fn
+
+def _unpickled_loss(loss_type: str, routes: bool) -> RegisteredLoss:
+    if routes:
+        install_routes()
+    return RegisteredLoss(loss_type, routes)
 
 
 def _exp(delta: torch.Tensor) -> torch.Tensor:
@@ -266,14 +289,79 @@ def _correction_metrics(opc, old, rollout, m):
     return out
 
 
-def register(registry=None) -> Dict[str, str]:
+def register(registry=None, routes: bool = True) -> Dict[str, str]:
     """Register every loss of LOSS_NAMES in SkyRL's `PolicyLossRegistry` (or `registry`), once; returns LOSS_NAMES.
     Call it in the driver before SkyRL validates `trainer.algorithm.policy_loss_type`; with Ray already running,
-    SkyRL's registry also ships the functions to its workers."""
+    SkyRL's registry also ships the losses to its workers. `routes`: the policy workers that unpickle a loss also
+    compute their log-probs and entropy by rlkernels (`install_routes`)."""
     if registry is None:
         registry = import_trainer("skyrl", "skyrl.backends.skyrl_train.utils.ppo_utils").PolicyLossRegistry
     available = set(registry.list_available())
     for skyrl_name, name in LOSS_NAMES.items():
         if name not in available:
-            registry.register(name, policy_loss_fn(skyrl_name))
+            registry.register(name, policy_loss_fn(skyrl_name, routes))
     return dict(LOSS_NAMES)
+
+
+# ---------------------------------------------------------------- the log-prob route
+# HFModelWrapper.forward (FSDP workers: the policy's old and update forwards, the reference's) calls these two names
+# of its module on the temperature-scaled logits, log-probs first; the entropy function is bound in __init__
+_WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.model_wrapper"
+_ORIGINAL_ROUTES: Dict[str, Callable] = {}
+_last_pass = None  # (the logits of the last log-prob pass, its entropy): the entropy call that follows reuses it
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """SkyRL's `logprobs_from_logits` by one fused `rlkernels.token_logprobs` pass, which also takes each row's
+    entropy for the `chunked_entropy_from_logits` call that follows on the same logits. Float32 log-probs (as
+    SkyRL's flash-attn path on a GPU); `inplace_backward` as SkyRL's (the gradient into the logits' storage)."""
+    global _last_pass
+    stats = token_logprobs(logits, labels, compute_entropy=True, inplace_backward=inplace_backward, validate=False)
+    _last_pass = (weakref.ref(logits), logits._version, stats.entropy)
+    return stats.logprobs
+
+
+@torch.compiler.disable  # SkyRL may torch.compile its entropy function; this one is a lookup or one fused pass
+def chunked_entropy_from_logits(logits: torch.Tensor, requires_grad: bool = False,
+                                attention_mask: Optional[torch.Tensor] = None, chunk_size: int = 1024) -> torch.Tensor:
+    """SkyRL's `chunked_entropy_from_logits`: the entropy of the log-prob pass just run on these logits (unchanged
+    since), else its own pass; in the logits' dtype, 0 where `attention_mask` is 0, detached unless
+    `requires_grad`. `chunk_size` is not read."""
+    global _last_pass
+    previous, _last_pass = _last_pass, None
+    if previous is not None and previous[0]() is logits and previous[1] == logits._version:
+        entropy = previous[2]
+    else:
+        labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        entropy = token_logprobs(logits, labels, compute_entropy=True, validate=False).entropy
+    if attention_mask is not None:
+        entropy = entropy * attention_mask
+    entropy = entropy.to(logits.dtype)
+    return entropy if requires_grad else entropy.detach()
+
+
+def install_routes() -> None:
+    """SkyRL's FSDP model wrapper computes its log-probs and entropy with the two functions above, in this process:
+    now if the wrapper's module is imported and otherwise when it is (activation.py; a wrapper built before keeps
+    the entropy function it bound). Also a Ray `worker_process_setup_hook` for the processes that read no
+    registered loss (the reference model's). Imports none of SkyRL."""
+    require_trainer("skyrl")
+    when_imported(_WRAPPER_MODULE, _rebind_routes)
+
+
+def _rebind_routes(module) -> None:
+    for name, ours in (("logprobs_from_logits", logprobs_from_logits),
+                       ("chunked_entropy_from_logits", chunked_entropy_from_logits)):
+        if getattr(module, name) is not ours:
+            _ORIGINAL_ROUTES.setdefault(name, getattr(module, name))
+            setattr(module, name, ours)
+
+
+def uninstall_routes() -> None:
+    """SkyRL's own functions back in the wrapper's module (wrappers built since keep the entropy function)."""
+    cancel(_WRAPPER_MODULE)
+    module = sys.modules.get(_WRAPPER_MODULE)
+    for name, original in list(_ORIGINAL_ROUTES.items()):
+        if module is not None:
+            setattr(module, name, original)
+        del _ORIGINAL_ROUTES[name]

@@ -262,21 +262,24 @@ def areal_functional():
     return _CACHE["areal"]
 
 
-class AReaLActorImports(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports `areal.trainer.ppo.actor` (AReaL 1.0.4) as the import statements of its source that bind the loss
-    functions (`from areal.utils.functional import ppo_actor_loss_fn, ...`), nothing else: the module's other imports
-    pull in AReaL's training stack (torchdata, its RPC controllers), which does not install here.
+class SourceBindings(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a trainer module as the import statements of its source that bind the functions an adapter replaces
+    (those `from <binds_from> import ...`), nothing else: such modules' other imports pull in the trainer's training
+    stack, which does not install here.
 
-    It goes through the import system (a finder on `sys.meta_path`, installed by `install()`), so a hook on the
-    module's first import (rlkernels/integrations/activation.py) sees what it would see in an AReaL worker: the
-    name bound by AReaL's own statement, once, when AReaL's actor module is imported."""
+    It goes through the import system (a finder on `sys.meta_path`, installed by `install()`), so a hook on a
+    module's first import (rlkernels/integrations/activation.py) sees what it would see in the trainer's worker: the
+    names bound by the trainer's own statements, once, when the trainer imports the module. Subclasses name the
+    trainer's package, its modules (name -> path in the package) and `binds_from`, and load the trainer's loss code."""
 
-    name = "areal.trainer.ppo.actor"
+    package = ""
+    files: dict = {}
+    binds_from = ""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
+        if fullname not in self.files:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self, origin=self._path())
+        return importlib.machinery.ModuleSpec(fullname, self, origin=self._path(fullname))
 
     def create_module(self, spec):
         return None
@@ -284,22 +287,52 @@ class AReaLActorImports(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         import ast
 
-        tree = ast.parse(open(self._path()).read())
-        binding = [node for node in tree.body if isinstance(node, ast.ImportFrom)
-                   and node.module == "areal.utils.functional"]
-        exec(compile(ast.Module(body=binding, type_ignores=[]), self._path(), "exec"), module.__dict__)
+        path = self._path(module.__name__)
+        tree = ast.parse(open(path).read())
+        binding = [node for node in tree.body if isinstance(node, ast.ImportFrom) and node.module == self.binds_from]
+        exec(compile(ast.Module(body=binding, type_ignores=[]), path, "exec"), module.__dict__)
 
-    @staticmethod
-    def _path():
-        spec = importlib.util.find_spec("areal")
-        return os.path.join(spec.submodule_search_locations[0], "trainer", "ppo", "actor.py")
+    def _path(self, name):
+        spec = importlib.util.find_spec(self.package)
+        return os.path.join(spec.submodule_search_locations[0], *self.files[name])
+
+    @classmethod
+    def prepare(cls):
+        """Load what the binding statements import (the trainer's loss code, bare packages)."""
 
     @classmethod
     def install(cls):
-        """areal_functional() (AReaL's loss code), `areal.trainer` bare, and this finder on `sys.meta_path`, just
-        before the finder of the file system (which would load the real file), after any import hook."""
-        areal_functional()
-        _bare_package("areal.trainer")
-        _bare_package("areal.trainer.ppo")
-        if not any(isinstance(finder, cls) for finder in sys.meta_path):  # before the file system's finder
+        """`prepare()`, and this finder on `sys.meta_path`, just before the finder of the file system (which would
+        load the real files), after any import hook."""
+        cls.prepare()
+        if not any(isinstance(finder, cls) for finder in sys.meta_path):
             sys.meta_path.insert(sys.meta_path.index(importlib.machinery.PathFinder), cls())
+
+
+class AReaLImports(SourceBindings):
+    """AReaL 1.0.4's actor module (binds `ppo_actor_loss_fn`) and FSDP engine (binds `gather_logprobs(_entropy)`)."""
+
+    package = "areal"
+    files = {"areal.trainer.ppo.actor": ("trainer", "ppo", "actor.py"),
+             "areal.engine.fsdp_engine": ("engine", "fsdp_engine.py")}
+    binds_from = "areal.utils.functional"
+
+    @classmethod
+    def prepare(cls):
+        areal_functional()
+        for package in ("areal.trainer", "areal.trainer.ppo"):  # areal.engine's __init__ is lazy: it runs
+            _bare_package(package)
+
+
+class SkyRLWrapperImports(SourceBindings):
+    """SkyRL 0.4.0's FSDP model wrapper module (binds `logprobs_from_logits`, `chunked_entropy_from_logits`)."""
+
+    package = "skyrl"
+    files = {"skyrl.backends.skyrl_train.workers.model_wrapper": ("backends", "skyrl_train", "workers",
+                                                                  "model_wrapper.py")}
+    binds_from = "skyrl.backends.skyrl_train.utils.torch_utils"
+
+    @classmethod
+    def prepare(cls):
+        skyrl_ppo_utils()
+        _bare_package("skyrl.backends.skyrl_train.workers")

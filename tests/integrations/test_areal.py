@@ -208,3 +208,33 @@ def test_packed_sequence_level_names_cu_seqlens(where):
         rlk_areal.ppo_actor_loss_fn(**kw, cu_seqlens=None)
     with pytest.raises(ValueError, match=rf"^cu_seqlens: with {where}='sequence' the sequences must cover"):
         rlk_areal.ppo_actor_loss_fn(**kw, cu_seqlens=cu[:-1])
+
+
+@pytest.mark.parametrize("dtype, temperature, shape", [(torch.float32, 1.0, (2, 7)), (torch.float32, 0.7, (13,)),
+                                                       (torch.bfloat16, 1.0, (3, 5)), (torch.bfloat16, 0.6, (11,))])
+def test_logprob_route_matches_areals_gather(dtype, temperature, shape):
+    """The FSDP engine's log-prob passes: rlkernels' gather_logprobs(_entropy) against AReaL's own (a float32 copy
+    of the logits, chunked), values and the gradient of a mix of both outputs. AReaL computes in float32 whatever the
+    logits' dtype, as rlkernels does: the float32 rows; the gradient of bf16 logits is rounded to bf16 on both sides
+    (AReaL's by the .float() cast's backward): the bf16 row. The values' tolerance is scaled by 3, the logits'
+    spread (log-probs down to about -10)."""
+    from areal.utils import functional as areal_functional
+
+    g = torch.Generator().manual_seed(sum(shape))
+    V = 37
+    logits = (torch.randn(*shape, V, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, V, shape, generator=g)
+    a, b = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    results = []
+    for module in (areal_functional, rlk_areal):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = module.gather_logprobs_entropy(x, labels, temperature=temperature)
+        (grad,) = torch.autograd.grad((a * lp + b * ent).sum(), x)
+        only = module.gather_logprobs(logits, labels, temperature=temperature)
+        results.append((lp.detach(), ent.detach(), grad, only))
+    theirs, ours = results
+    assert ours[0].dtype == theirs[0].dtype == torch.float32
+    for i, name in enumerate(("logprobs", "entropy")):
+        assert_close(ours[i], theirs[i], **tol("value", torch.float32, scale=3.0), name=name)
+    assert_close(ours[3], theirs[3], **tol("value", torch.float32, scale=3.0), name="gather_logprobs")
+    assert_close(ours[2].float(), theirs[2].float(), **tol("dlogits", dtype), name="dlogits")

@@ -169,3 +169,54 @@ def test_refusals_name_skyrls_option():
     token_mask = SK.OffPolicyCorrectionConfig(token_mask_is_threshold_low=0.5, token_mask_is_threshold_high=2.0)
     with pytest.raises(ValueError, match="token_mask_is_threshold"):
         rlk_skyrl.config_from_skyrl(SK.AlgorithmConfig(off_policy_correction=token_mask), "gspo")
+
+
+@pytest.mark.parametrize("dtype, masked, entropy_grad", [(torch.float32, False, True), (torch.float32, True, False),
+                                                         (torch.bfloat16, True, True)])
+def test_logprob_route_matches_skyrls_functions(dtype, masked, entropy_grad):
+    """HFModelWrapper.forward's two calls on the same logits, log-probs then entropy: rlkernels' (one fused pass)
+    against SkyRL's own (`logprobs_from_logits_v2` here, without flash-attn; `chunked_entropy_from_logits`).
+    float32: against SkyRL's, the float32 rows. bf16: SkyRL's bf16 path takes log_softmax in bf16 arithmetic, several
+    bf16 ulps from the exact values, so the route is held to the float64 oracle of the same logits: float32
+    log-probs, and the entropy and gradient rounded once to bf16."""
+    torch_utils = SK.torch_utils
+    g = torch.Generator().manual_seed(5)
+    B, T, V = 3, 6, 41
+    logits = (torch.randn(B, T, V, generator=g) * 2).to(dtype)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    attention = (torch.rand(B, T, generator=g) > 0.2).to(dtype) if masked else None
+    a, b = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    results = []
+    for module in (torch_utils, rlk_skyrl):
+        x = logits.clone().requires_grad_(True)
+        lp = module.logprobs_from_logits(x, labels, inplace_backward=True)
+        ent = module.chunked_entropy_from_logits(x, requires_grad=entropy_grad, attention_mask=attention)
+        assert ent.dtype == dtype and ent.requires_grad == entropy_grad
+        objective = (a * lp.float()).sum() + ((b * ent.float()).sum() if entropy_grad else 0.0)
+        (grad,) = torch.autograd.grad(objective, x)
+        results.append((lp.detach().float(), ent.detach().float(), grad.float()))
+    theirs, ours = results
+    if dtype == torch.float32:
+        assert_close(ours[0], theirs[0], **tol("value", torch.float32, scale=2.0), name="logprobs")
+        assert_close(ours[1], theirs[1], **tol("value", torch.float32, scale=2.0), name="entropy")
+        assert_close(ours[2], theirs[2], **tol("dlogits", dtype), name="dlogits")
+    else:  # against the float64 oracle of the same bf16 logits (SkyRL's own bf16 arithmetic is further from it)
+        x = logits.double().requires_grad_(True)
+        exact_lp = torch.log_softmax(x, -1)
+        exact = [exact_lp.gather(-1, labels[..., None])[..., 0],
+                 -(exact_lp.exp() * exact_lp).sum(-1) * (1 if attention is None else attention.double())]
+        # the entropy is bf16 in SkyRL's contract, so the gradient reaching it is rounded to bf16 (the cast's backward)
+        exact.append(torch.autograd.grad((a * exact[0]).sum() + (b.to(dtype).double() * exact[1]).sum(), x)[0])
+        assert_close(ours[0], exact[0].float(), **tol("value", torch.float32, scale=2.0), name="logprobs")
+        for i, name in ((1, "entropy"), (2, "dlogits")):  # float32-exact, rounded once to bf16: the bf16 row
+            assert_close(ours[i], exact[i].float(), **tol("dlogits", dtype), name=name)
+
+
+def test_entropy_without_a_log_prob_pass_before_it():
+    """The entropy call alone (or on other logits than the last log-prob pass) runs its own pass."""
+    g = torch.Generator().manual_seed(6)
+    logits, other = torch.randn(2, 5, 17, generator=g), torch.randn(2, 5, 17, generator=g)
+    rlk_skyrl.logprobs_from_logits(other, torch.zeros(2, 5, dtype=torch.long))
+    ours = rlk_skyrl.chunked_entropy_from_logits(logits)
+    theirs = SK.torch_utils.chunked_entropy_from_logits(logits)
+    assert_close(ours, theirs, **tol("value", torch.float32), name="entropy")

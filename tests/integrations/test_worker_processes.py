@@ -87,7 +87,7 @@ def test_openrlhf_actor_builds_the_adapter_with_the_setup_hook():
 
 
 AREAL = """
-from rlkernels.testing.trainers import AReaLActorImports, areal_functional
+from rlkernels.testing.trainers import AReaLImports, areal_functional
 
 def batch():
     g = torch.Generator().manual_seed(1)
@@ -103,13 +103,15 @@ def loss(fn):
 @ray.remote
 class ActorWorker:  # AReaL's actor module binds the name when it is imported, and its grpo_loss_fn calls it
     def policy_loss(self):
-        AReaLActorImports.install()
+        AReaLImports.install()
+        import areal.engine.fsdp_engine as engine  # its forwards' log-prob passes
         import areal.trainer.ppo.actor as actor
-        return actor.ppo_actor_loss_fn.__module__, os.getpid(), loss(actor.ppo_actor_loss_fn)
+        modules = [actor.ppo_actor_loss_fn.__module__, engine.gather_logprobs_entropy.__module__]
+        return modules, os.getpid(), loss(actor.ppo_actor_loss_fn)
 
-module, pid, value = ray.get(ActorWorker.remote().policy_loss.remote())
+(module, engine), pid, value = ray.get(ActorWorker.remote().policy_loss.remote())
 theirs = loss(areal_functional().ppo_actor_loss_fn)
-print(json.dumps(dict(module=module, remote=pid != os.getpid(), values=[value], theirs=[theirs])))
+print(json.dumps(dict(module=module, engine=engine, remote=pid != os.getpid(), values=[value], theirs=[theirs])))
 """
 
 
@@ -118,8 +120,9 @@ def test_areal_ray_worker_calls_the_adapter_with_the_setup_hook():
     on = _driver(AREAL, hook="rlkernels.integrations.areal.install")
     off = _driver(AREAL)
     assert on["remote"] and off["remote"]
-    assert on["module"] == "rlkernels.integrations.areal"
+    assert on["module"] == on["engine"] == "rlkernels.integrations.areal"
     assert off["module"] == "areal.utils.functional.functional"
+    assert off["engine"] == "areal.utils.functional.vocab_parallel"
     _close(on["values"], on["theirs"], "areal")
     assert off["values"] == off["theirs"]
 
@@ -127,9 +130,9 @@ def test_areal_ray_worker_calls_the_adapter_with_the_setup_hook():
 AREAL_WORKER = """
 import json, sys
 import torch
-from rlkernels.testing.trainers import AReaLActorImports
+from rlkernels.testing.trainers import AReaLImports
 
-AReaLActorImports.install()
+AReaLImports.install()
 import areal.trainer.ppo.actor as actor
 
 g = torch.Generator().manual_seed(2)
@@ -169,10 +172,10 @@ SKYRL = """
 import rlkernels.integrations.skyrl as rlk_skyrl
 from rlkernels.testing.trainers import skyrl_ppo_utils
 
-register = {register!r}
+register, routes = {register!r}, {routes!r}
 sk = skyrl_ppo_utils()  # Ray is running: SkyRL's registry mirrors itself into its named Ray actor
 if register:
-    rlk_skyrl.register()
+    rlk_skyrl.register(routes=routes)
 
 def batch():
     g = torch.Generator().manual_seed(3)
@@ -185,27 +188,39 @@ def loss(fn):
     cfg = skyrl_ppo_utils().AlgorithmConfig(policy_loss_type="dual_clip")  # not `sk`: pickled by value
     return float(fn(lp, old, adv, cfg, loss_mask=torch.ones_like(lp))[0])
 
+def wrapper_route():  # the log-prob function SkyRL's FSDP model wrapper module then binds
+    from rlkernels.testing.trainers import SkyRLWrapperImports
+
+    SkyRLWrapperImports.install()
+    import skyrl.backends.skyrl_train.workers.model_wrapper as wrapper
+    return wrapper.logprobs_from_logits.__module__
+
 @ray.remote
-class PolicyWorker:  # SkyRL's PolicyWorkerBase.__init__: PolicyLossRegistry.get(cfg.algorithm.policy_loss_type)
+class PolicyWorker:  # SkyRL's PolicyWorkerBase.__init__: PolicyLossRegistry.get(...), then init_model
     def policy_loss(self, name):
         registry = skyrl_ppo_utils().PolicyLossRegistry
         try:
             fn = registry.get(name)
         except ValueError as exc:
-            return str(exc), os.getpid(), None
-        return fn.__module__, os.getpid(), loss(fn)
+            return str(exc), os.getpid(), None, wrapper_route()
+        return type(fn).__module__, os.getpid(), loss(fn), wrapper_route()
 
-module, pid, value = ray.get(PolicyWorker.remote().policy_loss.remote("rlkernels_dual_clip"))
+module, pid, value, route = ray.get(PolicyWorker.remote().policy_loss.remote("rlkernels_dual_clip"))
 theirs = loss(sk.PolicyLossRegistry.get("dual_clip"))
-print(json.dumps(dict(module=module, remote=pid != os.getpid(), values=[value], theirs=[theirs])))
+print(json.dumps(dict(module=module, remote=pid != os.getpid(), values=[value], theirs=[theirs], route=route)))
 """
 
 
 def test_skyrl_worker_finds_the_registered_loss_through_skyrls_registry():
+    """register() in the driver: the worker's registry lookup unpickles rlkernels' loss and, with routes (the
+    default), installs the log-prob route before the worker builds its model wrapper."""
     trainer_or_skip("skyrl_ppo_utils", "SkyRL 0.4.0")
-    on = _driver(SKYRL.format(register=True))
-    off = _driver(SKYRL.format(register=False))
+    on = _driver(SKYRL.format(register=True, routes=True))
+    loss_only = _driver(SKYRL.format(register=True, routes=False))
+    off = _driver(SKYRL.format(register=False, routes=False))
     assert on["remote"] and off["remote"]
-    assert on["module"] == "rlkernels.integrations.skyrl"
+    assert on["module"] == loss_only["module"] == "rlkernels.integrations.skyrl"
     _close(on["values"], on["theirs"], "skyrl")
+    assert on["route"] == "rlkernels.integrations.skyrl"
+    assert loss_only["route"] == off["route"] == "skyrl.backends.skyrl_train.utils.torch_utils"
     assert "Unknown policy loss 'rlkernels_dual_clip'" in off["module"] and off["values"] == [None]
