@@ -1,7 +1,7 @@
 """rlkernels inside OpenRLHF 0.11: a drop-in `PolicyLoss`, computed by `rlkernels.policy_loss`.
 
     import rlkernels.integrations.openrlhf as rlk_openrlhf
-    rlk_openrlhf.install()          # before OpenRLHF builds its actor trainer
+    rlk_openrlhf.install()          # before OpenRLHF builds its actor trainer (its workers: docs/integrations.md)
 
 OpenRLHF has no loss registry: its actor trainer builds `PolicyLoss(...)` from the module-level name it imported
 (`openrlhf/trainer/ray/ppo_actor.py`). `install()` rebinds that name (and `openrlhf.models.PolicyLoss`,
@@ -22,6 +22,10 @@ is_filter_ratio)` as device tensors (no synchronisation). What it maps:
   `rs_mode="zero_weight"`: they stay in every denominator, as OpenRLHF's action mask is untouched) and the
   survivors their untruncated token IS weight π_old/μ.
 
+`install()` also replaces `Actor.forward` with `actor_forward`: the policy's, the reference's and the old log-prob
+passes take their log-probs and entropy from one rlkernels pass over the model's logits, without OpenRLHF's float32
+copy of them.
+
 `clip_ratio` is rlkernels' `actor/pg_clipfrac` over the action mask; `ppo_kl` OpenRLHF's mean of old − new log-prob
 over it, unclamped; `vllm_kl` is `rollout_corr/kl`; `is_filter_ratio` the dropped fraction. OpenRLHF's actor logs
 nothing else, so the opt-in parity report (RLKERNELS_LOGPROB_PARITY=1, parity.py: π_old against the sampler, with
@@ -35,7 +39,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..api import policy_loss
+from ..api import policy_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
 from .activation import cancel, when_imported
 from .parity import parity_metrics
@@ -43,6 +47,7 @@ from .requirements import require_trainer
 
 _GATE_KINDS = {"binary_kl": "bkl", "tv": "btv"}
 _TARGETS = ("openrlhf.models.loss", "openrlhf.models", "openrlhf.trainer.ray.ppo_actor")
+_ACTOR_MODULE = "openrlhf.models.actor"  # Actor.forward: the log-prob passes (policy, reference, old)
 _ORIGINALS = {}
 
 
@@ -139,14 +144,59 @@ class PolicyLoss(nn.Module):
         return out.loss, m["actor/pg_clipfrac"], ppo_kl, vllm_kl, is_filter_ratio
 
 
+def actor_forward(self, sequences: torch.Tensor, action_mask: Optional[torch.Tensor] = None,
+                  attention_mask: Optional[torch.Tensor] = None, return_output=False, allgather_logits=False,
+                  return_logprobs=False, ring_attn_group=None, packed_seq_lens=None, return_entropy=False,
+                  **mm_inputs):
+    """OpenRLHF 0.11.2's `Actor.forward` (`openrlhf/models/actor.py`; the policy's, the reference's and the old
+    log-prob passes), with the log-probs and the entropy from one `rlkernels.token_logprobs` pass over the model's
+    logits in their own dtype and the temperature inside the kernel: no float32 copy of the logits, no softmax.
+    Float32 log-probs and entropy, as OpenRLHF's. `output["logits"]` stays the model's (not cast, not divided by the
+    temperature); OpenRLHF's trainers read the log-probs, the entropy and the aux loss from it. A call that wants
+    the logits themselves (no `action_mask`, no `return_logprobs`) or carries vision inputs runs OpenRLHF's own."""
+    if (action_mask is None and not return_logprobs) or mm_inputs or getattr(self, "is_vlm", False):
+        return _ORIGINALS["Actor.forward"](self, sequences, action_mask, attention_mask, return_output,
+                                           allgather_logits, return_logprobs, ring_attn_group, packed_seq_lens,
+                                           return_entropy, **mm_inputs)
+    import sys
+
+    helpers = sys.modules[_ACTOR_MODULE]  # OpenRLHF's own packing helpers (ring attention, unpadding)
+    batch, seqlen = sequences.size()
+    if self.packing_samples:
+        sequences, position_ids, rolled, pad_len, indices = helpers.unpad_and_slice_tensor(
+            sequences, attention_mask, ring_attn_group)
+        model_mask = None
+    else:
+        rolled, model_mask = torch.roll(sequences, shifts=-1, dims=1), attention_mask
+        position_ids = attention_mask.long().cumsum(-1) - 1
+        position_ids.masked_fill_(attention_mask == 0, 1)
+    output = self.model(sequences, attention_mask=model_mask, position_ids=position_ids)
+    stats = token_logprobs(output["logits"], rolled, temperature=self.temperature, compute_entropy=return_entropy,
+                           validate=False)
+
+    def padded(values):  # the packed layout back to [batch, seqlen]
+        if not self.packing_samples:
+            return values
+        return helpers.gather_and_pad_tensor(values, ring_attn_group, pad_len, indices, batch, seqlen)
+
+    if return_entropy:
+        assert return_output
+        output.entropy = padded(stats.entropy)[:, :-1]
+    log_probs = padded(stats.logprobs)[:, :-1]
+    if action_mask is not None:
+        log_probs = log_probs[:, -action_mask.shape[1]:] * action_mask.float()
+    return (log_probs, output) if return_output else log_probs
+
+
 def install() -> None:
-    """Make OpenRLHF build this `PolicyLoss`: rebinds the name where OpenRLHF's actor trainer reads it (and in
-    `openrlhf.models`, `openrlhf.models.loss`), in those modules already imported and in the others when they are
-    (activation.py: also the Ray `worker_process_setup_hook` that reaches OpenRLHF's actors). Imports none of
-    OpenRLHF. Idempotent; `uninstall()` restores OpenRLHF's class."""
+    """Make OpenRLHF build this `PolicyLoss` and run `actor_forward`: rebinds the name where OpenRLHF's actor trainer
+    reads it (and in `openrlhf.models`, `openrlhf.models.loss`) and `Actor.forward`, in those modules already
+    imported and in the others when they are (activation.py: also the Ray `worker_process_setup_hook` that reaches
+    OpenRLHF's actors). Imports none of OpenRLHF. Idempotent; `uninstall()` restores OpenRLHF's."""
     require_trainer("openrlhf")
     for name in _TARGETS:
         when_imported(name, _rebind)
+    when_imported(_ACTOR_MODULE, _rebind_forward)
 
 
 def _rebind(module) -> None:
@@ -156,14 +206,26 @@ def _rebind(module) -> None:
         module.PolicyLoss = PolicyLoss
 
 
+def _rebind_forward(module) -> None:
+    if module.Actor.forward is not actor_forward:
+        _ORIGINALS.setdefault("Actor.forward", module.Actor.forward)
+        module.Actor.forward = actor_forward
+
+
 def uninstall() -> None:
-    """Put OpenRLHF's own `PolicyLoss` back wherever `install()` replaced it, and stop waiting for the rest."""
+    """Put OpenRLHF's own `PolicyLoss` and `Actor.forward` back wherever `install()` replaced them, and stop waiting
+    for the rest."""
     import sys
 
-    for name in _TARGETS:
+    for name in (*_TARGETS, _ACTOR_MODULE):
         cancel(name)
     for name, original in list(_ORIGINALS.items()):
-        module = sys.modules.get(name)
-        if module is not None:
-            module.PolicyLoss = original
+        if name == "Actor.forward":
+            actor = sys.modules.get(_ACTOR_MODULE)
+            if actor is not None:
+                actor.Actor.forward = original
+        else:
+            module = sys.modules.get(name)
+            if module is not None:
+                module.PolicyLoss = original
         del _ORIGINALS[name]

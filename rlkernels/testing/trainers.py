@@ -184,6 +184,19 @@ def openrlhf_loss():
     return loss
 
 
+def openrlhf_actor():
+    """OpenRLHF 0.11.2's `openrlhf.models.actor` (`Actor`, its forward). `flash_attn` (imported at the top of
+    `ring_attn_utils.py` for packed samples and ring attention) and `deepspeed` are stand-ins where they are not
+    installed: an `Actor` built around a model instance with `packing_samples=False` never calls them."""
+    if "openrlhf.actor" in _CACHE:
+        return _CACHE["openrlhf.actor"]
+    openrlhf_loss()
+    with _import_errors("openrlhf"), _stand_ins(("deepspeed", "flash_attn")):
+        from openrlhf.models import actor
+    _CACHE["openrlhf.actor"] = actor
+    return actor
+
+
 def torchtitan_rl():
     """TorchTitan 0.3.0's RL losses: a namespace with `losses` (`torchtitan.experiments.rl.losses`), `GRPOLoss`,
     `DAPOLoss`, `loss` (`torchtitan.components.loss`), `ChunkedLossWrapper`, `BaseLoss` and `compute_logprobs`.

@@ -129,3 +129,50 @@ def test_install_is_reversible_and_refusals_name_the_option():
     assert module.PolicyLoss is OPENRLHF.PolicyLoss
     with pytest.raises(ValueError, match="is_correction_threshold"):
         rlk_openrlhf.PolicyLoss(is_correction_level="seq", is_correction_gating="tv", is_correction_threshold=(0.1, 1))
+
+
+@pytest.mark.parametrize("temperature, entropy", [(1.0, True), (0.7, True), (0.7, False)])
+def test_actor_forward_route_matches_openrlhfs(temperature, entropy):
+    """`Actor.forward` (the policy's, reference's and old log-prob passes) on a real OpenRLHF `Actor` around a tiny
+    Hugging Face model: OpenRLHF's own (float32 copy of the logits, divided by the temperature, its log-softmax and
+    entropy) against `actor_forward` after `install()`; the action log-probs, the entropy, and the gradient of
+    both in every parameter. Float32 model: the float32 rows."""
+    from rlkernels.testing.peers import load_example
+    from rlkernels.testing.trainers import openrlhf_actor
+
+    actor_module = openrlhf_actor()
+    example = load_example("trl_grpo.py")
+    tok = example.tiny_tokenizer()
+    g = torch.Generator().manual_seed(9)
+    B, T, A = 3, 10, 6
+    sequences = torch.randint(3, example.VOCAB, (B, T), generator=g)
+    attention = torch.ones(B, T, dtype=torch.long)
+    attention[0, :2] = 0  # left padding
+    action_mask = torch.ones(B, A, dtype=torch.bool)
+    action_mask[1, 4:] = False
+    a, b = torch.randn(B, A, generator=g), torch.randn(B, T - 1, generator=g)
+    results = []
+    for ours in (False, True):
+        actor = actor_module.Actor(example.tiny_model(tok), temperature=temperature)  # seeded: the same weights
+        actor.packing_samples = False  # OpenRLHF sets it only when it loads the model from a path itself
+        if ours:
+            rlk_openrlhf.install()
+        try:
+            assert (actor_module.Actor.forward is rlk_openrlhf.actor_forward) == ours
+            lp, output = actor(sequences, action_mask, attention, return_output=True, return_entropy=entropy)
+        finally:
+            rlk_openrlhf.uninstall()
+        objective = (a * lp).sum() + ((b * output.entropy).sum() if entropy else 0.0)
+        objective.backward()
+        grads = {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+        results.append((lp.detach(), output.entropy.detach() if entropy else None, grads))
+    assert actor_module.Actor.forward is not rlk_openrlhf.actor_forward  # uninstall() restored it
+    theirs, ours = results
+    assert ours[0].dtype == theirs[0].dtype == torch.float32
+    assert_close(ours[0], theirs[0], **tol("value", torch.float32), name="action log-probs")
+    if entropy:
+        assert_close(ours[1], theirs[1], **tol("value", torch.float32), name="entropy")
+    assert ours[2].keys() == theirs[2].keys()
+    for name in theirs[2]:
+        scale = max(1e-3, float(theirs[2][name].abs().max()))
+        assert_close(ours[2][name], theirs[2][name], **tol("dlogits", torch.float32, scale=scale), name=name)

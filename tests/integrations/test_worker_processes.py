@@ -64,14 +64,17 @@ def batch():
 @ray.remote
 class PolicyModelActor:  # OpenRLHF's ppo_actor.py imports the class from openrlhf.models(.loss) and builds it
     def policy_loss(self, data):
+        from rlkernels.testing.trainers import openrlhf_actor
+
         openrlhf_loss()
         import openrlhf.models.loss as loss
         fn = loss.PolicyLoss(**KW)
-        return type(fn).__module__, os.getpid(), [float(v) for v in fn(**data)[:3]]
+        forward = openrlhf_actor().Actor.forward  # the log-prob passes
+        return [type(fn).__module__, forward.__module__], os.getpid(), [float(v) for v in fn(**data)[:3]]
 
-module, pid, values = ray.get(PolicyModelActor.remote().policy_loss.remote(batch()))
+(module, forward), pid, values = ray.get(PolicyModelActor.remote().policy_loss.remote(batch()))
 theirs = [float(v) for v in openrlhf_loss().PolicyLoss(**KW)(**batch())[:3]]
-print(json.dumps(dict(module=module, remote=pid != os.getpid(), values=values, theirs=theirs)))
+print(json.dumps(dict(module=module, forward=forward, remote=pid != os.getpid(), values=values, theirs=theirs)))
 """
 
 
@@ -80,8 +83,9 @@ def test_openrlhf_actor_builds_the_adapter_with_the_setup_hook():
     on = _driver(OPENRLHF, hook="rlkernels.integrations.openrlhf.install")
     off = _driver(OPENRLHF)
     assert on["remote"] and off["remote"]
-    assert on["module"] == "rlkernels.integrations.openrlhf"
-    assert off["module"] == "openrlhf.models.loss"  # without the line, OpenRLHF's own class
+    assert on["module"] == on["forward"] == "rlkernels.integrations.openrlhf"
+    assert off["module"] == "openrlhf.models.loss"  # without the line, OpenRLHF's own class and forward
+    assert off["forward"] == "openrlhf.models.actor"
     _close(on["values"], on["theirs"], "openrlhf")  # loss, clip_ratio, ppo_kl
     assert off["values"] == off["theirs"]
 
