@@ -43,9 +43,11 @@ ALLOWED = {
     "demo": {"__init__", "api", "config", "backends"},
 }
 # the public entry points (their keyword arguments are the API: exempt from the seam count), and the functions whose
-# signature is a peer's (verl's advantage-estimator call, AReaL's loss function, OpenRLHF's PolicyLoss constructor)
+# signature is a peer's (verl's advantage-estimator call, AReaL's loss function, OpenRLHF's PolicyLoss constructor and
+# Actor.forward)
 PUBLIC = {name for name in rlkernels.__all__ if inspect.isfunction(getattr(rlkernels, name))}
-PEER_SIGNATURES = {"compute_rlkernels_optimal_token_baseline", "ppo_actor_loss_fn", "PolicyLoss.__init__", "actor_forward"}
+PEER_SIGNATURES = {"compute_rlkernels_optimal_token_baseline", "ppo_actor_loss_fn", "PolicyLoss.__init__",
+                   "actor_forward"}
 LONG_LINES = 80
 API_BODY_LINES = 10
 README_LINES = 160
