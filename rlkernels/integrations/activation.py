@@ -14,7 +14,8 @@ imports the trainer afresh. Two ways in, each one line on the trainer's command 
 
 So `install()` runs in processes that may never import the trainer (a rollout engine, a reward worker): it imports
 none of the trainer. `when_imported` applies the patch to a trainer module that is already imported, and otherwise
-the moment the module is first imported, before any other module can bind the names it defines.
+the moment the module is first imported, before any other module can bind the names it defines; `Rebinding` is
+one such name across a trainer's modules, with the way back.
 """
 
 import importlib.abc
@@ -85,3 +86,53 @@ def cancel(module_name: str) -> None:
     with _LOCK:
         _PENDING.pop(module_name, None)
 
+
+
+class Rebinding:
+    """A name in some of a trainer's modules rebound to rlkernels' object, and put back.
+
+    `attribute` is the name in each module (or a dotted path into it: "Actor.forward"). `install()` patches every
+    module of `modules` now or when it is imported; a module that lacks the name is left alone. `uninstall()` puts
+    the trainer's object back in every module that holds rlkernels' one, whether the patch set it there or the
+    module imported it from one already patched (`from .loss import PolicyLoss` after `loss` was patched)."""
+
+    def __init__(self, attribute: str, ours, modules):
+        self.attribute, self.ours, self.modules = attribute, ours, tuple(modules)
+        self.original = None
+        self._holders = {}  # id -> module: those patched, or found holding ours (not only sys.modules' own)
+
+    def install(self) -> None:
+        for name in self.modules:
+            when_imported(name, self.patch)
+
+    def uninstall(self) -> None:
+        for name in self.modules:
+            cancel(name)
+        for module in self._holders.values():
+            if self.original is not None and self._get(module) is self.ours:
+                self._set(module, self.original)
+        self._holders.clear()
+
+    def patch(self, module) -> None:
+        """Rebind the name in `module` (any module object) if it has it."""
+        current = self._get(module)
+        if current is None:
+            return
+        if current is not self.ours:
+            if self.original is None:
+                self.original = current
+            self._set(module, self.ours)
+        self._holders[id(module)] = module
+
+    def _owner(self, module):
+        *path, _ = self.attribute.split(".")
+        for part in path:
+            module = getattr(module, part, None)
+        return module
+
+    def _get(self, module):
+        owner = self._owner(module)
+        return None if owner is None else getattr(owner, self.attribute.rsplit(".", 1)[-1], None)
+
+    def _set(self, module, value) -> None:
+        setattr(self._owner(module), self.attribute.rsplit(".", 1)[-1], value)

@@ -44,14 +44,9 @@ import torch
 
 from ..api import metrics_to_floats, policy_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
-from .activation import cancel, when_imported
+from .activation import Rebinding
 from .parity import parity_metrics
 from .requirements import require_trainer
-
-# where AReaL reads the names at module level: the actor's grpo_loss_fn calls ppo_actor_loss_fn; the FSDP engine's
-# _compute_logprobs(_entropy) (old, ref and update forwards) call gather_logprobs(_entropy)
-_TARGETS = ("areal.trainer.ppo.actor", "areal.engine.fsdp_engine")
-_ORIGINAL = {}
 
 
 def _get(node, name, default=None):
@@ -254,33 +249,26 @@ def gather_logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor, temperat
 
 def install(module=None) -> None:
     """Rebind `ppo_actor_loss_fn` where AReaL's actor reads it and `gather_logprobs(_entropy)` where its FSDP engine
-    does: in `module`, or in `_TARGETS` now if they are imported and else when they are (activation.py; AReaL's
+    does: in `module`, or in AReaL's modules now if they are imported and else when they are (activation.py; AReaL's
     workers: `python -m rlkernels.integrations.launch areal areal.infra.rpc.rpc_server`, or the Ray
     `worker_process_setup_hook`). Imports none of AReaL."""
     if module is not None:
-        _rebind(module)
+        for rebinding in _REBINDINGS:
+            rebinding.patch(module)
         return
     require_trainer("areal")
-    for name in _TARGETS:
-        when_imported(name, _rebind)
-
-
-_OURS = {"ppo_actor_loss_fn": ppo_actor_loss_fn, "gather_logprobs": gather_logprobs,
-         "gather_logprobs_entropy": gather_logprobs_entropy}
-
-
-def _rebind(module) -> None:
-    for name, ours in _OURS.items():
-        theirs = getattr(module, name, ours)
-        if theirs is not ours:  # where the module has the name (the engine has no loss, the actor no log-probs)
-            _ORIGINAL[(module, name)] = theirs
-            setattr(module, name, ours)
+    for rebinding in _REBINDINGS:
+        rebinding.install()
 
 
 def uninstall() -> None:
-    """Put AReaL's own functions back wherever `install()` replaced them, and stop waiting for the rest."""
-    for name in _TARGETS:
-        cancel(name)
-    for (module, name), original in list(_ORIGINAL.items()):
-        setattr(module, name, original)
-        del _ORIGINAL[(module, name)]
+    """Put AReaL's own functions back wherever `install()` put rlkernels', and stop waiting for the rest."""
+    for rebinding in _REBINDINGS:
+        rebinding.uninstall()
+
+
+# where AReaL reads the names at module level: the actor's grpo_loss_fn calls ppo_actor_loss_fn; the FSDP engine's
+# _compute_logprobs(_entropy) (old, ref and update forwards) call gather_logprobs(_entropy)
+_REBINDINGS = (Rebinding("ppo_actor_loss_fn", ppo_actor_loss_fn, ("areal.trainer.ppo.actor",)),
+               Rebinding("gather_logprobs", gather_logprobs, ("areal.engine.fsdp_engine",)),
+               Rebinding("gather_logprobs_entropy", gather_logprobs_entropy, ("areal.engine.fsdp_engine",)))

@@ -41,14 +41,13 @@ from torch import nn
 
 from ..api import policy_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
-from .activation import cancel, when_imported
+from .activation import Rebinding
 from .parity import parity_metrics
 from .requirements import require_trainer
 
 _GATE_KINDS = {"binary_kl": "bkl", "tv": "btv"}
 _TARGETS = ("openrlhf.models.loss", "openrlhf.models", "openrlhf.trainer.ray.ppo_actor")
 _ACTOR_MODULE = "openrlhf.models.actor"  # Actor.forward: the log-prob passes (policy, reference, old)
-_ORIGINALS = {}
 
 
 def rollout_correction_from_openrlhf(level: str, mode: str, gating: str, threshold) -> Optional[RolloutCorrection]:
@@ -155,7 +154,7 @@ def actor_forward(self, sequences: torch.Tensor, action_mask: Optional[torch.Ten
     temperature); OpenRLHF's trainers read the log-probs, the entropy and the aux loss from it. A call that wants
     the logits themselves (no `action_mask`, no `return_logprobs`) or carries vision inputs runs OpenRLHF's own."""
     if (action_mask is None and not return_logprobs) or mm_inputs or getattr(self, "is_vlm", False):
-        return _ORIGINALS["Actor.forward"](self, sequences, action_mask, attention_mask, return_output,
+        return _FORWARD.original(self, sequences, action_mask, attention_mask, return_output,
                                            allgather_logits, return_logprobs, ring_attn_group, packed_seq_lens,
                                            return_entropy, **mm_inputs)
     import sys
@@ -194,38 +193,17 @@ def install() -> None:
     imported and in the others when they are (activation.py: also the Ray `worker_process_setup_hook` that reaches
     OpenRLHF's actors). Imports none of OpenRLHF. Idempotent; `uninstall()` restores OpenRLHF's."""
     require_trainer("openrlhf")
-    for name in _TARGETS:
-        when_imported(name, _rebind)
-    when_imported(_ACTOR_MODULE, _rebind_forward)
-
-
-def _rebind(module) -> None:
-    # where the name exists (a bare `openrlhf.models`, as the tests load it, has none)
-    if getattr(module, "PolicyLoss", PolicyLoss) is not PolicyLoss:
-        _ORIGINALS.setdefault(module.__name__, module.PolicyLoss)
-        module.PolicyLoss = PolicyLoss
-
-
-def _rebind_forward(module) -> None:
-    if module.Actor.forward is not actor_forward:
-        _ORIGINALS.setdefault("Actor.forward", module.Actor.forward)
-        module.Actor.forward = actor_forward
+    _POLICY_LOSS.install()
+    _FORWARD.install()
 
 
 def uninstall() -> None:
-    """Put OpenRLHF's own `PolicyLoss` and `Actor.forward` back wherever `install()` replaced them, and stop waiting
-    for the rest."""
-    import sys
+    """Put OpenRLHF's own `PolicyLoss` and `Actor.forward` back wherever `install()` put rlkernels' (or a module
+    imported it from there), and stop waiting for the rest."""
+    _POLICY_LOSS.uninstall()
+    _FORWARD.uninstall()
 
-    for name in (*_TARGETS, _ACTOR_MODULE):
-        cancel(name)
-    for name, original in list(_ORIGINALS.items()):
-        if name == "Actor.forward":
-            actor = sys.modules.get(_ACTOR_MODULE)
-            if actor is not None:
-                actor.Actor.forward = original
-        else:
-            module = sys.modules.get(name)
-            if module is not None:
-                module.PolicyLoss = original
-        del _ORIGINALS[name]
+
+# a bare `openrlhf.models` (as the tests load it) has no PolicyLoss: left alone
+_POLICY_LOSS = Rebinding("PolicyLoss", PolicyLoss, _TARGETS)
+_FORWARD = Rebinding("Actor.forward", actor_forward, (_ACTOR_MODULE,))

@@ -27,15 +27,14 @@ token mask (SkyRL takes the sequence's mean log-ratio over the mask before it). 
 without `old_log_probs` (SkyRL's skip-forward path).
 """
 
-import sys
 import weakref
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
 from ..api import metrics_to_floats, policy_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
-from .activation import cancel, when_imported
+from .activation import Rebinding
 from .parity import parity_metrics
 from .requirements import import_trainer, require_trainer
 
@@ -307,7 +306,6 @@ def register(registry=None, routes: bool = True) -> Dict[str, str]:
 # HFModelWrapper.forward (FSDP workers: the policy's old and update forwards, the reference's) calls these two names
 # of its module on the temperature-scaled logits, log-probs first; the entropy function is bound in __init__
 _WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.model_wrapper"
-_ORIGINAL_ROUTES: Dict[str, Callable] = {}
 _last_pass = None  # (the logits of the last log-prob pass, its entropy): the entropy call that follows reuses it
 
 
@@ -346,22 +344,15 @@ def install_routes() -> None:
     the entropy function it bound). Also a Ray `worker_process_setup_hook` for the processes that read no
     registered loss (the reference model's). Imports none of SkyRL."""
     require_trainer("skyrl")
-    when_imported(_WRAPPER_MODULE, _rebind_routes)
-
-
-def _rebind_routes(module) -> None:
-    for name, ours in (("logprobs_from_logits", logprobs_from_logits),
-                       ("chunked_entropy_from_logits", chunked_entropy_from_logits)):
-        if getattr(module, name) is not ours:
-            _ORIGINAL_ROUTES.setdefault(name, getattr(module, name))
-            setattr(module, name, ours)
+    for rebinding in _ROUTES:
+        rebinding.install()
 
 
 def uninstall_routes() -> None:
     """SkyRL's own functions back in the wrapper's module (wrappers built since keep the entropy function)."""
-    cancel(_WRAPPER_MODULE)
-    module = sys.modules.get(_WRAPPER_MODULE)
-    for name, original in list(_ORIGINAL_ROUTES.items()):
-        if module is not None:
-            setattr(module, name, original)
-        del _ORIGINAL_ROUTES[name]
+    for rebinding in _ROUTES:
+        rebinding.uninstall()
+
+
+_ROUTES = (Rebinding("logprobs_from_logits", logprobs_from_logits, (_WRAPPER_MODULE,)),
+           Rebinding("chunked_entropy_from_logits", chunked_entropy_from_logits, (_WRAPPER_MODULE,)))

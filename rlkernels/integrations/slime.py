@@ -1,6 +1,7 @@
 """rlkernels inside slime (and miles): a custom loss for `--loss-type custom_loss`.
 
     --loss-type custom_loss --custom-loss-function-path rlkernels.integrations.slime.policy_loss_function
+    --custom-megatron-init-path rlkernels.integrations.slime.install     # the old / ref log-prob passes too
 
 slime calls `policy_loss_function(args, batch, logits, sum_of_sample_mean) -> (loss, log)` with Megatron's packed
 logits `[1, T, V]` (float32; `V / tp` per rank under tensor parallelism) and per-sample lists. This function
@@ -30,13 +31,15 @@ from typing import List, Optional
 
 import torch
 
-from ..api import decoupled_ppo_loss
+from ..api import decoupled_ppo_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
+from .activation import Rebinding
 from .parity import parity_metrics
 
 ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 VANILLA_TIS = "slime.backends.megatron_utils.loss.vanilla_tis_function"
 _KL_TYPES = {"k1": "k1", "k2": "k2", "k3": "k3_unclamped", "low_var_kl": "k3"}
+
 
 
 def _opt(args, name, default=None):
@@ -106,6 +109,59 @@ def _tp_group():
     return mpu.get_tensor_model_parallel_group() if mpu.get_tensor_model_parallel_world_size() > 1 else None
 
 
+def _response_rows(unconcat_tokens, total_lengths, response_lengths, device):
+    """slime's `get_responses` windows: the packed rows of every sample's response (row t predicts token t + 1:
+    `[end - R - 1, end - 1)`) and the tokens they predict, concatenated."""
+    rows, labels, offset = [], [], 0
+    for tokens, total, response in zip(unconcat_tokens, total_lengths, response_lengths):
+        start = offset + total - response - 1
+        rows.append(torch.arange(start, start + response, device=device))
+        labels.append(tokens[total - response:total].to(device))
+        offset += total
+    return torch.cat(rows), torch.cat(labels)
+
+
+def get_log_probs_and_entropy(logits: torch.Tensor, *, args, unconcat_tokens: list, total_lengths: list,
+                              response_lengths: list, with_entropy: bool = False, non_loss_data: bool = True):
+    """slime's `get_log_probs_and_entropy` (`slime/backends/megatron_utils/loss.py`: the old and reference log-prob
+    passes, `forward_only`), by one `rlkernels.token_logprobs` pass over the packed logits: the temperature inside
+    the kernel (slime divides into a new [T, V] float32 tensor), no softmax saved, the rows outside every response
+    skipped (`ignore_index`). Returns slime's `(empty, {"log_probs": [R_i], "entropy": [R_i]})`; the entropy carries
+    a gradient only with `--entropy-coef` (as slime's)."""
+    assert non_loss_data
+    if logits.dim() != 3 or logits.size(0) != 1:
+        raise ValueError(f"logits: expected slime's packed [1, T, V], got {tuple(logits.shape)}")
+    flat = logits.squeeze(0)
+    rows, labels = _response_rows(unconcat_tokens, total_lengths, response_lengths, flat.device)
+    targets = torch.full(flat.shape[:1], -100, dtype=torch.long, device=flat.device).index_copy_(0, rows, labels)
+    stats = token_logprobs(flat, targets, temperature=float(_opt(args, "rollout_temperature", 1.0)),
+                           compute_entropy=with_entropy, tp_group=_tp_group(), validate=False)
+    res = {"log_probs": list(stats.logprobs.index_select(0, rows).split(list(response_lengths)))}
+    if with_entropy:
+        entropy = stats.entropy if _opt(args, "entropy_coef", 0.0) != 0 else stats.entropy.detach()
+        res["entropy"] = list(entropy.index_select(0, rows).split(list(response_lengths)))
+    return torch.empty((0,), device=flat.device), res
+
+
+# where slime binds get_log_probs_and_entropy: the loss module defines it, the actor's compute_log_prob imports it
+_LOG_PROBS = Rebinding("get_log_probs_and_entropy", get_log_probs_and_entropy,
+                       ("slime.backends.megatron_utils.loss", "slime.backends.megatron_utils.actor"))
+
+
+def install(args=None) -> None:
+    """slime's old and reference log-prob passes through `get_log_probs_and_entropy` above: rebinds the name in
+    `slime.backends.megatron_utils.loss` and `.actor`, now or when they are imported (activation.py). In each
+    Megatron actor by slime's own hook, which passes its `args` (not read): `--custom-megatron-init-path
+    rlkernels.integrations.slime.install`."""
+    del args
+    _LOG_PROBS.install()
+
+
+def uninstall() -> None:
+    """slime's own `get_log_probs_and_entropy` back wherever `install()` put rlkernels'."""
+    _LOG_PROBS.uninstall()
+
+
 def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_mean=None, tp_group=None):
     """slime's `policy_loss_function`, by rlkernels (module docstring). `sum_of_sample_mean` (slime's reducer) is
     not called: the aggregation is rlkernels'."""
@@ -118,14 +174,7 @@ def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_
         if not torch.equal(torch.as_tensor(denominators, dtype=torch.float64, device=own.device).reshape(-1), own):
             raise ValueError("rollout_mask_sums: a rollout of several samples (slime divides each sample by its "
                              "rollout's token total); rlkernels divides by the sample's own tokens")
-    # the response rows of each sample in the packed logits, and the tokens they predict
-    rows, labels, offset = [], [], 0
-    for tokens, total, response in zip(batch["unconcat_tokens"], total_lengths, response_lengths):
-        start = offset + total - response - 1
-        rows.append(torch.arange(start, start + response, device=logits.device))
-        labels.append(tokens[total - response:total].to(logits.device))
-        offset += total
-    rows_t = torch.cat(rows)
+    rows_t, labels = _response_rows(batch["unconcat_tokens"], total_lengths, response_lengths, logits.device)
     response_logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows_t)
     cu = torch.zeros(len(response_lengths) + 1, dtype=torch.int64, device=logits.device)
     cu[1:] = torch.cumsum(torch.as_tensor(response_lengths, device=logits.device), 0)
@@ -140,7 +189,7 @@ def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_
         if old is None:  # slime's TIS falls back on the current log-probs, detached: the same as the proximal
             raise ValueError("log_probs: use_tis needs the old log-probs in the batch (slime's recomputed ones)")
     out = decoupled_ppo_loss(
-        response_logits, torch.cat(labels), _cat(batch["advantages"]), torch.cat(masks),
+        response_logits, labels, _cat(batch["advantages"]), torch.cat(masks),
         old_logprobs=None if old is None else old.detach(), rollout_logprobs=None if rollout is None else rollout,
         ref_logprobs=_cat(batch.get("ref_log_probs")) if config.kl_coef else None, cu_seqlens=cu, config=config,
         tp_group=tp_group if tp_group is not None else _tp_group())

@@ -99,3 +99,54 @@ def test_refusals_name_slimes_option():
                                                        use_unbiased_kl=True))
     with pytest.raises(ValueError, match="rollout_top_p"):
         rlk_slime.config_from_slime(slime.default_args(rollout_top_p=0.9))
+
+
+@pytest.mark.parametrize("temperature, entropy_coef", [(1.0, 0.0), (0.8, 0.01)])
+def test_log_prob_route_matches_slimes_get_log_probs_and_entropy(temperature, entropy_coef):
+    """The old / ref log-prob passes: rlkernels' `get_log_probs_and_entropy` against slime's (transcribed: a new
+    tensor divided by the temperature, its fused vocab-parallel function over every row), per-sample log-probs and
+    entropy, and the gradient of both to the packed logits. Float64 logits: the transcription's tolerance."""
+    logits, batch = _batch(21)
+    args = slime.default_args(rollout_temperature=temperature, entropy_coef=entropy_coef)
+    kw = dict(args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+              response_lengths=batch["response_lengths"], with_entropy=True)
+    results = []
+    for fn in (slime.get_log_probs_and_entropy, rlk_slime.get_log_probs_and_entropy):
+        x = logits.clone().requires_grad_(True)
+        empty, res = fn(x, **kw)
+        assert empty.numel() == 0 and len(res["log_probs"]) == len(batch["response_lengths"])
+        lp, ent = torch.cat(res["log_probs"]), torch.cat(res["entropy"])
+        assert ent.requires_grad == (entropy_coef != 0)
+        objective = lp.sum() + (ent.sum() if ent.requires_grad else 0.0)
+        results.append((lp.detach(), ent.detach(), torch.autograd.grad(objective, x)[0]))
+    theirs, ours = results
+    for i, name in enumerate(("log_probs", "entropy", "dlogits")):
+        assert_close(ours[i], theirs[i], **tol("transcribed", F64), name=name)
+
+
+def test_install_rebinds_slimes_log_prob_function(tmp_path, monkeypatch):
+    """install() (slime's --custom-megatron-init-path hook, called with slime's args) before slime's modules are
+    imported: they bind rlkernels' function when they are; uninstall() restores slime's. slime does not install
+    here: a package on disk under slime's module names, laid out as slime's (the loss module defines the function,
+    here the transcription's; the actor module imports it from there), imported through the import system."""
+    import sys
+
+    root = tmp_path / "slime" / "backends" / "megatron_utils"
+    root.mkdir(parents=True)
+    for package in (tmp_path / "slime", tmp_path / "slime" / "backends", root):
+        (package / "__init__.py").write_text("")
+    (root / "loss.py").write_text("from tests.integrations.transcribed.slime import get_log_probs_and_entropy\n")
+    (root / "actor.py").write_text("from .loss import get_log_probs_and_entropy\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        rlk_slime.install(slime.default_args())
+        from slime.backends.megatron_utils import actor, loss
+
+        assert loss.get_log_probs_and_entropy is rlk_slime.get_log_probs_and_entropy
+        assert actor.get_log_probs_and_entropy is rlk_slime.get_log_probs_and_entropy
+        rlk_slime.uninstall()
+        assert loss.get_log_probs_and_entropy is actor.get_log_probs_and_entropy is slime.get_log_probs_and_entropy
+    finally:
+        rlk_slime.uninstall()
+        for name in [m for m in sys.modules if m == "slime" or m.startswith("slime.")]:
+            del sys.modules[name]
