@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .cases import TOL, approx
+from .cases import TOL, approx, assert_close, tol
 
 # the repository root is on sys.path: pytest prepends the rootdir of this test package (tests/ and benchmarks/
 # are packages), so `benchmarks` imports without a path edit
@@ -216,3 +216,22 @@ def test_the_docs_benchmark_commands_write_the_files_they_cite():
                 f"{tag.group(1) if tag else 'its default name'}, the page cites {cited.group(1)}.json"
             checked += 1
     assert checked >= 3
+
+
+def test_the_trainer_logprobs_benchmark_compares_like_with_like():
+    """benchmarks/trainer_logprobs.py: each trainer's pass and its adapter's route compute the same log-probs and
+    entropy (float32 logits: the float32 rows), and the fresh-process measurement runs (one pair here, ~8 s per
+    process; the same worker code builds every provider)."""
+    bench = pytest.importorskip("benchmarks.trainer_logprobs")
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(1, 24, 57, generator=g) * 2, torch.randint(0, 57, (1, 24), generator=g)
+    try:
+        values = {p: [v.detach().float() for v in bench.build(p)(logits.clone(), labels)] for p in bench.PROVIDERS}
+    except ImportError as exc:  # pragma: no cover - CI installs every trainer
+        pytest.skip(f"a trainer is not importable here ({exc})")
+    for trainer in ("areal", "skyrl", "openrlhf"):
+        for name, ours, theirs in zip(("logprobs", "entropy"), values[f"rlkernels[{trainer}]"], values[trainer]):
+            assert_close(ours, theirs, **tol("value", torch.float32, scale=4.0), name=f"{trainer} {name}")
+    rows = bench.main(["--N", "64", "--V", "128", "--providers", "openrlhf,rlkernels[openrlhf]"])
+    assert [r["provider"] for r in rows] == ["openrlhf", "rlkernels[openrlhf]"]
+    assert all("error" not in r and r["peak_working_bytes"] is not None for r in rows), rows

@@ -192,7 +192,8 @@ def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_
         response_logits, labels, _cat(batch["advantages"]), torch.cat(masks),
         old_logprobs=None if old is None else old.detach(), rollout_logprobs=None if rollout is None else rollout,
         ref_logprobs=_cat(batch.get("ref_log_probs")) if config.kl_coef else None, cu_seqlens=cu, config=config,
-        tp_group=tp_group if tp_group is not None else _tp_group())
+        # the response rows are this function's own copy, read by nothing after: their storage takes the gradient
+        inplace_backward=True, tp_group=tp_group if tp_group is not None else _tp_group())
     m = out.metrics
     log = {"loss": out.loss.detach(), "pg_loss": m["actor/pg_loss"], "entropy_loss": m["actor/entropy"],
            "pg_clipfrac": m["actor/pg_clipfrac"], "ppo_kl": m["actor/ppo_kl"]}
