@@ -159,8 +159,8 @@ def actor_forward(self, sequences: torch.Tensor, action_mask: Optional[torch.Ten
                                            return_entropy, **mm_inputs)
     import sys
 
-    helpers = sys.modules[_ACTOR_MODULE]  # OpenRLHF's own packing helpers (ring attention, unpadding)
     batch, seqlen = sequences.size()
+    helpers = sys.modules[_ACTOR_MODULE] if self.packing_samples else None  # OpenRLHF's unpadding, ring attention
     if self.packing_samples:
         sequences, position_ids, rolled, pad_len, indices = helpers.unpad_and_slice_tensor(
             sequences, attention_mask, ring_attn_group)
