@@ -228,3 +228,42 @@ def test_skyrl_worker_finds_the_registered_loss_through_skyrls_registry():
     assert on["route"] == "rlkernels.integrations.skyrl"
     assert loss_only["route"] == off["route"] == "skyrl.backends.skyrl_train.utils.torch_utils"
     assert "Unknown policy loss 'rlkernels_dual_clip'" in off["module"] and off["values"] == [None]
+
+
+SEAMS = """
+import importlib
+from rlkernels.integrations.nemo_rl import ClippedPGLossFn
+
+def data():
+    g = torch.Generator().manual_seed(4)
+    prev = -torch.rand(3, 6, generator=g, dtype=torch.float64)
+    return {"advantages": torch.randn(3, 6, generator=g, dtype=torch.float64), "prev_logprobs": prev,
+            "generation_logprobs": prev + 0.05, "reference_policy_logprobs": prev - 0.05, "token_mask": torch.ones(3, 6, dtype=torch.float64),
+            "sample_mask": torch.ones(3, dtype=torch.float64)}, prev[:, 1:] + 0.1
+
+@ray.remote
+class PolicyWorker:
+    def nemo_rl(self, loss_fn):  # NeMo-RL pickles the loss object grpo.setup() returned to its workers
+        batch, lp = data()
+        return type(loss_fn).__module__, float(loss_fn(batch, 3.0, 15.0, next_token_logprobs=lp)[0])
+
+    def slime(self, path):  # slime's Megatron actor: load_function(args.custom_loss_function_path)
+        module, name = path.rsplit(".", 1)
+        return getattr(importlib.import_module(module), name).__module__
+
+loss_fn = ClippedPGLossFn({"use_importance_sampling_correction": True})
+worker = PolicyWorker.remote()
+module, value = ray.get(worker.nemo_rl.remote(loss_fn))
+batch, lp = data()
+slime_module = ray.get(worker.slime.remote("rlkernels.integrations.slime.policy_loss_function"))
+here = float(loss_fn(batch, 3.0, 15.0, next_token_logprobs=lp)[0])  # the same object in the driver
+print(json.dumps(dict(module=module, values=[value], driver=[here], slime=slime_module)))
+"""
+
+
+def test_nemo_rl_and_slime_seams_carry_the_adapter_to_a_worker():
+    """NeMo-RL's pickled loss object and slime's import path reach a Ray worker with nothing else: the worker
+    computes NeMo-RL's loss with rlkernels' object, and slime's path names rlkernels' function there."""
+    out = _driver(SEAMS)
+    assert out["module"] == "rlkernels.integrations.nemo_rl" and out["slime"] == "rlkernels.integrations.slime"
+    _close(out["values"], out["driver"], "nemo_rl")
