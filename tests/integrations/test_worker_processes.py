@@ -238,8 +238,9 @@ def data():
     g = torch.Generator().manual_seed(4)
     prev = -torch.rand(3, 6, generator=g, dtype=torch.float64)
     return {"advantages": torch.randn(3, 6, generator=g, dtype=torch.float64), "prev_logprobs": prev,
-            "generation_logprobs": prev + 0.05, "reference_policy_logprobs": prev - 0.05, "token_mask": torch.ones(3, 6, dtype=torch.float64),
-            "sample_mask": torch.ones(3, dtype=torch.float64)}, prev[:, 1:] + 0.1
+            "generation_logprobs": prev + 0.05, "reference_policy_logprobs": prev - 0.05,
+            "token_mask": torch.ones(3, 6, dtype=torch.float64), "sample_mask": torch.ones(3, dtype=torch.float64)
+            }, prev[:, 1:] + 0.1
 
 @ray.remote
 class PolicyWorker:
