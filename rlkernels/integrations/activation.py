@@ -21,18 +21,19 @@ one such name across a trainer's modules, with the way back.
 import importlib.abc
 import sys
 import threading
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 _PENDING: Dict[str, List[Callable]] = {}
 _LOCK = threading.Lock()
 
 
 class _PatchAfterExec(importlib.abc.Loader):
-    """The module's own loader, then the patches waiting for it. Every other attribute is the original loader's, so
-    resource reads and `inspect.getsource` behave as without it."""
+    """The module's own loader, then the patches waiting for it, taken only once the module has executed (a spec
+    looked up but not loaded, or an import that raised, leaves them waiting). Every other attribute is the original
+    loader's, so resource reads and `inspect.getsource` behave as without it."""
 
-    def __init__(self, loader, patches):
-        self._loader, self._patches = loader, patches
+    def __init__(self, loader, name):
+        self._loader, self._name = loader, name
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -42,25 +43,27 @@ class _PatchAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        for patch in self._patches:
+        with _LOCK:
+            patches = _PENDING.pop(self._name, [])
+        for patch in patches:
             patch(module)
 
 
 class _WatchImports(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for a watched module it asks the finders after it and wraps the loader they return."""
+    """Finds nothing itself: for a watched module it asks the finders after it and wraps the loader they return (a
+    namespace package's, which executes nothing, is not wrapped: its patches wait for a module that does)."""
 
     def find_spec(self, fullname, path=None, target=None):
         with _LOCK:
             if fullname not in _PENDING:
                 return None
-            patches = _PENDING.pop(fullname)
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchAfterExec(spec.loader, patches)
+                if spec.loader is not None and hasattr(spec.loader, "exec_module") and spec.origin is not None:
+                    spec.loader = _PatchAfterExec(spec.loader, fullname)
                 return spec
         return None
 
@@ -70,7 +73,8 @@ _WATCHER = _WatchImports()
 
 def when_imported(module_name: str, patch: Callable) -> None:
     """Call `patch(module)` on `module_name` now if it is imported, else right after its first import executes.
-    A module imported with its patches pending, or reloaded, is patched once: the watch ends when it fires."""
+    The watch ends when it fires: a module deleted from `sys.modules` and imported again, or reloaded, is not patched
+    again. (A module still executing when this is called, in a circular import, is patched as it is then.)"""
     module = sys.modules.get(module_name)
     if module is not None:
         patch(module)
@@ -81,11 +85,16 @@ def when_imported(module_name: str, patch: Callable) -> None:
             sys.meta_path.insert(0, _WATCHER)
 
 
-def cancel(module_name: str) -> None:
-    """Drop the patches still waiting for `module_name` (an `uninstall()` before the trainer was imported)."""
+def cancel(module_name: str, patch: Optional[Callable] = None) -> None:
+    """Drop `patch` (every patch, when None) still waiting for `module_name` (an `uninstall()` before the trainer
+    was imported); the other patches on that module keep waiting."""
     with _LOCK:
-        _PENDING.pop(module_name, None)
-
+        waiting = _PENDING.get(module_name, [])
+        kept = [] if patch is None else [p for p in waiting if p != patch]
+        if kept:
+            _PENDING[module_name] = kept
+        else:
+            _PENDING.pop(module_name, None)
 
 
 class Rebinding:
@@ -98,8 +107,8 @@ class Rebinding:
 
     def __init__(self, attribute: str, ours, modules):
         self.attribute, self.ours, self.modules = attribute, ours, tuple(modules)
-        self.original = None
-        self._holders = {}  # id -> module: those patched, or found holding ours (not only sys.modules' own)
+        self.original = None  # the trainer's object the first patch replaced (OpenRLHF's forward delegates to it)
+        self._holders = {}  # id -> (module, the object it held before): those patched or found holding ours
 
     def install(self) -> None:
         for name in self.modules:
@@ -107,22 +116,27 @@ class Rebinding:
 
     def uninstall(self) -> None:
         for name in self.modules:
-            cancel(name)
-        for module in self._holders.values():
-            if self.original is not None and self._get(module) is self.ours:
-                self._set(module, self.original)
+            cancel(name, self.patch)
+        for module, before in self._holders.values():
+            restored = before if before is not None else self.original
+            if restored is not None and self._get(module) is self.ours:
+                self._set(module, restored)
         self._holders.clear()
+        self.original = None
 
     def patch(self, module) -> None:
         """Rebind the name in `module` (any module object) if it has it."""
         current = self._get(module)
         if current is None:
             return
+        before = None
         if current is not self.ours:
+            before = current
             if self.original is None:
                 self.original = current
             self._set(module, self.ours)
-        self._holders[id(module)] = module
+        held = self._holders.get(id(module))
+        self._holders[id(module)] = (module, before if before is not None or held is None else held[1])
 
     def _owner(self, module):
         *path, _ = self.attribute.split(".")

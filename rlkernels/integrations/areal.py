@@ -142,9 +142,16 @@ def ppo_actor_loss_fn(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, o
                       cu_seqlens: Optional[torch.Tensor] = None):
     """AReaL's `ppo_actor_loss_fn`, computed by `rlkernels.policy_loss` (module docstring)."""
     config = config_from_areal(eps_clip, eps_clip_higher, c_clip, rejection_sampling, importance_sampling_level)
-    sequences = _sequences_read(logprobs, cu_seqlens, config, rejection_sampling, importance_sampling_level)
+    sequences, named = _sequences_read(logprobs, cu_seqlens, config, rejection_sampling, importance_sampling_level)
     mask = loss_mask.bool()
-    count = max(int(mask.count_nonzero()), 1)  # AReaL's denominator: the mask before rejection
+    reads = [mask.count_nonzero()]  # AReaL's denominator: the mask before rejection (AReaL reads it too)
+    if sequences is not None and sequences.numel():
+        reads.append(sequences[-1].to(reads[0].dtype))  # where the sequences end: read in the same transfer
+    values = torch.stack(reads).tolist()
+    if sequences is not None and (len(values) < 2 or values[1] != logprobs.shape[0]):
+        raise ValueError(f"cu_seqlens: with {named} the sequences must cover the {logprobs.shape[0]} packed tokens; "
+                         f"they end at {values[1] if len(values) > 1 else 0}")
+    count = max(values[0], 1)
     config = config.with_overrides(global_num_tokens=float(count))
     rc = config.rollout_correction
     out = policy_loss(logprobs, advantages, mask, old_logprobs=proximal_logprobs.detach(),
@@ -165,24 +172,22 @@ def _log_parity(proximal, behave, mask, cu_seqlens) -> None:
 
 
 def _sequences_read(logprobs, cu_seqlens, config, rejection_sampling, importance_sampling_level):
-    """The cu_seqlens of packed input where something sequence-level reads them, else None: AReaL's token-level
-    loss ignores them, and a context-parallel rank's cu_seqlens may end before its token count."""
+    """(the cu_seqlens of packed input where something sequence-level reads them, else None; the options that do,
+    for messages): AReaL's token-level loss ignores them, and a context-parallel rank's may end before its token
+    count."""
     if logprobs.ndim != 1:
-        return None
+        return None, ""
     rc = config.rollout_correction
     by_sequence = {name: value for name, value in (
         ("importance_sampling_level", importance_sampling_level),
         ("rejection_sampling.level", _get(rejection_sampling, "level", "token") if rc is not None else None))
         if value == "sequence"}
     if not by_sequence:
-        return None
+        return None, ""
     named = ", ".join(f"{name}='sequence'" for name in by_sequence)
     if cu_seqlens is None:
         raise ValueError(f"cu_seqlens: required with packed (1-D) input and {named}, as AReaL's own loss requires")
-    if cu_seqlens.numel() < 1 or int(cu_seqlens[-1]) != logprobs.shape[0]:
-        raise ValueError(f"cu_seqlens: with {named} the sequences must cover the {logprobs.shape[0]} packed tokens; "
-                         f"they end at {int(cu_seqlens[-1]) if cu_seqlens.numel() else 0}")
-    return cu_seqlens
+    return cu_seqlens, named
 
 
 def _sequence_mean(x, kept, cu_seqlens):

@@ -177,12 +177,12 @@ class RegisteredLoss:
             cfg = cfg.with_overrides(rollout_correction=None)  # SkyRL skips the correction without them
         out = policy_loss(log_probs, advantages, mask, old_logprobs=old, rollout_logprobs=rollout_logprobs,
                           config=cfg)
-        metrics = metrics_to_floats(out.metrics)
+        metrics = dict(out.metrics)
         metrics.update(skyrl_metrics(loss_type, config, log_probs, old_log_probs, advantages, mask,
                                      rollout_logprobs))
         if old_log_probs is not None:  # parity.py: pi_old against the sampler, opt-in
-            metrics.update(metrics_to_floats(parity_metrics(old_log_probs, rollout_logprobs, mask)))
-        return out.loss, metrics
+            metrics.update(parity_metrics(old_log_probs, rollout_logprobs, mask))
+        return out.loss, metrics_to_floats(metrics)  # one synchronisation for all of them
 
 
 def _unpickled_loss(loss_type: str, routes: bool) -> RegisteredLoss:
@@ -210,11 +210,11 @@ def _bound_fractions(prefix: str, stat: torch.Tensor, low, high) -> Dict[str, to
 
 
 def skyrl_metrics(loss_type: str, algorithm, log_probs, old_log_probs, advantages, mask, rollout_logprobs
-                  ) -> Dict[str, float]:
+                  ) -> Dict[str, torch.Tensor]:
     """SkyRL 0.4's metrics of its loss `loss_type` under SkyRL's names, with SkyRL's values
     (`ppo_utils.py`'s losses, `off_policy_correction_utils.py`): computed from the detached inputs as SkyRL does
     (ratios in float32 clamped to +-20, the fractions over the mask each step of SkyRL's correction leaves).
-    Floats, as SkyRL's: one synchronisation per call, which SkyRL's own loss makes too."""
+    Device tensors (SAPO's constant 0 a number), read back with the loss's other metrics in one synchronisation."""
     with torch.no_grad():
         lp = log_probs.detach()
         m = mask.to(lp.dtype)
@@ -236,17 +236,19 @@ def skyrl_metrics(loss_type: str, algorithm, log_probs, old_log_probs, advantage
         opc = _get(algorithm, "off_policy_correction")
         if rollout_logprobs is not None and rollout_correction_from_skyrl(opc) is not None:
             out.update(_correction_metrics(opc, old, rollout_logprobs.detach(), m))
-    return {name: float(value) for name, value in out.items()}
+    return out
 
 
 def _cispo_metrics(cispo, lp, old, rollout, mask, m):
     anchor = rollout.detach() if _get(cispo, "cispo_anchor", "old") == "rollout" else old
     low, high = 1 - _get(cispo, "cispo_eps_clip_low", 1.0), 1 + _get(cispo, "cispo_eps_clip_high", 4.0)
     ratio = _exp(lp - anchor)
-    active = ratio[mask] if bool(mask.any()) else ratio
+    any_active = mask.any()  # SkyRL: the extremes over the masked tokens, over every token when there is none
+    ratio_max = torch.where(any_active, torch.where(mask, ratio, -torch.inf).max(), ratio.max())
+    ratio_min = torch.where(any_active, torch.where(mask, ratio, torch.inf).min(), ratio.min())
     return {"clip_ratio": _masked_mean(((ratio < low) | (ratio > high)).to(lp.dtype), m),
             "cispo/ratio_mean": _masked_mean(ratio, m), "cispo/ratio_clamped_mean": _masked_mean(
-                ratio.clamp(low, high), m), "cispo/ratio_max": active.max(), "cispo/ratio_min": active.min()}
+                ratio.clamp(low, high), m), "cispo/ratio_max": ratio_max, "cispo/ratio_min": ratio_min}
 
 
 def _correction_metrics(opc, old, rollout, m):
@@ -306,7 +308,10 @@ def register(registry=None, routes: bool = True) -> Dict[str, str]:
 # HFModelWrapper.forward (FSDP workers: the policy's old and update forwards, the reference's) calls these two names
 # of its module on the temperature-scaled logits, log-probs first; the entropy function is bound in __init__
 _WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.model_wrapper"
-_last_pass = None  # (the logits of the last log-prob pass, its entropy): the entropy call that follows reuses it
+# (the logits of the last log-prob pass with autograd, their version, its entropy): the entropy call that follows on the
+# same logits reuses it. Held until that call or the next pass; the entropy's graph keeps the pass's saved tensors only
+# until the backward (as the log-probs' does), so what outlives a step is a [B, T] tensor.
+_last_pass = None
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
@@ -314,9 +319,17 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     entropy for the `chunked_entropy_from_logits` call that follows on the same logits. Float32 log-probs (as
     SkyRL's flash-attn path on a GPU); `inplace_backward` as SkyRL's (the gradient into the logits' storage)."""
     global _last_pass
-    stats = token_logprobs(logits, labels, compute_entropy=True, inplace_backward=inplace_backward, validate=False)
-    _last_pass = (weakref.ref(logits), logits._version, stats.entropy)
+    # the entropy rides along where SkyRL asks for it, the update forward (with autograd); its old and reference
+    # passes (no autograd) ask for none, and an entropy call there runs its own pass
+    training = torch.is_grad_enabled()
+    stats = token_logprobs(logits, labels, compute_entropy=training, inplace_backward=inplace_backward,
+                           validate=False)
+    _last_pass = (weakref.ref(logits), _version(logits), stats.entropy) if training else None
     return stats.logprobs
+
+
+def _version(tensor: torch.Tensor) -> int:
+    return -1 if tensor.is_inference() else tensor._version  # an inference tensor has no version counter
 
 
 @torch.compiler.disable  # SkyRL may torch.compile its entropy function; this one is a lookup or one fused pass
@@ -327,7 +340,7 @@ def chunked_entropy_from_logits(logits: torch.Tensor, requires_grad: bool = Fals
     `requires_grad`. `chunk_size` is not read."""
     global _last_pass
     previous, _last_pass = _last_pass, None
-    if previous is not None and previous[0]() is logits and previous[1] == logits._version:
+    if previous is not None and previous[0]() is logits and previous[1] == _version(logits):
         entropy = previous[2]
     else:
         labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)

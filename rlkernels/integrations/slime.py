@@ -1,7 +1,7 @@
 """rlkernels inside slime (and miles): a custom loss for `--loss-type custom_loss`.
 
     --loss-type custom_loss --custom-loss-function-path rlkernels.integrations.slime.policy_loss_function
-    --custom-megatron-init-path rlkernels.integrations.slime.install     # the old / ref log-prob passes too
+    --custom-megatron-init-path rlkernels.integrations.slime.install     # slime's log-prob passes too
 
 slime calls `policy_loss_function(args, batch, logits, sum_of_sample_mean) -> (loss, log)` with Megatron's packed
 logits `[1, T, V]` (float32; `V / tp` per rank under tensor parallelism) and per-sample lists. This function
@@ -122,12 +122,21 @@ def _response_rows(unconcat_tokens, total_lengths, response_lengths, device):
 
 
 def get_log_probs_and_entropy(logits: torch.Tensor, *, args, unconcat_tokens: list, total_lengths: list,
-                              response_lengths: list, with_entropy: bool = False, non_loss_data: bool = True):
+                              response_lengths: list, with_entropy: bool = False, non_loss_data: bool = True,
+                              **top_p):
     """slime's `get_log_probs_and_entropy` (`slime/backends/megatron_utils/loss.py`: the old and reference log-prob
-    passes, `forward_only`), by one `rlkernels.token_logprobs` pass over the packed logits: the temperature inside
-    the kernel (slime divides into a new [T, V] float32 tensor), no softmax saved, the rows outside every response
-    skipped (`ignore_index`). Returns slime's `(empty, {"log_probs": [R_i], "entropy": [R_i]})`; the entropy carries
-    a gradient only with `--entropy-coef` (as slime's)."""
+    passes, `forward_only`, and the update pass of slime's own loss), by one `rlkernels.token_logprobs` pass over
+    the packed logits: the temperature inside the kernel (slime divides into a new [T, V] float32 tensor), no
+    softmax saved, the rows outside every response skipped (`ignore_index`). Returns slime's `(empty,
+    {"log_probs": [R_i], "entropy": [R_i]})`; the entropy carries a gradient only with `--entropy-coef` (as
+    slime's). A call with slime's top-p replay (`top_p_token_ids` / `top_p_token_offsets`, `--rollout-top-p` < 1)
+    runs slime's own function: rlkernels does not renormalise over slime's kept set here."""
+    if any(value is not None for value in top_p.values()):
+        if _LOG_PROBS.original is None:
+            raise ValueError("rollout_top_p: slime's top-p replay of the logits is not supported; use 1.0")
+        return _LOG_PROBS.original(logits, args=args, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths,
+                                   response_lengths=response_lengths, with_entropy=with_entropy,
+                                   non_loss_data=non_loss_data, **top_p)
     assert non_loss_data
     if logits.dim() != 3 or logits.size(0) != 1:
         raise ValueError(f"logits: expected slime's packed [1, T, V], got {tuple(logits.shape)}")

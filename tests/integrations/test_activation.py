@@ -90,3 +90,73 @@ def test_rebinding_a_dotted_attribute_of_an_imported_module(package):
     assert loss.Actor().forward() == "ours"
     rebinding.uninstall()
     assert loss.Actor().forward() == "theirs"
+
+
+def test_a_spec_looked_up_or_an_import_that_fails_leaves_the_patch_waiting(package, tmp_path):
+    import importlib.util
+
+    seen = []
+    when_imported(package + "other", lambda module: seen.append("other"))
+    assert importlib.util.find_spec(package + "other") is not None  # an availability check (runpy does one)
+    assert seen == []
+    broken = tmp_path / PACKAGE / "broken.py"
+    broken.write_text("raise RuntimeError('first try')\n")
+    when_imported(package + "broken", lambda module: seen.append("broken"))
+    with pytest.raises(RuntimeError):
+        import rlk_activation_probe.broken  # noqa: F401
+    broken.write_text("VALUE = 2\n")
+    importlib.invalidate_caches()
+    import rlk_activation_probe.broken  # noqa: F401, F811
+    import rlk_activation_probe.other  # noqa: F401
+
+    assert seen == ["broken", "other"]
+
+
+def test_cancel_drops_only_the_named_patch(package):
+    seen = []
+
+    def first(module):
+        seen.append("first")
+
+    def second(module):
+        seen.append("second")
+
+    when_imported(package + "other", first)
+    when_imported(package + "other", second)
+    cancel(package + "other", first)
+    import rlk_activation_probe.other  # noqa: F401
+
+    assert seen == ["second"]
+
+
+def test_two_rebindings_on_one_module_come_back_independently(package):
+    loss_rebinding = Rebinding("Loss", Ours, [package + "loss"])
+    actor_rebinding = Rebinding("Actor.forward", ours_forward, [package + "loss"])
+    loss_rebinding.install()
+    actor_rebinding.install()
+    loss_rebinding.uninstall()  # before the import: the other one still waits
+    from rlk_activation_probe import loss
+
+    assert loss.Loss is not Ours and loss.Actor().forward() == "ours"
+    actor_rebinding.uninstall()
+    assert loss.Actor().forward() == "theirs"
+
+
+def test_uninstall_puts_back_what_each_module_held(package):
+    """A module re-imported after the patch holds a new object: uninstall() restores each module's own, not the first
+    module's."""
+    import importlib
+
+    rebinding = Rebinding("VALUE", 99, [package + "other"])
+    from rlk_activation_probe import other
+
+    rebinding.install()
+    assert other.VALUE == 99
+    rebinding.uninstall()
+    assert other.VALUE == 1
+    reloaded = importlib.reload(other)
+    reloaded.VALUE = 7  # the reloaded module's own value
+    rebinding.install()
+    assert reloaded.VALUE == 99
+    rebinding.uninstall()
+    assert reloaded.VALUE == 7

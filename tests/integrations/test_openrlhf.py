@@ -176,3 +176,62 @@ def test_actor_forward_route_matches_openrlhfs(temperature, entropy):
     for name in theirs[2]:
         scale = max(1e-3, float(theirs[2][name].abs().max()))
         assert_close(ours[2][name], theirs[2][name], **tol("dlogits", torch.float32, scale=scale), name=name)
+
+
+def test_actor_forward_hands_logits_only_calls_to_openrlhfs_forward():
+    """A call that wants the logits (no action_mask, no return_logprobs) runs OpenRLHF's own forward: installed, and
+    on a subclass that defines forward = actor_forward without install() (the plugin running OpenRLHF's tests)."""
+    from rlkernels.testing.peers import load_example
+    from rlkernels.testing.trainers import openrlhf_actor
+
+    actor_module = openrlhf_actor()
+    example = load_example("trl_grpo.py")
+    tok = example.tiny_tokenizer()
+    sequences = torch.randint(3, example.VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    attention = torch.ones(2, 7, dtype=torch.long)
+    subclass = type("Actor", (actor_module.Actor,), {"forward": rlk_openrlhf.actor_forward})
+    for build in (lambda: subclass(example.tiny_model(tok)), lambda: actor_module.Actor(example.tiny_model(tok))):
+        actor = build()
+        actor.packing_samples = False
+        installed = type(actor) is actor_module.Actor
+        if installed:
+            rlk_openrlhf.install()
+        try:
+            output = actor(sequences, attention_mask=attention, return_output=True)
+        finally:
+            rlk_openrlhf.uninstall()
+        assert output["logits"].dtype == torch.float32 and output["logits"].shape == (2, 7, example.VOCAB)
+
+
+def test_actor_forward_route_with_bf16_logits():
+    """The memory case: a bf16 model. OpenRLHF takes its float32 copy of the bf16 logits, the route reads them as
+    they are, both computing in float32: the float32 rows for the values; the parameters' gradients are bf16 on
+    both sides (OpenRLHF's through its cast's backward), one rounding each: the bf16 row."""
+    from rlkernels.testing.peers import load_example
+    from rlkernels.testing.trainers import openrlhf_actor
+
+    actor_module = openrlhf_actor()
+    example = load_example("trl_grpo.py")
+    tok = example.tiny_tokenizer()
+    g = torch.Generator().manual_seed(4)
+    sequences = torch.randint(3, example.VOCAB, (2, 8), generator=g)
+    attention, action_mask = torch.ones(2, 8, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)
+    a = torch.randn(2, 5, generator=g)
+    results = []
+    for ours in (False, True):
+        actor = actor_module.Actor(example.tiny_model(tok).to(torch.bfloat16), temperature=0.8)
+        actor.packing_samples = False
+        if ours:
+            rlk_openrlhf.install()
+        try:
+            lp, output = actor(sequences, action_mask, attention, return_output=True, return_entropy=True)
+        finally:
+            rlk_openrlhf.uninstall()
+        ((a * lp).sum() + output.entropy.sum()).backward()
+        head = actor.model.lm_head.weight.grad.float()
+        results.append((lp.detach(), output.entropy.detach(), head))
+    theirs, ours = results
+    assert_close(ours[0], theirs[0], **tol("value", torch.float32), name="action log-probs")
+    assert_close(ours[1], theirs[1], **tol("value", torch.float32), name="entropy")
+    scale = float(theirs[2].abs().max())
+    assert_close(ours[2], theirs[2], **tol("dlogits", torch.bfloat16, scale=scale), name="lm_head grad")

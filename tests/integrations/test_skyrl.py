@@ -220,3 +220,22 @@ def test_entropy_without_a_log_prob_pass_before_it():
     ours = rlk_skyrl.chunked_entropy_from_logits(logits)
     theirs = SK.torch_utils.chunked_entropy_from_logits(logits)
     assert_close(ours, theirs, **tol("value", torch.float32), name="entropy")
+
+
+def test_route_under_inference_mode_and_its_cache_lifetime():
+    """SkyRL's old / ref passes may run under inference mode (no version counter) or no_grad (no entropy asked for
+    with the log-probs); the update forward's entropy call takes the cached entropy and clears the cache."""
+    g = torch.Generator().manual_seed(8)
+    logits, labels = torch.randn(2, 5, 17, generator=g), torch.randint(0, 17, (2, 5), generator=g)
+    expected = SK.torch_utils.chunked_entropy_from_logits(logits)
+    with torch.inference_mode():
+        rlk_skyrl.logprobs_from_logits(logits.clone(), labels)
+        assert rlk_skyrl._last_pass is None  # nothing cached without autograd
+        assert_close(rlk_skyrl.chunked_entropy_from_logits(logits.clone()), expected, **tol("value", torch.float32),
+                     name="entropy under inference mode")
+    x = logits.clone().requires_grad_(True)
+    rlk_skyrl.logprobs_from_logits(x, labels)
+    assert rlk_skyrl._last_pass is not None and rlk_skyrl._last_pass[0]() is x
+    entropy = rlk_skyrl.chunked_entropy_from_logits(x, requires_grad=True)
+    assert rlk_skyrl._last_pass is None and entropy.requires_grad
+    assert_close(entropy.detach(), expected, **tol("value", torch.float32), name="cached entropy")

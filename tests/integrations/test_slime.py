@@ -150,3 +150,32 @@ def test_install_rebinds_slimes_log_prob_function(tmp_path, monkeypatch):
         rlk_slime.uninstall()
         for name in [m for m in sys.modules if m == "slime" or m.startswith("slime.")]:
             del sys.modules[name]
+
+
+def test_top_p_replay_calls_go_to_slimes_own_function():
+    """slime passes top_p_token_ids / top_p_token_offsets with --rollout-top-p < 1: the route hands such a call to
+    the function it replaced, and without one refuses it by name."""
+    import types
+
+    logits, batch = _batch(22)
+    kw = dict(args=slime.default_args(), unconcat_tokens=batch["unconcat_tokens"],
+              total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])
+    with pytest.raises(ValueError, match="^rollout_top_p"):
+        rlk_slime.get_log_probs_and_entropy(logits, top_p_token_ids=torch.zeros(1), top_p_token_offsets=None, **kw)
+    calls = []
+
+    def slimes_own(logits, **kwargs):
+        calls.append(sorted(kwargs))
+        return torch.empty(0), {}
+
+    module = types.ModuleType("slime.backends.megatron_utils.loss")
+    module.get_log_probs_and_entropy = slimes_own
+    rlk_slime._LOG_PROBS.patch(module)
+    try:
+        rlk_slime.get_log_probs_and_entropy(logits, top_p_token_ids=torch.zeros(1), top_p_token_offsets=None, **kw)
+        assert calls and "top_p_token_ids" in calls[0]
+        _, res = rlk_slime.get_log_probs_and_entropy(logits, top_p_token_ids=None, top_p_token_offsets=None, **kw)
+        assert len(calls) == 1 and len(res["log_probs"]) == len(batch["response_lengths"])  # no top-p: the route
+    finally:
+        rlk_slime.uninstall()
+    assert module.get_log_probs_and_entropy is slimes_own

@@ -50,7 +50,7 @@ import torch
 from ... import api
 from ...config import PolicyLossConfig, RolloutCorrection
 from ..hf import add_loss_forward, hidden_state_loss_blocker
-from ..parity import parity_metrics
+from ..parity import parity_metrics, parity_requested
 from ..requirements import import_trainer
 
 _TRLGRPOTrainer = import_trainer("trl", "trl").GRPOTrainer
@@ -162,7 +162,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if mode == "train" and self.accelerator.sync_gradients and getattr(self, "_entropy_bonus_enabled", False):
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)  # TRL logs it at each optimizer step
         metrics = dict(out.metrics)
-        if sampling is not None:  # opt-in (parity.py): pi_old, or the current log-probs, against vLLM's
+        if sampling is not None and parity_requested():  # opt-in (parity.py): pi_old, or the current, against vLLM's
             scored = mask.bool() & ~torch.isnan(sampling)  # a token vLLM could not score is not compared
             metrics.update(parity_metrics(out.logprobs if old is None else old, sampling, scored))
         self._log_rlkernels_metrics(mode, metrics, entropy_scale)
