@@ -22,9 +22,9 @@ functions, OPSM with TIS (slime's OPSM reads π_old, rlkernels' the sampler's lo
 `--use-unbiased-kl` with `low_var_kl` (slime clamps r·k3, rlkernels k3 before the ratio), and
 multi-sample rollouts whose `rollout_mask_sums` differ from a sample's own mask total (slime divides each sample
 by its rollout's total; rlkernels' sequence mean by the sample's own tokens).
-The log: slime's keys `loss`, `pg_loss`, `entropy_loss`, `pg_clipfrac`, `ppo_kl` (+ `kl_loss`) as device tensors;
-`pg_clipfrac` and `ppo_kl` are rlkernels' token means (slime sums per-sample means). With RLKERNELS_LOGPROB_PARITY=1,
-`logprob_parity/...` of slime's `log_probs` against its `rollout_log_probs` (parity.py).
+The log: slime's keys `loss`, `pg_loss`, `entropy_loss`, `pg_clipfrac`, `ppo_kl` (+ `kl_loss`) as device tensors, with
+slime's values (`pg_clipfrac` and `ppo_kl` reduced as slime reduces them: per-sample means, summed). With
+RLKERNELS_LOGPROB_PARITY=1, `logprob_parity/...` of slime's `log_probs` against its `rollout_log_probs` (parity.py).
 """
 
 from typing import List, Optional
@@ -171,6 +171,34 @@ def uninstall() -> None:
     _LOG_PROBS.uninstall()
 
 
+def _slime_ratio_log(args, config, logprobs, reference, advantages, masks, response_lengths):
+    """slime's `pg_clipfrac` and `ppo_kl` with slime's values: per token from the detached log-probs (ppo_kl = old -
+    new, a sample's mean of it under GSPO; the clipped fraction as slime's PPO or CISPO counts it), then slime's
+    reducer: each sample's masked mean, summed over the samples (token sums with `--calculate-per-token-loss`)."""
+    with torch.no_grad():
+        lp = logprobs.detach()
+        ppo_kl = torch.zeros_like(lp) if reference is None else reference.detach().to(lp.dtype) - lp
+        weights = torch.cat(masks).to(lp.dtype)
+        counts = torch.stack([m.sum() for m in masks]).to(lp.dtype)
+        sample = torch.repeat_interleave(torch.arange(len(masks), device=lp.device),  # output_size: no host read
+                                         torch.as_tensor(response_lengths, device=lp.device), output_size=lp.shape[0])
+
+        def per_sample_sums(x):
+            return torch.zeros(len(masks), dtype=lp.dtype, device=lp.device).index_add_(0, sample, x * weights)
+
+        if config.ratio_level == "sequence":  # GSPO: every token takes its sample's mean log-ratio
+            ppo_kl = (per_sample_sums(ppo_kl) / counts.clamp(min=1))[sample]
+        ratio = torch.exp(-ppo_kl)
+        clamped = ratio.clamp(1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+        if config.loss_type == "cispo":
+            clipped = clamped != ratio
+        else:
+            clipped = -clamped * advantages > -ratio * advantages
+        denominators = 1.0 if _opt(args, "calculate_per_token_loss", False) else counts.clamp(min=1)
+        return {name: (per_sample_sums(x) / denominators).sum()
+                for name, x in (("pg_clipfrac", clipped.to(lp.dtype)), ("ppo_kl", ppo_kl))}
+
+
 def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_mean=None, tp_group=None):
     """slime's `policy_loss_function`, by rlkernels (module docstring). `sum_of_sample_mean` (slime's reducer) is
     not called: the aggregation is rlkernels'."""
@@ -204,8 +232,10 @@ def policy_loss_function(args, batch: dict, logits: torch.Tensor, sum_of_sample_
         # the response rows are this function's own copy, read by nothing after: their storage takes the gradient
         inplace_backward=True, tp_group=tp_group if tp_group is not None else _tp_group())
     m = out.metrics
+    reference = old if old is not None else rollout  # what slime's ppo_kl is of (the sampler's in bypass mode)
     log = {"loss": out.loss.detach(), "pg_loss": m["actor/pg_loss"], "entropy_loss": m["actor/entropy"],
-           "pg_clipfrac": m["actor/pg_clipfrac"], "ppo_kl": m["actor/ppo_kl"]}
+           **_slime_ratio_log(args, config, out.logprobs, reference, _cat(batch["advantages"]), masks,
+                              response_lengths)}
     if "actor/kl_loss" in m:
         log["kl_loss"] = m["actor/kl_loss"]
     if old is not None:  # opt-in: pi_old against the sampler (parity.py)

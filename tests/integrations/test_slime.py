@@ -83,8 +83,11 @@ def test_matches_slimes_own_policy_loss(case, seed):
     assert_close(ours[0], theirs[0], **tol("transcribed", F64), name="loss")
     assert_close(ours[1], theirs[1], **tol("transcribed", F64, scale=max(1.0, float(theirs[1].abs().max()))),
                  name="dlogits")
-    for key in ("pg_loss", "entropy_loss") + (("kl_loss",) if over.get("use_kl_loss") else ()):
+    for key in ("pg_loss", "entropy_loss", "ppo_kl") + (("kl_loss",) if over.get("use_kl_loss") else ()):
         assert_close(ours[2][key], theirs[2][key], **tol("transcribed", F64), name=key)
+    # slime counts its clipped tokens in float32 (`.float()`) and divides by float32 totals
+    assert_close(ours[2]["pg_clipfrac"], theirs[2]["pg_clipfrac"].to(torch.float64), **tol("metric", torch.float32),
+                 name="pg_clipfrac")
 
 
 def test_refusals_name_slimes_option():
