@@ -26,12 +26,17 @@ the ratio is against π_prev), other KL clamp values, `positive_example_nll_weig
 `disable_ppo_ratio`.
 `input_type="logit"`: the loss takes the model's logits `[B, T, V]` (row t predicts `input_ids[:, t + 1]`) and runs
 `rlkernels.decoupled_ppo_loss` on them (`tp_group=` for vocabulary-parallel logits). Metrics are Python floats, as
-NeMo-RL's (one synchronisation); with RLKERNELS_LOGPROB_PARITY=1 they include `logprob_parity/...` of
-`prev_logprobs` against `generation_logprobs` (parity.py).
+NeMo-RL's (one synchronisation): every metric NeMo-RL's loss logs, under its name with its value (`nemo_rl_metrics`:
+`probs_ratio*`, `token_mult_prob_error`, `gen_kl_error`, `policy_kl_error`, `js_divergence_error`, `kl_penalty`,
+`sampling_importance_ratio`, `is_oob_ratio`, `approx_entropy`, `num_valid_samples`), rlkernels' own beside them;
+with RLKERNELS_LOGPROB_PARITY=1 also `logprob_parity/...` of `prev_logprobs` against `generation_logprobs`
+(parity.py).
 """
 
 import math
 from typing import Optional
+
+import torch
 
 from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss
 from ..config import PolicyLossConfig, RolloutCorrection
@@ -108,7 +113,7 @@ class ClippedPGLossFn:
     def __init__(self, cfg=None, use_fused_linear_logprobs: bool = False, input_type: str = "logprob",
                  tp_group=None):
         cfg = {} if cfg is None else cfg
-        self.config = config_from_nemo_rl(cfg)
+        self.cfg, self.config = cfg, config_from_nemo_rl(cfg)
         self.force_on_policy_ratio = bool(_get(cfg, "force_on_policy_ratio", False))
         if input_type not in ("logprob", "logit"):
             raise ValueError(f"input_type: expected 'logprob' or 'logit', got {input_type!r}")
@@ -141,6 +146,112 @@ class ClippedPGLossFn:
         prev, generated = data.get("prev_logprobs"), data.get("generation_logprobs")
         report = {} if prev is None or generated is None else parity_metrics(prev[:, 1:], generated[:, 1:],
                                                                              token_mask)  # opt-in: parity.py
-        metrics = metrics_to_floats({**out.metrics, **report})
-        metrics.update(loss=float(out.loss.detach()), actor_loss=metrics.get("actor/pg_loss", 0.0))
+        own = nemo_rl_metrics(self.cfg, config, data, out.logprobs, global_valid_seqs, global_valid_toks)
+        metrics = metrics_to_floats({**out.metrics, **own, **report, "loss": out.loss.detach()})
+        metrics["actor_loss"] = metrics.get("actor/pg_loss", 0.0)
         return out.loss, metrics
+
+
+def _mean(x, mask, norm=None, dim=None):
+    """NeMo-RL's masked_mean: sum(x * mask) / (norm + 1e-8), norm the mask's sum or the global count given."""
+    return (x * mask).sum(dim) / ((mask.sum(dim) if norm is None else norm) + 1e-8)
+
+
+def _nemo_kl(logprobs, reference, kl_type, clamps=False):
+    """NeMo-RL's calculate_kl of logr = reference - logprobs; with `clamps`, its defaults (20 in, 10 out)."""
+    logr = reference - logprobs
+    if clamps:
+        logr = logr.clamp(-20.0, 20.0)
+    if kl_type == "k1":
+        kl = -logr
+    elif kl_type == "k2":
+        kl = logr * logr / 2
+    else:
+        kl = torch.exp(logr) - 1 - logr
+    return kl.clamp(-10.0, 10.0) if clamps else kl
+
+
+def nemo_rl_metrics(cfg, config: PolicyLossConfig, data, logprobs, global_valid_seqs, global_valid_toks):
+    """NeMo-RL's `ClippedPGLossFn` metrics under its names, with its values (`loss_functions.py` @7ea279ab): the
+    ratio's mean, clamped mean and extremes, the generator-versus-trainer errors (`token_mult_prob_error`,
+    `gen_kl_error`, `policy_kl_error`, `js_divergence_error`), `kl_penalty`, `sampling_importance_ratio`,
+    `is_oob_ratio`, `approx_entropy`, `num_valid_samples`, each divided by NeMo-RL's global counts as NeMo-RL
+    divides them. Device tensors, from the detached log-probs; read back with the loss's other metrics."""
+    with torch.no_grad():
+        curr = logprobs.detach()
+        token_mask, sample_mask = data["token_mask"][:, 1:], data["sample_mask"]
+        mask = token_mask * sample_mask.unsqueeze(-1)
+        gen = data["generation_logprobs"][:, 1:]
+        force = bool(_get(cfg, "force_on_policy_ratio", False))
+        prev = curr if force else data["prev_logprobs"][:, 1:]
+        kl_type, gvt, gvs = _get(cfg, "reference_policy_kl_type", "k3"), global_valid_toks, global_valid_seqs
+        log_mixture = torch.log(0.5 * torch.exp(prev) + 0.5 * torch.exp(gen))
+
+        def to_mixture(lp):
+            return torch.exp(lp - log_mixture) - (lp - log_mixture) - 1
+
+        out = {"token_mult_prob_error": _mean(torch.exp((gen - prev).abs() * mask), mask, gvt),
+               "gen_kl_error": _mean(_nemo_kl(gen, prev, kl_type), mask, gvt),
+               "policy_kl_error": _mean(_nemo_kl(prev, gen, kl_type), mask, gvt),
+               "js_divergence_error": _mean(0.5 * to_mixture(prev) + 0.5 * to_mixture(gen), mask, gvt),
+               "approx_entropy": -_mean(torch.exp(curr - gen) * curr, mask, gvt),
+               "num_valid_samples": sample_mask.sum(), "positive_nll_loss": 0.0}
+        out["kl_penalty"] = 0.0
+        if config.kl_coef:
+            kl = _nemo_kl(curr, data["reference_policy_logprobs"][:, 1:], kl_type, clamps=True)
+            out["kl_penalty"] = _mean(kl, mask, gvt) if config.loss_agg_mode == "token-mean" else _mean(
+                _mean(kl, token_mask, dim=-1), sample_mask, gvs)
+        out.update(_nemo_ratio_metrics(cfg, curr, prev, token_mask, mask, gvt))
+        out.update(_nemo_weight_metrics(cfg, prev, gen, token_mask, sample_mask, mask, gvs, gvt))
+    return out
+
+
+def _nemo_ratio_metrics(cfg, curr, prev, token_mask, mask, gvt):
+    if _get(cfg, "force_on_policy_ratio", False):
+        ratios = clamped = torch.ones_like(curr)
+    elif not _get(cfg, "disable_ppo_ratio", False):
+        log_ratios = curr - prev
+        if _get(cfg, "sequence_level_importance_ratios", False):
+            ratios = torch.exp(_mean(log_ratios, token_mask, dim=-1)).unsqueeze(-1).expand_as(curr)
+        else:
+            ratios = torch.exp(log_ratios)
+        clamped = ratios.clamp(1.0 - _get(cfg, "ratio_clip_min", 0.2), 1.0 + _get(cfg, "ratio_clip_max", 0.2))
+    else:
+        ratios = clamped = curr
+    kept, none = mask.bool(), ~mask.bool().any()
+    out = {"probs_ratio": _mean(ratios, mask, gvt), "probs_ratio_clamped": _mean(clamped, mask, gvt)}
+    for name, values in (("probs_ratio", ratios), ("probs_ratio_clamped", clamped)):  # inf / -inf: none masked
+        out[f"{name}_min"] = torch.where(none, torch.inf, torch.where(kept, values, torch.inf).min())
+        out[f"{name}_max"] = torch.where(none, -torch.inf, torch.where(kept, values, -torch.inf).max())
+    return out
+
+
+def _nemo_weight_metrics(cfg, prev, gen, token_mask, sample_mask, mask, gvs, gvt):
+    """`sampling_importance_ratio` (the actor weights after NeMo-RL's truncation) and `is_oob_ratio`."""
+    out = {}
+    sequence = _get(cfg, "sequence_level_importance_ratios", False)
+    if sequence:
+        weights = torch.nan_to_num(torch.exp(((prev - gen) * mask).sum(-1)), nan=0.0, posinf=0.0, neginf=0.0)
+        weights = weights.unsqueeze(-1)
+    else:
+        weights = torch.nan_to_num(torch.exp(prev - gen), nan=0.0, posinf=0.0, neginf=0.0)
+    high, kind = _get(cfg, "truncated_importance_sampling_ratio"), _get(cfg, "truncated_importance_sampling_type")
+    low = _get(cfg, "truncated_importance_sampling_ratio_min")
+    if high is not None and kind == "tis":
+        low = 0.0 if low is None else low
+        out["is_oob_ratio"] = _mean(((weights > high) | (weights < low)).to(prev.dtype), mask, gvt)
+        weights = weights.clamp(low, high)
+    elif high is not None and kind == "icepop":
+        kept = (weights >= low) & (weights <= high)
+        out["is_oob_ratio"] = _mean((~kept).to(prev.dtype), mask, gvt)
+        weights = torch.where(kept, weights, torch.zeros_like(weights))
+    elif high is not None and kind == "seq-mask-tis":
+        log_ratio = torch.nan_to_num(prev - gen, nan=0.0, posinf=0.0, neginf=0.0)
+        geometric = torch.exp(_mean(log_ratio, token_mask, dim=-1))
+        kept = ((geometric >= low) & (geometric <= high)).to(prev.dtype)
+        out["is_oob_ratio"] = _mean(1.0 - kept, sample_mask, gvs)
+        weights = weights * kept.unsqueeze(-1)
+    # NeMo-RL's own broadcast: sequence weights [B, 1] against the [B] sample mask
+    out["sampling_importance_ratio"] = _mean(weights, sample_mask, gvs) if sequence else _mean(weights, mask, gvt)
+    return out
+

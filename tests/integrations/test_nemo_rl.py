@@ -15,7 +15,7 @@ import torch
 
 from rlkernels.integrations import nemo_rl as rlk_nemo
 
-from ..cases import F64, assert_close, tol
+from ..cases import F64, approx, assert_close, tol
 from .transcribed import nemo_rl as nemo
 
 B, T, V = 5, 9, 23
@@ -84,7 +84,7 @@ def test_matches_nemo_rls_own_clipped_pg_loss(case, seed, input_type):
     gvs, gvt = data["sample_mask"].sum() + random.Random(seed).choice([0, 2]), mask.sum() + 3
 
     theirs_lp = lp.clone().requires_grad_(True)
-    theirs, _ = nemo.ClippedPGLossFn(cfg)(data, gvs, gvt, next_token_logprobs=theirs_lp)
+    theirs, their_metrics = nemo.ClippedPGLossFn(cfg)(data, gvs, gvt, next_token_logprobs=theirs_lp)
     (their_grad,) = torch.autograd.grad(theirs, theirs_lp)
     if input_type == "logprob":
         mine_lp = lp.clone().requires_grad_(True)
@@ -102,6 +102,9 @@ def test_matches_nemo_rls_own_clipped_pg_loss(case, seed, input_type):
     assert_close(my_grad, their_grad, **tol("nemo_rl", F64, scale=max(1.0, float(their_grad.abs().max()))),
                  name="grad")
     assert isinstance(metrics["loss"], float)
+    for name, value in their_metrics.items():  # every metric NeMo-RL logs, under its name, with its value
+        scale = max(1.0, abs(float(value))) if math.isfinite(value) else 1.0
+        assert metrics[name] == approx(float(value), "nemo_rl", F64, scale=scale), (name, metrics[name], value)
 
 
 @pytest.mark.parametrize("cfg, match", [
