@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..temperature import row_temperature
 from .aot_spec import AotSpec
-from .tl_math import TRITON_DTYPES, grouped_rows, row_inverse_temperature
+from .tl_math import TRITON_DTYPES, grouped_rows, row_block_labels, row_inverse_temperature
 from .token_stats import device_guard, grouped_strides
 
 BLOCK_N, BLOCK_K = 16, 32
@@ -40,12 +40,8 @@ def _head_columns_kernel(
     # the label's column, written with the label's a = c + C_j (two stores of one address by two threads would race,
     # and their values could differ by a contraction). Pads (-1), ids outside [0, V) and rows outside the loss write
     # nothing (the plain backward's values stay).
-    pid_n = tl.program_id(0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
+    offs_n, mask_n, labels, active = row_block_labels(labels_ptr, N, V, BLOCK_N)
     has_label = mask_n & (labels >= 0) & (labels < V)
-    active = mask_n & (((labels >= 0) & (labels < V)) | (labels == -2))
     c = tl.load(coef_logprob_ptr + offs_n, mask=active, other=0.0)
     c_total = tl.load(coef_total_ptr + offs_n, mask=active, other=0.0)  # the plain backward's p coefficient
     if HAS_ENTROPY:
@@ -111,11 +107,7 @@ def _head_logprobs_kernel(
     # log p_j = (z_j - row_max) / T - log_norm from the pass's normaliser (backends.base.head_logprobs): -inf at
     # pads, at ids past V, at ids whose logit is -inf (or NaN) and on rows without a distribution (a NaN normaliser
     # stays NaN); 0 on rows outside the pass. [N, K] float32 out, contiguous.
-    pid_n = tl.program_id(0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
-    active = mask_n & (((labels >= 0) & (labels < V)) | (labels == -2))
+    offs_n, mask_n, labels, active = row_block_labels(labels_ptr, N, V, BLOCK_N)
     row_max = tl.load(row_max_ptr + offs_n, mask=active, other=0.0)
     log_norm = tl.load(log_norm_ptr + offs_n, mask=active, other=0.0)
     has_distribution = active & (log_norm != float("-inf"))

@@ -29,6 +29,18 @@ def grouped_rows(base_ptr, offs_n, rows_per_group, stride_g, stride_n):
 
 
 @triton.jit
+def row_block_labels(labels_ptr, N, V, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_N rows (rows on grid axis 0, offsets int64), their bounds mask, their labels (-1 past N)
+    and the rows in the pass: a label in [0, V), or -2 (the target in another vocabulary shard: the row's gradient
+    without its target column)."""
+    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
+    in_pass = mask_n & (((labels >= 0) & (labels < V)) | (labels == -2))
+    return offs_n, mask_n, labels, in_pass
+
+
+@triton.jit
 def one_inverse_temperature(temperature, BLOCK_N: tl.constexpr):
     """[BLOCK_N] 1 / T of one temperature (tl.cast: a float64 scalar, from Inductor, must not widen the math:
     Liger #1366)."""

@@ -8,7 +8,14 @@ import triton.language as tl
 
 from ..temperature import row_temperature
 from .aot_spec import AotSpec
-from .tl_math import TRITON_DTYPES, all_vocab_configs, grouped_rows, row_inverse_temperature, vocab_config
+from .tl_math import (
+    TRITON_DTYPES,
+    all_vocab_configs,
+    grouped_rows,
+    row_block_labels,
+    row_inverse_temperature,
+    vocab_config,
+)
 from .token_stats import device_guard, grouped_strides
 
 
@@ -32,12 +39,8 @@ def _token_grad_bwd_kernel(
     # (z - row_max) / T - log_norm (no fp32 lse); the target column c (1 - p_y) is formed in fp32;
     # p = 0 terms are 0, not 0 * -inf; rows with c = e = 0 or a skipped label write zeros unread;
     # a row without a finite logit (log_norm = -inf) gets p = 0, not NaN.
-    pid_n = tl.program_id(0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    labels = tl.load(labels_ptr + offs_n, mask=mask_n, other=-1)
     # label -2: target in another vocabulary shard: the row's gradient without the + c column
-    valid = mask_n & (((labels >= 0) & (labels < V)) | (labels == -2))
+    offs_n, mask_n, labels, valid = row_block_labels(labels_ptr, N, V, BLOCK_N)
     c = tl.load(coef_logprob_ptr + offs_n, mask=valid, other=0.0)
     if HAS_ENTROPY:
         e = tl.load(coef_entropy_ptr + offs_n, mask=valid, other=0.0)
