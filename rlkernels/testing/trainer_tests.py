@@ -11,6 +11,7 @@ against rlkernels. `deepspeed`, which OpenRLHF's `models/utils.py` imports at th
 is an inert stand-in where it is not installed, as in rlkernels' own parity tests (trainers.py).
 """
 
+import importlib.machinery
 import importlib.util
 import sys
 
@@ -44,9 +45,9 @@ _ROUTED = []
 def pytest_collection_finish(session):
     """Record what was routed (after pytest_collection_modifyitems): the summary says it, so a run that routed
     nothing cannot pass for one that ran the adapter."""
-    for module in {item.module for item in session.items if getattr(item, "module", None) is not None}:
-        from rlkernels.integrations import openrlhf as adapter
+    from rlkernels.integrations import openrlhf as adapter
 
+    for module in {item.module for item in session.items if getattr(item, "module", None) is not None}:
         if getattr(module, "PolicyLoss", None) is adapter.PolicyLoss:
             _ROUTED.append(f"{module.__name__}.PolicyLoss")
         actor = getattr(module, "Actor", None)
