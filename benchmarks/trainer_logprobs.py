@@ -8,6 +8,10 @@ process per provider (and its wall time there, once: a CPU figure, for scale onl
   rlkernels[skyrl]  the adapter's two functions (one fused pass; the entropy call reuses it)
   openrlhf          Actor.forward's tail: the float32 copy, log_probs_from_logits, compute_entropy
   rlkernels[openrlhf]  actor_forward's tail: token_logprobs(compute_entropy=True) on the logits as they are
+  nemo_rl           NeMo-RL's get_next_token_logprobs_from_logits, local branch (model_utils.py @7ea279ab, written
+                    out as its operations: NeMo-RL does not install here): a float32 copy, log_softmax, gather
+  rlkernels[nemo_rl]  the adapter's get_next_token_logprobs_from_logits (no entropy in either)
+  rlkernels[nemo_rl loss]  the adapter's ClippedPGLossFn(input_type="logit") on the logits, its gradient in place
 
 The logits are [1, N, V] (one packed micro-batch), the objective sum(logp) + 0.01 sum(entropy). Each trainer's own
 functions come from rlkernels.testing.trainers (the trainers installed with --no-deps, as CI installs them).
@@ -24,7 +28,8 @@ import torch
 
 from .harness import WORKER_LINE, peak_rss_bytes, release_free_heap, reset_peak_rss, rss_bytes, run_memory_worker
 
-PROVIDERS = ("areal", "rlkernels[areal]", "skyrl", "rlkernels[skyrl]", "openrlhf", "rlkernels[openrlhf]")
+PROVIDERS = ("areal", "rlkernels[areal]", "skyrl", "rlkernels[skyrl]", "openrlhf", "rlkernels[openrlhf]", "nemo_rl",
+             "rlkernels[nemo_rl]", "rlkernels[nemo_rl loss]")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -67,7 +72,35 @@ def build(provider: str):
             return stats.logprobs, stats.entropy
 
         return route
+    if provider.startswith("nemo_rl") or provider.startswith("rlkernels[nemo_rl"):
+        return _nemo_rl(provider)
     raise ValueError(f"provider: expected one of {PROVIDERS}, got {provider!r}")
+
+
+def _nemo_rl(provider: str):
+    """NeMo-RL's update-forward log-probs (labels as its input_ids: row t scores labels[:, t + 1]), no entropy."""
+    if provider == "nemo_rl":
+        def nemo_rl_pass(logits, labels):
+            logprobs = torch.log_softmax(logits.to(torch.float32)[:, :-1], -1).gather(-1, labels[:, 1:, None])
+            return logprobs[..., 0], logprobs.new_zeros(())
+
+        return nemo_rl_pass
+    from rlkernels.integrations import nemo_rl
+
+    if provider == "rlkernels[nemo_rl]":
+        return lambda logits, labels: (nemo_rl.get_next_token_logprobs_from_logits(labels, logits),
+                                       logits.new_zeros((), dtype=torch.float32))
+    loss_fn = nemo_rl.ClippedPGLossFn({"reference_policy_kl_penalty": 0.0}, input_type="logit", routes=False)
+
+    def loss_pass(logits, labels):  # the loss's value stands for the log-probs' sum in the objective
+        B, T = labels.shape
+        ones = torch.ones(B, T, dtype=torch.float32)
+        data = {"input_ids": labels, "advantages": ones, "prev_logprobs": -ones, "generation_logprobs": -ones,
+                "token_mask": ones, "sample_mask": torch.ones(B)}
+        loss, _ = loss_fn(data, float(B), float(B * (T - 1)), logits=logits)
+        return loss, loss.new_zeros(())
+
+    return loss_pass
 
 
 def _step(fn, logits, labels):

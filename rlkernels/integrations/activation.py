@@ -74,13 +74,16 @@ _WATCHER = _WatchImports()
 def when_imported(module_name: str, patch: Callable) -> None:
     """Call `patch(module)` on `module_name` now if it is imported, else right after its first import executes.
     The watch ends when it fires: a module deleted from `sys.modules` and imported again, or reloaded, is not patched
-    again. (A module still executing when this is called, in a circular import, is patched as it is then.)"""
+    again. (A module still executing when this is called, in a circular import, is patched as it is then.) A patch
+    already waiting for the module (equal to it) is not added twice."""
     module = sys.modules.get(module_name)
     if module is not None:
         patch(module)
         return
     with _LOCK:
-        _PENDING.setdefault(module_name, []).append(patch)
+        waiting = _PENDING.setdefault(module_name, [])
+        if patch not in waiting:  # an install() called again (a loss object built or unpickled once per step)
+            waiting.append(patch)
         if _WATCHER not in sys.meta_path:
             sys.meta_path.insert(0, _WATCHER)
 

@@ -30,7 +30,19 @@ NeMo-RL's (one synchronisation): every metric NeMo-RL's loss logs, under its nam
 `probs_ratio*`, `token_mult_prob_error`, `gen_kl_error`, `policy_kl_error`, `js_divergence_error`, `kl_penalty`,
 `sampling_importance_ratio`, `is_oob_ratio`, `approx_entropy`, `num_valid_samples`), rlkernels' own beside them;
 with RLKERNELS_LOGPROB_PARITY=1 also `logprob_parity/...` of `prev_logprobs` against `generation_logprobs`
-(parity.py).
+(parity.py). The logits are passed whole (the last position's label is `ignore_index`), and the backward writes the
+gradient into their storage (`inplace_backward=True`, the default) when they own it: NeMo-RL reads them after the
+loss only in the forward (the Megatron path's `DraftLossWrapper` takes its teacher as a rolled copy,
+`loss/utils.py:173` @7ea279ab), and the bumped version counter makes any later read by autograd fail loudly. A view
+into a larger tensor (`SequencePackingLossWrapper`'s per-sequence slices) takes a new gradient: the view's backward
+allocates the whole tensor's gradient anyway, and the slices share one version counter.
+
+The log-prob routes (`install()`; the loss object installs them in each process that builds or unpickles it, so in
+NeMo-RL's Ray workers, unless `routes=False`): AutoModel's prev and reference log-probs
+(`LogprobsPostProcessor._compute_local_logprobs`) and the update forward of an input_type LOGPROB loss
+(`get_next_token_logprobs_from_logits`, local branch) by one rlkernels pass, where NeMo-RL makes a float32 copy of
+the logits and takes their float32 log-softmax (saved for the backward in the update). Top-k / top-p sampling
+parameters, vocabulary- or context-parallel groups and DTensor logits run NeMo-RL's own code.
 """
 
 import math
@@ -38,8 +50,9 @@ from typing import Optional
 
 import torch
 
-from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss
+from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
+from .activation import Rebinding
 from .parity import parity_metrics
 
 TOKEN_LEVEL, SEQUENCE_LEVEL = "token_level", "sequence_level"  # NeMo-RL's LossType values
@@ -108,11 +121,15 @@ def config_from_nemo_rl(cfg) -> PolicyLossConfig:
 
 
 class ClippedPGLossFn:
-    """NeMo-RL's `ClippedPGLossFn` (same config), computed by rlkernels; a NeMo-RL `LossFunction`."""
+    """NeMo-RL's `ClippedPGLossFn` (same config), computed by rlkernels; a NeMo-RL `LossFunction`. `input_type`
+    "logprob" (NeMo-RL's) or "logit"; `tp_group` for vocabulary-parallel logits; `inplace_backward` lets the logits
+    route's gradient take the logits' storage where they own it; `routes` installs the log-prob routes (module
+    docstring) where the object is built and where it is unpickled."""
 
     def __init__(self, cfg=None, use_fused_linear_logprobs: bool = False, input_type: str = "logprob",
-                 tp_group=None):
+                 tp_group=None, inplace_backward: bool = True, routes: bool = True):
         cfg = {} if cfg is None else cfg
+        self.inplace_backward, self.routes = inplace_backward, routes
         self.cfg, self.config = cfg, config_from_nemo_rl(cfg)
         self.force_on_policy_ratio = bool(_get(cfg, "force_on_policy_ratio", False))
         if input_type not in ("logprob", "logit"):
@@ -123,6 +140,14 @@ class ClippedPGLossFn:
         self.loss_type = level if loss_type_enum is None else loss_type_enum(level)
         self.input_type = input_type if input_type_enum is None else getattr(input_type_enum, input_type.upper())
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
+        if routes:
+            install()
+
+    def __setstate__(self, state):
+        """Unpickled in a NeMo-RL worker (the loss object travels to its Ray actors): the log-prob routes there too."""
+        self.__dict__.update(state)
+        if self.routes:
+            install()
 
     def __call__(self, data, global_valid_seqs, global_valid_toks, next_token_logprobs=None, logits=None, **_):
         token_mask = data["token_mask"][:, 1:].bool() & data["sample_mask"].bool()[:, None]
@@ -134,11 +159,10 @@ class ClippedPGLossFn:
                   rollout_logprobs=None if rc is None else data["generation_logprobs"][:, 1:],
                   ref_logprobs=data["reference_policy_logprobs"][:, 1:] if config.kl_coef else None, config=config)
         if logits is not None:
-            labels = data["input_ids"][:, 1:]
-            old = None if self.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
-            out = decoupled_ppo_loss(logits[:, :-1], labels, old_logprobs=old, tp_group=self.tp_group, **kw)
             if self.force_on_policy_ratio and rc is not None:
                 raise ValueError("force_on_policy_ratio with importance sampling from the logits: pass log-probs")
+            out = self._from_logits(logits, data["input_ids"], None if self.force_on_policy_ratio
+                                    else data["prev_logprobs"][:, 1:], kw)
         else:
             lp = next_token_logprobs
             old = lp.detach() if self.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
@@ -150,6 +174,105 @@ class ClippedPGLossFn:
         metrics = metrics_to_floats({**out.metrics, **own, **report, "loss": out.loss.detach()})
         metrics["actor_loss"] = metrics.get("actor/pg_loss", 0.0)
         return out.loss, metrics
+
+    def _from_logits(self, logits, input_ids, old, kw):
+        """The loss over the whole [B, T, V] logits, row t labelled input_ids[:, t + 1] and the last row left out, so
+        the gradient can take the logits' storage (a slice's backward would allocate the whole tensor's); the
+        per-token inputs get a zero last column, the log-probs lose it again."""
+        labels = _last_column(input_ids[:, 1:], -100)
+        kw = {name: value if name == "config" or value is None else _last_column(value, 0)
+              for name, value in kw.items()}
+        inplace = self.inplace_backward and self.tp_group is None and _owns(logits)  # not with tp_group
+        out = decoupled_ppo_loss(logits, labels, old_logprobs=None if old is None else _last_column(old, 0),
+                                 tp_group=self.tp_group, inplace_backward=inplace, **kw)
+        return out._replace(**{name: getattr(out, name)[:, :-1] for name in ("logprobs", "entropy", "is_weights",
+                                                                             "mask") if getattr(out, name) is not None})
+
+
+def _last_column(x: torch.Tensor, fill) -> torch.Tensor:
+    """[B, T - 1] -> [B, T]: x and a last column of `fill` (the row no token follows)."""
+    return torch.cat([x, x.new_full((x.shape[0], 1), fill)], 1)
+
+
+def _owns(logits: torch.Tensor) -> bool:
+    """Whether `logits` is its storage's only tensor (not a slice of a larger one), so the gradient may take it."""
+    return logits.storage_offset() == 0 and logits.is_contiguous() and \
+        logits.untyped_storage().nbytes() == logits.numel() * logits.element_size()
+
+
+# The log-prob routes. NeMo-RL's local log-prob code: a float32 copy of the logits, their float32 log-softmax
+# (chunked along the sequence by `logprob_chunk_size` in the prev / reference pass), a gather.
+
+def _filters(sampling_params) -> bool:
+    """NeMo-RL's `need_top_k_or_top_p_filtering` (`algorithms/logits_sampling_utils.py` @7ea279ab): top-k > 0 or
+    top-p != 1 renormalise the log-probs over NeMo-RL's kept set, which the routes leave to NeMo-RL."""
+    if sampling_params is None:
+        return False
+    top_k, top_p = getattr(sampling_params, "top_k", None), getattr(sampling_params, "top_p", 1.0)
+    return (top_k is not None and top_k > 0) or (top_p is not None and top_p != 1.0)
+
+
+def _is_dtensor(x) -> bool:
+    return torch.distributed.is_available() and isinstance(x, torch.distributed.tensor.DTensor)
+
+
+def _next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """[B, n] float32: row t of `logits` [B, L >= n, V] at next_tokens[:, t], one rlkernels pass over the logits as
+    they are, rows past n labelled out: a slice of the logits would cost its own gradient, which its backward then
+    copies into a new one of the whole tensor."""
+    labels = next_tokens.to(logits.device)
+    if logits.shape[1] > labels.shape[1]:
+        labels = torch.cat([labels, labels.new_full((labels.shape[0], logits.shape[1] - labels.shape[1]), -100)], 1)
+    return token_logprobs(logits, labels, validate=False).logprobs[:, :next_tokens.shape[1]].float()
+
+
+def get_next_token_logprobs_from_logits(input_ids, next_token_logits, seq_index=None, vocab_parallel_rank=None,
+                                        vocab_parallel_group=None, context_parallel_group=None, sampling_params=None,
+                                        chunk_size=None):
+    """NeMo-RL's `get_next_token_logprobs_from_logits` (`distributed/model_utils.py` @7ea279ab), which
+    `prepare_loss_input` calls for the update forward of an input_type LOGPROB loss: [B, T - 1] float32 log-probs of
+    input_ids[:, 1:]. Its local branch (no vocabulary- or context-parallel group, no DTensor, no top-k / top-p) by
+    one rlkernels pass, `chunk_size` not needed; every other branch is NeMo-RL's own."""
+    if vocab_parallel_group is None and context_parallel_group is None and not _is_dtensor(next_token_logits) \
+            and not _filters(sampling_params):
+        return _next_token_logprobs(next_token_logits, input_ids[:, 1:])  # the whole logits: no slice's gradient
+    if _NEXT_TOKEN.original is None:
+        raise ValueError("sampling_params / vocab_parallel_group / context_parallel_group: NeMo-RL's own "
+                         "get_next_token_logprobs_from_logits computes these; import NeMo-RL after install()")
+    return _NEXT_TOKEN.original(input_ids, next_token_logits, seq_index=seq_index,
+                                vocab_parallel_rank=vocab_parallel_rank, vocab_parallel_group=vocab_parallel_group,
+                                context_parallel_group=context_parallel_group, sampling_params=sampling_params,
+                                chunk_size=chunk_size)
+
+
+def compute_local_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """AutoModel's `LogprobsPostProcessor._compute_local_logprobs` (`models/automodel/train.py` @7ea279ab): the
+    prev and reference log-probs without tensor parallelism, [B, T - 1] float32, by one rlkernels pass over the
+    logits as they are. With top-k / top-p sampling parameters, NeMo-RL's own method."""
+    if _filters(self.sampling_params):
+        return _LOCAL_LOGPROBS.original(self, logits, input_ids)
+    if input_ids.shape[1] <= 1:
+        return logits.new_empty((input_ids.shape[0], 0), dtype=torch.float32)
+    return _next_token_logprobs(logits, input_ids[:, 1:])
+
+
+_NEXT_TOKEN = Rebinding("get_next_token_logprobs_from_logits", get_next_token_logprobs_from_logits,
+                        ("nemo_rl.distributed.model_utils", "nemo_rl.algorithms.loss.utils"))
+_LOCAL_LOGPROBS = Rebinding("LogprobsPostProcessor._compute_local_logprobs", compute_local_logprobs,
+                            ("nemo_rl.models.automodel.train",))
+
+
+def install() -> None:
+    """The log-prob routes above in NeMo-RL's modules, now or when they are imported (activation.py); imports none
+    of NeMo-RL. `ClippedPGLossFn(routes=True)` calls it where it is built and where it is unpickled."""
+    _NEXT_TOKEN.install()
+    _LOCAL_LOGPROBS.install()
+
+
+def uninstall() -> None:
+    """NeMo-RL's own functions back wherever `install()` put rlkernels'."""
+    _NEXT_TOKEN.uninstall()
+    _LOCAL_LOGPROBS.uninstall()
 
 
 def _mean(x, mask, norm=None, dim=None):

@@ -160,3 +160,19 @@ def test_uninstall_puts_back_what_each_module_held(package):
     assert reloaded.VALUE == 99
     rebinding.uninstall()
     assert reloaded.VALUE == 7
+
+
+def test_a_patch_waits_once_however_often_it_is_installed(package):
+    """A loss object built or unpickled once per step installs again each time: its patch runs once on import."""
+    seen = []
+
+    class Probe:
+        def patch(self, module):
+            seen.append(module.VALUE)
+
+    probe = Probe()
+    for _ in range(3):
+        when_imported(package + "other", probe.patch)  # equal bound methods, three objects
+    import rlk_activation_probe.other  # noqa: F401
+
+    assert seen == [1]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlkernels.integrations import nemo_rl as rlk_nemo
+from rlkernels.testing.spawn import spawn
 
 from ..cases import F64, approx, assert_close, tol
 from .transcribed import nemo_rl as nemo
@@ -94,6 +95,7 @@ def test_matches_nemo_rls_own_clipped_pg_loss(case, seed, input_type):
         x = logits.clone().requires_grad_(True)
         mine, metrics = rlk_nemo.ClippedPGLossFn(cfg, input_type="logit")(data, gvs, gvt, logits=x)
         (grad_logits,) = torch.autograd.grad(mine, x)
+        assert grad_logits.data_ptr() == x.data_ptr()  # the gradient took the logits' storage (inplace_backward)
         ref_x = logits.clone().requires_grad_(True)  # NeMo-RL's log-probs of these logits, its gradient chained
         ref_lp = torch.log_softmax(ref_x, -1)[:, :-1].gather(-1, data["input_ids"][:, 1:, None])[..., 0]
         (their_grad_logits,) = torch.autograd.grad((ref_lp * their_grad).sum(), ref_x)
@@ -116,3 +118,64 @@ def test_matches_nemo_rls_own_clipped_pg_loss(case, seed, input_type):
 def test_refusals_name_nemo_rls_option(cfg, match):
     with pytest.raises(ValueError, match=match):
         rlk_nemo.ClippedPGLossFn(cfg)
+
+
+def test_logit_gradient_in_place_only_where_the_logits_own_their_storage():
+    """In place, not in place and per-sequence slices of one packed tensor (NeMo-RL's SequencePackingLossWrapper
+    calls the loss once per slice) give the same gradient bit for bit: the same kernels write it, into the logits'
+    storage or a new tensor. The slices take new tensors, so the packed logits are left intact and their shared
+    version counter never trips autograd."""
+    cfg = CONFIGS[5]
+    logits, _, data = _batch(7)
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    gvs, gvt = data["sample_mask"].sum(), mask.sum()
+    grads = {}
+    for inplace in (True, False):
+        x = logits.clone().requires_grad_(True)
+        loss, _ = rlk_nemo.ClippedPGLossFn(cfg, input_type="logit", inplace_backward=inplace)(data, gvs, gvt,
+                                                                                              logits=x)
+        (grads[inplace],) = torch.autograd.grad(loss, x)
+        assert (grads[inplace].data_ptr() == x.data_ptr()) == inplace
+        assert inplace or torch.equal(x.detach(), logits)
+    assert torch.equal(grads[True], grads[False])
+
+    packed = torch.cat([logits, logits], 1).requires_grad_(True)  # two copies of the batch, one after the other
+    work = packed * 1.0  # a non-leaf, as a model's output
+    halves = [work.narrow(1, 0, T), work.narrow(1, T, T)]
+    loss_fn = rlk_nemo.ClippedPGLossFn(cfg, input_type="logit")
+    total = sum(loss_fn(data, gvs, gvt, logits=half)[0] for half in halves)
+    (grad,) = torch.autograd.grad(total, packed)
+    assert torch.equal(work.detach(), torch.cat([logits, logits], 1))
+    assert torch.equal(grad, torch.cat([grads[False], grads[False]], 1))
+
+
+def _check_vocabulary_parallel(rank, world):
+    """Each rank's half of the vocabulary with `tp_group`: the single-process loss on every rank, and this rank's
+    slice of its gradient (the gradient is a new tensor: rlkernels' in-place backward is per process)."""
+    import torch.distributed as dist
+
+    _, _, data = _batch(3)
+    g = torch.Generator().manual_seed(4)
+    vocab = 24
+    logits = torch.randn(B, T, vocab, generator=g, dtype=torch.float64)
+    data["input_ids"] = torch.randint(0, vocab, (B, T), generator=g)
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    gvs, gvt = data["sample_mask"].sum(), mask.sum()
+    x = logits.clone().requires_grad_(True)
+    whole, whole_metrics = rlk_nemo.ClippedPGLossFn(CONFIGS[5], input_type="logit")(data, gvs, gvt, logits=x)
+    (whole_grad,) = torch.autograd.grad(whole, x)
+    part = slice(rank * vocab // world, (rank + 1) * vocab // world)
+    shard = logits[..., part].clone().requires_grad_(True)
+    loss_fn = rlk_nemo.ClippedPGLossFn(CONFIGS[5], input_type="logit", tp_group=dist.group.WORLD)
+    loss, metrics = loss_fn(data, gvs, gvt, logits=shard)
+    (grad,) = torch.autograd.grad(loss, shard)
+    assert grad.data_ptr() != shard.data_ptr()
+    assert_close(loss.detach(), whole.detach(), **tol("value", F64), name="loss")
+    assert_close(grad, whole_grad[..., part], **tol("value", F64), name="grad")
+    assert metrics["probs_ratio"] == approx(whole_metrics["probs_ratio"], "value", F64)
+
+
+def test_logit_route_over_vocabulary_parallel_ranks():
+    """Two gloo ranks, the vocabulary split in half: the loss and gradient of the whole logits (float64 on both
+    sides, a different summation order: the ('value', fp64) row)."""
+    spawn(2, _check_vocabulary_parallel)

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from ..cases import F64, tol
-from .trainer_imports import trainer_or_skip
+from .trainer_imports import trainer_or_skip, write_stand_in
 
 ray = pytest.importorskip("ray", reason="Ray is not installed here (rlkernels[peers] installs it)")
 
@@ -246,25 +246,34 @@ def data():
 class PolicyWorker:
     def nemo_rl(self, loss_fn):  # NeMo-RL pickles the loss object grpo.setup() returned to its workers
         batch, lp = data()
-        return type(loss_fn).__module__, float(loss_fn(batch, 3.0, 15.0, next_token_logprobs=lp)[0])
+        value = float(loss_fn(batch, 3.0, 15.0, next_token_logprobs=lp)[0])
+        sys.path.insert(0, os.environ["RLK_NEMO_RL_STAND_IN"])  # then the worker imports NeMo-RL's model code
+        import nemo_rl.models.automodel.train as train
+        return type(loss_fn).__module__, value, train.LogprobsPostProcessor._compute_local_logprobs.__module__
 
     def slime(self, path):  # slime's Megatron actor: load_function(args.custom_loss_function_path)
         module, name = path.rsplit(".", 1)
         return getattr(importlib.import_module(module), name).__module__
 
 loss_fn = ClippedPGLossFn({"use_importance_sampling_correction": True})
+module, value, route = ray.get(PolicyWorker.remote().nemo_rl.remote(loss_fn))
+without = ray.get(PolicyWorker.remote().nemo_rl.remote(ClippedPGLossFn({}, routes=False)))[2]
 worker = PolicyWorker.remote()
-module, value = ray.get(worker.nemo_rl.remote(loss_fn))
 batch, lp = data()
 slime_module = ray.get(worker.slime.remote("rlkernels.integrations.slime.policy_loss_function"))
 here = float(loss_fn(batch, 3.0, 15.0, next_token_logprobs=lp)[0])  # the same object in the driver
-print(json.dumps(dict(module=module, values=[value], driver=[here], slime=slime_module)))
+print(json.dumps(dict(module=module, values=[value], driver=[here], slime=slime_module, route=route,
+                      without=without)))
 """
 
 
-def test_nemo_rl_and_slime_seams_carry_the_adapter_to_a_worker():
+def test_nemo_rl_and_slime_seams_carry_the_adapter_to_a_worker(tmp_path):
     """NeMo-RL's pickled loss object and slime's import path reach a Ray worker with nothing else: the worker
-    computes NeMo-RL's loss with rlkernels' object, and slime's path names rlkernels' function there."""
-    out = _driver(SEAMS)
+    computes NeMo-RL's loss with rlkernels' object, and slime's path names rlkernels' function there. The loss
+    object installs the log-prob route in the worker, where NeMo-RL's model code (the stand-in package of
+    test_nemo_rl_routes.py) is imported after it; with `routes=False`, another worker keeps NeMo-RL's own."""
+    write_stand_in(tmp_path)
+    out = _driver(SEAMS, env={"RLK_NEMO_RL_STAND_IN": str(tmp_path)})
     assert out["module"] == "rlkernels.integrations.nemo_rl" and out["slime"] == "rlkernels.integrations.slime"
+    assert out["route"] == "rlkernels.integrations.nemo_rl" and out["without"] == "nemo_rl.models.automodel.train"
     _close(out["values"], out["driver"], "nemo_rl")
