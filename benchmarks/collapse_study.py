@@ -27,9 +27,11 @@ Design fixed before any run (docs/study.md, "The collapse regime"):
 - the geo-RS band and the TRM bound come from the lr = 0 calibration of the arm's sampler path: the 99th
   percentile of |mean_t log rho_t| and of max_t KL_topk(mu_t || pi_t) over the calibration's sequences, so that
   each rejects about 1 % of the sequences at the start, and more only if the mismatch grows;
-- collapse: the 10-step mean reward falls COLLAPSE_MARGIN below its running peak (from step 10 on), or a NaN;
-  an ESS fall: the 10-step mean sequence ESS below ESS_FALL x its mean over steps 0-9; a gradient spike: a
-  gradient norm above GRAD_SPIKE x the median of every earlier step's.
+- collapse: the COLLAPSE_WINDOW-step mean reward falls COLLAPSE_MARGIN below its running peak (both over full
+  windows only), or a NaN; the margin is set from the control arm's reward noise (`margin_from_control`) so that
+  the control is flagged in FALSE_ALARM of its seeds. Predictors: an ESS fall: the 10-step mean sequence ESS below
+  ESS_FALL x its mean over steps 0-9; a gradient spike: a gradient norm above GRAD_SPIKE x the median of every
+  earlier step's; a KL rise: the 10-step mean top-k KL(mu || pi) above KL_RISE x its mean over steps 0-9.
 
 Output: DIR/collapse-study.json ({"config", "calibration", "thresholds", "arms": {arm: {"seeds": [{"seed",
 "step": [...], ...}]}}, "summary", "predictors"}), the mismatch study's schema, and DIR/collapse-study.png.
@@ -57,9 +59,18 @@ from . import mismatch_study as ms
 from .harness import environment, rss_bytes
 from .mismatch_study import BOS, FIRST_NUMBER, PAD, SEP
 
-COLLAPSE_MARGIN = 0.15  # fixed before any run (the mismatch study's margin)
+# The collapse criterion, calibrated before the runs of 2026-12-05 on the control arm of the run of 2026-12-04
+# (`--calibrate-margin benchmarks/results/collapse-study.json`, `margin_from_control`): the 95th percentile of the
+# criterion's statistic over 20,000 simulated control seeds of 250 steps, so that the control is flagged in 5 % of
+# its seeds. The run of 2026-12-04 used a 10-step window, a peak that counted the first, shorter windows, and a fixed
+# margin of 0.15 (its JSON records them); that margin sat inside the control's noise (the 95th percentile of the
+# same statistic is 0.20 there).
+COLLAPSE_WINDOW = 25
+COLLAPSE_MARGIN = 0.077
+FALSE_ALARM = 0.05  # the control's flagged share of seeds the margin is set for
 ESS_FALL = 0.5
 GRAD_SPIKE = 3.0
+KL_RISE = 2.0  # the top-k KL predictor: its 10-step mean above KL_RISE x its mean over steps 0-9
 CLIP_BAND = (0.8, 1.2)  # the PPO clip band (clip 0.2) the calibration counts tokens outside of
 CALIBRATION_QUANTILE = 0.99
 
@@ -73,15 +84,16 @@ class CollapseConfig(ms.StudyConfig):
     heads: int = 4
     sft_steps: int = 250
     sft_batch: int = 32
-    rl_steps: int = 400
+    rl_steps: int = 250  # 400 in the run of 2026-12-04; 250 keeps 3 seeds of every arm within 90 minutes
     prompts_per_step: int = 4
     lr: float = 3e-4  # chosen on the on-policy control alone: at 1e-3 the control itself fell 0.21 -> 0.04 by step 50
     group_size: int = 8
     minibatches: int = 2
     sampler: str = "fp8"
     staleness: int = 0
-    seeds: int = 2
+    seeds: int = 3
     collapse_margin: float = COLLAPSE_MARGIN
+    collapse_window: int = COLLAPSE_WINDOW
     experts: int = 4  # the MoE variant: top-1 of 4 experts per block (Switch-style gate: softmax prob x expert)
     expert_hidden: int = 96
     calibration_prompts: int = 8
@@ -92,7 +104,7 @@ class CollapseConfig(ms.StudyConfig):
         return 5  # BOS a d L SEP
 
 
-SMOKE = dict(min_items=12, max_items=19, d_model=32, sft_steps=10, sft_batch=16, rl_steps=3, prompts_per_step=2,
+SMOKE = dict(min_items=12, max_items=19, d_model=32, sft_steps=10, sft_batch=16, rl_steps=2, prompts_per_step=2,
              group_size=4, seeds=1, calibration_prompts=16, workers=1)
 
 
@@ -105,7 +117,8 @@ def arms(thresholds: Dict[str, dict]) -> Dict[str, dict]:
     def trm(path):
         return RolloutCorrection.trm(thresholds[path]["trm_eps"])
 
-    seq_is = RolloutCorrection(is_level="sequence", is_threshold=(0, math.inf), is_mode="mask")
+    unbounded = dict(is_level="sequence", is_threshold=(0, math.inf), is_mode="mask")  # PG-Seq-IS's weight
+    seq_is = RolloutCorrection(**unbounded)
     dense = dict(mode="bypass", model="dense", sampler="fp8")
     moe = dict(mode="bypass", model="moe", sampler="fp8")
     return {
@@ -123,6 +136,23 @@ def arms(thresholds: Dict[str, dict]) -> Dict[str, dict]:
         "moe_bypass_none": dict(moe, rc=None),
         "moe_bypass_pg_seq_is": dict(moe, rc=seq_is),
         "moe_replay_bypass_none": dict(moe, rc=None, replay=True),
+        # the causal arms (2026-12-05): the failing MoE objective, PG-Seq-IS, with each correction in turn: its
+        # sequence weight truncated, masked, or replaced by the truncated token weight; or kept, with the
+        # sequences outside the calibrated geo-RS band or over the TRM bound rejected
+        "moe_bypass_seq_tis": dict(moe, rc=RolloutCorrection(is_level="sequence", is_threshold=2.0)),
+        "moe_bypass_seq_mis": dict(moe, rc=RolloutCorrection(is_level="sequence", is_threshold=(0, 2.0),
+                                                             is_mode="mask")),
+        "moe_bypass_token_tis": dict(moe, rc=RolloutCorrection(is_level="token", is_threshold=2.0)),
+        "moe_bypass_pg_seq_is_geo_rs": dict(moe, rc=RolloutCorrection(
+            **unbounded, rs={"seq_mean_k1": thresholds["moe/fp8"]["geo_rs_band"]})),
+        "moe_bypass_pg_seq_is_trm": dict(moe, rc=RolloutCorrection.trm(thresholds["moe/fp8"]["trm_eps"],
+                                                                       **unbounded)),
+        # ... with routing replay; with the routing flips' own source removed (the router in float32 on the
+        # served copy); and with no mismatch at all (the sampler is the trainer), beside that path's control
+        "moe_replay_bypass_pg_seq_is": dict(moe, rc=seq_is, replay=True),
+        "moe_router32_bypass_pg_seq_is": dict(moe, rc=seq_is, sampler="fp8_router32"),
+        "moe_on_policy_bypass_pg_seq_is": dict(moe, rc=seq_is, sampler="fp32"),
+        "moe_on_policy_bypass_none": dict(moe, rc=None, sampler="fp32"),
     }
 
 
@@ -146,7 +176,7 @@ class MoEBlock(ms.Block):
     def forward(self, x, mask, cache=None):
         x = x + self.attend(x, mask, cache)
         z = self.ln2(x)
-        logits = self.router(z)  # in the module's dtype: bf16 on the served copy
+        logits = self.router(z.to(self.router.weight.dtype))  # bf16 on the served copy; float32 on fp8_router32
         choice = logits.argmax(-1)
         if self.record is not None:
             self.record.append(choice)
@@ -170,17 +200,24 @@ def build(cfg: CollapseConfig, kind: str) -> ms.TinyLM:
     return MoELM(cfg) if kind == "moe" else ms.TinyLM(cfg)
 
 
+ROUTER32 = "_router32"  # a served path's suffix: the same path with each MoE router kept in float32
+
+
 @torch.no_grad()
 def load_served(served: ms.TinyLM, state: Dict[str, torch.Tensor], path: str) -> None:
-    """The mismatch study's weight update; the router stays unquantised (bf16), as vLLM serves MoE gates."""
-    ms.load_served(served, state, path)
+    """The mismatch study's weight update; the router stays unquantised (in the served dtype, bf16 on the fp8 path,
+    or float32 with the _router32 suffix), as vLLM serves MoE gates."""
+    ms.load_served(served, state, path.removesuffix(ROUTER32))
     for name, param in served.named_parameters():
         if ".router." in name:
             param.copy_(state[name])
 
 
 def served_model(model: ms.TinyLM, path: str) -> ms.TinyLM:
-    served = copy.deepcopy(model).to(ms.SAMPLER_DTYPES[path]).requires_grad_(False)
+    served = copy.deepcopy(model).to(ms.SAMPLER_DTYPES[path.removesuffix(ROUTER32)]).requires_grad_(False)
+    if path.endswith(ROUTER32):
+        for block in moe_blocks(served):
+            block.router.float()
     load_served(served, model.state_dict(), path)
     return served
 
@@ -429,9 +466,10 @@ def run_arm(cfg: CollapseConfig, name: str, arm: dict, start: ms.TinyLM, seed: i
         ratio = delta.exp()
         seq = torch.cat(seq_log_ratio)
         mean_reward = float(reward.mean())
-        window = (window + [mean_reward])[-10:]
+        window = (window + [mean_reward])[-cfg.collapse_window:]
         smoothed = sum(window) / len(window)
-        peak = max(peak, smoothed)
+        full = len(window) == cfg.collapse_window  # the peak and the test over full windows only
+        peak = max(peak, smoothed) if full else peak
         finite = math.isfinite(mean_reward) and all(math.isfinite(x) for x in grad_norms) and math.isfinite(loss0)
         values = dict(
             reward=mean_reward, loss=loss0, grad_norm=sum(grad_norms) / len(grad_norms),
@@ -449,7 +487,7 @@ def run_arm(cfg: CollapseConfig, name: str, arm: dict, start: ms.TinyLM, seed: i
             out_of_clip_fraction=float(((ratio < CLIP_BAND[0]) | (ratio > CLIP_BAND[1])).float().mean()),
             max_abs_log_ratio=float(delta.abs().max()), seq_log_ratio_std=float(seq.std()),
             routing_flip_rate=_mean_or(flips, 0.0), log_ppl_abs_diff=avg("rollout_corr/log_ppl_abs_diff"),
-            collapsed=bool((not finite) or (step >= 10 and smoothed < peak - cfg.collapse_margin)),
+            collapsed=bool((not finite) or (full and smoothed < peak - cfg.collapse_margin)),
             seconds=time.perf_counter() - t0, rss_mib=rss_bytes() / 2**20,
             sample_hash=hashlib.sha1(responses.numpy().tobytes()).hexdigest()[:12])
         curves["step"].append(step)
@@ -527,21 +565,133 @@ def first_step(flags: List[bool]) -> Optional[int]:
     return next((i for i, c in enumerate(flags) if c), None)
 
 
+PREDICTORS = ("ess_fall", "grad_spike", "kl_rise")
+
+
 def predictors(seed: dict) -> dict:
-    """The collapse step and the first ESS fall and gradient spike (module docstring), and how many steps each came
-    before the collapse (positive: before)."""
-    ess, grad = seed["seq_ess"], seed["grad_norm"]
-    base = _mean_or(ess[:10])
-    fall, spike = [], []
+    """The collapse step and the first ESS fall, gradient spike and KL rise (module docstring), and how many steps
+    each came before the collapse (positive: before)."""
+    ess, grad, kl = seed["seq_ess"], seed["grad_norm"], seed["topk_kl_mean"]
+    ess_base, kl_base = _mean_or(ess[:10]), _mean_or(kl[:10])
+    fall, spike, rise = [], [], []
     for t in range(len(ess)):
-        window = [x for x in ess[max(0, t - 9):t + 1] if math.isfinite(x)]
-        fall.append(t >= 10 and bool(window) and sum(window) / len(window) < ESS_FALL * base)
+        ess_mean, kl_mean = _mean_or(ess[max(0, t - 9):t + 1]), _mean_or(kl[max(0, t - 9):t + 1])
+        fall.append(t >= 10 and ess_mean < ESS_FALL * ess_base)
+        rise.append(t >= 10 and kl_mean > KL_RISE * kl_base)
         earlier = sorted(grad[:t])
         spike.append(t >= 10 and grad[t] > GRAD_SPIKE * earlier[len(earlier) // 2])
-    collapse, ess_fall, grad_spike = first_step(seed["collapsed"]), first_step(fall), first_step(spike)
-    lead = lambda p: None if collapse is None or p is None else collapse - p  # noqa: E731
-    return dict(seed=seed["seed"], collapse_step=collapse, ess_fall_step=ess_fall, grad_spike_step=grad_spike,
-                ess_fall_lead=lead(ess_fall), grad_spike_lead=lead(grad_spike))
+    collapse = first_step(seed["collapsed"])
+    out = dict(seed=seed["seed"], collapse_step=collapse)
+    for name, flags in zip(PREDICTORS, (fall, spike, rise)):
+        step = first_step(flags)
+        out[f"{name}_step"] = step
+        out[f"{name}_lead"] = None if collapse is None or step is None else collapse - step
+    return out
+
+
+def predictor_rates(all_predictors: Dict[str, List[dict]]) -> dict:
+    """Over every seed of every arm: the collapses, and for each predictor its lead times before them (those it
+    preceded, of all collapses) and its false-alarm rate (the seeds without a collapse in which it fired)."""
+    seeds = [p for ps in all_predictors.values() for p in ps]
+    collapsed = [p for p in seeds if p["collapse_step"] is not None]
+    calm = [p for p in seeds if p["collapse_step"] is None]
+    out = dict(seeds=len(seeds), collapsed=len(collapsed))
+    for name in PREDICTORS:
+        leads = [p[f"{name}_lead"] for p in collapsed if p[f"{name}_lead"] is not None and p[f"{name}_lead"] > 0]
+        fired = sum(p[f"{name}_step"] is not None for p in calm)
+        out[name] = dict(leads=sorted(leads), preceded=len(leads), false_alarms=fired,
+                         false_alarm_rate=fired / len(calm) if calm else math.nan)
+    return out
+
+
+def _trailing(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Trailing means over `width` steps along the last axis (shorter windows at the start)."""
+    c = torch.cumsum(F.pad(x, (1, 0)), -1)
+    t = torch.arange(x.shape[-1])
+    lo = (t - width + 1).clamp_min(0)
+    return (c[..., t + 1] - c[..., lo]) / (t + 1 - lo)
+
+
+def criterion_statistic(rewards: torch.Tensor, width: int = COLLAPSE_WINDOW) -> torch.Tensor:
+    """The collapse criterion's statistic per row of [seeds, steps] rewards: the largest fall of the width-step mean
+    below its running peak, over full windows (a seed collapses when it exceeds the margin)."""
+    m = _trailing(rewards, width)[..., width - 1:]
+    return (torch.cummax(m, -1).values - m).max(-1).values
+
+
+def margin_from_control(control: List[List[float]], steps: int, false_alarm: float = FALSE_ALARM,
+                        trials: int = 20_000, width: int = COLLAPSE_WINDOW) -> dict:
+    """The margin at which a seed of the control arm is flagged with probability `false_alarm`. A simulated control
+    seed is the control's mean curve (each seed's 41-step centred mean, averaged over seeds) plus noise drawn with
+    replacement from every seed's residuals about its own centred mean (independent steps: the reward is a fresh
+    batch of 32 samples each step); the margin is the (1 - false_alarm) quantile of `criterion_statistic` over
+    `trials` such seeds of `steps` steps."""
+    r = torch.tensor(control, dtype=torch.float64)
+    c = torch.cumsum(F.pad(r, (1, 0)), -1)
+    t = torch.arange(r.shape[-1])
+    lo, hi = (t - 20).clamp_min(0), (t + 21).clamp_max(r.shape[-1])
+    trend = (c[..., hi] - c[..., lo]) / (hi - lo)
+    residuals = (r - trend).flatten()
+    g = torch.Generator().manual_seed(0)
+    noise = residuals[torch.randint(0, residuals.numel(), (trials, steps), generator=g)]
+    simulated = criterion_statistic(trend.mean(0)[:steps] + noise, width)
+    return dict(margin=float(torch.quantile(simulated, 1 - false_alarm)), false_alarm=false_alarm, steps=steps,
+                width=width, trials=trials, control_seeds=len(control), residual_std=float(residuals.std()),
+                control_statistic=criterion_statistic(r[:, :steps], width).tolist())
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0 or x >= 1.0:
+        return min(max(x, 0.0), 1.0)
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+        c = 1.0 + num / c if abs(c) > 1e-300 else 1e-300
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-12:
+            break
+    return front * (f - 1.0)
+
+
+def welch_test(a: List[float], b: List[float]) -> dict:
+    """Welch's t-test of mean(a) != mean(b) (seeds' final rewards): the difference, t, its degrees of freedom and
+    the two-sided p-value (Student's t tail, I_{df / (df + t^2)}(df / 2, 1 / 2))."""
+    na, nb = len(a), len(b)
+    ma, mb = sum(a) / na, sum(b) / nb
+    va = sum((x - ma) ** 2 for x in a) / (na - 1) if na > 1 else math.nan
+    vb = sum((x - mb) ** 2 for x in b) / (nb - 1) if nb > 1 else math.nan
+    se2 = va / na + vb / nb
+    if not se2 > 0:
+        return dict(diff=ma - mb, t=math.nan, df=math.nan, p=math.nan)
+    t = (ma - mb) / math.sqrt(se2)
+    df = se2 ** 2 / ((va / na) ** 2 / (na - 1) + (vb / nb) ** 2 / (nb - 1))
+    return dict(diff=ma - mb, t=t, df=df, p=_betainc(df / 2, 0.5, df / (df + t * t)))
+
+
+FAILING, CONTROL, MOE_CONTROL = "moe_bypass_pg_seq_is", "on_policy_bypass_none", "moe_on_policy_bypass_none"
+
+
+def comparisons(arms_result: Dict[str, dict]) -> Dict[str, dict]:
+    """Each arm's seeds' final rewards (the last tenth's mean) against the failing arm's and the controls'."""
+    finals = {name: [_mean_or(s["reward"][-max(1, len(s["reward"]) // 10):]) for s in arm["seeds"]]
+              for name, arm in arms_result.items()}
+    out = {}
+    for name, values in finals.items():
+        out[name] = {f"vs_{other}": welch_test(values, finals[other])
+                     for other in (FAILING, CONTROL, MOE_CONTROL) if other in finals and other != name}
+    return out
 
 
 def summarise(arm_result: dict) -> dict:
@@ -590,7 +740,8 @@ def _pool(cfg):
     return multiprocessing.get_context("spawn").Pool(cfg.workers)
 
 
-def run_study(cfg: CollapseConfig, out_dir: str, selected: Optional[List[str]] = None) -> dict:
+def run_study(cfg: CollapseConfig, out_dir: str, selected: Optional[List[str]] = None,
+              name_of_run: str = "collapse-study") -> dict:
     t0 = time.perf_counter()
     kinds = sorted({a["model"] for a in arms(_placeholder_thresholds()).values()})
     jobs = [(cfg, s, k) for s in range(cfg.seeds) for k in kinds]
@@ -604,7 +755,7 @@ def run_study(cfg: CollapseConfig, out_dir: str, selected: Optional[List[str]] =
         model.load_state_dict(states[key])
     calibration = {}
     for kind in kinds:
-        for path in ("fp32", "fp8"):
+        for path in ("fp32", "fp8") + (("fp8" + ROUTER32,) if kind == "moe" else ()):
             calibration[f"{kind}/{path}"] = calibrate(cfg, starts[(0, kind)], path)
     print("calibration:", json.dumps(calibration), flush=True)
     thresholds = thresholds_from(calibration)
@@ -617,7 +768,8 @@ def run_study(cfg: CollapseConfig, out_dir: str, selected: Optional[List[str]] =
         pool.join()
     result = {"config": dataclasses.asdict(cfg), "environment": environment("cpu"),
               "regime": "collapse", "definitions": dict(
-                  collapse_margin=cfg.collapse_margin, ess_fall=ESS_FALL, grad_spike=GRAD_SPIKE,
+                  collapse_margin=cfg.collapse_margin, collapse_window=cfg.collapse_window,
+                  false_alarm=FALSE_ALARM, ess_fall=ESS_FALL, grad_spike=GRAD_SPIKE, kl_rise=KL_RISE,
                   clip_band=CLIP_BAND, calibration_quantile=CALIBRATION_QUANTILE),
               "arms_config": {k: {**v, "rc": repr(v["rc"])} for k, v in chosen.items()},
               "calibration": calibration, "thresholds": thresholds, "sft_seconds": sft_seconds, "arms": {}}
@@ -627,12 +779,14 @@ def run_study(cfg: CollapseConfig, out_dir: str, selected: Optional[List[str]] =
         result["arms"][name] = {"seeds": seeds}
     result["summary"] = {k: summarise(v) for k, v in result["arms"].items()}
     result["predictors"] = {k: [predictors(s) for s in v["seeds"]] for k, v in result["arms"].items()}
+    result["predictor_rates"] = predictor_rates(result["predictors"])
+    result["comparisons"] = comparisons(result["arms"])
     result["wall_seconds"] = time.perf_counter() - t0
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "collapse-study.json")
+    path = os.path.join(out_dir, f"{name_of_run}.json")
     with open(path, "w") as f:
         json.dump(_no_nan(ms._rounded(result)), f, separators=(",", ":"))
-    plot(result, os.path.join(out_dir, "collapse-study.png"))
+    plot(result, os.path.join(out_dir, f"{name_of_run}.png"))
     for name, s in result["summary"].items():
         print(f"{name}: final {s['final_reward_mean']:.3f} ({s['final_reward_min']:.3f}-{s['final_reward_max']:.3f}) "
               f"collapse {s['steps_to_collapse']} predictors {result['predictors'][name]}", flush=True)
@@ -704,7 +858,15 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int)
     p.add_argument("--arms", help="comma list of arm names (default: all)")
     p.add_argument("--plot", metavar="JSON", help="redraw the PNG of a study JSON (beside it) and exit")
+    p.add_argument("--name", default="collapse-study", help="the output files' name (NAME.json, NAME.png)")
+    p.add_argument("--calibrate-margin", metavar="JSON",
+                   help="print the collapse margin set from the control arm of a study JSON, and exit")
     args = p.parse_args(argv)
+    if args.calibrate_margin:
+        with open(args.calibrate_margin) as f:
+            control = [s["reward"] for s in json.load(f)["arms"][CONTROL]["seeds"]]
+        print(json.dumps(margin_from_control(control, args.rl_steps or CollapseConfig.rl_steps)))
+        return 0
     if args.plot:
         with open(args.plot) as f:
             plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
@@ -714,7 +876,7 @@ def main(argv=None) -> int:
     for field in ("seeds", "rl_steps", "sft_steps", "workers"):
         if getattr(args, field) is not None:
             cfg = dataclasses.replace(cfg, **{field: getattr(args, field)})
-    run_study(cfg, args.out, args.arms.split(",") if args.arms else None)
+    run_study(cfg, args.out, args.arms.split(",") if args.arms else None, args.name)
     return 0
 
 
