@@ -97,7 +97,8 @@ def _nemo_rl(provider: str):
         ones = torch.ones(B, T, dtype=torch.float32)
         data = {"input_ids": labels, "advantages": ones, "prev_logprobs": -ones, "generation_logprobs": -ones,
                 "token_mask": ones, "sample_mask": torch.ones(B)}
-        loss, _ = loss_fn(data, float(B), float(B * (T - 1)), logits=logits)
+        # a view: a computed tensor, as a model's output is (a leaf is the caller's own, never written), no copy
+        loss, _ = loss_fn(data, float(B), float(B * (T - 1)), logits=logits.view_as(logits))
         return loss, loss.new_zeros(())
 
     return loss_pass

@@ -31,7 +31,8 @@ NeMo-RL's (one synchronisation): every metric NeMo-RL's loss logs, under its nam
 `sampling_importance_ratio`, `is_oob_ratio`, `approx_entropy`, `num_valid_samples`), rlkernels' own beside them;
 with RLKERNELS_LOGPROB_PARITY=1 also `logprob_parity/...` of `prev_logprobs` against `generation_logprobs`
 (parity.py). The logits are passed whole (the last position's label is `ignore_index`), and the backward writes the
-gradient into their storage (`inplace_backward=True`, the default) when they own it: NeMo-RL reads them after the
+gradient into their storage (`inplace_backward=True`, the default) when they are a computed tensor (not a leaf: a
+caller's own) that owns it: NeMo-RL reads them after the
 loss only in the forward (the Megatron path's `DraftLossWrapper` takes its teacher as a rolled copy,
 `loss/utils.py:173` @7ea279ab), and the bumped version counter makes any later read by autograd fail loudly. A view
 into a larger tensor (`SequencePackingLossWrapper`'s per-sequence slices) takes a new gradient: the view's backward
@@ -42,7 +43,10 @@ NeMo-RL's Ray workers, unless `routes=False`): AutoModel's prev and reference lo
 (`LogprobsPostProcessor._compute_local_logprobs`) and the update forward of an input_type LOGPROB loss
 (`get_next_token_logprobs_from_logits`, local branch) by one rlkernels pass, where NeMo-RL makes a float32 copy of
 the logits and takes their float32 log-softmax (saved for the backward in the update). Top-k / top-p sampling
-parameters, vocabulary- or context-parallel groups and DTensor logits run NeMo-RL's own code.
+parameters, vocabulary- or context-parallel groups and DTensor logits run NeMo-RL's own code. The routes reach a
+worker when the loss object does, at its first `train` call: that step's prev and reference log-probs, computed
+before it, are NeMo-RL's own unless the workers install the routes at start (`install` as the Ray job's
+`worker_process_setup_hook`, activation.py).
 """
 
 import math
@@ -123,8 +127,8 @@ def config_from_nemo_rl(cfg) -> PolicyLossConfig:
 class ClippedPGLossFn:
     """NeMo-RL's `ClippedPGLossFn` (same config), computed by rlkernels; a NeMo-RL `LossFunction`. `input_type`
     "logprob" (NeMo-RL's) or "logit"; `tp_group` for vocabulary-parallel logits; `inplace_backward` lets the logits
-    route's gradient take the logits' storage where they own it; `routes` installs the log-prob routes (module
-    docstring) where the object is built and where it is unpickled."""
+    route's gradient take the logits' storage where they are a computed tensor that owns it; `routes` installs the
+    log-prob routes (module docstring) where the object is built and where it is unpickled."""
 
     def __init__(self, cfg=None, use_fused_linear_logprobs: bool = False, input_type: str = "logprob",
                  tp_group=None, inplace_backward: bool = True, routes: bool = True):
@@ -144,8 +148,9 @@ class ClippedPGLossFn:
             install()
 
     def __setstate__(self, state):
-        """Unpickled in a NeMo-RL worker (the loss object travels to its Ray actors): the log-prob routes there too."""
-        self.__dict__.update(state)
+        """Unpickled in a NeMo-RL worker (the loss object travels to its Ray actors): the log-prob routes there too.
+        An object pickled before these options existed gets their defaults."""
+        self.__dict__.update({"inplace_backward": True, "routes": True, **state})
         if self.routes:
             install()
 
@@ -195,8 +200,9 @@ def _last_column(x: torch.Tensor, fill) -> torch.Tensor:
 
 
 def _owns(logits: torch.Tensor) -> bool:
-    """Whether `logits` is its storage's only tensor (not a slice of a larger one), so the gradient may take it."""
-    return logits.storage_offset() == 0 and logits.is_contiguous() and \
+    """Whether the gradient may take the logits' storage: they are a computed tensor (a model's output; a leaf is
+    the caller's own, which it may read after) and their storage's only tensor (not a slice of a larger one)."""
+    return logits.grad_fn is not None and logits.storage_offset() == 0 and logits.is_contiguous() and \
         logits.untyped_storage().nbytes() == logits.numel() * logits.element_size()
 
 
@@ -221,9 +227,12 @@ def _next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> tor
     they are, rows past n labelled out: a slice of the logits would cost its own gradient, which its backward then
     copies into a new one of the whole tensor."""
     labels = next_tokens.to(logits.device)
+    if logits.shape[1] < labels.shape[1]:
+        raise ValueError(f"next_token_logits: {logits.shape[1]} positions for {labels.shape[1]} next tokens")
     if logits.shape[1] > labels.shape[1]:
         labels = torch.cat([labels, labels.new_full((labels.shape[0], logits.shape[1] - labels.shape[1]), -100)], 1)
-    return token_logprobs(logits, labels, validate=False).logprobs[:, :next_tokens.shape[1]].float()
+    # validate: a token id outside the vocabulary is refused (NeMo-RL's gather raises), not scored 0
+    return token_logprobs(logits, labels).logprobs[:, :next_tokens.shape[1]].float().contiguous()
 
 
 def get_next_token_logprobs_from_logits(input_ids, next_token_logits, seq_index=None, vocab_parallel_rank=None,
@@ -235,6 +244,9 @@ def get_next_token_logprobs_from_logits(input_ids, next_token_logits, seq_index=
     one rlkernels pass, `chunk_size` not needed; every other branch is NeMo-RL's own."""
     if vocab_parallel_group is None and context_parallel_group is None and not _is_dtensor(next_token_logits) \
             and not _filters(sampling_params):
+        if next_token_logits.shape[1] < input_ids.shape[1]:
+            raise ValueError(f"next_token_logits: {next_token_logits.shape[1]} positions for input_ids of "
+                             f"{input_ids.shape[1]} (NeMo-RL scores positions 0 .. T - 2)")
         return _next_token_logprobs(next_token_logits, input_ids[:, 1:])  # the whole logits: no slice's gradient
     if _NEXT_TOKEN.original is None:
         raise ValueError("sampling_params / vocab_parallel_group / context_parallel_group: NeMo-RL's own "

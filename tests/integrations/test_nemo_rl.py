@@ -92,7 +92,7 @@ def test_matches_nemo_rls_own_clipped_pg_loss(case, seed, input_type):
         mine, metrics = rlk_nemo.ClippedPGLossFn(cfg)(data, gvs, gvt, next_token_logprobs=mine_lp)
         (my_grad,) = torch.autograd.grad(mine, mine_lp)
     else:  # from the logits: the gradient to the log-probs is the one to the logits' label column, chained
-        x = logits.clone().requires_grad_(True)
+        x = logits.clone().requires_grad_(True) * 1.0  # a computed tensor, as a model's output
         mine, metrics = rlk_nemo.ClippedPGLossFn(cfg, input_type="logit")(data, gvs, gvt, logits=x)
         (grad_logits,) = torch.autograd.grad(mine, x)
         assert grad_logits.data_ptr() == x.data_ptr()  # the gradient took the logits' storage (inplace_backward)
@@ -131,13 +131,18 @@ def test_logit_gradient_in_place_only_where_the_logits_own_their_storage():
     gvs, gvt = data["sample_mask"].sum(), mask.sum()
     grads = {}
     for inplace in (True, False):
-        x = logits.clone().requires_grad_(True)
+        x = logits.clone().requires_grad_(True) * 1.0
         loss, _ = rlk_nemo.ClippedPGLossFn(cfg, input_type="logit", inplace_backward=inplace)(data, gvs, gvt,
                                                                                               logits=x)
         (grads[inplace],) = torch.autograd.grad(loss, x)
         assert (grads[inplace].data_ptr() == x.data_ptr()) == inplace
         assert inplace or torch.equal(x.detach(), logits)
     assert torch.equal(grads[True], grads[False])
+
+    leaf = logits.clone().requires_grad_(True)  # the caller's own tensor: never written
+    loss, _ = rlk_nemo.ClippedPGLossFn(cfg, input_type="logit")(data, gvs, gvt, logits=leaf)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    assert torch.equal(leaf.detach(), logits) and torch.equal(grad, grads[False])
 
     packed = torch.cat([logits, logits], 1).requires_grad_(True)  # two copies of the batch, one after the other
     work = packed * 1.0  # a non-leaf, as a model's output

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from rlkernels import token_logprobs
 from rlkernels.integrations import nemo_rl as rlk_nemo
 
 from ..cases import assert_close, tol
@@ -24,7 +25,20 @@ B, T, V = 3, 8, 41
 
 
 @pytest.fixture
-def nemo_rl_modules(tmp_path, monkeypatch):
+def passes(monkeypatch):
+    """The rlkernels passes the routes run (so a route that fell back on NeMo-RL's code is seen)."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return token_logprobs(*args, **kwargs)
+
+    monkeypatch.setattr(rlk_nemo, "token_logprobs", counted)
+    return calls
+
+
+@pytest.fixture
+def nemo_rl_modules(tmp_path, monkeypatch, passes):
     """The stand-in package on sys.path, the routes installed before it is imported; everything undone after."""
     write_stand_in(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -47,7 +61,7 @@ def _batch(dtype, seed=0, scale=3.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 3])
-def test_prev_and_reference_logprobs_match_nemo_rls(nemo_rl_modules, dtype, chunk):
+def test_prev_and_reference_logprobs_match_nemo_rls(nemo_rl_modules, passes, dtype, chunk):
     """Both compute float32 log-softmax of the same values (NeMo-RL upcasts bf16 exactly): the float32 row of
     ('value', fp32), scaled by 3, the logits' spread. NeMo-RL's sequence chunks change nothing in the values."""
     train, _ = nemo_rl_modules
@@ -59,12 +73,13 @@ def test_prev_and_reference_logprobs_match_nemo_rls(nemo_rl_modules, dtype, chun
         theirs = nemo.LogprobsPostProcessor({"logprob_chunk_size": chunk})._compute_local_logprobs(logits, input_ids)
     assert ours.dtype == theirs.dtype == torch.float32 and ours.shape == theirs.shape == (B, T - 1)
     assert_close(ours, theirs, **tol("value", torch.float32, scale=3.0), name="logprobs")
+    assert passes == [(B, T, V)]  # one rlkernels pass over the logits as they are
     empty = processor._compute_local_logprobs(logits[:, :1], input_ids[:, :1])
     assert empty.shape == (B, 0) and empty.dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_update_forward_logprobs_and_gradient_match_nemo_rls(nemo_rl_modules, dtype):
+def test_update_forward_logprobs_and_gradient_match_nemo_rls(nemo_rl_modules, passes, dtype):
     """Through `prepare_loss_input`'s call site: values as above; the gradient of bf16 logits is rounded to bf16 on
     both sides (NeMo-RL's by the float32 cast's backward): the ('dlogits', dtype) row."""
     _, loss_utils = nemo_rl_modules
@@ -83,9 +98,25 @@ def test_update_forward_logprobs_and_gradient_match_nemo_rls(nemo_rl_modules, dt
     assert_close(ours, theirs, **tol("value", torch.float32, scale=3.0), name="logprobs")
     assert our_grad.dtype == their_grad.dtype == dtype
     assert_close(our_grad.float(), their_grad.float(), **tol("dlogits", dtype), name="dlogits")
+    assert passes == [(B, T, V)]
 
 
-def test_top_k_top_p_and_parallel_calls_run_nemo_rls_own(nemo_rl_modules):
+def test_routes_refuse_what_nemo_rls_code_cannot_compute(nemo_rl_modules):
+    """A token id outside the vocabulary (NeMo-RL's gather raises; never a log-prob of 0) and logits shorter than
+    the input ids are refused by name."""
+    train, loss_utils = nemo_rl_modules
+    logits, input_ids = _batch(torch.float32)
+    wild = input_ids.clone()
+    wild[1, 4] = V
+    with pytest.raises(ValueError, match="labels"):
+        train.LogprobsPostProcessor({})._compute_local_logprobs(logits, wild)
+    with pytest.raises(ValueError, match="labels"):
+        loss_utils.logprob_input(logits, {"input_ids": wild})
+    with pytest.raises(ValueError, match="next_token_logits"):
+        loss_utils.logprob_input(logits[:, :-1], {"input_ids": input_ids})
+
+
+def test_top_k_top_p_and_parallel_calls_run_nemo_rls_own(nemo_rl_modules, passes):
     """What the routes leave to NeMo-RL reaches NeMo-RL's code (the transcription raises where it stops)."""
     train, loss_utils = nemo_rl_modules
     logits, input_ids = _batch(torch.float32)
@@ -97,6 +128,7 @@ def test_top_k_top_p_and_parallel_calls_run_nemo_rls_own(nemo_rl_modules):
     with pytest.raises(NotImplementedError, match="vocabulary-parallel"):
         loss_utils.get_next_token_logprobs_from_logits(input_ids, logits, vocab_parallel_rank=0,
                                                        vocab_parallel_group=object())
+    assert passes == []
     disabled = nemo.TrainingSamplingParams(top_k=-1, top_p=1.0, temperature=0.7)  # NeMo-RL's "off" values
     ours = train.LogprobsPostProcessor({}, disabled)._compute_local_logprobs(logits, input_ids)
     assert_close(ours, nemo.LogprobsPostProcessor({})._compute_local_logprobs(logits, input_ids),
@@ -138,3 +170,11 @@ def test_the_unpickled_loss_installs_the_routes_in_a_fresh_process(tmp_path, rou
     lp_owner = owner if routes else "nemo_rl.models.automodel.train"
     assert out.stdout.split() == [lp_owner, owner if routes else "nemo_rl.distributed.model_utils",
                                   "ClippedPGLossFn"]
+
+
+def test_a_loss_pickled_before_the_route_options_unpickles_with_their_defaults():
+    old = rlk_nemo.ClippedPGLossFn({}, input_type="logit", routes=False)
+    del old.__dict__["routes"], old.__dict__["inplace_backward"]  # the state an earlier release pickled
+    loaded = pickle.loads(pickle.dumps(old))
+    assert loaded.routes is True and loaded.inplace_backward is True
+    rlk_nemo.uninstall()

@@ -5,7 +5,7 @@ Source: NVIDIA-NeMo/RL, commit 7ea279abfbeb698b092856d0dab61e7cf39bc909
 
 - ``nemo_rl/algorithms/logits_sampling_utils.py`` lines 29-66 (``TrainingSamplingParams``,
   ``need_top_k_or_top_p_filtering``) and 283-284 (``apply_top_k_top_p`` without filtering)
-- ``nemo_rl/distributed/model_utils.py`` lines 1611-1693 (``get_next_token_logprobs_from_logits``)
+- ``nemo_rl/distributed/model_utils.py`` lines 1611-1695 (``get_next_token_logprobs_from_logits``)
 - ``nemo_rl/models/automodel/train.py`` lines 197-215 (``apply_top_k_top_p_filtering_for_local_logits``) and
   656-697, 800-864 (``LogprobsPostProcessor.__init__`` and ``_compute_local_logprobs``)
 
@@ -81,7 +81,7 @@ def get_next_token_logprobs_from_logits(
     sampling_params=None,
     chunk_size=None,
 ):
-    """model_utils.py lines 1611-1693."""
+    """model_utils.py lines 1611-1695."""
     use_chunking = (
         vocab_parallel_group is not None
         and chunk_size is not None
