@@ -55,9 +55,9 @@ import torch.nn.functional as F
 import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection
 
-from . import mismatch_study as ms
+from . import study_model as ms
 from .harness import environment, rss_bytes
-from .mismatch_study import BOS, FIRST_NUMBER, PAD, SEP
+from .study_model import BOS, FIRST_NUMBER, PAD, SEP
 
 # The collapse criterion, calibrated before the runs of 2026-12-05 on the control arm of the run of 2026-12-04
 # (`--calibrate-margin benchmarks/results/collapse-study.json`, `margin_from_control`): the 95th percentile of the
@@ -271,7 +271,7 @@ def make_prompts(cfg: CollapseConfig, n_prompts: int, g: torch.Generator):
 
 def supervised_start(cfg: CollapseConfig, seed: int, kind: str) -> ms.TinyLM:
     """The mismatch study's supervised phase on correct walks; the same data for both kinds."""
-    return ms.supervised_start(cfg, seed, build=lambda c: build(c, kind), prompts_of=make_prompts)
+    return ms.supervised_start(cfg, seed, make_prompts, build=lambda c: build(c, kind))
 
 
 def rollout(served, cfg, prompts, valid, g):
