@@ -706,6 +706,45 @@ def summarise(arm_result: dict) -> dict:
     return out
 
 
+def _fmt_p(test: Optional[dict]) -> str:
+    if not test or test.get("p") is None or not math.isfinite(test["p"]):
+        return "—"
+    return f"{test['diff']:+.3f} (p {test['p']:.2g})"
+
+
+def table(result: dict) -> str:
+    """The docs' table of a study JSON (docs/study.md): per arm its seeds' final rewards (the last tenth), the Welch
+    tests against the failing arm and the controls, the collapse steps, and the mismatch first -> last tenth."""
+    summary, tests = result["summary"], result.get("comparisons", {})
+    head = ("| arm | reward, first tenth | reward, last tenth (seeds) | vs `moe_bypass_pg_seq_is` | vs control | "
+            "vs MoE control | collapse | seq ESS | top-k KL | rej. / zeroed | flips |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, arm in result["arms"].items():
+        s, t = summary[name], tests.get(name, {})
+        finals = [_mean_or(x["reward"][-max(1, len(x["reward"]) // 10):]) for x in arm["seeds"]]
+        collapse = ", ".join("—" if c is None else str(c) for c in s["steps_to_collapse"])
+        flips = s.get("routing_flip_rate_last_tenth")
+        rows.append(
+            f"| `{name}` | {s['initial_reward']:.3f} | **{s['final_reward_mean']:.3f}** "
+            f"({', '.join(f'{x:.3f}' for x in finals)}) | {_fmt_p(t.get('vs_' + FAILING))} | "
+            f"{_fmt_p(t.get('vs_' + CONTROL))} | {_fmt_p(t.get('vs_' + MOE_CONTROL))} | {collapse} | "
+            f"{s['seq_ess_first_tenth']:.2f} → {s['seq_ess_last_tenth']:.2f} | "
+            f"{s['topk_kl_mean_first_tenth']:.1e} → {s['topk_kl_mean_last_tenth']:.1e} | "
+            f"{100 * s['rejected_seq_fraction']:.1f} % / {100 * s['is_zeroed_fraction_last_tenth']:.1f} % | "
+            f"{'—' if not flips else f'{100 * flips:.2f} %'} |")
+    rates = result.get("predictor_rates")
+    if rates:
+        rows.append("")
+        rows.append(f"Predictors over {rates['seeds']} seeds, {rates['collapsed']} collapsed:")
+        for name in PREDICTORS:
+            r = rates[name]
+            calm = rates["seeds"] - rates["collapsed"]
+            rows.append(f"- {name}: preceded {r['preceded']} of {rates['collapsed']} collapses (leads "
+                        f"{r['leads'] or '—'} steps); fired in {r['false_alarms']} of {calm} seeds without one "
+                        f"({100 * r['false_alarm_rate']:.0f} %)")
+    return "\n".join(rows)
+
+
 def _smooth(xs: List[float], width: int = 10) -> List[float]:
     return [sum(xs[max(0, i - width + 1):i + 1]) / len(xs[max(0, i - width + 1):i + 1]) for i in range(len(xs))]
 
@@ -859,6 +898,7 @@ def main(argv=None) -> int:
     p.add_argument("--arms", help="comma list of arm names (default: all)")
     p.add_argument("--plot", metavar="JSON", help="redraw the PNG of a study JSON (beside it) and exit")
     p.add_argument("--name", default="collapse-study", help="the output files' name (NAME.json, NAME.png)")
+    p.add_argument("--table", metavar="JSON", help="print the docs' markdown table of a study JSON, and exit")
     p.add_argument("--calibrate-margin", metavar="JSON",
                    help="print the collapse margin set from the control arm of a study JSON, and exit")
     args = p.parse_args(argv)
@@ -866,6 +906,10 @@ def main(argv=None) -> int:
         with open(args.calibrate_margin) as f:
             control = [s["reward"] for s in json.load(f)["arms"][CONTROL]["seeds"]]
         print(json.dumps(margin_from_control(control, args.rl_steps or CollapseConfig.rl_steps)))
+        return 0
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
         return 0
     if args.plot:
         with open(args.plot) as f:
