@@ -147,8 +147,9 @@ def arms(thresholds: Dict[str, dict]) -> Dict[str, dict]:
             **unbounded, rs={"seq_mean_k1": thresholds["moe/fp8"]["geo_rs_band"]})),
         "moe_bypass_pg_seq_is_trm": dict(moe, rc=RolloutCorrection.trm(thresholds["moe/fp8"]["trm_eps"],
                                                                        **unbounded)),
-        # ... with routing replay; with the routing flips' own source removed (the router in float32 on the
-        # served copy); and with no mismatch at all (the sampler is the trainer), beside that path's control
+        # ... with routing replay; with the router's own rounding removed (float32 on the served copy: the flips'
+        # other sources, the served activations, remain; docs/study.md); and with no mismatch at all (the sampler
+        # is the trainer), beside that path's control
         "moe_replay_bypass_pg_seq_is": dict(moe, rc=seq_is, replay=True),
         "moe_router32_bypass_pg_seq_is": dict(moe, rc=seq_is, sampler="fp8_router32"),
         "moe_on_policy_bypass_pg_seq_is": dict(moe, rc=seq_is, sampler="fp32"),
@@ -527,14 +528,15 @@ def naive_check(model, h, advantages, labels, mask, old_lp, rollout_lp, topk_ids
 
 
 def naive_bypass_loss(logits, labels, advantages, mask, rollout_lp, topk_ids, topk_lp, rc) -> torch.Tensor:
-    """Bypass REINFORCE, token-mean over the kept tokens: Σ -A·w·log π / Σ kept, with Δ = log π - log μ (clamped to
-    ±20), w = 1, min(e^Δ_t, C), min(e^ΣΔ, C), or e^ΣΔ inside (lo, hi) and 0 outside; a sequence is rejected when
-    its geometric-mean ratio exp(mean Δ) leaves the seq_mean_k1 band, or its max top-k KL exceeds seq_max_kl."""
+    """Bypass REINFORCE, token-mean over the kept tokens: Σ -A·w·log π / Σ kept, with Δ = log π - log μ, w = 1,
+    min(e^Δ_t, C), min(e^S, C), or e^S inside (lo, hi) and 0 outside, where Δ_t and the sequence sum S = ΣΔ are each
+    clamped to ±20 (SPEC §4); a sequence is rejected when its geometric-mean ratio exp(mean Δ) leaves the
+    seq_mean_k1 band, or its max top-k KL exceeds seq_max_kl."""
     logp = torch.log_softmax(logits.float(), -1)
     lp = logp.gather(-1, labels[..., None])[..., 0]
     m = mask.float()
     delta = ((lp - rollout_lp) * m).clamp(-20, 20)
-    S = delta.sum(1, keepdim=True)
+    S = ((lp - rollout_lp) * m).sum(1, keepdim=True).clamp(-20, 20)  # the sequence sum, clamped as a whole
     w = torch.ones_like(lp)
     if rc is not None and rc.is_level == "token":
         w = torch.minimum(delta.exp(), torch.tensor(rc.is_threshold))
@@ -616,6 +618,8 @@ def criterion_statistic(rewards: torch.Tensor, width: int = COLLAPSE_WINDOW) -> 
     """The collapse criterion's statistic per row of [seeds, steps] rewards: the largest fall of the width-step mean
     below its running peak, over full windows (a seed collapses when it exceeds the margin)."""
     m = _trailing(rewards, width)[..., width - 1:]
+    if m.shape[-1] == 0:  # fewer steps than one window: nothing to compare
+        return torch.full(m.shape[:-1], math.nan, dtype=m.dtype)
     return (torch.cummax(m, -1).values - m).max(-1).values
 
 
@@ -625,7 +629,8 @@ def margin_from_control(control: List[List[float]], steps: int, false_alarm: flo
     seed is the control's mean curve (each seed's 41-step centred mean, averaged over seeds) plus noise drawn with
     replacement from every seed's residuals about its own centred mean (independent steps: the reward is a fresh
     batch of 32 samples each step); the margin is the (1 - false_alarm) quantile of `criterion_statistic` over
-    `trials` such seeds of `steps` steps."""
+    `trials` such seeds of `steps` steps. Also reported: the same with each seed's own curve in place of the mean
+    one (`margin_own_curves`), and the margin's false-alarm rate there, since a seed's own drift is noise too."""
     r = torch.tensor(control, dtype=torch.float64)
     c = torch.cumsum(F.pad(r, (1, 0)), -1)
     t = torch.arange(r.shape[-1])
@@ -635,9 +640,14 @@ def margin_from_control(control: List[List[float]], steps: int, false_alarm: flo
     g = torch.Generator().manual_seed(0)
     noise = residuals[torch.randint(0, residuals.numel(), (trials, steps), generator=g)]
     simulated = criterion_statistic(trend.mean(0)[:steps] + noise, width)
-    return dict(margin=float(torch.quantile(simulated, 1 - false_alarm)), false_alarm=false_alarm, steps=steps,
-                width=width, trials=trials, control_seeds=len(control), residual_std=float(residuals.std()),
-                control_statistic=criterion_statistic(r[:, :steps], width).tolist())
+    # the same with each seed's own curve (seeds in turn): a seed's own drift counts as noise too
+    own = criterion_statistic(trend[torch.arange(trials) % len(control), :steps] + noise, width)
+    margin = float(torch.quantile(simulated, 1 - false_alarm))
+    return dict(margin=margin, false_alarm=false_alarm, steps=steps, width=width, trials=trials,
+                control_seeds=len(control), residual_std=float(residuals.std()),
+                control_statistic=criterion_statistic(r[:, :steps], width).tolist(),
+                margin_own_curves=float(torch.quantile(own, 1 - false_alarm)),
+                false_alarm_own_curves=float((own > margin).double().mean()))
 
 
 def _betainc(a: float, b: float, x: float) -> float:
@@ -658,7 +668,8 @@ def _betainc(a: float, b: float, x: float) -> float:
             num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
         d = 1.0 + num * d
         d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
-        c = 1.0 + num / c if abs(c) > 1e-300 else 1e-300
+        c = 1.0 + num / c
+        c = c if abs(c) > 1e-300 else 1e-300
         f *= c * d
         if abs(1.0 - c * d) < 1e-12:
             break
@@ -714,24 +725,29 @@ def _fmt_p(test: Optional[dict]) -> str:
 
 def table(result: dict) -> str:
     """The docs' table of a study JSON (docs/study.md): per arm its seeds' final rewards (the last tenth), the Welch
-    tests against the failing arm and the controls, the collapse steps, and the mismatch first -> last tenth."""
+    tests against the failing arm and the controls, the collapse steps, each seed's criterion statistic (the largest
+    fall of the windowed mean reward below its peak, which the margin is compared with), and the mismatch first ->
+    last tenth."""
     summary, tests = result["summary"], result.get("comparisons", {})
     head = ("| arm | reward, first tenth | reward, last tenth (seeds) | vs `moe_bypass_pg_seq_is` | vs control | "
-            "vs MoE control | collapse | seq ESS | top-k KL | rej. / zeroed | flips |")
+            "vs MoE control | collapse | fall below peak | seq ESS | top-k KL | rej. / zeroed | flips |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, arm in result["arms"].items():
         s, t = summary[name], tests.get(name, {})
         finals = [_mean_or(x["reward"][-max(1, len(x["reward"]) // 10):]) for x in arm["seeds"]]
         collapse = ", ".join("—" if c is None else str(c) for c in s["steps_to_collapse"])
+        width = result["definitions"].get("collapse_window", COLLAPSE_WINDOW)
+        falls = criterion_statistic(torch.tensor([x["reward"] for x in arm["seeds"]], dtype=torch.float64), width)
         flips = s.get("routing_flip_rate_last_tenth")
         rows.append(
             f"| `{name}` | {s['initial_reward']:.3f} | **{s['final_reward_mean']:.3f}** "
             f"({', '.join(f'{x:.3f}' for x in finals)}) | {_fmt_p(t.get('vs_' + FAILING))} | "
             f"{_fmt_p(t.get('vs_' + CONTROL))} | {_fmt_p(t.get('vs_' + MOE_CONTROL))} | {collapse} | "
+            f"{', '.join(f'{x:.3f}' for x in falls.tolist())} | "
             f"{s['seq_ess_first_tenth']:.2f} → {s['seq_ess_last_tenth']:.2f} | "
             f"{s['topk_kl_mean_first_tenth']:.1e} → {s['topk_kl_mean_last_tenth']:.1e} | "
             f"{100 * s['rejected_seq_fraction']:.1f} % / {100 * s['is_zeroed_fraction_last_tenth']:.1f} % | "
-            f"{'—' if not flips else f'{100 * flips:.2f} %'} |")
+            f"{'—' if not name.startswith('moe') else f'{100 * flips:.2f} %'} |")
     rates = result.get("predictor_rates")
     if rates:
         rows.append("")
