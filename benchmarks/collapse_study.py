@@ -879,7 +879,7 @@ def plot(result: dict, path: str) -> None:
     for i, (name, arm) in enumerate(result["arms"].items()):
         style = "--" if name.startswith("moe") else (":" if "on_policy" in name or "decoupled" in name else "-")
         styles[name] = style
-        color = f"C{i % 10}" if i < 10 else ("black", "olive")[i % 2]
+        color = f"C{i}" if i < 10 else plt.get_cmap("Dark2")(i - 10)  # distinct for up to 18 arms
         for ax, (key, title, log) in zip(axes.flat, panels):
             if key == "routing_flip_rate" and not name.startswith("moe"):
                 continue
