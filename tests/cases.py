@@ -447,6 +447,11 @@ TOL: Dict[Tuple[str, torch.dtype], Tol] = {
                                      "`filtered.float().mean()`, slime's clipped-token counts over float32 totals) "
                                      "against rlkernels' float64: each k / n is exact to float32's half-ulp, 6e-8 "
                                      "relative, and slime sums a few of them"),
+    # -- the collapse study's statistics (benchmarks/collapse_study.py) ------------------------------------
+    ("study.t_table", F64): Tol(0.0, 2e-4, "a t-table's critical value, 2.228 at df 10, is rounded to 4 digits: "
+                                           "its exact two-sided p is 0.050012, not 0.05"),
+    ("study.margin", F64): Tol(1e-6, 1e-12, "a quantile of the criterion's statistic over the same resampled draws, "
+                                            "scaled by 2 or all zero: exact up to float64 cumulative-sum rounding"),
 }
 assert all(t.why for t in TOL.values()), "every tolerance states its reason"
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from .cases import F32, approx, tol
+from .cases import F32, F64, approx, tol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_ARMS = ("none", "token_tis", "seq_tis", "seq_mis", "geo_rs", "trm", "otb", "group_mean")
@@ -179,7 +179,7 @@ def test_welch_test_matches_the_t_table():
     sizes and variances is 2n - 2."""
     from benchmarks.collapse_study import _betainc, welch_test
 
-    assert _betainc(5.0, 0.5, 10 / (10 + 2.228**2)) == pytest.approx(0.05, abs=2e-4)
+    assert _betainc(5.0, 0.5, 10 / (10 + 2.228**2)) == approx(0.05, "study.t_table", F64)
     out = welch_test([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
     assert out["diff"] == 1.0 and out["df"] == pytest.approx(4.0) and out["t"] == pytest.approx(math.sqrt(1.5))
     assert math.isnan(welch_test([1.0, 1.0], [1.0, 1.0])["p"])  # no spread: no test
@@ -194,5 +194,5 @@ def test_collapse_margin_scales_with_the_controls_noise():
     noise = torch.randn(2, 120, generator=g) * 0.05
     one = margin_from_control((0.3 + noise).tolist(), 100, trials=500)
     two = margin_from_control((0.3 + 2 * noise).tolist(), 100, trials=500)
-    assert two["margin"] == pytest.approx(2 * one["margin"], rel=1e-6) and one["margin"] > 0
-    assert margin_from_control([[0.3] * 120] * 2, 100, trials=50)["margin"] == pytest.approx(0.0, abs=1e-12)
+    assert two["margin"] == approx(2 * one["margin"], "study.margin", F64) and one["margin"] > 0
+    assert margin_from_control([[0.3] * 120] * 2, 100, trials=50)["margin"] == approx(0.0, "study.margin", F64)
