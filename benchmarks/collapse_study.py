@@ -694,10 +694,14 @@ def welch_test(a: List[float], b: List[float]) -> dict:
 FAILING, CONTROL, MOE_CONTROL = "moe_bypass_pg_seq_is", "on_policy_bypass_none", "moe_on_policy_bypass_none"
 
 
+def final_rewards(arm_result: dict) -> List[float]:
+    """Each seed's final reward: the mean of its last tenth of steps."""
+    return [_mean_or(s["reward"][-max(1, len(s["reward"]) // 10):]) for s in arm_result["seeds"]]
+
+
 def comparisons(arms_result: Dict[str, dict]) -> Dict[str, dict]:
     """Each arm's seeds' final rewards (the last tenth's mean) against the failing arm's and the controls'."""
-    finals = {name: [_mean_or(s["reward"][-max(1, len(s["reward"]) // 10):]) for s in arm["seeds"]]
-              for name, arm in arms_result.items()}
+    finals = {name: final_rewards(arm) for name, arm in arms_result.items()}
     out = {}
     for name, values in finals.items():
         out[name] = {f"vs_{other}": welch_test(values, finals[other])
@@ -713,7 +717,8 @@ def summarise(arm_result: dict) -> dict:
                 "out_of_clip_fraction", "routing_flip_rate", "is_zeroed_fraction"):
         out[f"{key}_first_tenth"] = _mean_or(_mean_or(s[key][:tenth]) for s in seeds)
         out[f"{key}_last_tenth"] = _mean_or(_mean_or(s[key][-tenth:]) for s in seeds)
-    out["peak_reward_10_step"] = [max(_smooth(s["reward"])) for s in seeds]
+    rewards = torch.tensor([s["reward"] for s in seeds], dtype=torch.float64)
+    out["peak_reward_10_step"] = _trailing(rewards, 10).max(-1).values.tolist()
     return out
 
 
@@ -734,7 +739,7 @@ def table(result: dict) -> str:
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, arm in result["arms"].items():
         s, t = summary[name], tests.get(name, {})
-        finals = [_mean_or(x["reward"][-max(1, len(x["reward"]) // 10):]) for x in arm["seeds"]]
+        finals = final_rewards(arm)
         collapse = ", ".join("—" if c is None else str(c) for c in s["steps_to_collapse"])
         width = result["definitions"].get("collapse_window", COLLAPSE_WINDOW)
         falls = criterion_statistic(torch.tensor([x["reward"] for x in arm["seeds"]], dtype=torch.float64), width)
@@ -761,10 +766,6 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def _smooth(xs: List[float], width: int = 10) -> List[float]:
-    return [sum(xs[max(0, i - width + 1):i + 1]) / len(xs[max(0, i - width + 1):i + 1]) for i in range(len(xs))]
-
-
 # -- the study ----------------------------------------------------------------------------------------------------
 
 
@@ -784,7 +785,7 @@ def _arm_job(args):
     t0 = time.perf_counter()
     result = run_arm(cfg, name, arm, start, seed, check_naive)
     print(f"{name} seed {seed}: {time.perf_counter() - t0:.0f} s, final reward "
-          f"{_mean_or(result['reward'][-max(1, len(result['reward']) // 10):]):.3f}, collapse "
+          f"{_mean_or(final_rewards({'seeds': [result]})):.3f}, collapse "
           f"{first_step(result['collapsed'])}", flush=True)
     return name, result
 

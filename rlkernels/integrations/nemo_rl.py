@@ -53,6 +53,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..api import decoupled_ppo_loss, metrics_to_floats, policy_loss, token_logprobs
 from ..config import PolicyLossConfig, RolloutCorrection
@@ -184,19 +185,13 @@ class ClippedPGLossFn:
         """The loss over the whole [B, T, V] logits, row t labelled input_ids[:, t + 1] and the last row left out, so
         the gradient can take the logits' storage (a slice's backward would allocate the whole tensor's); the
         per-token inputs get a zero last column, the log-probs lose it again."""
-        labels = _last_column(input_ids[:, 1:], -100)
-        kw = {name: value if name == "config" or value is None else _last_column(value, 0)
-              for name, value in kw.items()}
+        labels = F.pad(input_ids[:, 1:], (0, 1), value=-100)  # the last row: no token follows
+        kw = {name: value if name == "config" or value is None else F.pad(value, (0, 1)) for name, value in kw.items()}
         inplace = self.inplace_backward and self.tp_group is None and _owns(logits)  # not with tp_group
-        out = decoupled_ppo_loss(logits, labels, old_logprobs=None if old is None else _last_column(old, 0),
+        out = decoupled_ppo_loss(logits, labels, old_logprobs=None if old is None else F.pad(old, (0, 1)),
                                  tp_group=self.tp_group, inplace_backward=inplace, **kw)
         return out._replace(**{name: getattr(out, name)[:, :-1] for name in ("logprobs", "entropy", "is_weights",
                                                                              "mask") if getattr(out, name) is not None})
-
-
-def _last_column(x: torch.Tensor, fill) -> torch.Tensor:
-    """[B, T - 1] -> [B, T]: x and a last column of `fill` (the row no token follows)."""
-    return torch.cat([x, x.new_full((x.shape[0], 1), fill)], 1)
 
 
 def _owns(logits: torch.Tensor) -> bool:
@@ -229,8 +224,7 @@ def _next_token_logprobs(logits: torch.Tensor, next_tokens: torch.Tensor) -> tor
     labels = next_tokens.to(logits.device)
     if logits.shape[1] < labels.shape[1]:
         raise ValueError(f"next_token_logits: {logits.shape[1]} positions for {labels.shape[1]} next tokens")
-    if logits.shape[1] > labels.shape[1]:
-        labels = torch.cat([labels, labels.new_full((labels.shape[0], logits.shape[1] - labels.shape[1]), -100)], 1)
+    labels = F.pad(labels, (0, logits.shape[1] - labels.shape[1]), value=-100)
     # validate: a token id outside the vocabulary is refused (NeMo-RL's gather raises), not scored 0
     return token_logprobs(logits, labels).logprobs[:, :next_tokens.shape[1]].float().contiguous()
 
