@@ -59,14 +59,17 @@ from . import study_model as ms
 from .harness import environment, rss_bytes
 from .study_model import BOS, FIRST_NUMBER, PAD, SEP
 
-# The collapse criterion, calibrated before the runs of 2026-12-05 on the control arm of the run of 2026-12-04
-# (`--calibrate-margin benchmarks/results/collapse-study.json`, `margin_from_control`): the 95th percentile of the
-# criterion's statistic over 20,000 simulated control seeds of 250 steps, so that the control is flagged in 5 % of
-# its seeds. The run of 2026-12-04 used a 10-step window, a peak that counted the first, shorter windows, and a fixed
-# margin of 0.15 (its JSON records them); that margin sat inside the control's noise (the 95th percentile of the
-# same statistic is 0.20 there).
+# The collapse criterion, calibrated before each run on the control arms' seeds then recorded. Before the run of
+# 2026-12-05 (full regime, 200 steps): `--calibrate-margin benchmarks/results/collapse-study.json
+# benchmarks/results/collapse-study-moe.json --rl-steps 200` (`margin_from_control`): 6 distinct control seeds (the
+# dense and the MoE control, 3 each), the 95th percentile of the criterion's statistic over 20,000 simulated seeds
+# built on each seed's own curve, so that a control seed, its own drift included, is flagged in 5 % of cases
+# (simulated on the mean curve, 0.1 %). The MoE and dense runs of 2026-12-05 used 0.077, the same quantile on the mean
+# curve of the 2 control seeds of 2026-12-04 over 250 steps, and it flagged 3 of their 6 control seeds: a seed's own
+# drift is the larger part of the control's noise. The run of 2026-12-04 used a 10-step window, a peak that counted
+# the first, shorter windows, and a fixed margin of 0.15. Each run's JSON records its definitions.
 COLLAPSE_WINDOW = 25
-COLLAPSE_MARGIN = 0.077
+COLLAPSE_MARGIN = 0.110
 FALSE_ALARM = 0.05  # the control's flagged share of seeds the margin is set for
 ESS_FALL = 0.5
 GRAD_SPIKE = 3.0
@@ -84,7 +87,8 @@ class CollapseConfig(ms.StudyConfig):
     heads: int = 4
     sft_steps: int = 250
     sft_batch: int = 32
-    rl_steps: int = 250  # 400 in the run of 2026-12-04; 250 keeps 3 seeds of every arm within 90 minutes
+    rl_steps: int = 200  # 400 on 2026-12-04, 250 in the MoE and dense runs of 2026-12-05 (118 min in all); 200
+    # with the served copies' float32 attention keeps 3 seeds of every arm within 90 minutes
     prompts_per_step: int = 4
     lr: float = 3e-4  # chosen on the on-policy control alone: at 1e-3 the control itself fell 0.21 -> 0.04 by step 50
     group_size: int = 8
@@ -98,6 +102,7 @@ class CollapseConfig(ms.StudyConfig):
     expert_hidden: int = 96
     calibration_prompts: int = 8
     workers: int = 2
+    served_float32_arithmetic: bool = True  # `served_model`; False up to the MoE and dense runs of 2026-12-05
 
     @property
     def prompt_width(self) -> int:
@@ -212,15 +217,37 @@ def load_served(served: ms.TinyLM, state: Dict[str, torch.Tensor], path: str) ->
     for name, param in served.named_parameters():
         if ".router." in name:
             param.copy_(state[name])
+    for module in served.modules():  # a float32 GEMM's weights: its served dtype's values
+        if hasattr(module, "served_dtype"):
+            for param in module.parameters():
+                param.copy_(param.to(module.served_dtype))
 
 
-def served_model(model: ms.TinyLM, path: str) -> ms.TinyLM:
+def served_model(model: ms.TinyLM, path: str, float32_arithmetic: bool = True) -> ms.TinyLM:
+    """The served copy of the trainer's model on a path. `float32_arithmetic` (CollapseConfig): its reduced-precision
+    attention and GEMMs computed in float32 on the reduced dtype's values, each output rounded once, as a GPU kernel
+    computes them (`ms.flash_attention_arithmetic`, `_float32_gemm`); the CPU's own bfloat16 kernels (the runs up to
+    the MoE and dense runs of 2026-12-05) take 2-4x as long at the study's shapes. A float32 path is unchanged."""
     served = copy.deepcopy(model).to(ms.SAMPLER_DTYPES[path.removesuffix(ROUTER32)]).requires_grad_(False)
     if path.endswith(ROUTER32):
         for block in moe_blocks(served):
             block.router.float()
+    if float32_arithmetic:
+        for block in served.blocks:
+            block.float32_attention = block.qkv.weight.dtype != torch.float32
+        for module in served.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.dtype != torch.float32:
+                _float32_gemm(module)
     load_served(served, model.state_dict(), path)
     return served
+
+
+def _float32_gemm(linear: torch.nn.Linear) -> None:
+    """A served linear layer as a GPU's GEMM in its dtype computes: the dtype's values (kept in float32: the products
+    are exact), float32 accumulation and bias, the output rounded once to the dtype."""
+    linear.served_dtype = linear.weight.dtype
+    linear.float()
+    linear.forward = lambda x: F.linear(x.float(), linear.weight, linear.bias).to(linear.served_dtype)
 
 
 def moe_blocks(model) -> List[MoEBlock]:
@@ -333,7 +360,7 @@ def topk_kl(trainer_logp, topk_ids, topk_lp):
 def calibrate(cfg: CollapseConfig, start: ms.TinyLM, path: str) -> dict:
     """No learning: sample from the served path, then the trainer's float32 pass on the same weights and tokens.
     The mismatch every arm on this path starts from, from the numerics alone."""
-    served = served_model(start, path)
+    served = served_model(start, path, cfg.served_float32_arithmetic)
     g = torch.Generator().manual_seed(7)
     prompts, valid, targets = make_prompts(cfg, cfg.calibration_prompts, g)
     G = cfg.group_size
@@ -396,7 +423,7 @@ def run_arm(cfg: CollapseConfig, name: str, arm: dict, start: ms.TinyLM, seed: i
                               compute_entropy=True, backend=cfg.backend)
     g_prompts = torch.Generator().manual_seed(20_000 + seed)
     g_sample = torch.Generator().manual_seed(30_000 + seed)
-    served = served_model(model, cfg.sampler)
+    served = served_model(model, cfg.sampler, cfg.served_float32_arithmetic)
     curves: Dict[str, list] = {k: [] for k in ("step",) + MEASURES}
     peak, window = -math.inf, []
     first_check = None
@@ -643,11 +670,12 @@ def margin_from_control(control: List[List[float]], steps: int, false_alarm: flo
     # the same with each seed's own curve (seeds in turn): a seed's own drift counts as noise too
     own = criterion_statistic(trend[torch.arange(trials) % len(control), :steps] + noise, width)
     margin = float(torch.quantile(simulated, 1 - false_alarm))
+    margin_own = float(torch.quantile(own, 1 - false_alarm))
     return dict(margin=margin, false_alarm=false_alarm, steps=steps, width=width, trials=trials,
                 control_seeds=len(control), residual_std=float(residuals.std()),
                 control_statistic=criterion_statistic(r[:, :steps], width).tolist(),
-                margin_own_curves=float(torch.quantile(own, 1 - false_alarm)),
-                false_alarm_own_curves=float((own > margin).double().mean()))
+                margin_own_curves=margin_own, false_alarm_own_curves=float((own > margin).double().mean()),
+                false_alarm_mean_curve_at_own=float((simulated > margin_own).double().mean()))
 
 
 def _betainc(a: float, b: float, x: float) -> float:
@@ -916,13 +944,23 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="JSON", help="redraw the PNG of a study JSON (beside it) and exit")
     p.add_argument("--name", default="collapse-study", help="the output files' name (NAME.json, NAME.png)")
     p.add_argument("--table", metavar="JSON", help="print the docs' markdown table of a study JSON, and exit")
-    p.add_argument("--calibrate-margin", metavar="JSON",
-                   help="print the collapse margin set from the control arm of a study JSON, and exit")
+    p.add_argument("--calibrate-margin", metavar="JSON", nargs="+",
+                   help="print the collapse margin set from the control arms' seeds in study JSONs (each seed's "
+                        "first --rl-steps steps; a seed another run repeated counts once), and exit")
     args = p.parse_args(argv)
     if args.calibrate_margin:
-        with open(args.calibrate_margin) as f:
-            control = [s["reward"] for s in json.load(f)["arms"][CONTROL]["seeds"]]
-        print(json.dumps(margin_from_control(control, args.rl_steps or CollapseConfig.rl_steps)))
+        steps = args.rl_steps or CollapseConfig.rl_steps
+        control = []
+        for path in args.calibrate_margin:
+            with open(path) as f:
+                arms_of_run = json.load(f)["arms"]
+            for name in (CONTROL, MOE_CONTROL):
+                # the runs are deterministic: a control seed rerun under another run's name is the same curve
+                control += [c for c in (s["reward"][:steps] for s in arms_of_run.get(name, {}).get("seeds", []))
+                            if c not in control]
+        if any(len(c) < steps for c in control):
+            p.error(f"--calibrate-margin: every control seed needs {steps} steps (--rl-steps)")
+        print(json.dumps(margin_from_control(control, steps)))
         return 0
     if args.table:
         with open(args.table) as f:
