@@ -95,7 +95,8 @@ def flash_attention_arithmetic(q, k, v, mask, dtype: torch.dtype) -> torch.Tenso
     (held in float32: their products are exact), the scores, softmax and accumulations in float32, the probabilities
     rounded to `dtype` before their product with v, the output rounded once; the same up to summation order. A
     served copy's (`Block.float32_attention`): the CPU's own bfloat16 attention takes 3-4x as long at the study's
-    shapes. Every row of `mask` has a key (`sequence_mask`)."""
+    shapes and rounds its scaled inputs to bfloat16, which a GPU flash kernel does not. Every row of `mask` has a
+    key (`sequence_mask`)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~mask, -math.inf)
     p = torch.exp(scores - scores.amax(-1, keepdim=True))

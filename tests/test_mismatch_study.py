@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from .cases import F32, F64, approx, tol
+from .cases import BF16, F32, F64, approx, tol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_ARMS = ("none", "token_tis", "seq_tis", "seq_mis", "geo_rs", "trm", "otb", "group_mean")
@@ -196,3 +196,58 @@ def test_collapse_margin_scales_with_the_controls_noise():
     two = margin_from_control((0.3 + 2 * noise).tolist(), 100, trials=500)
     assert two["margin"] == approx(2 * one["margin"], "study.margin", F64) and one["margin"] > 0
     assert margin_from_control([[0.3] * 120] * 2, 100, trials=50)["margin"] == approx(0.0, "study.margin", F64)
+
+
+def test_served_attention_is_a_flash_kernels_arithmetic():
+    """The served copies' attention (`flash_attention_arithmetic`) on bf16 q, k, v: a float64 oracle with the same
+    roundings (the probabilities before their product with v, the output once), and keys the mask excludes, whose
+    values never count (bit for bit). The CPU's own bf16 attention is no oracle: it rounds scaled inputs to bf16
+    (0.06-0.1 apart here, at |v| <= 9), which a GPU flash kernel does not."""
+    from benchmarks.study_model import flash_attention_arithmetic, sequence_mask
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D = 3, 2, 9, 8
+    q, k, v = (3 * torch.randn(B, H, T, D, generator=g).bfloat16().float() for _ in range(3))
+    mask = sequence_mask(torch.rand(B, T, generator=g) > 0.3)
+    out = flash_attention_arithmetic(q, k, v, mask, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    scores = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)).masked_fill(~mask, -math.inf)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    oracle = ((p.bfloat16().double() @ v.double()) / p.sum(-1, keepdim=True)).bfloat16()
+    within = tol("study.served_kernel", BF16, scale=float(v.abs().max()))
+    torch.testing.assert_close(out.double(), oracle.double(), **within)
+    # decoding: one query over a cache whose excluded keys hold anything at all
+    keys_valid = torch.rand(B, 1, 1, T, generator=g) > 0.4
+    keys_valid[..., -1] = True
+    junk, kept = torch.full_like(k, 1e4), keys_valid[:, :, 0, :, None]  # [B, 1, T, 1]
+    one = flash_attention_arithmetic(q[:, :, -1:], k, v, keys_valid, torch.bfloat16)
+    same = flash_attention_arithmetic(q[:, :, -1:], torch.where(kept, k, junk), torch.where(kept, v, junk),
+                                      keys_valid, torch.bfloat16)
+    assert one.shape == (B, H, 1, D)
+    assert torch.equal(one, same)
+
+
+def test_served_copies_keep_the_served_values_and_round_each_gemm_once():
+    """`served_model`'s float32 arithmetic: its parameters hold exactly the values the CPU's own bf16 copy holds
+    (FP8-quantised block weights, bf16 embeddings, head and router; a float32 router on _router32), each GEMM rounds
+    its float32 result once to bf16, and a float32 path is the trainer's arithmetic, unchanged."""
+    from benchmarks import collapse_study as cs
+
+    cfg = cs.CollapseConfig(**cs.SMOKE)
+    torch.manual_seed(0)
+    model = cs.build(cfg, "moe")
+    for path in ("fp8", "fp8" + cs.ROUTER32):
+        served, native = cs.served_model(model, path), cs.served_model(model, path, float32_arithmetic=False)
+        for (name, a), (_, b) in zip(served.named_parameters(), native.named_parameters(), strict=True):
+            assert torch.equal(a.float(), b.float()), (path, name)
+        assert served.blocks[0].router.weight.dtype == torch.float32
+        assert getattr(served.blocks[0].router, "served_dtype", torch.float32) == native.blocks[0].router.weight.dtype
+    qkv = served.blocks[0].qkv
+    x = torch.randn(5, cfg.d_model, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = qkv(x)
+    assert out.dtype == torch.bfloat16
+    oracle = (x.double() @ qkv.weight.double().T + qkv.bias.double()).bfloat16()
+    torch.testing.assert_close(out.double(), oracle.double(),
+                               **tol("study.served_kernel", BF16, scale=float(oracle.abs().max())))
+    plain = cs.served_model(model, "fp32")
+    assert not any(hasattr(m, "served_dtype") or getattr(m, "float32_attention", False) for m in plain.modules())
