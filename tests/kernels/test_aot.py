@@ -7,6 +7,7 @@ fails on a compile error, a register spill or an occupancy below the floor; `pyt
 (registers, spills, stack, shared, widest load, occupancy and its limiter).
 """
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -57,6 +58,56 @@ def test_widest_global_load_parser():
     assert aot.widest_global_load(ptx) == 128
     assert aot.widest_global_load("ld.global.b16 { %rs1 }, [ %rd2 + 0 ];") == 16
     assert aot.widest_global_load("ld.global.v2.b64 { %rd1, %rd2 }, [ %rd3 + 0 ];") == 0  # int64 labels
+
+
+# cuobjdump's layout: address comment, optional predicate, opcode, operands, encoding comment
+SASS = """
+        /*0660*/                   MOV R2, RZ ;                                   /* 0x000000ff00027202 */
+        /*0670*/                   LDG.E.128 R4, desc[UR4][R2.64] ;               /* 0x0000000402047981 */
+        /*0680*/                   FFMA R6, R4, R8, -R9 ;                         /* 0x0000000804067223 */
+        /*0690*/                   MUFU.EX2 R6, R6 ;                              /* 0x0000000600067308 */
+        /*06a0*/                   NOP ;                                          /* 0x0000000000007918 */
+        /*06b0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;                  /* 0x0000000000007b1d */
+        /*06c0*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;   /* 0x0000000004037fae */
+        /*06d0*/              @!P1 BRA 0x670 ;                                    /* 0xfffffff0002c9947 */
+        /*06e0*/                   EXIT ;                                         /* 0x000000000000794d */
+        /*06f0*/                   BRA 0x6f0;                                     /* 0xfffffffc00fc7947 */
+"""
+
+
+def test_sass_loop_parser():
+    """The loop is the backward branch's span (target to branch), NOPs left out; the trailing self-branch is none."""
+    (loop,) = aot.sass_loops(SASS)
+    assert (loop.start, loop.end) == (0x670, 0x6D0)
+    assert (loop.instructions, loop.barriers, loop.exponentials, loop.cp_async) == (6, 1, 1, 1)
+    assert aot.sass_loops(SASS.replace("@!P1 BRA 0x670", "@!P1 BRA 0x6e0")) == []  # a forward branch
+    ptx = "ex2.approx.f32 %f1, %f2;\n ex2.approx.ftz.f32 %f3, %f4;\n ex2.approx.f32 %f5, %f6;"
+    assert aot.non_ftz_exponentials(ptx) == 2
+
+
+def test_loop_gate_failures_name_each_excess():
+    from rlkernels.kernels.triton.aot_spec import LoopGate
+
+    spec = next(s for s in token_stats.aot_specs() if s.loop_gate is not None)
+    (loop,) = aot.sass_loops(SASS)
+    res = aot.AotResult(spec.name, "sm_90", spec.num_warps, spec.num_stages, loop=loop, non_ftz=0)
+    generous = dataclasses.replace(spec, loop_gate=LoopGate(elements=1, per_element=6, barriers=1, staged=True))
+    assert aot.loop_gate_failures(generous, res) == []
+    strict = dataclasses.replace(spec, loop_gate=LoopGate(elements=2, per_element=2.5, barriers=0))
+    failures = aot.loop_gate_failures(strict, dataclasses.replace(res, non_ftz=3))
+    assert len(failures) == 3 and "3.00 SASS instructions per element" in failures[0]
+    assert "1 barriers" in failures[1] and "3 non-ftz" in failures[2]
+    unstaged = dataclasses.replace(res, loop=dataclasses.replace(loop, cp_async=0))
+    assert aot.loop_gate_failures(generous, unstaged) == [f"{spec.name} sm_90: a staged loop without cp.async"]
+    assert "no loop" in aot.loop_gate_failures(generous, dataclasses.replace(res, loop=None))[0]
+
+
+def test_the_streaming_forward_specs_carry_a_loop_gate():
+    gated = [s for s in token_stats.aot_specs() if s.loop_gate is not None]
+    assert gated and all(s.constexprs["BLOCK_N"] == 1 for s in gated)
+    assert {s.constexprs["BLOCK_V"] for s in gated} == {4096, 8192}
+    for s in gated:  # a thread's elements per iteration: the tile over the block's threads
+        assert s.loop_gate.elements * 32 * s.num_warps == s.constexprs["BLOCK_V"]
 
 
 def test_compile_spec_refuses_interpreted_kernels():

@@ -161,12 +161,13 @@ def test_the_vllm_order_kernel_stays_inside_its_tensors(layout, V):
 
 
 def _mutant(tmp_path):
-    """token_stats.py with the mask (and its padding value) taken off the logits load of the forward's loop; the
-    mutated line's number."""
+    """token_stats.py with the mask (and its padding value) taken off the logits load of the forward's masked
+    tail; the mutated line's number."""
     source = inspect.getsource(token_stats)
-    load = 'z = tl.load(row_ptrs[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)'
+    load = 'z = tl.load(block_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)'
+    unmasked = "z = tl.load(block_ptrs + v_full).to(tl.float32)"
     assert source.count(load) == 1, "the forward's logits load changed: update the mutant"
-    mutated = source.replace(load, "z = tl.load(row_ptrs[:, None] + offs_v[None, :]).to(tl.float32)")
+    mutated = source.replace(load, unmasked)
     mutated = re.sub(r"^from \.\.(\w+) import", r"from rlkernels.kernels.\1 import", mutated, flags=re.M)
     mutated = re.sub(r"^from \.(\w+) import", r"from rlkernels.kernels.triton.\1 import", mutated, flags=re.M)
     path = tmp_path / "token_stats_mutant.py"
@@ -174,7 +175,7 @@ def _mutant(tmp_path):
     spec = importlib.util.spec_from_file_location("token_stats_mutant", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    line = mutated.splitlines().index(next(ln for ln in mutated.splitlines() if "tl.load(row_ptrs[:, None]" in ln))
+    line = mutated.splitlines().index(next(ln for ln in mutated.splitlines() if unmasked in ln))
     return module, f"{path.name}:{line + 1}"
 
 

@@ -201,3 +201,19 @@ def test_matches_oracle_property(N, V, dtype, temperature, block, seed):
     kinds = tuple(ROW_KINDS[i] for i in torch.randperm(len(ROW_KINDS), generator=gen).tolist())
     logits, labels = make_rows(N, V, dtype, seed, kinds=kinds)
     check_stats(logits, labels, temperature, block_v=block[0], block_n=block[1])
+
+
+@pytest.mark.parametrize("block_v", [None, 8])
+def test_a_nan_or_inf_logit_poisons_its_row_only(block_v):
+    # a NaN or +inf logit has no softmax: NaN in every statistic of its row (a per-thread max that drops NaN must
+    # not hide it: the exponent of a NaN is NaN), and the other rows as the torch backend computes them
+    logits = torch.randn(4, 37)
+    labels = torch.tensor([1, 2, 3, 4])
+    logits[1, 30] = float("nan")
+    logits[2, 5] = float("inf")
+    out = token_stats_fwd(logits, labels, 0.7, True, True, block_v=block_v)
+    for t, name in zip(out[1:], out._fields[1:]):
+        assert torch.isnan(t[1:3]).all(), name
+    ref = TorchBackend().token_stats_fwd(logits, labels, 0.7, True, True)
+    for a, e, name in zip(out, ref, ref._fields):
+        assert_close(a[[0, 3]], e[[0, 3]], **tol("kernel.stats"), name=name)

@@ -5,8 +5,11 @@
 kernel modules join automatically) through Triton's own pipeline down to the machine code of each target (ptxas
 for NVIDIA, the AMD backend's assembler for ROCm: both ship with Triton's wheel, so no GPU and no toolkit are
 needed), and prints one row per (spec, target): registers, spills, stack, shared memory, the widest global load
-(NVIDIA: 128 = 16-byte vector loads) and the theoretical occupancy with what limits it (`occupancy()`). It exits 1
-on any compile error, any spill, or an occupancy below OCCUPANCY_FLOOR.
+(NVIDIA: 128 = 16-byte vector loads) and the theoretical occupancy with what limits it (`occupancy()`). A spec with a
+`loop_gate` (the streaming kernels' tiers for LLM vocabularies) also has its hot loop read from the SASS on sm_90
+(`sass_loops`: instructions per element, barriers, MUFU.EX2, cp.async) and its PTX searched for non-ftz ex2; one
+LOOP line each. It exits 1 on any compile error, any spill, an occupancy below OCCUPANCY_FLOOR, or a loop over its
+gate.
 
 Under TRITON_INTERPRET=1, `@triton.jit` yields interpreter objects that cannot be compiled, so the
 command re-runs itself in a child process without that variable.
@@ -51,6 +54,9 @@ WAVES_PER_SIMD = 8
 # (Little's law: 4.8 TB/s x ~0.6 us ~ 2.9 MB across an H200's 132 SMs, ~22 KB per SM). Below a quarter of the
 # SM's warps (16 of 64 on Hopper; 2 of 8 waves per SIMD on CDNA) with 16-byte loads that is out of reach.
 OCCUPANCY_FLOOR = 0.25
+# The hot loops' static gate (AotSpec.loop_gate) runs on Hopper, the target the issue budget is set for: an H200 issues
+# about 15.6 thread-instructions per bf16 element at its copy rate (docs/backends.md).
+LOOP_GATE_TARGET = "sm_90"
 _RESOURCE_RE = re.compile(r"(REG|STACK|SHARED|LOCAL):(\d+)")
 # ld.global[.cache hints][.v2|.v4].b16|.b32|...: the PTX global loads (ptxas keeps their width; read
 # from the PTX because `cuobjdump --dump-sass` costs ~1 s per kernel)
@@ -72,6 +78,8 @@ class AotResult:
     limiter: str = ""
     seconds: float = 0.0
     error: Optional[str] = None
+    loop: Optional["SassLoop"] = None  # the gated hot loop (LOOP_GATE_TARGET, specs with a loop_gate)
+    non_ftz: Optional[int] = None  # ex2.approx.f32 without ftz in the PTX (gated specs)
 
     @property
     def ok(self) -> bool:
@@ -157,6 +165,58 @@ def resource_usage(cubin: bytes) -> Dict[str, int]:
     return found
 
 
+# one SASS instruction of `cuobjdump --dump-sass`: /*0670*/  [@!P1] OPCODE[.MODIFIERS] operands ;
+_SASS_RE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.M)
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """One loop of a kernel's SASS: the instructions from a backward branch's target to the branch, what they
+    spend per loop iteration. `cp_async`: LDGSTS / LDGDEPBAR (cp.async) or UBLKCP / UTMALDG (TMA) inside it."""
+
+    start: int
+    end: int
+    instructions: int  # NOPs (alignment padding) left out
+    barriers: int  # BAR.SYNC / BAR.RED / BAR.ARV
+    exponentials: int  # MUFU.EX2
+    cp_async: int
+
+
+def sass_loops(sass: str) -> List[SassLoop]:
+    """Every loop of a SASS listing (innermost and outer alike), in address order. A branch to itself (the
+    trailing `BRA` after EXIT) is no loop."""
+    code = [(int(addr, 16), op, operands) for addr, _, op, operands in _SASS_RE.findall(sass)]
+    loops = []
+    for addr, op, operands in code:
+        target = re.search(r"0x([0-9a-f]+)", operands) if op.startswith("BRA") else None
+        if target is None or int(target.group(1), 16) >= addr:
+            continue
+        start = int(target.group(1), 16)
+        body = [o for a, o, _ in code if start <= a <= addr and o != "NOP"]
+        loops.append(SassLoop(
+            start=start, end=addr, instructions=len(body),
+            barriers=sum(o.startswith(("BAR.SYNC", "BAR.RED", "BAR.ARV")) for o in body),
+            exponentials=sum(o.startswith("MUFU.EX2") for o in body),
+            cp_async=sum(o.startswith(("LDGSTS", "LDGDEPBAR", "UBLKCP", "UTMALDG")) for o in body)))
+    return loops
+
+
+def dump_sass(cubin: bytes) -> str:
+    """`cuobjdump --dump-sass` of a cubin (about a second per kernel)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([_nvidia_bin("cuobjdump"), "--dump-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def non_ftz_exponentials(ptx: str) -> int:
+    """`ex2.approx.f32` without ftz in the PTX: each costs ~3 fix-up instructions around its MUFU (tl.exp lowers
+    to it; tl.math.exp2 to the ftz form)."""
+    return len(re.findall(r"\bex2\.approx\.f32\b", ptx))
+
+
 _AMD_RE = re.compile(r"^\s*(?:\.(vgpr_count|sgpr_count|agpr_count|vgpr_spill_count|sgpr_spill_count):\s*(\d+)"
                      r"|; (ScratchSize|Occupancy): (\d+))", re.M)
 
@@ -208,6 +268,10 @@ def run_spec(spec, target: str) -> AotResult:
             res.shared = _kernel_shared(TARGETS[target][1], usage["SHARED"]) + kernel.metadata.shared
             res.ldg_bits = widest_global_load(kernel.asm["ptx"])
             res.occupancy, res.limiter = occupancy(TARGETS[target][1], res.regs, res.shared, spec.num_warps)
+            if spec.loop_gate is not None and target == LOOP_GATE_TARGET:
+                loops = sass_loops(dump_sass(kernel.asm["cubin"]))
+                res.loop = max(loops, key=lambda loop: loop.instructions) if loops else None
+                res.non_ftz = non_ftz_exponentials(kernel.asm["ptx"])
         else:
             usage = amd_usage(kernel.asm["amdgcn"])
             res.regs, res.stack, res.shared, res.ldg_bits = usage["vgpr_count"], 0, kernel.metadata.shared, 0
@@ -290,6 +354,39 @@ def format_table(results: List[AotResult]) -> str:
     return "\n".join(lines)
 
 
+def loop_gate_failures(spec, res: AotResult) -> List[str]:
+    """Where a gated spec's hot loop exceeds its LoopGate (an empty list: it passes)."""
+    gate = spec.loop_gate
+    if res.loop is None:
+        return [f"{res.name} {res.target}: no loop in the SASS"]
+    out = []
+    per = res.loop.instructions / gate.elements
+    if per > gate.per_element:
+        out.append(f"{res.name} {res.target}: {per:.2f} SASS instructions per element in the loop, gate "
+                   f"{gate.per_element}")
+    if res.loop.barriers > gate.barriers:
+        out.append(f"{res.name} {res.target}: {res.loop.barriers} barriers in the loop, gate {gate.barriers}")
+    if res.non_ftz:
+        out.append(f"{res.name} {res.target}: {res.non_ftz} non-ftz ex2 in the PTX")
+    if gate.staged and not res.loop.cp_async:
+        out.append(f"{res.name} {res.target}: a staged loop without cp.async")
+    return out
+
+
+def format_loops(results: List[AotResult], specs: Dict[str, object]) -> str:
+    """One line per gated spec: its hot loop's instructions per element, barriers, MUFU.EX2 and cp.async per
+    iteration, and the gate."""
+    lines = []
+    for r in results:
+        if r.loop is None:
+            continue
+        gate = specs[r.name].loop_gate
+        lines.append(f"LOOP {r.target} {r.loop.instructions / gate.elements:.2f}/elt (gate {gate.per_element}) "
+                     f"{r.loop.instructions} instr {r.loop.barriers} bar {r.loop.exponentials} ex2 "
+                     f"{r.loop.cp_async} cp.async {r.non_ftz} non-ftz  {r.name}")
+    return "\n".join(lines)
+
+
 def summary(results: List[AotResult]) -> str:
     """Per kernel and target, over its configurations: registers (min-max), the most spilled, the most shared
     memory, and the lowest occupancy with its limiter (the table of docs/backends.md)."""
@@ -337,6 +434,12 @@ def main(argv=None) -> int:
     print(format_table(results))
     print()
     print(summary(results))
+    specs = {spec.name: spec for _, found in discover_specs(args.only) if not isinstance(found, str) for spec in found}
+    gated = [r for r in results if not r.error and r.target == LOOP_GATE_TARGET and specs[r.name].loop_gate]
+    if gated:
+        print()
+        print(format_loops(gated, specs))
+    failures += [f for r in gated for f in loop_gate_failures(specs[r.name], r)]
     failures += [f"{r.name} {r.target}: {r.error}" for r in results if r.error]
     failures += [f"{r.name} {r.target}: {r.spills} spilled" for r in results if not r.error and r.spills]
     failures += [f"{r.name} {r.target}: occupancy {r.occupancy:.2f} ({r.limiter}) below {OCCUPANCY_FLOOR}"

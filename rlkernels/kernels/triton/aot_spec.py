@@ -5,7 +5,19 @@ its launcher can choose, so that CI compiles exactly what a GPU run could launch
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class LoopGate:
+    """What a streaming kernel's hot loop may spend on sm_90 (aot.LOOP_GATE_TARGET): SASS instructions per element
+    (a loop iteration's instructions over the `elements` one thread handles in it) and barriers (BAR.*) inside it;
+    its PTX has no non-ftz ex2, and a loop staged through shared memory (`staged`) has cp.async in it."""
+
+    elements: int
+    per_element: float
+    barriers: int = 0
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -17,3 +29,4 @@ class AotSpec:
     num_warps: int = 4
     num_stages: int = 3
     aligned: Tuple[str, ...] = field(default=())  # pointer/int args a real launch sees 16-divisible
+    loop_gate: Optional[LoopGate] = None  # the static gate of the hot loop, where the spec has one

@@ -9,8 +9,35 @@ import triton
 import triton.language as tl
 
 from ..temperature import row_temperature
-from .aot_spec import AotSpec
+from .aot_spec import AotSpec, LoopGate
 from .tl_math import TRITON_DTYPES, all_vocab_configs, grouped_rows, row_inverse_temperature, safe_shift, vocab_config
+
+
+@triton.jit
+def _online_update(z, m, shift, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY: tl.constexpr,
+                   HAS_SUM_PI_SQUARED: tl.constexpr):
+    """One block [BLOCK_N, SLOTS, VECTOR] into the per-slot running statistics [BLOCK_N, SLOTS]: a slot is one
+    thread's VECTOR contiguous logits, so every reduction here (axis 2) stays in the thread's registers.
+
+    m: the slot's running max of the raw logits; shift = m k in log2 units (k = log2(e) / T; 0 while m = -inf), so
+    that each exponent is one FFMA, d = fma(z, k, -shift) = (z - m) k up to one rounding (the product is exact inside
+    the fma), and exp2 lowers to one ex2.approx.ftz. sum_e = sum 2^d, sum_ed = sum 2^d d, sum_e2 = sum 4^d, rescaled
+    whenever the shift moves. -inf padding adds exact zeros; a slot without a finite entry keeps all three at 0."""
+    m_new = tl.maximum(m, tl.max(z, axis=2))
+    shift_new = tl.where(m_new == float("-inf"), 0.0, m_new * k[:, None])
+    dm = shift - shift_new  # exact (Sterbenz) while both are finite and near
+    alpha = tl.where(m == float("-inf"), 0.0, tl.math.exp2(dm))  # 0, not 2^dm * 0 = inf * 0, before any entry
+    d = tl.fma(z, k[:, None, None], -shift_new[:, :, None])
+    ex = tl.math.exp2(d)
+    if HAS_ENTROPY:
+        # re-centre sum_ed on the new shift, alpha (sum_ed + dm sum_e). Padding and -inf logits (d = -inf, ex = 0)
+        # add 0 * -256, not 0 * -inf: 2^d is an exact 0 below -150, so the floor changes no term, and ex * d stays
+        # an FFMA (a NaN d still gives a NaN ex)
+        sum_ed = alpha * (sum_ed + dm * sum_e) + tl.sum(ex * tl.maximum(d, -256.0), axis=2)
+    if HAS_SUM_PI_SQUARED:
+        sum_e2 = alpha * alpha * sum_e2 + tl.sum(ex * ex, axis=2)
+    sum_e = alpha * sum_e + tl.sum(ex, axis=2)
+    return m_new, shift_new, sum_e, sum_ed, sum_e2
 
 
 @triton.jit
@@ -26,12 +53,17 @@ def _token_stats_fwd_kernel(
     temperature,
     # constexpr
     HAS_ENTROPY: tl.constexpr, HAS_SUM_PI_SQUARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    ROW_TEMPERATURE: tl.constexpr = False,
+    ROW_TEMPERATURE: tl.constexpr = False, VECTOR: tl.constexpr = 8, STAGES: tl.constexpr = 1,
 ):
-    # One program per BLOCK_N rows (grid (cdiv(N, BLOCK_N),), rows on axis 0 only): an online max /
-    # sum-exp over BLOCK_V-wide blocks reads each logit once (N*V*sizeof(dtype) bytes) and writes 3-5
-    # fp32 per row. Hazards: -inf is the max identity and a -inf max is never subtracted (safe_shift);
-    # p*zs terms with p = 0 are 0, not 0 * -inf; skipped rows (label outside [0, V)) read no logits.
+    # One program per BLOCK_N rows (grid (cdiv(N, BLOCK_N),), rows on axis 0 only) reads each logit once
+    # (N*V*sizeof(dtype) bytes) and writes 3-5 fp32 per row. The loop is written for instruction economy (the
+    # H200 issues ~15 thread-instructions per bf16 element at its copy rate): each thread keeps running statistics
+    # per VECTOR-wide slot (`_online_update`), so no block-wide reduction or barrier runs inside it, and the slots
+    # merge once per row after it; full blocks load unmasked but for the row mask (uniform over a vector), one
+    # masked tail follows; STAGES > 1 prefetches blocks through shared memory (cp.async). Hazards: -inf is the
+    # max identity and a -inf max is never subtracted (safe_shift); p*d terms with p = 0 are 0, not 0 * -inf;
+    # skipped rows (label outside [0, V)) read no logits when a program holds one row (every LLM vocabulary).
+    SLOTS: tl.constexpr = BLOCK_V // VECTOR
     pid_n = tl.program_id(0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -42,53 +74,75 @@ def _token_stats_fwd_kernel(
     active = has_target | (mask_n & (labels == -2))
     row_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
     inv_t = row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N, ROW_TEMPERATURE)
+    k = inv_t * 1.4426950408889634  # log2(e) / T
+    # the target logit is read before the stream, so its latency hides behind it
+    z_y = tl.load(row_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
 
-    # m_i: running max of the raw logits z (T > 0 keeps the argmax); with shift = safe_shift(m_i),
-    # d = (z - shift) / T is exact up to one rounding of the product (Sterbenz), and
-    # l_i = sum exp(d), t_i = sum exp(d) * d, s_i = sum exp(2 d), rescaled whenever the shift moves.
-    # Entropy from t_i (not lse - sum p * zs) stays free of cancellation under large common offsets.
-    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_N], tl.float32)
-    t_i = tl.zeros([BLOCK_N], tl.float32)
-    s_i = tl.zeros([BLOCK_N], tl.float32)
-    # a tile with no active row skips the loop entirely (not one masked iteration per block)
+    cols = tl.arange(0, SLOTS)[:, None] * VECTOR + tl.arange(0, VECTOR)[None, :]  # [SLOTS, VECTOR]
+    block_ptrs = row_ptrs[:, None, None] + cols[None, :, :]
+    rows_in = active[:, None, None]
+    m = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
+    shift = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    sum_e = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    sum_ed = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    sum_e2 = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    # a tile with no active row skips the stream entirely
     v_stop = V * tl.max(active.to(tl.int32), axis=0)
-    for v0 in range(0, v_stop, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        mask = active[:, None] & (offs_v[None, :] < V)
-        # padding feeds a max: -inf (its exp is an exact 0 in every sum)
-        z = tl.load(row_ptrs[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        shift = safe_shift(m_new)
-        dm = (m_i - shift) * inv_t  # -inf while no finite entry was seen: alpha = 0 and l = t = s = 0
-        alpha = tl.exp(dm)
-        d = (z - shift[:, None]) * inv_t[:, None]
-        ex = tl.exp(d)
-        if HAS_ENTROPY:
-            # re-centre t on the new shift, t' = alpha * (t + dm * l); the l_i > 0 guard stops the
-            # (-inf) * 0 of the first block with a finite entry. ex = 0 terms add 0, not 0 * -inf.
-            t_i = alpha * (t_i + tl.where(l_i > 0, dm, 0.0) * l_i) + tl.sum(tl.where(ex > 0, ex * d, 0.0), axis=1)
-        if HAS_SUM_PI_SQUARED:
-            s_i = alpha * alpha * s_i + tl.sum(ex * ex, axis=1)
-        l_i = alpha * l_i + tl.sum(ex, axis=1)
-        m_i = m_new
+    v_full = (v_stop // BLOCK_V) * BLOCK_V
+    for v0 in tl.range(0, v_full, BLOCK_V, num_stages=STAGES):
+        z = tl.load(block_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
+        m, shift, sum_e, sum_ed, sum_e2 = _online_update(z, m, shift, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY,
+                                                         HAS_SUM_PI_SQUARED)
+    if v_full < v_stop:
+        tail = rows_in & ((v_full + cols)[None, :, :] < V)
+        z = tl.load(block_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
+        m, shift, sum_e, sum_ed, sum_e2 = _online_update(z, m, shift, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY,
+                                                         HAS_SUM_PI_SQUARED)
+
+    # the slots merged, once per row: each slot's sums rescaled from its own shift to the row's, the shift of the
+    # slot holding the row's max (the same product, so the same rounding). A slot without a finite entry adds 0.
+    # delta = m k - shift exactly (the fma's residual): log_norm takes it back, so that lse = row_max / T + log_norm
+    # holds for the raw max; entropy and sum p^2 are ratios in which it cancels.
+    row_max = safe_shift(tl.max(m, axis=1))
+    row_shift = row_max * k
+    dm = shift - row_shift[:, None]
+    beta = tl.where(m != float("-inf"), tl.math.exp2(dm), 0.0)
+    row_sum_e = tl.sum(beta * sum_e, axis=1)
+    delta = tl.fma(row_max, k, -row_shift)
 
     # A row without a finite entry has no distribution: row_max 0, log_norm -inf, logprob -inf,
-    # entropy 0 and sum p^2 0, never NaN (the torch backend's convention). A NaN or +inf logit makes l_i NaN,
+    # entropy 0 and sum p^2 0, never NaN (the torch backend's convention). A NaN or +inf logit makes row_sum_e NaN,
     # which stays in every statistic (`!=`, not `>`: NaN != 0 holds), as in the CUDA and C++ kernels.
-    has_mass = l_i != 0.0
-    row_max = safe_shift(m_i)
-    log_norm = tl.log(l_i)
-    z_y = tl.load(row_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
+    has_mass = row_sum_e != 0.0
+    log_norm = tl.log(row_sum_e) - 0.6931471805599453 * delta
     logprob = tl.where(has_mass, (z_y - row_max) * inv_t - log_norm, float("-inf"))
     tl.store(row_max_ptr + offs_n, tl.where(active, row_max, 0.0), mask=mask_n)
     tl.store(log_norm_ptr + offs_n, tl.where(active, log_norm, 0.0), mask=mask_n)
     tl.store(logprobs_ptr + offs_n, tl.where(has_target, logprob, 0.0), mask=mask_n)
     if HAS_ENTROPY:
-        # H = lse - sum p zs = log l - t / l
-        tl.store(entropy_ptr + offs_n, tl.where(active & has_mass, log_norm - t_i / l_i, 0.0), mask=mask_n)
+        # H = lse - sum p (z - row_max) / T = ln(sum_e) - ln(2) sum_ed / sum_e, both over the row's shift
+        row_sum_ed = tl.sum(beta * (sum_ed + dm * sum_e), axis=1)
+        entropy = tl.log(row_sum_e) - 0.6931471805599453 * row_sum_ed / row_sum_e
+        tl.store(entropy_ptr + offs_n, tl.where(active & has_mass, entropy, 0.0), mask=mask_n)
     if HAS_SUM_PI_SQUARED:
-        tl.store(sum_pi_squared_ptr + offs_n, tl.where(active & has_mass, s_i / (l_i * l_i), 0.0), mask=mask_n)
+        row_sum_e2 = tl.sum(beta * beta * sum_e2, axis=1)
+        sum_pi_squared = row_sum_e2 / (row_sum_e * row_sum_e)
+        tl.store(sum_pi_squared_ptr + offs_n, tl.where(active & has_mass, sum_pi_squared, 0.0), mask=mask_n)
+
+
+# The stream's shape per launch configuration. VECTOR: a slot's contiguous logits, one 16-byte load of bf16 / fp16
+# (two of fp32). STAGES: blocks prefetched through shared memory (cp.async) where a program streams one row in many
+# blocks. It stays 1 until a GPU measures it: on sm_90 three stages cost 9.9 SASS instructions per bf16 element
+# and 2 barriers in the loop, against 8.1 and none (the H200's issue budget at its copy rate is ~15.6), while
+# 4 CTAs of 16 warps per SM, 32 bytes in flight per thread, already hold ~64 KiB of loads per SM.
+SLOT_VECTOR = 8
+STREAM_STAGES = 1
+
+
+def stream_shape(cfg) -> dict:
+    """The forward kernel's VECTOR and STAGES constexprs for a VocabConfig (see SLOT_VECTOR, STREAM_STAGES)."""
+    streams = cfg.BLOCK_N == 1 and cfg.BLOCK_V >= 4096
+    return dict(VECTOR=min(SLOT_VECTOR, cfg.BLOCK_V), STAGES=STREAM_STAGES if streams else 1)
 
 
 class TokenStatsResult(NamedTuple):
@@ -161,10 +215,21 @@ def token_stats_fwd(
             stride_g, stride_n,
             scalar,
             HAS_ENTROPY=compute_entropy, HAS_SUM_PI_SQUARED=compute_sum_pi_squared,
-            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, ROW_TEMPERATURE=inv_t is not None,
+            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, ROW_TEMPERATURE=inv_t is not None, **stream_shape(cfg),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return TokenStatsResult(row_max, log_norm, logprobs, entropy, sum_pi_squared)
+
+
+# The hot loop's static gate on sm_90 (aot.LOOP_GATE_TARGET), SASS instructions per element by (logits dtype
+# width, HAS_ENTROPY, HAS_SUM_PI_SQUARED), for the tiers whose program streams one row: what the rewrite reaches with
+# Triton 3.9 (8.1 / 9.7 / 10.8 / 12.25 for bf16; fp16 converts for 0.5 less; the block-reduction loop it replaced
+# spent 15.3 and 23.7 with 4 and 8 barriers), a quarter of an instruction above, rounded up to the next quarter, so
+# that a compiler release may move it slightly and a regression fails. No barrier in the loop, no non-ftz ex2.
+FORWARD_LOOP_GATES = {
+    (16, False, False): 8.5, (16, False, True): 10.0, (16, True, False): 11.0, (16, True, True): 12.5,
+    (32, False, False): 9.75, (32, False, True): 12.0, (32, True, False): 13.0, (32, True, True): 15.25,
+}
 
 
 def aot_specs():
@@ -178,7 +243,14 @@ def aot_specs():
                         constexprs = {
                             "HAS_ENTROPY": has_entropy, "HAS_SUM_PI_SQUARED": has_s2,
                             "BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V, "ROW_TEMPERATURE": row_t,
+                            **stream_shape(cfg),
                         }
+                        gate = None
+                        if cfg.BLOCK_N == 1:
+                            width = 32 if dtype == "fp32" else 16
+                            gate = LoopGate(elements=cfg.BLOCK_V // (32 * cfg.num_warps),
+                                            per_element=FORWARD_LOOP_GATES[width, has_entropy, has_s2],
+                                            staged=stream_shape(cfg)["STAGES"] > 1)
                         signature = {
                             "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32",
                             "log_norm_ptr": "*fp32", "logprobs_ptr": "*fp32",
@@ -191,7 +263,7 @@ def aot_specs():
                             name=(f"token_stats_fwd[{dtype},BLOCK_N={cfg.BLOCK_N},BLOCK_V={cfg.BLOCK_V},"
                                   f"HAS_ENTROPY={int(has_entropy)},HAS_SUM_PI_SQUARED={int(has_s2)},"
                                   f"ROW_TEMPERATURE={int(row_t)}]"),
-                            fn=_token_stats_fwd_kernel, signature=signature, constexprs=constexprs,
+                            fn=_token_stats_fwd_kernel, signature=signature, constexprs=constexprs, loop_gate=gate,
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                             # what the JIT sees on a real launch: torch allocations are 16-byte aligned and
                             # LLM vocabularies (and so the row stride) are multiples of 16
