@@ -102,8 +102,9 @@ def test_loop_gate_failures_name_each_excess():
     assert "no loop" in aot.loop_gate_failures(generous, dataclasses.replace(res, loop=None))[0]
 
 
-def test_the_streaming_forward_specs_carry_a_loop_gate():
-    gated = [s for s in token_stats.aot_specs() if s.loop_gate is not None]
+@pytest.mark.parametrize("module", [token_stats, token_grad], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_the_streaming_specs_carry_a_loop_gate(module):
+    gated = [s for s in module.aot_specs() if s.loop_gate is not None]
     assert gated and all(s.constexprs["BLOCK_N"] == 1 for s in gated)
     assert {s.constexprs["BLOCK_V"] for s in gated} == {4096, 8192}
     for s in gated:  # a thread's elements per iteration: the tile over the block's threads

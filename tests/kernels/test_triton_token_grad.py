@@ -43,11 +43,11 @@ def oracle_grad(logits, labels, temperature, c, e):
     return g
 
 
-def run_grad(logits, labels, temperature, c, e, *, inplace=False, block_v=None, block_n=None):
+def run_grad(logits, labels, temperature, c, e, *, inplace=False, block_v=None, block_n=None, split=None):
     stats = token_stats_fwd(logits, labels, temperature, e is not None, False)
     return token_grad_bwd(
         logits, labels, stats.row_max, stats.log_norm, stats.entropy, c, e, temperature, inplace,
-        block_v=block_v, block_n=block_n,
+        block_v=block_v, block_n=block_n, split=split,
     )
 
 
@@ -74,12 +74,14 @@ def test_adversarial_rows(V, dtype, with_entropy):
     check_grad(logits, labels, 1.0, c, e)
 
 
-@pytest.mark.parametrize("block_v,block_n", [(16, 1), (32, 4)])
+# split: blocks per program along grid axis 1 (203 columns of 16: 13 blocks, so 7 programs of 2 or 5 of 3 per row,
+# the last with a partial block, and 13 of 1)
+@pytest.mark.parametrize("block_v,block_n,split", [(16, 1, 1), (16, 1, 2), (16, 1, 3), (32, 4, 1), (32, 4, 2)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_multi_block_with_temperature(block_v, block_n, dtype):
+def test_multi_block_with_temperature(block_v, block_n, split, dtype):
     logits, labels = make_rows(11, 203, dtype, seed=block_v)
     c, e = make_coefficients(11, seed=1, zero_rows=(4,))
-    check_grad(logits, labels, 0.7, c, e, block_v=block_v, block_n=block_n)
+    check_grad(logits, labels, 0.7, c, e, block_v=block_v, block_n=block_n, split=split)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
@@ -135,6 +137,8 @@ def test_inplace(dtype):
     buf = logits.clone()
     g = run_grad(buf, labels, 0.8, c, e, inplace=True)
     assert g is buf and torch.equal(buf, expected)
+    split = logits.clone()  # several programs per row, side by side on grid axis 1, each writing what it read
+    assert torch.equal(run_grad(split, labels, 0.8, c, e, inplace=True, block_v=16, split=2), expected)
 
 
 def test_non_contiguous_rows_and_inplace_copy_back():
@@ -158,7 +162,8 @@ def test_non_contiguous_rows_and_inplace_copy_back():
 @settings(max_examples=scaled(20), deadline=None)
 @given(
     N=st.integers(1, 12), V=st.integers(1, 260), dtype=st.sampled_from(DTYPES),
-    temperature=st.sampled_from([1.0, 0.7, 2.5]), block=st.sampled_from([(None, None), (16, 1), (32, 4)]),
+    temperature=st.sampled_from([1.0, 0.7, 2.5]),
+    block=st.sampled_from([(None, None, None), (16, 1, None), (16, 1, 3), (32, 4, None), (32, 4, 2)]),
     with_entropy=st.booleans(), seed=st.integers(0, 2**31 - 1),
 )
 def test_matches_oracle_property(N, V, dtype, temperature, block, with_entropy, seed):
@@ -166,7 +171,7 @@ def test_matches_oracle_property(N, V, dtype, temperature, block, with_entropy, 
     kinds = tuple(ROW_KINDS[i] for i in torch.randperm(len(ROW_KINDS), generator=gen).tolist())
     logits, labels = make_rows(N, V, dtype, seed, kinds=kinds)
     c, e = make_coefficients(N, seed, zero_rows=range(0, N, 4), entropy=with_entropy)
-    check_grad(logits, labels, temperature, c, e, block_v=block[0], block_n=block[1])
+    check_grad(logits, labels, temperature, c, e, block_v=block[0], block_n=block[1], split=block[2])
 
 
 # ---- the public API: backend="triton" against backend="torch" ---------------------------------------

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..temperature import row_temperature
-from .aot_spec import AotSpec
+from .aot_spec import AotSpec, LoopGate
 from .tl_math import (
     TRITON_DTYPES,
     all_vocab_configs,
@@ -17,6 +17,35 @@ from .tl_math import (
     vocab_config,
 )
 from .token_stats import device_guard, grouped_strides
+
+
+@triton.jit
+def _grad_block(in_ptrs, out_ptrs, v0, cols, load_mask, store_mask, row_max, k, b, a, q, HAS_ENTROPY: tl.constexpr):
+    """dlogits of one [BLOCK_N, BLOCK_V] block but for the target column (`_grad_target`): t = log2 p = (z -
+    row_max) k - b (one FADD and one FFMA; k = log2(e) / T, b = log2(e) log_norm), p = 2^t (one ex2.approx.ftz),
+    g = p (a + q t) with the row's c, e, H and 1/T folded into a and q."""
+    z = tl.load(in_ptrs[:, None] + (v0 + cols)[None, :], mask=load_mask, other=float("-inf")).to(tl.float32)
+    t = tl.fma(z - row_max[:, None], k[:, None], -b[:, None])
+    p = tl.math.exp2(t)
+    if HAS_ENTROPY:
+        # where p = 0, t may be -inf: 0 * -256, not 0 * -inf (2^t is an exact 0 below -150, so the floor changes
+        # no nonzero term)
+        g = p * (a[:, None] + q[:, None] * tl.maximum(t, -256.0))
+    else:
+        g = p * a[:, None]
+    tl.store(out_ptrs[:, None] + (v0 + cols)[None, :], g.to(out_ptrs.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _grad_target(z_y, row_max, k, b, a, q, c_t, HAS_ENTROPY: tl.constexpr):
+    """The target column's dlogit, the block's g plus c / T, in fp32: c (1 - p_y) is rounded once, at its store."""
+    t = tl.fma(z_y - row_max, k, -b)
+    p = tl.math.exp2(t)
+    if HAS_ENTROPY:
+        g = p * (a + q * tl.maximum(t, -256.0))
+    else:
+        g = p * a
+    return g + c_t
 
 
 @triton.jit
@@ -32,55 +61,78 @@ def _token_grad_bwd_kernel(
     temperature,
     # constexpr
     HAS_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ROW_TEMPERATURE: tl.constexpr = False,
+    SPLIT: tl.constexpr = 1,
 ):
-    # One program per BLOCK_N rows (grid (cdiv(N, BLOCK_N),), rows on axis 0 only) writes
-    # dlogits = (c (onehot - p) - e p (log p + H)) / T block by block: reads N*V and writes N*V
-    # elements of the logits dtype (dlogits_ptr may alias logits_ptr). Hazards: log p is formed as
-    # (z - row_max) / T - log_norm (no fp32 lse); the target column c (1 - p_y) is formed in fp32;
-    # p = 0 terms are 0, not 0 * -inf; rows with c = e = 0 or a skipped label write zeros unread;
-    # a row without a finite logit (log_norm = -inf) gets p = 0, not NaN.
+    # Grid (cdiv(N, BLOCK_N), cdiv(V, SPLIT * BLOCK_V)): rows on axis 0; each program writes its rows' SPLIT
+    # blocks of dlogits = (c (onehot - p) - e p (log p + H)) / T, reading and writing each element once in the
+    # logits dtype (dlogits_ptr may alias logits_ptr: a program writes only what it read). Full blocks run with the
+    # row mask alone (uniform over a vector), one masked tail follows; the row's coefficients are folded once per
+    # program, and the target column is written after the blocks (`_grad_target`). Hazards: log p is formed from
+    # (row_max, log_norm) (no fp32 lse); the target column c (1 - p_y) is formed in fp32; p = 0 terms are 0, not
+    # 0 * -inf; rows with c = e = 0 or a skipped label read nothing (their -inf padding gives p = 0) and write
+    # zeros; a row without a finite logit (log_norm = -inf) gets p = 0, not NaN.
     # label -2: target in another vocabulary shard: the row's gradient without the + c column
     offs_n, mask_n, labels, valid = row_block_labels(labels_ptr, N, V, BLOCK_N)
     c = tl.load(coef_logprob_ptr + offs_n, mask=valid, other=0.0)
+    inv_t = row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N, ROW_TEMPERATURE)
     if HAS_ENTROPY:
         e = tl.load(coef_entropy_ptr + offs_n, mask=valid, other=0.0)
         active = valid & ((c != 0.0) | (e != 0.0))
         h = tl.load(entropy_ptr + offs_n, mask=active, other=0.0)
+        # g = -p (c + e (ln p + H)) / T = p (a + q t), ln p = t ln 2: a = -(c + e H) / T, q = -e ln(2) / T
+        a = -(c + e * h) * inv_t
+        q = -e * 0.6931471805599453 * inv_t
     else:
         active = valid & (c != 0.0)
+        a = -c * inv_t
+        q = a  # unused
     row_max = tl.load(row_max_ptr + offs_n, mask=active, other=0.0)
     log_norm = tl.load(log_norm_ptr + offs_n, mask=active, other=0.0)
     # a row without a distribution (log_norm = -inf) takes log_norm = +inf: p = 0 everywhere and
     # the row's gradient is c / T at the target (-inf - -inf would be NaN)
     log_norm = tl.where(log_norm == float("-inf"), float("inf"), log_norm)
-    inv_t = row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N, ROW_TEMPERATURE)
+    k = inv_t * 1.4426950408889634
+    b = log_norm * 1.4426950408889634
+    c_t = c * inv_t
     in_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
     out_ptrs = grouped_rows(dlogits_ptr, offs_n, rows_per_group, stride_dlogits_g, stride_dlogits_n)
 
-    for v0 in range(0, V, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < V
-        # inactive rows load nothing: their padding -inf gives p = 0 and the where() below a clean +0
-        z = tl.load(in_ptrs[:, None] + offs_v[None, :], mask=active[:, None] & mask_v[None, :],
-                    other=float("-inf")).to(tl.float32)
-        log_p = (z - row_max[:, None]) * inv_t[:, None] - log_norm[:, None]
-        p = tl.exp(log_p)
-        if HAS_ENTROPY:
-            # dH/dzs = -p (log p + H); where p = 0, log p may be -inf and the term is 0 by the limit
-            g = tl.where(p > 0.0, -p * (c[:, None] + e[:, None] * (log_p + h[:, None])), 0.0)
-        else:
-            g = -p * c[:, None]
-        # the target column gets + c: c (1 - p_y) in fp32, rounded to the output dtype only once below
-        g = tl.where(offs_v[None, :] == labels[:, None], g + c[:, None], g)
-        g = tl.where(active[:, None], g * inv_t[:, None], 0.0)
-        tl.store(out_ptrs[:, None] + offs_v[None, :], g.to(dlogits_ptr.dtype.element_ty),
-                 mask=mask_n[:, None] & mask_v[None, :])
+    cols = tl.arange(0, BLOCK_V)
+    v_lo = tl.program_id(1) * (SPLIT * BLOCK_V)
+    v_hi = tl.minimum(v_lo + SPLIT * BLOCK_V, V)
+    v_full = v_lo + ((v_hi - v_lo) // BLOCK_V) * BLOCK_V
+    # the target column is written apart, after the blocks, so that no element compares its column with the label;
+    # its logit is read first (an in-place backward overwrites it)
+    has_target = active & (labels >= v_lo) & (labels < v_hi)
+    z_y = tl.load(in_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
+    rows_in, rows_out = active[:, None], mask_n[:, None]
+    for v0 in tl.range(v_lo, v_full, BLOCK_V):
+        _grad_block(in_ptrs, out_ptrs, v0, cols, rows_in, rows_out, row_max, k, b, a, q, HAS_ENTROPY)
+    if v_full < v_hi:
+        in_row = (v_full + cols)[None, :] < V
+        _grad_block(in_ptrs, out_ptrs, v_full, cols, rows_in & in_row, rows_out & in_row, row_max, k, b, a, q,
+                    HAS_ENTROPY)
+    # every thread's block stores land before the target's: another thread wrote the target column's p_y a
+    tl.debug_barrier()
+    g_y = _grad_target(z_y, row_max, k, b, a, q, c_t, HAS_ENTROPY)
+    tl.store(out_ptrs + labels, g_y.to(out_ptrs.dtype.element_ty), mask=has_target)
+
+
+# Blocks per program where a row streams in many (the tier of LLM vocabularies): 4 x 8192 columns, so a row of
+# V = 151,936 takes 5 programs side by side on grid axis 1 (at most cdiv(2^31, 32768) = 65,536 - far below for any
+# vocabulary) and each program's per-row loads and coefficients are paid once per 32,768 columns.
+GRAD_SPLIT = 4
+
+
+def grad_split(cfg) -> int:
+    """The backward's SPLIT constexpr for a VocabConfig (see GRAD_SPLIT)."""
+    return GRAD_SPLIT if cfg.BLOCK_N == 1 and cfg.BLOCK_V >= 8192 else 1
 
 
 def token_grad_bwd(
     logits: torch.Tensor, labels: torch.Tensor, row_max: torch.Tensor, log_norm: torch.Tensor,
     entropy: Optional[torch.Tensor], coef_logprob: torch.Tensor, coef_entropy: Optional[torch.Tensor],
-    temperature, inplace: bool, *, block_v: int = None, block_n: int = None,
+    temperature, inplace: bool, *, block_v: int = None, block_n: int = None, split: int = None,
 ) -> torch.Tensor:
     """dlogits = (c*(onehot - p) + e*(-p*(log p + H))) / T in the logits dtype (SPEC §2), one pass.
 
@@ -93,7 +145,7 @@ def token_grad_bwd(
             stride); `coef_entropy=None` compiles the entropy term out.
         temperature: T > 0, or an (N,) tensor of per-row temperatures.
         inplace: write dlogits into the logits' storage (the caller bumps the version counter).
-        block_v, block_n: test hooks overriding the launch heuristic (powers of two).
+        block_v, block_n, split: test hooks overriding the launch heuristic (powers of two; blocks per program).
     Returns:
         dlogits shaped like logits (contiguous) in the logits dtype; the logits tensor itself when `inplace`.
     """
@@ -124,7 +176,8 @@ def token_grad_bwd(
     rows_per_group, stride_g, stride_n = grouped_strides(src)
     _, out_stride_g, out_stride_n = grouped_strides(out)
     cfg = vocab_config(V, block_v, block_n)
-    grid = (triton.cdiv(N, cfg.BLOCK_N),)
+    split = grad_split(cfg) if split is None else split
+    grid = (triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(V, split * cfg.BLOCK_V))
     scalar, inv_t = row_temperature(temperature)
     with device_guard(logits):
         _token_grad_bwd_kernel[grid](
@@ -134,13 +187,20 @@ def token_grad_bwd(
             stride_g, stride_n, out_stride_g, out_stride_n,
             scalar,
             HAS_ENTROPY=has_entropy, BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, ROW_TEMPERATURE=inv_t is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if inplace and out is not logits:
         # logits with a non-unit V stride were computed through a contiguous copy
         logits.copy_(out)
         return logits
     return out
+
+
+# The hot loop's static gate on sm_90 (aot.LOOP_GATE_TARGET), SASS instructions per element by (logits dtype width,
+# HAS_ENTROPY), for the tiers whose program streams one row: what the rewrite reaches with Triton 3.9 (bf16 8.3 and
+# 10.3; the loop it replaced spent 20.0, 4 of them on a 64-bit label compare per element), a quarter of an
+# instruction above, rounded up to the next quarter. No barrier in the loop, no non-ftz ex2.
+BACKWARD_LOOP_GATES = {(16, False): 8.75, (16, True): 10.75, (32, False): 8.0, (32, True): 10.0}
 
 
 def aot_specs():
@@ -151,7 +211,7 @@ def aot_specs():
             for row_t in (False, True):
                 for cfg in all_vocab_configs():
                     constexprs = {"HAS_ENTROPY": has_entropy, "BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V,
-                                  "ROW_TEMPERATURE": row_t}
+                                  "ROW_TEMPERATURE": row_t, "SPLIT": grad_split(cfg)}
                     signature = {
                         "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32",
                         "log_norm_ptr": "*fp32", "entropy_ptr": "*fp32", "coef_logprob_ptr": "*fp32",
@@ -160,10 +220,14 @@ def aot_specs():
                         "stride_dlogits_g": "i64", "stride_dlogits_n": "i32", "temperature": "fp32",
                         **{k: "constexpr" for k in constexprs},
                     }
+                    gate = None
+                    if cfg.BLOCK_N == 1:
+                        gate = LoopGate(elements=cfg.BLOCK_V // (32 * cfg.num_warps),
+                                        per_element=BACKWARD_LOOP_GATES[32 if dtype == "fp32" else 16, has_entropy])
                     specs.append(AotSpec(
                         name=(f"token_grad_bwd[{dtype},BLOCK_N={cfg.BLOCK_N},BLOCK_V={cfg.BLOCK_V},"
                               f"HAS_ENTROPY={int(has_entropy)},ROW_TEMPERATURE={int(row_t)}]"),
-                        fn=_token_grad_bwd_kernel, signature=signature, constexprs=constexprs,
+                        fn=_token_grad_bwd_kernel, signature=signature, constexprs=constexprs, loop_gate=gate,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         # what the JIT sees on a real launch: 16-byte aligned allocations, V % 16 == 0
                         aligned=("logits_ptr", "labels_ptr", "row_max_ptr", "log_norm_ptr", "entropy_ptr",
