@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200; torch 2.11, Triton 3.6, nvcc 13.0; no internet; repo copied, nothing installed).
-# Runs in under 10 minutes (step limits 80 + 170 + 50 + 20 + 85 + 30 + 20 + 40 + 35 + 20 + 15 + 15 + 15 s = 9.92 min;
+# Runs in under 10 minutes (step limits 80 + 170 + 50 + 25 + 20 + 70 + 30 + 20 + 30 + 35 + 20 + 15 + 15 + 15 s = 9.92 min;
 # tests/test_gpu_check.py holds the sum under 600 s), correctness first, then the timings:
 #   - versions, the CUDA extension built in place for the GPU's own target (sm_90 on an H200);
 #   - every `gpu` test (the CUDA kernels, the Triton kernels compiled at real vocabularies and past 2^31 elements,
 #     the Triton parity against the float64 oracle, the stage and the split batch on the device);
 #   - the 8192 x 151936 bf16 head-to-head (triton vs cuda vs torch backend vs naive, GB/s vs the bytes model), the
+#     passes alone beside the machine's read and copy ceilings (kernel-only, validate on and off, a CUDA graph), the
 #     trainer-vs-sampler divergences (top-k and full form), the fused-linear loss against the GEMM alone, the
 #     per-sequence stage eager vs compiled (Inductor kernel count, no recompilation over a hyperparameter
 #     schedule), the sampler replay (kept set K = 50 / V, per-token temperature), the optimal token baseline
@@ -60,6 +61,11 @@ step headline 50 $PY -m benchmarks.run --device cuda --peak-gbps "$PEAK_GBPS" --
   --providers "naive,rlkernels[torch],rlkernels[triton],rlkernels[cuda]" --warmup 3 --reps 20 --max-seconds 4 --no-plot \
   --shape ppo:seq_mis:8192:151936:bf16 --shape logprobs:-:8192:151936:bf16
 
+# the passes alone (the launchers, no validation) and the public call with validate on and off, beside the read and
+# copy ceilings measured in the same run, and token_logprobs(validate=False) replayed from a CUDA graph (issue 44)
+step kernels 25 $PY -m benchmarks.kernels --device cuda --N 8192 --V 151936 --dtype bf16 --rounds 5 \
+  --json "$OUT/kernels.json"
+
 # SPEC §9: the sampler's top-k (k = 128) and logits against the plain log-prob pass and the naive composition at
 # 8192 x 151936 bf16; the goals: the top-k form <= 1.1x the log-prob pass, the full form <= 2.2x
 step divergences 20 $PY -m benchmarks.divergences --device cuda --N 8192 --V 151936 --dtype bf16 --k 128 --reps 5 \
@@ -70,7 +76,7 @@ step divergences 20 $PY -m benchmarks.divergences --device cuda --N 8192 --V 151
 # (1 + 2f) t_GEMM, the two-pass form (4) against (1 + 3f) t_GEMM, both beside naive and the logits path; and the
 # one-pass form with a float32 and a TF32 head (head_dtype: the cost of the float32 GEMMs on bf16 operands) and with
 # numerics="batch_invariant" (the head GEMMs in fixed 64-row blocks)
-step linear 85 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
+step linear 70 $PY -m benchmarks.linear --device cuda --N 8192 --H 4096 --V 151936 --dtype bf16 --fractions 0.5 \
   --case seq_mis --reps 10 \
   --providers "naive,rlkernels[logits],rlkernels[linear],rlkernels[linear-two-pass],rlkernels[linear-sync-free],liger[ppo-logprobs],rlkernels[linear-fp32-head],rlkernels[linear-tf32-head],rlkernels[linear-invariant]" \
   --out "$OUT" --tag h200-linear-8192x4096x151936
@@ -88,7 +94,7 @@ step launches 20 $PY -m benchmarks.launches --device cuda --N 8192 --V 151936 --
 
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
 # what a (one-rank, NCCL) dp_group adds to it: packing, merging, two all_gathers, graph breaks
-step stage 40 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
+step stage 30 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --split --json "$OUT/stage.json" \
   --case seq_mis+kl+entropy --case geo_rs_token_tis
 
 # sampler replay: the kept set (K = 50, and every id) and a per-token temperature against the full pass

@@ -235,3 +235,26 @@ def test_the_trainer_logprobs_benchmark_compares_like_with_like():
     rows = bench.main(["--N", "64", "--V", "128", "--providers", "openrlhf,rlkernels[openrlhf]"])
     assert [r["provider"] for r in rows] == ["openrlhf", "rlkernels[openrlhf]"]
     assert all("error" not in r and r["peak_working_bytes"] is not None for r in rows), rows
+
+
+def test_the_kernels_benchmark_sets_each_pass_against_its_ceiling(tmp_path):
+    """benchmarks/kernels.py on a tiny batch: every case timed with its bytes (a forward one read, a backward a read
+    and a write, fwd + bwd three passes), each ceiling 100 % of itself, the launchers of the CPU kernels beside the
+    public call with validate on and off, and the JSON written."""
+    kernels = pytest.importorskip("benchmarks.kernels")
+    out = tmp_path / "kernels.json"
+    assert kernels.main(["--N", "8", "--V", "256", "--rounds", "2", "--json", str(out)]) == 0
+    with open(out) as f:
+        result = json.load(f)
+    cases, read = result["cases"], 8 * 256 * 2
+    assert {"read_ceiling", "copy_ceiling", "api.forward[validate=True]", "api.forward[validate=False]",
+            "api.fwd_bwd[validate=True]", "api.fwd_bwd[validate=False]"} <= set(cases)
+    assert "graph.forward" not in cases  # CUDA only
+    for ceiling in ("read_ceiling", "copy_ceiling"):
+        assert cases[ceiling]["pct_of_ceiling"] == pytest.approx(100.0)
+    assert cases["read_ceiling"]["bytes"] == read and cases["api.fwd_bwd[validate=False]"]["bytes"] == 3 * read
+    from rlkernels import backends
+
+    if backends.is_available("cpu"):
+        assert cases["cpu.forward"]["bytes"] == read and cases["cpu.backward"]["bytes"] == 2 * read
+    assert all(len(c["samples_ms"]) == 2 and c["ms"] > 0 for c in cases.values())
