@@ -122,7 +122,19 @@ echo "================ SUMMARY ================"
 for k in "${!STATUS[@]}"; do printf '%-22s %s\n' "$k" "${STATUS[$k]}"; done
 $PY - "$OUT" "$PEAK_GBPS" <<'PYEOF'
 import json, os, sys
+import xml.etree.ElementTree as ET
 out, peak = sys.argv[1], float(sys.argv[2])
+# every failed or erroring gpu test by its id (a log's tail can lose them; the JUnit XML keeps each one)
+junit = os.path.join(out, "gpu-tests.xml")
+if os.path.exists(junit):
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    bad = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
+    print(f"\ngpu tests: {len(cases) - len(bad)} of {len(cases)} passed or skipped")
+    for c in bad:
+        what = c.find("failure") if c.find("failure") is not None else c.find("error")
+        print(f"  FAILED {c.get('classname')}::{c.get('name')}: {(what.get('message') or '').splitlines()[0][:150] if what.get('message') else ''}")
+else:
+    print("\ngpu tests: no JUnit XML (the step did not run or was cut before pytest wrote it)")
 for tag in ("h200-8192x151936", "cuda-quick"):
     path = os.path.join(out, tag + ".json")
     if not os.path.exists(path):

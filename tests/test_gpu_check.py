@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +61,24 @@ def test_each_benchmark_accepts_the_flags_the_script_passes(name, argv, monkeypa
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     with pytest.raises(_Parsed):
         module.main(argv[3:])
+
+
+def test_the_summary_names_every_failed_gpu_test(tmp_path):
+    """The summary's Python, run on a JUnit file with one pass, one failure and one error: both failures by id and
+    message (the last GPU run lost the ids of 7 failures in a cut log)."""
+    body = re.search(r"<<'PYEOF'\n(.*?)\nPYEOF", open(SCRIPT).read(), re.S).group(1)
+    (tmp_path / "gpu-tests.xml").write_text(
+        '<testsuites><testsuite name="pytest" tests="3">'
+        '<testcase classname="tests.kernels.test_gpu_kernels" name="test_ok"/>'
+        '<testcase classname="tests.kernels.test_gpu_kernels" name="test_tier[bf16]">'
+        '<failure message="AssertionError: dlogits differ&#10;more">trace</failure></testcase>'
+        '<testcase classname="tests.backends.test_cuda_backend" name="test_message"><error message="SIGSEGV">t</error>'
+        '</testcase></testsuite></testsuites>')
+    script = tmp_path / "summary.py"
+    script.write_text(body)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), "4800"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "gpu tests: 1 of 3 passed or skipped" in done.stdout
+    assert "FAILED tests.kernels.test_gpu_kernels::test_tier[bf16]: AssertionError: dlogits differ" in done.stdout
+    assert "FAILED tests.backends.test_cuda_backend::test_message: SIGSEGV" in done.stdout
