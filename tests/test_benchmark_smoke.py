@@ -258,3 +258,20 @@ def test_the_kernels_benchmark_sets_each_pass_against_its_ceiling(tmp_path):
     if backends.is_available("cpu"):
         assert cases["cpu.forward"]["bytes"] == read and cases["cpu.backward"]["bytes"] == 2 * read
     assert all(len(c["samples_ms"]) == 2 and c["ms"] > 0 for c in cases.values())
+
+
+def test_the_sanitizer_script_reaches_every_kernel_family(capsys):
+    """benchmarks/sanitize.py (what compute-sanitizer wraps in gpu_check.sh) through the CPU kernels: every call
+    runs, one line each, so that a sanitizer report can be placed; its flags as the script passes them."""
+    sanitize = pytest.importorskip("benchmarks.sanitize")
+    from rlkernels import backends
+
+    if not backends.is_available("cpu"):
+        pytest.skip("the CPU kernels did not build here: nothing for the script to launch on a CPU")
+    assert sanitize.main(["--V", "512", "--N", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": ")[1] for line in lines] == [
+        "token_stats + token_grad", "token_stats + token_grad, entropy, in place", "head columns (sampler top-k)",
+        "full divergences fwd + bwd", "vllm_logprobs"]
+    script = (Path(sanitize.__file__).parent / "gpu_check.sh").read_text()
+    assert "compute-sanitizer --tool memcheck" in script and "compute-sanitizer --tool racecheck" in script
