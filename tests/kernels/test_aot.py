@@ -16,7 +16,7 @@ import sys
 import pytest
 import triton
 
-from rlkernels.kernels.triton import aot, token_grad, token_stats
+from rlkernels.kernels.triton import aot, divergences, token_grad, token_stats
 from rlkernels.kernels.triton.tl_math import vocab_config
 
 pytestmark = pytest.mark.aot
@@ -102,11 +102,13 @@ def test_loop_gate_failures_name_each_excess():
     assert "no loop" in aot.loop_gate_failures(generous, dataclasses.replace(res, loop=None))[0]
 
 
-@pytest.mark.parametrize("module", [token_stats, token_grad], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("module", [token_stats, token_grad, divergences],
+                         ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_the_streaming_specs_carry_a_loop_gate(module):
     gated = [s for s in module.aot_specs() if s.loop_gate is not None]
     assert gated and all(s.constexprs["BLOCK_N"] == 1 for s in gated)
-    assert {s.constexprs["BLOCK_V"] for s in gated} == {4096, 8192}
+    # the two tiers of one row per program (the full form's half-width tiles: pair_config)
+    assert {s.constexprs["BLOCK_V"] for s in gated} == ({2048, 4096} if module is divergences else {4096, 8192})
     for s in gated:  # a thread's elements per iteration: the tile over the block's threads
         assert s.loop_gate.elements * 32 * s.num_warps == s.constexprs["BLOCK_V"]
 

@@ -16,6 +16,7 @@ command re-runs itself in a child process without that variable.
 """
 
 import argparse
+import dataclasses
 import importlib
 import os
 import pkgutil
@@ -78,7 +79,7 @@ class AotResult:
     limiter: str = ""
     seconds: float = 0.0
     error: Optional[str] = None
-    loop: Optional["SassLoop"] = None  # the gated hot loop (LOOP_GATE_TARGET, specs with a loop_gate)
+    loop: Optional["SassLoop"] = None  # the gated hottest loop, barriers summed over all (LOOP_GATE_TARGET)
     non_ftz: Optional[int] = None  # ex2.approx.f32 without ftz in the PTX (gated specs)
 
     @property
@@ -270,7 +271,10 @@ def run_spec(spec, target: str) -> AotResult:
             res.occupancy, res.limiter = occupancy(TARGETS[target][1], res.regs, res.shared, spec.num_warps)
             if spec.loop_gate is not None and target == LOOP_GATE_TARGET:
                 loops = sass_loops(dump_sass(kernel.asm["cubin"]))
-                res.loop = max(loops, key=lambda loop: loop.instructions) if loops else None
+                # the hottest loop by instructions, with the barriers of every loop (a kernel may stream twice)
+                if loops:
+                    hottest = max(loops, key=lambda loop: loop.instructions)
+                    res.loop = dataclasses.replace(hottest, barriers=sum(loop.barriers for loop in loops))
                 res.non_ftz = non_ftz_exponentials(kernel.asm["ptx"])
         else:
             usage = amd_usage(kernel.asm["amdgcn"])

@@ -9,6 +9,9 @@ from typing import NamedTuple, Optional, Tuple
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e)): one FFMA and one ex2.approx.ftz
+LN2 = tl.constexpr(0.6931471805599453)
+
 
 @triton.jit
 def safe_shift(m_i):
@@ -56,6 +59,47 @@ def row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N: tl.
     else:
         inv_t = one_inverse_temperature(temperature, BLOCK_N)
     return inv_t
+
+
+@triton.jit
+def slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY: tl.constexpr, HAS_SUM_PI_SQUARED: tl.constexpr):
+    """One block [BLOCK_N, SLOTS, VECTOR] into the per-slot running statistics [BLOCK_N, SLOTS]: a slot is one
+    thread's VECTOR contiguous logits, so every reduction here (axis 2) stays in the thread's registers.
+
+    m: the slot's running max of the raw logits, shift = safe_shift(m); d = (z - shift) k in log2 units (k =
+    log2(e) / T folded once, so exp2 lowers to one ex2.approx.ftz), exactly 0 at the max, whose term is an exact 1;
+    sum_e = sum 2^d, sum_ed = sum 2^d d, sum_e2 = sum 4^d, rescaled whenever the shift moves. -inf padding adds exact
+    zeros; a slot without a finite entry keeps all three at 0. (The one-FFMA exponent fma(z, k, -m k) saves an
+    instruction per element, but its shift's rounding puts an ulp of 1 into every log-normaliser, so 1 - p_y of a
+    near one-hot row, the target's gradient, loses its exactness; not taken.)"""
+    m_new = tl.maximum(m, tl.max(z, axis=2))
+    shift = safe_shift(m_new)
+    dm = (m - shift) * k[:, None]  # -inf while nothing finite was seen: alpha = 0 and the sums stay 0
+    alpha = tl.math.exp2(dm)
+    d = (z - shift[:, :, None]) * k[:, None, None]
+    ex = tl.math.exp2(d)
+    if HAS_ENTROPY:
+        # re-centre sum_ed on the new shift, alpha (sum_ed + dm sum_e); the sum_e > 0 guard stops the (-inf) * 0 of
+        # a slot's first finite block. Padding and -inf logits (d = -inf, ex = 0) add 0 * -256, not 0 * -inf: 2^d
+        # is an exact 0 below -150, so the floor changes no term, and ex * d stays an FFMA (a NaN d gives a NaN ex)
+        sum_ed = alpha * (sum_ed + tl.where(sum_e > 0, dm, 0.0) * sum_e) + tl.sum(ex * tl.maximum(d, -256.0), axis=2)
+    if HAS_SUM_PI_SQUARED:
+        sum_e2 = alpha * alpha * sum_e2 + tl.sum(ex * ex, axis=2)
+    sum_e = alpha * sum_e + tl.sum(ex, axis=2)
+    return m_new, sum_e, sum_ed, sum_e2
+
+
+@triton.jit
+def slot_merge(m, sum_e, k):
+    """The slots of `slot_update` merged, once per row: (row_max, row_sum_e, dm, beta). Each slot's sums are
+    rescaled by beta = 2^dm, dm = (its max - the row's) k, from its own shift to the row's; a slot without a finite
+    entry adds 0. ln(row_sum_e) = ln sum exp((z - row_max) / T). Any other per-slot sum s merges as
+    sum(beta * s, axis=1), a log2-unit one as sum(beta * (s + dm * sum_e), axis=1)."""
+    row_max = safe_shift(tl.max(m, axis=1))
+    dm = tl.where(m != float("-inf"), (m - row_max[:, None]) * k[:, None], 0.0)
+    beta = tl.where(m != float("-inf"), tl.math.exp2(dm), 0.0)
+    row_sum_e = tl.sum(beta * sum_e, axis=1)
+    return row_max, row_sum_e, dm, beta
 
 
 class VocabConfig(NamedTuple):

@@ -10,34 +10,17 @@ import triton.language as tl
 
 from ..temperature import row_temperature
 from .aot_spec import AotSpec, LoopGate
-from .tl_math import TRITON_DTYPES, all_vocab_configs, grouped_rows, row_inverse_temperature, safe_shift, vocab_config
-
-
-@triton.jit
-def _online_update(z, m, shift, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY: tl.constexpr,
-                   HAS_SUM_PI_SQUARED: tl.constexpr):
-    """One block [BLOCK_N, SLOTS, VECTOR] into the per-slot running statistics [BLOCK_N, SLOTS]: a slot is one
-    thread's VECTOR contiguous logits, so every reduction here (axis 2) stays in the thread's registers.
-
-    m: the slot's running max of the raw logits; shift = m k in log2 units (k = log2(e) / T; 0 while m = -inf), so
-    that each exponent is one FFMA, d = fma(z, k, -shift) = (z - m) k up to one rounding (the product is exact inside
-    the fma), and exp2 lowers to one ex2.approx.ftz. sum_e = sum 2^d, sum_ed = sum 2^d d, sum_e2 = sum 4^d, rescaled
-    whenever the shift moves. -inf padding adds exact zeros; a slot without a finite entry keeps all three at 0."""
-    m_new = tl.maximum(m, tl.max(z, axis=2))
-    shift_new = tl.where(m_new == float("-inf"), 0.0, m_new * k[:, None])
-    dm = shift - shift_new  # exact (Sterbenz) while both are finite and near
-    alpha = tl.where(m == float("-inf"), 0.0, tl.math.exp2(dm))  # 0, not 2^dm * 0 = inf * 0, before any entry
-    d = tl.fma(z, k[:, None, None], -shift_new[:, :, None])
-    ex = tl.math.exp2(d)
-    if HAS_ENTROPY:
-        # re-centre sum_ed on the new shift, alpha (sum_ed + dm sum_e). Padding and -inf logits (d = -inf, ex = 0)
-        # add 0 * -256, not 0 * -inf: 2^d is an exact 0 below -150, so the floor changes no term, and ex * d stays
-        # an FFMA (a NaN d still gives a NaN ex)
-        sum_ed = alpha * (sum_ed + dm * sum_e) + tl.sum(ex * tl.maximum(d, -256.0), axis=2)
-    if HAS_SUM_PI_SQUARED:
-        sum_e2 = alpha * alpha * sum_e2 + tl.sum(ex * ex, axis=2)
-    sum_e = alpha * sum_e + tl.sum(ex, axis=2)
-    return m_new, shift_new, sum_e, sum_ed, sum_e2
+from .tl_math import (
+    LN2,
+    LOG2E,
+    TRITON_DTYPES,
+    all_vocab_configs,
+    grouped_rows,
+    row_inverse_temperature,
+    slot_merge,
+    slot_update,
+    vocab_config,
+)
 
 
 @triton.jit
@@ -58,7 +41,7 @@ def _token_stats_fwd_kernel(
     # One program per BLOCK_N rows (grid (cdiv(N, BLOCK_N),), rows on axis 0 only) reads each logit once
     # (N*V*sizeof(dtype) bytes) and writes 3-5 fp32 per row. The loop is written for instruction economy (the
     # H200 issues ~15 thread-instructions per bf16 element at its copy rate): each thread keeps running statistics
-    # per VECTOR-wide slot (`_online_update`), so no block-wide reduction or barrier runs inside it, and the slots
+    # per VECTOR-wide slot (`tl_math.slot_update`), so no block-wide reduction or barrier runs inside it, and the slots
     # merge once per row after it; full blocks load unmasked but for the row mask (uniform over a vector), one
     # masked tail follows; STAGES > 1 prefetches blocks through shared memory (cp.async). Hazards: -inf is the
     # max identity and a -inf max is never subtracted (safe_shift); p*d terms with p = 0 are 0, not 0 * -inf;
@@ -74,7 +57,7 @@ def _token_stats_fwd_kernel(
     active = has_target | (mask_n & (labels == -2))
     row_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
     inv_t = row_inverse_temperature(inv_t_ptr, offs_n, mask_n, temperature, BLOCK_N, ROW_TEMPERATURE)
-    k = inv_t * 1.4426950408889634  # log2(e) / T
+    k = inv_t * LOG2E
     # the target logit is read before the stream, so its latency hides behind it
     z_y = tl.load(row_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
 
@@ -82,7 +65,6 @@ def _token_stats_fwd_kernel(
     block_ptrs = row_ptrs[:, None, None] + cols[None, :, :]
     rows_in = active[:, None, None]
     m = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
-    shift = tl.zeros([BLOCK_N, SLOTS], tl.float32)
     sum_e = tl.zeros([BLOCK_N, SLOTS], tl.float32)
     sum_ed = tl.zeros([BLOCK_N, SLOTS], tl.float32)
     sum_e2 = tl.zeros([BLOCK_N, SLOTS], tl.float32)
@@ -91,30 +73,20 @@ def _token_stats_fwd_kernel(
     v_full = (v_stop // BLOCK_V) * BLOCK_V
     for v0 in tl.range(0, v_full, BLOCK_V, num_stages=STAGES):
         z = tl.load(block_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
-        m, shift, sum_e, sum_ed, sum_e2 = _online_update(z, m, shift, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY,
-                                                         HAS_SUM_PI_SQUARED)
+        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED)
     if v_full < v_stop:
         tail = rows_in & ((v_full + cols)[None, :, :] < V)
         z = tl.load(block_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
-        m, shift, sum_e, sum_ed, sum_e2 = _online_update(z, m, shift, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY,
-                                                         HAS_SUM_PI_SQUARED)
+        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED)
 
-    # the slots merged, once per row: each slot's sums rescaled from its own shift to the row's, the shift of the
-    # slot holding the row's max (the same product, so the same rounding). A slot without a finite entry adds 0.
-    # delta = m k - shift exactly (the fma's residual): log_norm takes it back, so that lse = row_max / T + log_norm
-    # holds for the raw max; entropy and sum p^2 are ratios in which it cancels.
-    row_max = safe_shift(tl.max(m, axis=1))
-    row_shift = row_max * k
-    dm = shift - row_shift[:, None]
-    beta = tl.where(m != float("-inf"), tl.math.exp2(dm), 0.0)
-    row_sum_e = tl.sum(beta * sum_e, axis=1)
-    delta = tl.fma(row_max, k, -row_shift)
+    # the slots merged, once per row (`slot_merge`)
+    row_max, row_sum_e, dm, beta = slot_merge(m, sum_e, k)
 
     # A row without a finite entry has no distribution: row_max 0, log_norm -inf, logprob -inf,
     # entropy 0 and sum p^2 0, never NaN (the torch backend's convention). A NaN or +inf logit makes row_sum_e NaN,
     # which stays in every statistic (`!=`, not `>`: NaN != 0 holds), as in the CUDA and C++ kernels.
     has_mass = row_sum_e != 0.0
-    log_norm = tl.log(row_sum_e) - 0.6931471805599453 * delta
+    log_norm = tl.log(row_sum_e)
     logprob = tl.where(has_mass, (z_y - row_max) * inv_t - log_norm, float("-inf"))
     tl.store(row_max_ptr + offs_n, tl.where(active, row_max, 0.0), mask=mask_n)
     tl.store(log_norm_ptr + offs_n, tl.where(active, log_norm, 0.0), mask=mask_n)
@@ -122,7 +94,7 @@ def _token_stats_fwd_kernel(
     if HAS_ENTROPY:
         # H = lse - sum p (z - row_max) / T = ln(sum_e) - ln(2) sum_ed / sum_e, both over the row's shift
         row_sum_ed = tl.sum(beta * (sum_ed + dm * sum_e), axis=1)
-        entropy = tl.log(row_sum_e) - 0.6931471805599453 * row_sum_ed / row_sum_e
+        entropy = log_norm - LN2 * row_sum_ed / row_sum_e
         tl.store(entropy_ptr + offs_n, tl.where(active & has_mass, entropy, 0.0), mask=mask_n)
     if HAS_SUM_PI_SQUARED:
         row_sum_e2 = tl.sum(beta * beta * sum_e2, axis=1)
@@ -132,9 +104,9 @@ def _token_stats_fwd_kernel(
 
 # The stream's shape per launch configuration. VECTOR: a slot's contiguous logits, one 16-byte load of bf16 / fp16
 # (two of fp32). STAGES: blocks prefetched through shared memory (cp.async) where a program streams one row in many
-# blocks. It stays 1 until a GPU measures it: on sm_90 three stages cost 9.9 SASS instructions per bf16 element
-# and 2 barriers in the loop, against 8.1 and none (the H200's issue budget at its copy rate is ~15.6), while
-# 4 CTAs of 16 warps per SM, 32 bytes in flight per thread, already hold ~64 KiB of loads per SM.
+# blocks. It stays 1 until a GPU measures it: on sm_90 three stages add 1.8 SASS instructions per bf16 element and
+# 2 barriers to the loop (the H200's issue budget at its copy rate is ~15.6 per element), while 4 CTAs of 16 warps
+# per SM, 32 bytes in flight per thread, already hold ~64 KiB of loads per SM.
 SLOT_VECTOR = 8
 STREAM_STAGES = 1
 
@@ -223,12 +195,12 @@ def token_stats_fwd(
 
 # The hot loop's static gate on sm_90 (aot.LOOP_GATE_TARGET), SASS instructions per element by (logits dtype
 # width, HAS_ENTROPY, HAS_SUM_PI_SQUARED), for the tiers whose program streams one row: what the rewrite reaches with
-# Triton 3.9 (8.1 / 9.7 / 10.8 / 12.25 for bf16; fp16 converts for 0.5 less; the block-reduction loop it replaced
+# Triton 3.9 (bf16 8.75 / 10.4 / 11.4 / 13.25, fp16 half an instruction less; the block-reduction loop it replaced
 # spent 15.3 and 23.7 with 4 and 8 barriers), a quarter of an instruction above, rounded up to the next quarter, so
 # that a compiler release may move it slightly and a regression fails. No barrier in the loop, no non-ftz ex2.
 FORWARD_LOOP_GATES = {
-    (16, False, False): 8.5, (16, False, True): 10.0, (16, True, False): 11.0, (16, True, True): 12.5,
-    (32, False, False): 9.75, (32, False, True): 12.0, (32, True, False): 13.0, (32, True, True): 15.25,
+    (16, False, False): 9.0, (16, False, True): 10.75, (16, True, False): 11.75, (16, True, True): 13.5,
+    (32, False, False): 10.0, (32, False, True): 12.25, (32, True, False): 13.75, (32, True, True): 16.0,
 }
 
 

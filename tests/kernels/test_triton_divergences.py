@@ -1,0 +1,97 @@
+"""The Triton kernels of the full-form divergences (kernels/triton/divergences.py) against the float64 oracle.
+
+Runs under TRITON_INTERPRET=1 on CPU tensors. Vocabularies in three tiers: 37 and 300 (one masked block) and 8197
+(two unmasked 4096-wide blocks and a masked tail, the streaming loops). Rows of every kind: ordinary, a common offset
+of +-1e4 on either side, entries of π with no μ (KL(π||μ) and χ² infinite) and of μ with no π (KL(μ||π) infinite),
+a row without a finite entry and an inactive row (zeros). Tolerances: ("divergence", fp32) of cases.TOL.
+"""
+
+import math
+
+import pytest
+import torch
+
+from rlkernels.kernels.triton.divergences import full_divergences_bwd, full_divergences_fwd
+from rlkernels.reference import divergences as reference
+
+from ..cases import assert_close, tol
+
+pytestmark = [
+    pytest.mark.interpret,
+    pytest.mark.filterwarnings("ignore:(divide by zero|invalid value|overflow) encountered:RuntimeWarning"),
+]
+
+T, T_R = 0.8, 1.1
+KINDS = ("normal", "offset_z", "offset_r", "pi_without_mu", "mu_without_pi", "empty", "inactive")
+
+
+def make_pair(V, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(len(KINDS), V, generator=g, dtype=torch.float64) * 2
+    r = z + 0.3 * torch.randn(len(KINDS), V, generator=g, dtype=torch.float64)
+    half = torch.rand(V, generator=g) < 0.5
+    for i, kind in enumerate(KINDS):
+        if kind == "offset_z":
+            z[i] += 1e4
+        elif kind == "offset_r":
+            r[i] -= 1e4
+        elif kind == "pi_without_mu":
+            r[i, half] = float("-inf")
+        elif kind == "mu_without_pi":
+            z[i, half] = float("-inf")
+        elif kind == "empty":
+            z[i], r[i] = float("-inf"), float("-inf")
+    active = torch.tensor([kind != "inactive" for kind in KINDS])
+    return z.to(dtype), r.to(dtype), active
+
+
+def oracle(z, r):
+    out = reference.token_divergences(z.double(), reference_logits=r.double(), temperature=T,
+                                      reference_temperature=T_R)
+    pi = torch.softmax(z.double() / T, -1)
+    mu = torch.softmax(r.double() / T_R, -1)
+    out["s_bar"] = (pi * torch.sign(pi - mu)).sum(-1)
+    return out
+
+
+@pytest.mark.parametrize("V", [37, 300, 8197])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_matches_the_oracle_on_every_kind_of_row(V, dtype):
+    z, r, active = make_pair(V, dtype, seed=V)
+    stats = full_divergences_fwd(z, r, active, T, T_R).stats
+    expected = oracle(z, r)
+    live = torch.tensor([kind not in ("empty", "inactive") for kind in KINDS])
+    assert torch.equal(stats[~live], torch.zeros_like(stats[~live]))  # no distribution, or not asked: zeros
+    for column, name in enumerate(("kl", "reverse_kl", "chi2", "tv", "s_bar")):
+        got, want = stats[live, column].double(), expected[name][live]
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), (name, got, want)
+        finite = torch.isfinite(want)
+        assert_close(got[finite], want[finite], **tol("divergence", torch.float32, scale=max(1.0, float(
+            want[finite].abs().max()))), name=name)
+    # the two-part normalisers: the raw max exactly, max / T + log-norm the log-sum-exp
+    for (mx, norm), x, t in (((5, 6), z, T), ((7, 8), r, T_R)):
+        assert torch.equal(stats[live, mx], x[live].float().amax(1))
+        lse = torch.logsumexp(x[live].double() / t, 1)
+        assert_close(stats[live, mx].double() / t + stats[live, norm].double(), lse, **tol("kernel.stats"),
+                     name="lse")
+
+
+@pytest.mark.parametrize("V", [300, 8197])
+def test_backward_from_the_forwards_normalisers_matches_autograd(V):
+    z, r, active = make_pair(V, torch.float32, seed=V + 1)
+    finite_rows = [i for i, kind in enumerate(KINDS) if kind in ("normal", "offset_z", "offset_r")]
+    coef = torch.zeros(len(KINDS), 4)
+    coef[finite_rows] = torch.randn(len(finite_rows), 4, generator=torch.Generator().manual_seed(V))
+    coef[:, 2] *= 1e-2  # chi2 is the largest of the four
+    stats = full_divergences_fwd(z, r, active, T, T_R).stats
+    grad = full_divergences_bwd(z, r, stats, coef, T, T_R)
+    leaf = z.double().requires_grad_(True)
+    out = reference.token_divergences(leaf, reference_logits=r.double(), temperature=T, reference_temperature=T_R)
+    values = torch.stack([out["kl"], out["reverse_kl"], out["chi2"], out["tv"]], -1)
+    loss = torch.where(coef != 0, coef.double() * values, torch.zeros((), dtype=torch.float64)).sum()
+    (expected,) = torch.autograd.grad(loss, leaf)
+    scale = max(1e-3, float(expected[finite_rows].abs().max()))
+    assert_close(grad[finite_rows].double(), expected[finite_rows], **tol("divergence.dlogits", torch.float32,
+                                                                           scale=scale), name="dlogits")
+    assert not grad[[i for i in range(len(KINDS)) if i not in finite_rows]].any()
+    assert math.isfinite(float(grad.abs().max()))
