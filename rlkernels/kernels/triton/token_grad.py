@@ -106,12 +106,20 @@ def _token_grad_bwd_kernel(
     has_target = active & (labels >= v_lo) & (labels < v_hi)
     z_y = tl.load(in_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
     rows_in, rows_out = active[:, None], mask_n[:, None]
-    for v0 in tl.range(v_lo, v_full, BLOCK_V):
-        _grad_block(in_ptrs, out_ptrs, v0, cols, rows_in, rows_out, row_max, k, b, a, q, HAS_ENTROPY)
-    if v_full < v_hi:
-        in_row = (v_full + cols)[None, :] < V
-        _grad_block(in_ptrs, out_ptrs, v_full, cols, rows_in & in_row, rows_out & in_row, row_max, k, b, a, q,
-                    HAS_ENTROPY)
+    if BLOCK_N == 1:
+        for v0 in tl.range(v_lo, v_full, BLOCK_V):
+            _grad_block(in_ptrs, out_ptrs, v0, cols, rows_in, rows_out, row_max, k, b, a, q, HAS_ENTROPY)
+        if v_full < v_hi:
+            in_row = (v_full + cols)[None, :] < V
+            _grad_block(in_ptrs, out_ptrs, v_full, cols, rows_in & in_row, rows_out & in_row, row_max, k, b, a, q,
+                        HAS_ENTROPY)
+    else:
+        # the stacked tiers' rows fit one block: one masked loop (a body and a tail both compiled took up to 125
+        # registers on fp32)
+        for v0 in range(v_lo, v_hi, BLOCK_V):
+            in_row = (v0 + cols)[None, :] < V
+            _grad_block(in_ptrs, out_ptrs, v0, cols, rows_in & in_row, rows_out & in_row, row_max, k, b, a, q,
+                        HAS_ENTROPY)
     # every thread's block stores land before the target's: another thread wrote the target column's p_y a
     tl.debug_barrier()
     g_y = _grad_target(z_y, row_max, k, b, a, q, c_t, HAS_ENTROPY)
