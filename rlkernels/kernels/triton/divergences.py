@@ -38,15 +38,22 @@ STATS = 9  # kl, reverse_kl, chi2, tv, Σ π s, and (row max, log-normaliser) of
 
 
 @triton.jit
-def _divergence_sums(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br, kl, rkl, chi, tv, s_bar):
-    """Pass 2 on one [BLOCK_N, SLOTS, VECTOR] block into per-slot sums [BLOCK_N, SLOTS] (every reduction in the
-    thread's registers): log2 π = (z - sz) kz - bz and log2 μ likewise (one FADD and one FFMA each; k = log2(e) / T,
-    b = log2(e) x the log-normaliser), π and μ one ex2.approx.ftz each. KL, reverse KL in log2 units (the caller
-    scales by ln 2); each term only where its left-hand mass is positive (0 log 0 = 0), mass against none +inf."""
+def _log2_probs(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br):
+    """log2 π and log2 μ of one block from the rows' two-part normalisers (the caller broadcasts the row values;
+    -inf off `mask`): (z - sz) kz - bz, one FADD and one FFMA (k = log2(e) / T, b = log2(e) x the log-normaliser),
+    so that π = 2^tz is one ex2.approx.ftz."""
     z = tl.load(z_ptrs, mask=mask, other=float("-inf")).to(tl.float32)
     r = tl.load(r_ptrs, mask=mask, other=float("-inf")).to(tl.float32)
-    tz = tl.fma(z - sz[:, None, None], kz[:, None, None], -bz[:, None, None])
-    tr = tl.fma(r - sr[:, None, None], kr[:, None, None], -br[:, None, None])
+    return tl.fma(z - sz, kz, -bz), tl.fma(r - sr, kr, -br)
+
+
+@triton.jit
+def _divergence_sums(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br, kl, rkl, chi, tv, s_bar):
+    """Pass 2 on one [BLOCK_N, SLOTS, VECTOR] block into per-slot sums [BLOCK_N, SLOTS] (every reduction in the
+    thread's registers). KL, reverse KL in log2 units (the caller scales by ln 2); each term only where its
+    left-hand mass is positive (0 log 0 = 0), mass against none +inf."""
+    tz, tr = _log2_probs(z_ptrs, r_ptrs, mask, sz[:, None, None], sr[:, None, None], kz[:, None, None],
+                         kr[:, None, None], bz[:, None, None], br[:, None, None])
     pi, mu = tl.math.exp2(tz), tl.math.exp2(tr)
     live_p = pi > 0.0
     kl += tl.sum(tl.where(mu > 0.0, mu * (tr - tz), 0.0), axis=2)
@@ -167,7 +174,6 @@ def _full_divergences_bwd_kernel(
     r_rows = r_ptr + offs_n * stride_r_n
     g_rows = grad_ptr + offs_n * stride_grad_n
     inv_t = one_inverse_temperature(temperature, BLOCK_N)
-    # log2 π = (z - sz) kz - bz and log2 μ likewise: one FADD and one FFMA each, then one ex2.approx.ftz
     kz = inv_t * LOG2E
     kr = one_inverse_temperature(reference_temperature, BLOCK_N) * LOG2E
     bz, br = nz * LOG2E, nr * LOG2E
@@ -175,10 +181,8 @@ def _full_divergences_bwd_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V)
         in_v = mask_n[:, None] & (offs_v[None, :] < V)
         mask = live_row[:, None] & (offs_v[None, :] < V)
-        z = tl.load(z_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        r = tl.load(r_rows[:, None] + offs_v[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        tz = tl.fma(z - sz[:, None], kz[:, None], -bz[:, None])
-        tr = tl.fma(r - sr[:, None], kr[:, None], -br[:, None])
+        tz, tr = _log2_probs(z_rows[:, None] + offs_v[None, :], r_rows[:, None] + offs_v[None, :], mask,
+                             sz[:, None], sr[:, None], kz[:, None], kr[:, None], bz[:, None], br[:, None])
         pi, mu = tl.math.exp2(tz), tl.math.exp2(tr)
         live_p = pi > 0.0
         g = tl.where(a[:, None] != 0.0, a[:, None] * (pi - mu), 0.0)

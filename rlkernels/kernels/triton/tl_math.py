@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Tuple
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e)): one FFMA and one ex2.approx.ftz
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = 2^(x log2(e)): exp2 lowers to one ex2.approx.ftz
 LN2 = tl.constexpr(0.6931471805599453)
 
 

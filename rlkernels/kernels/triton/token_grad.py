@@ -9,6 +9,8 @@ import triton.language as tl
 from ..temperature import row_temperature
 from .aot_spec import AotSpec, LoopGate
 from .tl_math import (
+    LN2,
+    LOG2E,
     TRITON_DTYPES,
     all_vocab_configs,
     grouped_rows,
@@ -20,32 +22,25 @@ from .token_stats import device_guard, grouped_strides
 
 
 @triton.jit
-def _grad_block(in_ptrs, out_ptrs, v0, cols, load_mask, store_mask, row_max, k, b, a, q, HAS_ENTROPY: tl.constexpr):
-    """dlogits of one [BLOCK_N, BLOCK_V] block but for the target column (`_grad_target`): t = log2 p = (z -
-    row_max) k - b (one FADD and one FFMA; k = log2(e) / T, b = log2(e) log_norm), p = 2^t (one ex2.approx.ftz),
-    g = p (a + q t) with the row's c, e, H and 1/T folded into a and q."""
-    z = tl.load(in_ptrs[:, None] + (v0 + cols)[None, :], mask=load_mask, other=float("-inf")).to(tl.float32)
-    t = tl.fma(z - row_max[:, None], k[:, None], -b[:, None])
+def _dlogit(z, row_max, k, b, a, q, HAS_ENTROPY: tl.constexpr):
+    """dlogits but for the target's + c / T, elementwise (the caller broadcasts the row values): t = log2 p =
+    (z - row_max) k - b (one FADD and one FFMA; k = log2(e) / T, b = log2(e) log_norm), p = 2^t (one
+    ex2.approx.ftz), g = p (a + q t) with the row's c, e, H and 1/T folded into a and q."""
+    t = tl.fma(z - row_max, k, -b)
     p = tl.math.exp2(t)
     if HAS_ENTROPY:
         # where p = 0, t may be -inf: 0 * -256, not 0 * -inf (2^t is an exact 0 below -150, so the floor changes
         # no nonzero term)
-        g = p * (a[:, None] + q[:, None] * tl.maximum(t, -256.0))
-    else:
-        g = p * a[:, None]
-    tl.store(out_ptrs[:, None] + (v0 + cols)[None, :], g.to(out_ptrs.dtype.element_ty), mask=store_mask)
+        return p * (a + q * tl.maximum(t, -256.0))
+    return p * a
 
 
 @triton.jit
-def _grad_target(z_y, row_max, k, b, a, q, c_t, HAS_ENTROPY: tl.constexpr):
-    """The target column's dlogit, the block's g plus c / T, in fp32: c (1 - p_y) is rounded once, at its store."""
-    t = tl.fma(z_y - row_max, k, -b)
-    p = tl.math.exp2(t)
-    if HAS_ENTROPY:
-        g = p * (a + q * tl.maximum(t, -256.0))
-    else:
-        g = p * a
-    return g + c_t
+def _grad_block(in_ptrs, out_ptrs, v0, cols, load_mask, store_mask, row_max, k, b, a, q, HAS_ENTROPY: tl.constexpr):
+    """`_dlogit` of one [BLOCK_N, BLOCK_V] block, stored; its target column is written again after the blocks."""
+    z = tl.load(in_ptrs[:, None] + (v0 + cols)[None, :], mask=load_mask, other=float("-inf")).to(tl.float32)
+    g = _dlogit(z, row_max[:, None], k[:, None], b[:, None], a[:, None], q[:, None], HAS_ENTROPY)
+    tl.store(out_ptrs[:, None] + (v0 + cols)[None, :], g.to(out_ptrs.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -67,7 +62,7 @@ def _token_grad_bwd_kernel(
     # blocks of dlogits = (c (onehot - p) - e p (log p + H)) / T, reading and writing each element once in the
     # logits dtype (dlogits_ptr may alias logits_ptr: a program writes only what it read). Full blocks run with the
     # row mask alone (uniform over a vector), one masked tail follows; the row's coefficients are folded once per
-    # program, and the target column is written after the blocks (`_grad_target`). Hazards: log p is formed from
+    # program, and the target column is written after the blocks. Hazards: log p is formed from
     # (row_max, log_norm) (no fp32 lse); the target column c (1 - p_y) is formed in fp32; p = 0 terms are 0, not
     # 0 * -inf; rows with c = e = 0 or a skipped label read nothing (their -inf padding gives p = 0) and write
     # zeros; a row without a finite logit (log_norm = -inf) gets p = 0, not NaN.
@@ -81,7 +76,7 @@ def _token_grad_bwd_kernel(
         h = tl.load(entropy_ptr + offs_n, mask=active, other=0.0)
         # g = -p (c + e (ln p + H)) / T = p (a + q t), ln p = t ln 2: a = -(c + e H) / T, q = -e ln(2) / T
         a = -(c + e * h) * inv_t
-        q = -e * 0.6931471805599453 * inv_t
+        q = -e * LN2 * inv_t
     else:
         active = valid & (c != 0.0)
         a = -c * inv_t
@@ -91,8 +86,8 @@ def _token_grad_bwd_kernel(
     # a row without a distribution (log_norm = -inf) takes log_norm = +inf: p = 0 everywhere and
     # the row's gradient is c / T at the target (-inf - -inf would be NaN)
     log_norm = tl.where(log_norm == float("-inf"), float("inf"), log_norm)
-    k = inv_t * 1.4426950408889634
-    b = log_norm * 1.4426950408889634
+    k = inv_t * LOG2E
+    b = log_norm * LOG2E
     c_t = c * inv_t
     in_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
     out_ptrs = grouped_rows(dlogits_ptr, offs_n, rows_per_group, stride_dlogits_g, stride_dlogits_n)
@@ -122,7 +117,8 @@ def _token_grad_bwd_kernel(
                         HAS_ENTROPY)
     # every thread's block stores land before the target's: another thread wrote the target column's p_y a
     tl.debug_barrier()
-    g_y = _grad_target(z_y, row_max, k, b, a, q, c_t, HAS_ENTROPY)
+    # the target's g plus c / T in fp32: c (1 - p_y) is rounded once, at its store
+    g_y = _dlogit(z_y, row_max, k, b, a, q, HAS_ENTROPY) + c_t
     tl.store(out_ptrs + labels, g_y.to(out_ptrs.dtype.element_ty), mask=has_target)
 
 
