@@ -88,7 +88,7 @@ class CollapseConfig(ms.StudyConfig):
     sft_steps: int = 250
     sft_batch: int = 32
     rl_steps: int = 200  # 400 on 2026-12-04, 250 in the MoE and dense runs of 2026-12-05 (118 min in all); 200
-    # with the served copies' float32 attention keeps 3 seeds of every arm within 90 minutes
+    # with the served copies' float32 arithmetic keeps 3 seeds of every arm within 90 minutes (83 min)
     prompts_per_step: int = 4
     lr: float = 3e-4  # chosen on the on-policy control alone: at 1e-3 the control itself fell 0.21 -> 0.04 by step 50
     group_size: int = 8
@@ -908,7 +908,7 @@ def plot(result: dict, path: str) -> None:
     for i, (name, arm) in enumerate(result["arms"].items()):
         style = "--" if name.startswith("moe") else (":" if "on_policy" in name or "decoupled" in name else "-")
         styles[name] = style
-        color = f"C{i}" if i < 10 else plt.get_cmap("Dark2")(i - 10)  # distinct for up to 18 arms
+        color = f"C{i}" if i < 10 else plt.get_cmap("tab20b")(i - 10)  # distinct for up to 30 arms (21 today)
         for ax, (key, title, log) in zip(axes.flat, panels):
             if key == "routing_flip_rate" and not name.startswith("moe"):
                 continue
