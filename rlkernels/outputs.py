@@ -46,10 +46,11 @@ class CorrectionOutput(NamedTuple):
 class TokenDivergences(NamedTuple):
     """Per-token divergences between the trainer's π and a second distribution μ (SPEC §9), shaped like the
     labels (logits.shape[:-1]); float32 (float64 for float64 logits), 0 on rows outside (ignore_index)."""
-    kl: torch.Tensor  # KL(μ || π), the direction of TRM's criterion; autograd to the logits
+    # each None where `divergences=` left it out
+    kl: Optional[torch.Tensor]  # KL(μ || π), the direction of TRM's criterion; autograd to the logits
     reverse_kl: Optional[torch.Tensor]  # KL(π || μ); None in "support" mode (+inf wherever π leaves μ's support)
     chi2: Optional[torch.Tensor]  # χ²(π || μ) = Σ π²/μ - 1; None in "support" mode
-    tv: torch.Tensor  # ½ Σ |π - μ|
+    tv: Optional[torch.Tensor]  # ½ Σ |π - μ|
     trainer_head_mass: Optional[torch.Tensor]  # Σ_H π (top-k form), no autograd
     sampler_head_mass: Optional[torch.Tensor]  # Σ_H μ as given (top-k form)
     sampled_in_head: Optional[torch.Tensor]  # bool, the label is one of the row's ids (top-k form with labels)

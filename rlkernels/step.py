@@ -5,7 +5,8 @@ The policy losses take one of these routes (SPEC §2, §2.1, §9):
 
     logits   no sampler distribution   ops.token_stats
              the sampler's top-k       ops.head_stats (the same pass, with the log-probs at its ids)
-             the sampler's logits      ops.token_stats, then ops.full_divergences (one more read of both)
+             the sampler's logits      ops.token_stats, then ops.full_divergences (one more read of both; a
+                                       second one for TV, with the metrics)
     hidden   per-token coefficients    ops.linear_forward_gradient (the one-pass form; stage per chunk)
              otherwise                 as for logits: ops.linear_token_stats / linear_head_stats /
                                        linear_full_divergences (the two-pass form)
@@ -33,7 +34,7 @@ from .outputs import (
     shaped,
 )
 from .stage import SamplerEvidence, correction, distillation
-from .stage.divergences import Divergences, partition
+from .stage.divergences import DIVERGENCES, Divergences, partition
 from .stage.metrics import Metrics
 
 
@@ -69,8 +70,9 @@ def logits_loss(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossCo
     stats = ops.token_stats(logits, batch, options)
     checked_rows("logits", stats.logprobs, batch, config.validate)
     with torch.no_grad():
+        # TV only for its metrics (its own read of both tensors on the GPU); TRM's mask reads KL(μ||π)
         values = ops.full_divergences(logits.detach(), head.logits, batch.mask, batch.temperature,
-                                      batch.temperature, backend=options.backend)
+                                      batch.temperature, backend=options.backend, with_tv=config.metrics == "all")
     return policy_output(stats, batch, config, "logits", SamplerEvidence(_record("full", Divergences(*values),
                                                                                  batch.mask)))
 
@@ -99,7 +101,8 @@ def hidden_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                              _topk_evidence(stats.head_logprobs, batch, config))
     stats = ops.linear_token_stats(rows, weight, bias, batch, options)
     checked_rows("hidden", stats.logprobs, batch, config.validate)
-    values = ops.linear_full_divergences(rows, weight, bias, head.logits, batch, options)
+    values = ops.linear_full_divergences(rows, weight, bias, head.logits, batch, options,
+                                         with_tv=config.metrics == "all")
     return policy_output(stats, batch, config, "linear_two_pass",
                          SamplerEvidence(_record("full", Divergences(*values), batch.mask)))
 
@@ -199,7 +202,8 @@ def token_divergences(logits: torch.Tensor, given: DivergenceInputs, backend: st
     if head.logits is not None:
         form = "full"
         div = Divergences(*ops.full_divergences(logits, head.logits, rows.rows, rows.temperature,
-                                                rows.reference_temperature, backend=backend))
+                                                rows.reference_temperature, backend=backend,
+                                                with_tv="tv" in given.wanted))
     else:
         form = f"topk_{head.mode}"
         stats = ops.head_stats(logits, rows.prepared, ops.PassOptions(backend=backend), head.ids)
@@ -208,6 +212,8 @@ def token_divergences(logits: torch.Tensor, given: DivergenceInputs, backend: st
             (head.slots & (head.ids == rows.row_labels[:, None])).any(1) & rows.rows
         div = div._replace(trainer_head_mass=div.trainer_head_mass.detach(),
                            sampler_head_mass=div.sampler_head_mass.detach(), sampled_in_head=member)
+    # the divergences not asked for are not reported (the full form skips TV's second read without it)
+    div = div._replace(**{name: None for name in DIVERGENCES if name not in given.wanted})
     token_shape = rows.prepared.token_shape
     values = [shaped(None if t is None else torch.where(rows.rows, t, torch.zeros_like(t)), token_shape)
               for t in div[:6]]

@@ -151,10 +151,11 @@ class Backend(Protocol):
         the row's normaliser on every active row (also where log p_y is -inf, and on FOREIGN_TARGET rows). The
         backward is token_grad_bwd's (ops/head.py adds the head's columns)."""
 
-    def full_divergences_fwd(self, logits, reference, active, temperature,
-                             reference_temperature) -> torch.Tensor:
+    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature,
+                             with_tv: bool = True) -> torch.Tensor:
         """[N, DIVERGENCE_STATS] float32 (float64 for float64 logits): the DIVERGENCES of softmax(logits / T)
-        against softmax(reference / T_r) per row, then the backend's own columns; zeros on inactive rows."""
+        against softmax(reference / T_r) per row, then the backend's own columns; zeros on inactive rows.
+        with_tv=False: TV may be left out (its column 0): it is the one divergence a single read cannot give."""
 
     def full_divergences_bwd(self, logits, reference, stats, coef, temperature,
                              reference_temperature) -> torch.Tensor:

@@ -174,7 +174,8 @@ class CpuBackend(ExtensionBackend):
 
     # The full form (SPEC §9.2) as two C++ passes: two reads of both rows forward, one backward, as the Triton
     # kernels; a reference of another dtype takes the inherited chunked form (the ops read one dtype).
-    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature):
+    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature, with_tv=True):
+        # the C++ pass always forms TV (with_tv is a hint: on the CPU its second read costs what the first does)
         if reference.dtype != logits.dtype:
             return super().full_divergences_fwd(logits, reference, active, temperature, reference_temperature)
         (t, inv_t), (t_r, inv_r) = Temperature.of(temperature).kernel_args(), \

@@ -293,7 +293,7 @@ class TorchBackend:
         for s, e, chunk, _ in self._chunks(logits):
             yield s, e, chunk, ref_rows[s:e]
 
-    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature):
+    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature, with_tv=True):
         acc = statistics_dtype(logits.dtype)
         out = torch.zeros(active.shape[0], DIVERGENCE_STATS, dtype=acc, device=logits.device)
         inv_t = Temperature.of(temperature).inverse(acc)

@@ -71,11 +71,12 @@ class TritonBackend(TorchBackend):
     def _kernels_take(logits, reference, temperature: Temperature, reference_temperature: Temperature) -> bool:
         return not temperature.per_row and not reference_temperature.per_row and reference.dtype == logits.dtype
 
-    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature):
+    def full_divergences_fwd(self, logits, reference, active, temperature, reference_temperature, with_tv=True):
         t, t_r = Temperature.of(temperature), Temperature.of(reference_temperature)
         if not self._kernels_take(logits, reference, t, t_r):
-            return super().full_divergences_fwd(logits, reference, active, t, t_r)
-        return divergence_kernels.full_divergences_fwd(logits, reference, active, t.value(), t_r.value()).stats
+            return super().full_divergences_fwd(logits, reference, active, t, t_r, with_tv)
+        return divergence_kernels.full_divergences_fwd(logits, reference, active, t.value(), t_r.value(),
+                                                       with_tv).stats
 
     def full_divergences_bwd(self, logits, reference, stats, coef, temperature, reference_temperature):
         t, t_r = Temperature.of(temperature), Temperature.of(reference_temperature)

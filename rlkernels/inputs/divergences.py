@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..backends.base import FOREIGN_TARGET
+from ..backends.base import DIVERGENCES, FOREIGN_TARGET
 from ..backends.temperature import Temperature
 from ..config import BACKENDS, check_finite_positive
 from .batch import PreparedBatch, _row_labels
@@ -72,13 +72,24 @@ class DivergenceInputs(NamedTuple):
     head: SamplerHead  # the second distribution: top-k ids and log-probs, or logits
     rows: DivergenceRows
     labelled: bool  # labels were given (the top-k form then reports whether each is among the ids)
+    wanted: Tuple[str, ...] = DIVERGENCES  # the divergences asked for (the others come back None)
+
+
+def check_wanted(divergences) -> Tuple[str, ...]:
+    """token_divergences' `divergences`: a non-empty selection of DIVERGENCES, as a tuple."""
+    wanted = (divergences,) if isinstance(divergences, str) else tuple(divergences)
+    unknown = [d for d in wanted if d not in DIVERGENCES]
+    if unknown or not wanted:
+        raise ValueError(f"divergences: expected a non-empty selection of {DIVERGENCES}, got {divergences!r}")
+    return wanted
 
 
 def prepare_divergences(logits, labels, reference: Tuple, temperatures: Tuple, mode: str, ignore_index: int,
-                        backend: str, validate: bool) -> DivergenceInputs:
+                        backend: str, validate: bool, divergences=DIVERGENCES) -> DivergenceInputs:
     """token_divergences: `reference` is (reference_topk_ids, reference_topk_logprobs, reference_logits),
     `temperatures` (temperature, reference_temperature)."""
     check_logits(logits, allow_any_rank=True)
+    wanted = check_wanted(divergences)
     token_shape, V = tuple(logits.shape[:-1]), logits.shape[-1]
     head = prepare_head(REFERENCE_NAMES, reference, token_shape, V, logits.device, mode, trainer_shape=logits.shape)
     if head is None:
@@ -92,7 +103,7 @@ def prepare_divergences(logits, labels, reference: Tuple, temperatures: Tuple, m
         check_head_values(rows.checks, head, REFERENCE_NAMES[:2], V, rows.rows,
                           None if labels is None else rows.row_labels)
         rows.checks.run()
-    return DivergenceInputs(head, rows, labels is not None)
+    return DivergenceInputs(head, rows, labels is not None, wanted)
 
 
 class DistillationOptions(NamedTuple):

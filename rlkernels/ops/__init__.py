@@ -288,17 +288,20 @@ def linear_head_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 
 def full_divergences(logits: torch.Tensor, reference: torch.Tensor, active: torch.Tensor, temperature: Temperature,
-                     reference_temperature: Temperature, chunk_rows: Optional[int] = None, backend: str = "auto"):
+                     reference_temperature: Temperature, chunk_rows: Optional[int] = None, backend: str = "auto",
+                     with_tv: bool = True):
     """(kl, reverse_kl, chi2, tv), each [N], of softmax(logits / T) against softmax(reference / T_r) (SPEC §9.2,
     the full form); autograd to `logits`. `active`: [N] bool rows. The backend is resolved here and runs both
-    passes (its kernels where it has them for these inputs; backends.base.Backend)."""
+    passes (its kernels where it has them for these inputs; backends.base.Backend). with_tv=False: tv is None (on
+    the GPU one read of both tensors instead of two)."""
     rows = logit_rows(logits, False)
     name = backends.resolve(backend, rows)
-    return full_divergence_stats(rows, reference, active, temperature, reference_temperature, name, chunk_rows)
+    return full_divergence_stats(rows, reference, active, temperature, reference_temperature, name, chunk_rows,
+                                 with_tv)
 
 
 def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], reference,
-                            batch, options: PassOptions):
+                            batch, options: PassOptions, with_tv: bool = True):
     """full_divergences of logits = hidden @ weight.T + bias ([N, H] hidden) against `reference` logits, at the
     batch's temperature, on the rows in the loss; no autograd (the loss's metrics and TRM's mask)."""
     _refuse_head_dtype(options, "sampler_logits")
@@ -306,5 +309,7 @@ def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     name = backends.resolve(options.backend, hidden)
     chunk_rows = linear.chunk_rows_for(weight.shape[0], hidden.dtype, hidden.device, options.memory_budget_bytes)
     head = linear.HeadOptions(name, chunk_rows, select_rows=options.select_rows)
-    values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, head)
-    return tuple(values.unbind(1))
+    values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, head,
+                                           with_tv)
+    kl, reverse_kl, chi2, tv = values.unbind(1)
+    return kl, reverse_kl, chi2, tv if with_tv else None

@@ -4,8 +4,9 @@ distribution μ = softmax(r / T_r) given as logits (recomputed rollout logits, a
     kl = KL(μ||π),  reverse_kl = KL(π||μ),  chi2 = χ²(π||μ) = sum π²/μ - 1,  tv = ½ sum |π - μ|
 
 `rlkernels::full_divergences` and its backward `rlkernels::full_divergences_grad` are custom ops around the
-backend's two passes (backends.base.Backend.full_divergences_fwd / _bwd: the Triton and C++ kernels read both
-rows twice forward and once backward; the chunked PyTorch form elsewhere), so torch.compile sees opaque ops whose
+backend's two passes (backends.base.Backend.full_divergences_fwd / _bwd: the Triton kernel reads both rows once
+forward, twice when TV is wanted, and once backward; the C++ kernels twice forward; the chunked PyTorch form
+elsewhere), so torch.compile sees opaque ops whose
 temperatures stay tensor inputs (a float argument would specialise the graph, and a kernel cannot take the
 symbolic float a traced host read gives). Autograd reaches the trainer's logits only (μ is a fixed target). The
 fused-linear form forms the trainer's logits a chunk of rows at a time and hands each chunk to the same pass.
@@ -25,16 +26,17 @@ from .vocab import refuse_double_backward
 
 @torch.library.custom_op("rlkernels::full_divergences", mutates_args=())
 def full_divergences_op(logits: Tensor, reference: Tensor, active: Tensor, temperature: Tensor,
-                        reference_temperature: Tensor, backend: str, chunk_rows: int) -> Tensor:
+                        reference_temperature: Tensor, backend: str, chunk_rows: int, with_tv: bool = True) -> Tensor:
     # logits: (N, V) or (B, T, V) row-strided (ops.logit_rows); reference: the same shape; active: (N,) bool;
-    # the temperatures: Temperature.tensor; backend: the resolved name. Returns (N, DIVERGENCE_STATS).
+    # the temperatures: Temperature.tensor; backend: the resolved name; with_tv=False: TV (a second read of both
+    # tensors on the GPU) not wanted, its column unspecified. Returns (N, DIVERGENCE_STATS).
     impl = backends.instance(backend, chunk_rows or None)
     return impl.full_divergences_fwd(logits, reference, active, Temperature(temperature),
-                                     Temperature(reference_temperature))
+                                     Temperature(reference_temperature), with_tv)
 
 
 @full_divergences_op.register_fake
-def _(logits, reference, active, temperature, reference_temperature, backend, chunk_rows):
+def _(logits, reference, active, temperature, reference_temperature, backend, chunk_rows, with_tv=True):
     return logits.new_empty((active.shape[0], DIVERGENCE_STATS), dtype=backends.statistics_dtype(logits.dtype))
 
 
@@ -52,7 +54,7 @@ def _(logits, reference, stats, coef, temperature, reference_temperature, backen
 
 
 def _setup_context(ctx, inputs, output):
-    logits, reference, active, temperature, reference_temperature, backend, chunk_rows = inputs
+    logits, reference, active, temperature, reference_temperature, backend, chunk_rows, _ = inputs
     ctx.save_for_backward(logits, reference, active, output, temperature, reference_temperature)
     ctx.options = (backend, chunk_rows)
 
@@ -62,31 +64,36 @@ def _backward(ctx, grad_stats):
     logits, reference, active, stats, temperature, reference_temperature = ctx.saved_tensors
     backend, chunk_rows = ctx.options
     if grad_stats is None:
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     coef = grad_stats[:, :len(DIVERGENCES)].to(stats.dtype)
     coef = torch.where(active[:, None], coef, torch.zeros((), dtype=stats.dtype, device=coef.device))
     grad = full_divergences_grad(logits, reference, stats, coef, temperature, reference_temperature, backend,
                                  chunk_rows)
-    return grad, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None
 
 
 full_divergences_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def full_divergence_stats(logits: Tensor, reference: Tensor, active: Tensor, temperature: Temperature,
-                          reference_temperature: Temperature, backend: str, chunk_rows: Optional[int] = None):
-    """(kl, reverse_kl, chi2, tv), each [N], with autograd to `logits` (a resolved `backend`)."""
+                          reference_temperature: Temperature, backend: str, chunk_rows: Optional[int] = None,
+                          with_tv: bool = True):
+    """(kl, reverse_kl, chi2, tv), each [N], with autograd to `logits` (a resolved `backend`); tv None without
+    with_tv (the GPU kernel then reads both tensors once instead of twice)."""
     stats = full_divergences_op(logits, reference, active, temperature.tensor, reference_temperature.tensor, backend,
-                                chunk_rows or 0)
-    return tuple(stats[:, :len(DIVERGENCES)].unbind(1))
+                                chunk_rows or 0, with_tv)
+    kl, reverse_kl, chi2, tv = stats[:, :len(DIVERGENCES)].unbind(1)
+    return kl, reverse_kl, chi2, tv if with_tv else None
 
 
 @torch.no_grad()
 def linear_full_divergence_values(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], reference: Tensor,
-                                  active: Tensor, temperature: Temperature, head: HeadOptions) -> Tensor:
+                                  active: Tensor, temperature: Temperature, head: HeadOptions,
+                                  with_tv: bool = True) -> Tensor:
     """[N, 4] (kl, reverse_kl, chi2, tv) of softmax((hidden @ weight.T + bias) / T) against softmax(reference / T)
     ([N, V] reference logits), a chunk of rows of logits at a time through the backend's forward pass (`head`: its
-    resolved backend, rows per chunk and row selection); no autograd (metrics and masks only)."""
+    resolved backend, rows per chunk and row selection); no autograd (metrics and masks only). with_tv=False: the
+    tv column unspecified (the backend may skip its second read)."""
     N, V = active.shape[0], weight.shape[0]
     impl = backends.instance(head.backend)
     out = torch.zeros(N, len(DIVERGENCES), dtype=backends.statistics_dtype(hidden.dtype), device=hidden.device)
@@ -99,7 +106,7 @@ def linear_full_divergence_values(hidden: Tensor, weight: Tensor, bias: Optional
         t_rows = temperature.rows(idx)
         z = _head(hidden.index_select(0, idx), weight, bias)
         every = torch.ones(idx.numel(), dtype=torch.bool, device=hidden.device)
-        stats = impl.full_divergences_fwd(z, ref_rows.index_select(0, idx), every, t_rows, t_rows)
+        stats = impl.full_divergences_fwd(z, ref_rows.index_select(0, idx), every, t_rows, t_rows, with_tv)
         out[idx] = stats[:, :len(DIVERGENCES)].to(out.dtype)
     if not head.select_rows:  # every row was computed: those outside the loss are 0, as when skipped
         out = torch.where(active[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))

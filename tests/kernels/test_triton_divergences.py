@@ -95,3 +95,49 @@ def test_backward_from_the_forwards_normalisers_matches_autograd(V):
                                                                            scale=scale), name="dlogits")
     assert not grad[[i for i in range(len(KINDS)) if i not in finite_rows]].any()
     assert math.isfinite(float(grad.abs().max()))
+
+
+def _compare(stats, expected, rows, columns=("kl", "reverse_kl", "chi2")):
+    for column, name in enumerate(("kl", "reverse_kl", "chi2", "tv", "s_bar")):
+        if name not in columns:
+            continue
+        got, want = stats[rows, column].double(), expected[name][rows]
+        # a float32 statistic beyond float32's range is +inf (the ramp row's χ² is 3.6e118 in float64)
+        want = torch.where(want > torch.finfo(torch.float32).max, float("inf"), want)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), (name, got, want)
+        finite = torch.isfinite(want)
+        assert_close(got[finite], want[finite], **tol("divergence", torch.float32, scale=max(1.0, float(
+            want[finite].abs().max()))), name=name)
+
+
+def test_one_read_without_tv_gives_the_same_columns_and_leaves_tv_zero():
+    # with_tv=False is the one-read form: the same kernel minus the second loop, so every other column is equal bit
+    # for bit, and TV's two columns stay 0 (the op then reports no TV)
+    z, r, active = make_pair(8197, torch.bfloat16, seed=5)
+    both = full_divergences_fwd(z, r, active, T, T_R).stats
+    one = full_divergences_fwd(z, r, active, T, T_R, with_tv=False).stats
+    kept = [0, 1, 2, 5, 6, 7, 8]
+    assert torch.equal(one[:, kept], both[:, kept])
+    assert not one[:, 3:5].any()
+    assert both[0, 3] > 0  # the row with TV computed does have one
+
+
+def test_online_sums_follow_maxima_that_move_every_block():
+    # The one-read sums are carried from one running max to the next: rows whose maxima rise (or fall) across the
+    # 4096-wide blocks of V = 8197 move every shift, by up to 300 nats (the carried sums underflow to 0 and must
+    # stay 0, not NaN); a row whose first blocks give π no mass where μ has some (KL(μ||π) = +inf from the start);
+    # and the mirror (KL(π||μ), χ² = +inf)
+    V = 8197
+    ramp = torch.linspace(-150.0, 150.0, V, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(6, V, generator=g, dtype=torch.float64)
+    z = torch.stack([ramp, -ramp, ramp + noise[2], noise[3] * 3, noise[4] * 3, ramp * 0.01 + noise[5]])
+    r = torch.stack([ramp + 0.5 * noise[0], ramp.flip(0), -ramp, noise[3] * 3 + 1, noise[4] * 3, ramp * 0.02])
+    z[3, :5000] = float("-inf")  # μ has mass where π has none, in the first blocks only
+    r[4, :5000] = float("-inf")  # π has mass where μ has none
+    active = torch.ones(6, dtype=torch.bool)
+    stats = full_divergences_fwd(z.float(), r.float(), active, T, T_R, with_tv=False).stats
+    assert not torch.isnan(stats).any()
+    expected = oracle(z.float(), r.float())
+    assert math.isinf(expected["kl"][3]) and math.isinf(expected["reverse_kl"][4])
+    _compare(stats, expected, torch.arange(6))

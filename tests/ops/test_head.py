@@ -364,8 +364,9 @@ def test_inputs_are_not_modified():
 @pytest.mark.skipif(not backends.available()["triton"], reason="Triton is not importable here")
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_the_full_form_runs_the_triton_kernels_and_agrees_with_the_chunked_pass(dtype, monkeypatch):
-    """backend="triton" with one temperature takes kernels/triton/divergences.py (two reads forward, one
-    backward); the chunked PyTorch pass of the other backends is the comparison, on the causal-shift view."""
+    """backend="triton" with one temperature takes kernels/triton/divergences.py (one read forward and a second
+    for TV, one backward); the chunked PyTorch pass of the other backends is the comparison, on the causal-shift
+    view."""
     from rlkernels.kernels.triton import divergences as kernels
 
     calls = []
@@ -393,6 +394,51 @@ def test_the_full_form_runs_the_triton_kernels_and_agrees_with_the_chunked_pass(
         q = tol("dlogits@interpreter", BF16, scale=max(1e-3, float(gb.float().abs().max())))
     assert_close(ga.float(), gb.float(), **q, name="dlogits")
     assert not bool(ga[:, -1].any())
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(not backends.available()["triton"], reason="Triton is not importable here")
+def test_leaving_tv_out_takes_the_one_read_kernel_and_changes_nothing_else(monkeypatch):
+    """divergences= without "tv": the Triton forward runs with with_tv=False (one read of both tensors) and the
+    other three divergences and their gradient are those of the default call; tv comes back None."""
+    from rlkernels.kernels.triton import divergences as kernels
+
+    seen = []
+    fwd = kernels.full_divergences_fwd
+    monkeypatch.setattr(kernels, "full_divergences_fwd", lambda *a: seen.append(a[5] if len(a) > 5 else True)
+                        or fwd(*a))
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 300, generator=gen) * 3
+    reference = torch.randn(5, 300, generator=gen) * 3
+    results = []
+    for wanted in (("kl", "reverse_kl", "chi2", "tv"), ("kl", "reverse_kl", "chi2")):
+        leaf = logits.clone().requires_grad_(True)
+        out = rlkernels.token_divergences(leaf, reference_logits=reference, temperature=0.8, backend="triton",
+                                          divergences=wanted)
+        (grad,) = torch.autograd.grad(out.kl.sum() + out.reverse_kl.sum() + 1e-3 * out.chi2.sum(), leaf)
+        results.append((out, grad))
+    assert seen == [True, False]
+    (a, ga), (b, gb) = results
+    assert b.tv is None and a.tv is not None
+    for name in ("kl", "reverse_kl", "chi2"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(ga, gb)
+
+
+def test_divergences_selects_what_is_reported_and_refuses_unknown_names():
+    gen = torch.Generator().manual_seed(2)
+    logits, reference = torch.randn(4, 50, generator=gen), torch.randn(4, 50, generator=gen)
+    every = rlkernels.token_divergences(logits, reference_logits=reference)
+    some = rlkernels.token_divergences(logits, reference_logits=reference, divergences=["chi2", "kl"])
+    assert some.reverse_kl is None and some.tv is None
+    assert torch.equal(some.kl, every.kl) and torch.equal(some.chi2, every.chi2)
+    ids = torch.topk(reference, 5).indices
+    lp = torch.log_softmax(reference, -1).gather(1, ids)
+    topk = rlkernels.token_divergences(logits, reference_topk_ids=ids, reference_topk_logprobs=lp, divergences="tv")
+    assert topk.kl is None and topk.tv is not None
+    for bad in ((), ("kl", "js"), "entropy"):
+        with pytest.raises(ValueError, match="divergences"):
+            rlkernels.token_divergences(logits, reference_logits=reference, divergences=bad)
 
 
 # ---- regressions found in review -------------------------------------------------------------------------

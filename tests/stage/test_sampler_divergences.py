@@ -290,3 +290,27 @@ def test_the_full_form_compiles_in_one_graph(backend):
         (eager, g_eager), (got, g_got) = results
         assert_close(got, eager, **tol("reordered", F32), name="value")
         assert_close(g_got, g_eager, **tol("reordered", F32), name="dlogits")
+
+
+@pytest.mark.parametrize("metrics", ["all", "loss_only"])
+def test_the_loss_asks_for_tv_only_with_its_metrics(metrics, monkeypatch):
+    """TV is the one full-form divergence that needs a second read of both tensors (SPEC §9.2): the loss asks
+    for it only when it reports metrics; TRM's mask reads KL(μ||π) either way and comes out the same."""
+    from rlkernels.backends.torch_backend import TorchBackend
+
+    seen = []
+    fwd = TorchBackend.full_divergences_fwd
+    monkeypatch.setattr(TorchBackend, "full_divergences_fwd", lambda self, *a: seen.append(a[5]) or fwd(self, *a))
+    gen = torch.Generator().manual_seed(4)
+    B, T, V = 2, 6, 40
+    logits = torch.randn(B, T, V, generator=gen)
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    adv, mask = torch.randn(B, T, generator=gen), torch.ones(B, T)
+    lp = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    out = rlkernels.decoupled_ppo_loss(logits, labels, adv, mask, old_logprobs=lp, rollout_logprobs=lp,
+                                       sampler_logits=logits + 0.5 * torch.randn(B, T, V, generator=gen),
+                                       rollout_correction=RolloutCorrection.trm(10.0, "max"), backend="torch",
+                                       metrics=metrics)
+    assert seen == [metrics == "all"]
+    tv_metrics = [name for name in out.metrics if "_tv_" in name]
+    assert bool(tv_metrics) == (metrics == "all")

@@ -1,10 +1,15 @@
 """The full form of SPEC §9.2 as two kernels: per row, KL(μ||π), KL(π||μ), χ²(π||μ) and TV between
 π = softmax(z / T) and μ = softmax(r / T_r), and the gradient of any combination of them w.r.t. z.
 
-Forward: two reads of both rows. The first is the online max / sum-exp of token_stats for z and r together; the
-second forms log π and log μ of every entry from those two-part normalisers and sums the four divergences (TV
-needs both normalisers before its first term, so one pass cannot give it) and Σ π·sign(π − μ), which the TV
-gradient needs. Backward: one read of both rows and one write,
+Forward: one read of both rows gives KL both ways and χ² as online sums beside the two normalisers, as token_stats
+gives the entropy: with log π = dz - log sz and log μ = dr - log sr (d relative to the running max),
+
+    KL(μ||π) = Σ er (dr - dz) / sr + log(sz / sr),   KL(π||μ) = Σ ez (dz - dr) / sz - log(sz / sr),
+    χ² + 1 = Σ e^(2 dz - dr) sr / sz²,
+
+each sum carried onto a new max when one moves. TV = ½ Σ |π - μ| (and Σ π·sign(π − μ), which its gradient needs)
+has no such form: its terms need both final normalisers, so it reads both rows a second time, only when asked
+(with_tv). Backward: one read of both rows and one write,
 
     dz_v = ( a (π_v - μ_v) + b π_v (log π_v - log μ_v - KL(π||μ)) + 2 c (π_v² / μ_v - π_v (χ² + 1))
              + d π_v (s_v - Σ_u π_u s_u) / 2 ) / T,        s = sign(π - μ),
@@ -29,8 +34,8 @@ from .tl_math import (
     grouped_rows,
     one_inverse_temperature,
     pair_config,
+    safe_shift,
     slot_merge,
-    slot_update,
 )
 from .token_stats import device_guard, grouped_strides
 
@@ -48,21 +53,58 @@ def _log2_probs(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br):
 
 
 @triton.jit
-def _divergence_sums(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br, kl, rkl, chi, tv, s_bar):
-    """Pass 2 on one [BLOCK_N, SLOTS, VECTOR] block into per-slot sums [BLOCK_N, SLOTS] (every reduction in the
-    thread's registers). KL, reverse KL in log2 units (the caller scales by ln 2); each term only where its
-    left-hand mass is positive (0 log 0 = 0), mass against none +inf."""
+def _carried(total, rescaled):
+    """A running sum onto a new shift: +inf stays +inf. A KL sum is +inf once mass met none, as the divergence is
+    however small that mass becomes beside a later max (a weight 2^dm that underflows would make it inf * 0 =
+    NaN); χ²'s sum is also +inf where it overflowed, a value the two-pass form's per-entry π²/μ overflows on as
+    well, unless a later max brings it back under 2^128 (an extreme the one-read form reports as +inf)."""
+    return tl.where(total == float("inf"), total, rescaled)
+
+
+@triton.jit
+def _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr):
+    """One block of both rows [BLOCK_N, SLOTS, VECTOR] into the per-slot online sums [BLOCK_N, SLOTS], in log2
+    units relative to each slot's running shifts (dz = (z - shift_z) kz, dr likewise; e = 2^d):
+
+        sz = Σ ez,  sr = Σ er,  akl = Σ er (dr - dz),  arkl = Σ ez (dz - dr),  chi = Σ 2^(2 dz - dr),
+
+    each term only where its left-hand weight is positive (0 log 0 = 0; mass against none gives +inf, as the
+    divergence is). When a shift moves by dm (<= 0, -inf before the slot's first finite entry) the carried sums
+    follow: the weights by 2^dm, akl by (dm_r - dm_z) sr (each d moved by its dm), chi by 2^(2 dm_z - dm_r); a sum
+    whose weights are all 0 so far stays 0 (the guards stop (-inf) * 0), and one that is +inf stays +inf
+    (_carried)."""
+    mz_new = tl.maximum(mz, tl.max(z, axis=2))
+    mr_new = tl.maximum(mr, tl.max(r, axis=2))
+    shift_z, shift_r = safe_shift(mz_new), safe_shift(mr_new)
+    dmz = (mz - shift_z) * kz[:, None]
+    dmr = (mr - shift_r) * kr[:, None]
+    alpha_z, alpha_r = tl.math.exp2(dmz), tl.math.exp2(dmr)
+    akl = _carried(akl, alpha_r * (akl + tl.where(sr > 0.0, (dmr - dmz) * sr, 0.0)))
+    arkl = _carried(arkl, alpha_z * (arkl + tl.where(sz > 0.0, (dmz - dmr) * sz, 0.0)))
+    chi = _carried(chi, tl.where(chi > 0.0, chi * tl.math.exp2(2.0 * dmz - dmr), 0.0))
+    dz = (z - shift_z[:, :, None]) * kz[:, None, None]
+    dr = (r - shift_r[:, :, None]) * kr[:, None, None]
+    ez, er = tl.math.exp2(dz), tl.math.exp2(dr)
+    live_p = ez > 0.0
+    akl += tl.sum(tl.where(er > 0.0, er * (dr - dz), 0.0), axis=2)
+    arkl += tl.sum(tl.where(live_p, ez * (dz - dr), 0.0), axis=2)
+    chi += tl.sum(tl.where(live_p, tl.math.exp2(2.0 * dz - dr), 0.0), axis=2)
+    sz = alpha_z * sz + tl.sum(ez, axis=2)
+    sr = alpha_r * sr + tl.sum(er, axis=2)
+    return mz_new, mr_new, sz, sr, akl, arkl, chi
+
+
+@triton.jit
+def _tv_sums(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br, tv, s_bar):
+    """The second read, TV's only (it needs both final normalisers before its first term): per-slot sums of
+    |π - μ| and of π sign(π - μ) (the TV gradient's Σ π s) over one [BLOCK_N, SLOTS, VECTOR] block."""
     tz, tr = _log2_probs(z_ptrs, r_ptrs, mask, sz[:, None, None], sr[:, None, None], kz[:, None, None],
                          kr[:, None, None], bz[:, None, None], br[:, None, None])
     pi, mu = tl.math.exp2(tz), tl.math.exp2(tr)
-    live_p = pi > 0.0
-    kl += tl.sum(tl.where(mu > 0.0, mu * (tr - tz), 0.0), axis=2)
-    rkl += tl.sum(tl.where(live_p, pi * (tz - tr), 0.0), axis=2)
-    chi += tl.sum(tl.where(live_p, tl.math.exp2(2.0 * tz - tr), 0.0), axis=2)
     diff = pi - mu
     tv += tl.sum(tl.abs(diff), axis=2)
     s_bar += tl.sum(tl.where(diff > 0.0, pi, tl.where(diff < 0.0, -pi, 0.0)), axis=2)
-    return kl, rkl, chi, tv, s_bar
+    return tv, s_bar
 
 
 @triton.jit
@@ -71,11 +113,13 @@ def _full_divergences_fwd_kernel(
     N, V, rows_per_group,
     stride_z_g, stride_z_n, stride_r_n,
     temperature, reference_temperature,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, VECTOR: tl.constexpr = 8,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, VECTOR: tl.constexpr = 8, WITH_TV: tl.constexpr = True,
 ):
-    # Two streaming passes over both rows, each written as token_stats' forward is: per-thread sums per VECTOR-wide
-    # slot (no block-wide reduction or barrier inside a loop), merged once per row after it; full blocks with the
-    # row mask alone, one masked tail.
+    # One streaming read of both rows gives both normalisers, KL both ways and χ² (_pair_update's online sums);
+    # TV, whose terms need both final normalisers, reads them a second time, and only when asked (WITH_TV). Each
+    # loop is written as token_stats' forward is: per-thread sums per VECTOR-wide slot (no block-wide reduction
+    # or barrier inside a loop), merged once per row after it; full blocks with the row mask alone, one masked
+    # tail.
     SLOTS: tl.constexpr = BLOCK_V // VECTOR
     pid_n = tl.program_id(0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,59 +134,63 @@ def _full_divergences_fwd_kernel(
     z_ptrs = z_rows[:, None, None] + cols[None, :, :]
     r_ptrs = r_rows[:, None, None] + cols[None, :, :]
 
-    # pass 1: the online max / sum-exp of both rows per slot (tl_math.slot_update, token_stats' recurrence)
     mz = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
     mr = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
-    lz = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    lr = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    unused = lz
+    sz = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    sr = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    akl = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    arkl = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    chi = tl.zeros([BLOCK_N, SLOTS], tl.float32)
     rows_in = active[:, None, None]
     v_stop = V * tl.max(active.to(tl.int32), axis=0)
     v_full = (v_stop // BLOCK_V) * BLOCK_V
     for v0 in tl.range(0, v_full, BLOCK_V):
         z = tl.load(z_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
         r = tl.load(r_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
-        mz, lz, _, _ = slot_update(z, mz, lz, unused, unused, kz, False, False)
-        mr, lr, _, _ = slot_update(r, mr, lr, unused, unused, kr, False, False)
+        mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr)
     if v_full < v_stop:
         tail = rows_in & ((v_full + cols)[None, :, :] < V)
         z = tl.load(z_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
         r = tl.load(r_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
-        mz, lz, _, _ = slot_update(z, mz, lz, unused, unused, kz, False, False)
-        mr, lr, _, _ = slot_update(r, mr, lr, unused, unused, kr, False, False)
-    sz, lz_row, _, _ = slot_merge(mz, lz, kz)
-    sr, lr_row, _, _ = slot_merge(mr, lr, kr)
-    nz, nr = tl.log(lz_row), tl.log(lr_row)
-    has_mass = active & (lz_row > 0.0) & (lr_row > 0.0)  # a row without a finite entry has no distribution: zeros
+        mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr)
+    # the slots onto each row's shifts (tl_math.slot_merge; a slot without a finite entry has dm = 0 and beta 0:
+    # its sums are 0, or +inf where mass met none, and stay so)
+    row_mz, sum_z, dmz, beta_z = slot_merge(mz, sz, kz)
+    row_mr, sum_r, dmr, beta_r = slot_merge(mr, sr, kr)
+    kl = tl.sum(_carried(akl, tl.where(beta_r > 0.0, beta_r * (akl + (dmr - dmz) * sr), 0.0)), axis=1)
+    rkl = tl.sum(_carried(arkl, tl.where(beta_z > 0.0, beta_z * (arkl + (dmz - dmr) * sz), 0.0)), axis=1)
+    chi_row = tl.sum(_carried(chi, tl.where(chi > 0.0, chi * tl.math.exp2(2.0 * dmz - dmr), 0.0)), axis=1)
+    has_mass = active & (sum_z > 0.0) & (sum_r > 0.0)  # a row without a finite entry has no distribution: zeros
+    sum_z = tl.where(has_mass, sum_z, 1.0)
+    sum_r = tl.where(has_mass, sum_r, 1.0)
+    # log2 π = dz - log2 sum_z, log2 μ = dr - log2 sum_r; the normalisers' difference as one log2 of their ratio
+    # (a correctly rounded quotient: ~1 ulp of the divergence, where two ~17-bit logs would leave ~|log2 V| ulps)
+    log2_ratio = tl.math.log2(sum_z / sum_r)
+    base = stats_ptr + offs_n * 9
+    tl.store(base + 0, tl.where(has_mass, LN2 * (kl / sum_r + log2_ratio), 0.0), mask=mask_n)
+    tl.store(base + 1, tl.where(has_mass, LN2 * (rkl / sum_z - log2_ratio), 0.0), mask=mask_n)
+    tl.store(base + 2, tl.where(has_mass, chi_row * (sum_r / sum_z) / sum_z - 1.0, 0.0), mask=mask_n)
+    nz, nr = tl.log(sum_z), tl.log(sum_r)
+    tl.store(base + 5, tl.where(has_mass, row_mz, 0.0), mask=mask_n)
+    tl.store(base + 6, tl.where(has_mass, nz, 0.0), mask=mask_n)
+    tl.store(base + 7, tl.where(has_mass, row_mr, 0.0), mask=mask_n)
+    tl.store(base + 8, tl.where(has_mass, nr, 0.0), mask=mask_n)
 
-    # pass 2: log π, log μ of every entry, and the four sums
-    bz = tl.where(has_mass, nz * LOG2E, 0.0)
-    br = tl.where(has_mass, nr * LOG2E, 0.0)
-    kl = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    rkl = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    chi = tl.zeros([BLOCK_N, SLOTS], tl.float32)
     tv = tl.zeros([BLOCK_N, SLOTS], tl.float32)
     s_bar = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    rows_in = has_mass[:, None, None]
-    v_stop = V * tl.max(has_mass.to(tl.int32), axis=0)
-    v_full = (v_stop // BLOCK_V) * BLOCK_V
-    for v0 in tl.range(0, v_full, BLOCK_V):
-        kl, rkl, chi, tv, s_bar = _divergence_sums(z_ptrs + v0, r_ptrs + v0, rows_in, sz, sr, kz, kr, bz, br, kl,
-                                                   rkl, chi, tv, s_bar)
-    if v_full < v_stop:
-        tail = rows_in & ((v_full + cols)[None, :, :] < V)
-        kl, rkl, chi, tv, s_bar = _divergence_sums(z_ptrs + v_full, r_ptrs + v_full, tail, sz, sr, kz, kr, bz, br,
-                                                   kl, rkl, chi, tv, s_bar)
-    base = stats_ptr + offs_n * 9
-    tl.store(base + 0, tl.where(has_mass, LN2 * tl.sum(kl, axis=1), 0.0), mask=mask_n)
-    tl.store(base + 1, tl.where(has_mass, LN2 * tl.sum(rkl, axis=1), 0.0), mask=mask_n)
-    tl.store(base + 2, tl.where(has_mass, tl.sum(chi, axis=1) - 1.0, 0.0), mask=mask_n)
+    if WITH_TV:
+        bz, br = nz * LOG2E, nr * LOG2E
+        rows_in = has_mass[:, None, None]
+        v_stop = V * tl.max(has_mass.to(tl.int32), axis=0)
+        v_full = (v_stop // BLOCK_V) * BLOCK_V
+        for v0 in tl.range(0, v_full, BLOCK_V):
+            tv, s_bar = _tv_sums(z_ptrs + v0, r_ptrs + v0, rows_in, row_mz, row_mr, kz, kr, bz, br, tv, s_bar)
+        if v_full < v_stop:
+            tail = rows_in & ((v_full + cols)[None, :, :] < V)
+            tv, s_bar = _tv_sums(z_ptrs + v_full, r_ptrs + v_full, tail, row_mz, row_mr, kz, kr, bz, br, tv, s_bar)
+    # without TV its columns stay 0 (the op reports no TV then, and nothing differentiates it)
     tl.store(base + 3, tl.where(has_mass, 0.5 * tl.sum(tv, axis=1), 0.0), mask=mask_n)
     tl.store(base + 4, tl.where(has_mass, tl.sum(s_bar, axis=1), 0.0), mask=mask_n)
-    tl.store(base + 5, tl.where(has_mass, sz, 0.0), mask=mask_n)
-    tl.store(base + 6, tl.where(has_mass, nz, 0.0), mask=mask_n)
-    tl.store(base + 7, tl.where(has_mass, sr, 0.0), mask=mask_n)
-    tl.store(base + 8, tl.where(has_mass, nr, 0.0), mask=mask_n)
 
 
 @triton.jit
@@ -218,8 +266,9 @@ def _checked(logits: torch.Tensor, reference: torch.Tensor):
 
 
 def full_divergences_fwd(logits: torch.Tensor, reference: torch.Tensor, active: torch.Tensor, temperature: float,
-                         reference_temperature: float) -> FullDivergences:
-    """The [N, 9] statistics of softmax(logits / T) against softmax(reference / T_r) on the active rows."""
+                         reference_temperature: float, with_tv: bool = True) -> FullDivergences:
+    """The [N, 9] statistics of softmax(logits / T) against softmax(reference / T_r) on the active rows; with_tv=False:
+    one read of both tensors, TV and Σ π s left 0."""
     logits, reference = _checked(logits, reference)
     V = logits.shape[-1]
     N = logits.numel() // V
@@ -234,7 +283,7 @@ def full_divergences_fwd(logits: torch.Tensor, reference: torch.Tensor, active: 
             logits, reference, active.to(torch.int8).contiguous(), stats, N, V, rows_per_group, stride_g, stride_n,
             reference.stride(0), float(temperature), float(reference_temperature),
             BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, VECTOR=slot_vector(cfg, logits.element_size()),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            WITH_TV=bool(with_tv), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return FullDivergences(stats)
 
@@ -261,11 +310,13 @@ def full_divergences_bwd(logits: torch.Tensor, reference: torch.Tensor, stats: t
 
 
 # The forward's static gate on sm_90 (aot.LOOP_GATE_TARGET): SASS instructions per element pair (one of each
-# tensor) in its hotter loop, the second pass, by logits dtype width, for the tiers whose program streams a row; no
-# barrier in either loop. The two-pass loops it replaced spent 36.6 and 57.6 per pair on bf16 with 7 and 10 barriers
-# per iteration; the rewrite reaches 17.4 and 32.5 (fp16 16.4 / 31.5, fp32 17.5 / 32.0), the gate a quarter above
-# (16-bit: above Triton 3.6's 33.5, the device image's compiler).
-FORWARD_LOOP_GATES = {16: 33.75, 32: 32.25}
+# tensor) in its hottest loop, the one-read loop, by logits dtype width, for the tiers whose program streams a row;
+# no barrier in any loop. History, bf16 per pair: the first two-pass form spent 36.6 + 57.6 in its two reads (7 and
+# 10 barriers per iteration), the per-slot rewrite 17.4 + 32.5; the one-read form spends 33.9-34.5 in its one read
+# (27 MUFU.EX2 per 8 pairs: π's, μ's and χ²'s terms and three rescales per slot) and TV's read, when asked, 17.4
+# (fp16 32.9-33.6, fp32 37.3-37.5 + 16.9). Gated just above Triton 3.6's figures (the device image's compiler:
+# bf16 to 34.62, fp32 to 39.0).
+FORWARD_LOOP_GATES = {16: 34.75, 32: 39.25}
 
 
 def aot_specs():
@@ -274,24 +325,27 @@ def aot_specs():
     for dtype in TRITON_DTYPES.values():
         for cfg in all_pair_configs():
             constexprs = {"BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V}
-            fwd_constexprs = {**constexprs, "VECTOR": slot_vector(cfg, 4 if dtype == "fp32" else 2)}
-            fwd = {"z_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "active_ptr": "*i8", "stats_ptr": "*fp32",
-                   "N": "i32", "V": "i32", "rows_per_group": "i32", "stride_z_g": "i64", "stride_z_n": "i32",
-                   "stride_r_n": "i32", "temperature": "fp32", "reference_temperature": "fp32",
-                   **{k: "constexpr" for k in fwd_constexprs}}
             bwd = {"z_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "stats_ptr": "*fp32", "coef_ptr": "*fp32",
                    "grad_ptr": f"*{dtype}", "N": "i32", "V": "i32", "rows_per_group": "i32", "stride_z_g": "i64",
                    "stride_z_n": "i32", "stride_r_n": "i32", "stride_grad_n": "i32", "temperature": "fp32",
                    "reference_temperature": "fp32", **{k: "constexpr" for k in constexprs}}
             tag = f"{dtype},BLOCK_N={cfg.BLOCK_N},BLOCK_V={cfg.BLOCK_V}"
             aligned = ("z_ptr", "r_ptr", "V", "stride_z_g", "stride_z_n", "stride_r_n")
-            gate = None
-            if cfg.BLOCK_N == 1:
-                gate = LoopGate(elements=cfg.BLOCK_V // (32 * cfg.num_warps),
-                                per_element=FORWARD_LOOP_GATES[32 if dtype == "fp32" else 16])
-            specs.append(AotSpec(name=f"full_divergences_fwd[{tag}]", fn=_full_divergences_fwd_kernel,
-                                 signature=fwd, constexprs=fwd_constexprs, num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages, aligned=aligned + ("stats_ptr",), loop_gate=gate))
+            for with_tv in (False, True):
+                fwd_constexprs = {**constexprs, "VECTOR": slot_vector(cfg, 4 if dtype == "fp32" else 2),
+                                  "WITH_TV": with_tv}
+                fwd = {"z_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "active_ptr": "*i8", "stats_ptr": "*fp32",
+                       "N": "i32", "V": "i32", "rows_per_group": "i32", "stride_z_g": "i64", "stride_z_n": "i32",
+                       "stride_r_n": "i32", "temperature": "fp32", "reference_temperature": "fp32",
+                       **{k: "constexpr" for k in fwd_constexprs}}
+                gate = None
+                if cfg.BLOCK_N == 1:
+                    gate = LoopGate(elements=cfg.BLOCK_V // (32 * cfg.num_warps),
+                                    per_element=FORWARD_LOOP_GATES[32 if dtype == "fp32" else 16])
+                specs.append(AotSpec(name=f"full_divergences_fwd[{tag},WITH_TV={int(with_tv)}]",
+                                     fn=_full_divergences_fwd_kernel, signature=fwd, constexprs=fwd_constexprs,
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                     aligned=aligned + ("stats_ptr",), loop_gate=gate))
             specs.append(AotSpec(name=f"full_divergences_bwd[{tag}]", fn=_full_divergences_bwd_kernel,
                                  signature=bwd, constexprs=constexprs, num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages, aligned=aligned + ("grad_ptr", "stride_grad_n")))
