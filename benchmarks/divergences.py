@@ -7,7 +7,10 @@ divergence as a loss term, kl + tv), interleaved round by round in one process:
   naive[topk]      log_softmax(z) in float32, gather at the k ids, the partition's formulas in torch
   rlkernels[topk]  token_divergences(reference_topk_ids=, reference_topk_logprobs=): one pass + a k-gather
   naive[full]      two float32 log_softmaxes, the four divergences in dense torch
-  rlkernels[full]  token_divergences(reference_logits=): one chunked pass over both tensors
+  rlkernels[full]  token_divergences(reference_logits=): the backend's passes over both tensors (on the GPU one
+                   read for KL both ways and χ², a second for TV)
+  rlkernels[full:kl]  the same with divergences=("kl", "reverse_kl", "chi2") and kl alone as the loss term:
+                   on the GPU one read of both tensors forward
 
 Peak working memory (above the inputs and the gradient) comes from one fresh process per provider.
 
@@ -32,7 +35,7 @@ from benchmarks.harness import (
     run_memory_worker,
 )
 
-PROVIDERS = ("logprob", "naive[topk]", "rlkernels[topk]", "naive[full]", "rlkernels[full]")
+PROVIDERS = ("logprob", "naive[topk]", "rlkernels[topk]", "naive[full]", "rlkernels[full]", "rlkernels[full:kl]")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -88,6 +91,12 @@ def build(provider: str, x: Dict) -> Callable[[], torch.Tensor]:
             out = rlkernels.token_divergences(z, reference_logits=r, validate=False)
             return out.kl.mean() + out.tv.mean()
         return full
+    if provider == "rlkernels[full:kl]":
+        def full_without_tv():
+            out = rlkernels.token_divergences(z, reference_logits=r, validate=False,
+                                              divergences=("kl", "reverse_kl", "chi2"))
+            return out.kl.mean()
+        return full_without_tv
     raise ValueError(f"provider: expected one of {PROVIDERS}, got {provider!r}")
 
 

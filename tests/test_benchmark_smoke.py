@@ -116,6 +116,9 @@ def test_divergences_benchmark_runs_every_provider(tmp_path):
     value = {p: by[(p, "fwd")]["value"] for p in divergences.PROVIDERS}
     assert value["rlkernels[topk]"] == approx(value["naive[topk]"], "benchmark.divergences", torch.float32)
     assert value["rlkernels[full]"] == approx(value["naive[full]"], "benchmark.divergences", torch.float32)
+    x = divergences.make_inputs(32, 96, 5, "fp32", "cpu")  # the inputs the run drew (seed 0): kl alone, naively
+    naive_kl = float(divergences._naive_full(x["logits"], x["sampler_logits"])[0].mean())
+    assert value["rlkernels[full:kl]"] == approx(naive_kl, "benchmark.divergences", torch.float32)
     assert out.exists()
     measured = divergences.main(["--N", "32", "--V", "96", "--k", "5", "--reps", "1",
                                  "--providers", "naive[full],rlkernels[full]"])
