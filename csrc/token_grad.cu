@@ -50,10 +50,13 @@ __device__ __forceinline__ void zero_row(T* row, int64_t V, int lane) {
 
 // One row per warp (V <= kWarpRowMaxV: 8 rows per block) or per block, rows on grid x.
 // Reads each active row once and writes every row once, in 16-byte vectors (2*N*V*sizeof(T) bytes).
-// Rows with an invalid label or c = e = 0 are written with zeros and never read. Each element is
-// read and written by the same thread, so dlogits may alias logits (in place).
+// Rows with an invalid label or c = e = 0 are written with zeros; of them only the first batch of the
+// pipelined main loop is read, issued before the label and coefficients arrive (inside the row). Each
+// thread issues its next batch before it forms and stores the current one. Each element is read and
+// written by the same thread (a prefetched vector is one the thread has not written yet), so dlogits
+// may alias logits (in place).
 template <typename T, int THREADS_PER_ROW, bool HAS_ENTROPY>
-__global__ void __launch_bounds__(kBlockThreads) token_grad_bwd_kernel(
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) token_grad_bwd_kernel(
     // data ptrs (logits and dlogits may alias: no __restrict__, no read-only cache loads)
     const T* logits_ptr,                          // (N, V) with stride_logits_n
     const int64_t* __restrict__ labels_ptr,       // (N,)
@@ -79,17 +82,31 @@ __global__ void __launch_bounds__(kBlockThreads) token_grad_bwd_kernel(
   const float inv_temperature = inv_t_rows != nullptr ? inv_t_rows[pid_n] : inv_temperature_all;
   const float scale2 = inv_t_rows != nullptr ? inv_temperature * kLog2e : scale2_all;
 
+  T* out = dlogits_ptr + pid_n * stride_dlogits_n;
+  const T* row = logits_ptr + pid_n * stride_logits_n;
+  const RowSplit split = split_row<T>(row, out, V);
+  const uint4* body_in = reinterpret_cast<const uint4*>(row + split.head);
+  uint4* body_out = reinterpret_cast<uint4*>(out + split.head);
+  // the entropy term's registers leave room for two batches of 2 vectors at kMinBlocksPerSm, not of 4 (spills)
+  constexpr int kUnrollRow = HAS_ENTROPY ? 2 : kUnroll;
+  constexpr int64_t kBatch = static_cast<int64_t>(kUnrollRow) * THREADS_PER_ROW;  // vectors of a row per batch
+  int64_t i = lane;
+  bool full = i + (kUnrollRow - 1) * THREADS_PER_ROW < split.nvec;
+  uint4 raw[kUnrollRow];
+  if (full) {
+#pragma unroll
+    for (int u = 0; u < kUnrollRow; ++u) raw[u] = body_in[i + u * THREADS_PER_ROW];
+  }
+
   const int64_t y = labels_ptr[pid_n];
   const float c = coef_logprob_ptr[pid_n];
   const float e = HAS_ENTROPY ? coef_entropy_ptr[pid_n] : 0.f;
-  T* out = dlogits_ptr + pid_n * stride_dlogits_n;
   // a foreign target (kForeignTarget) is a live row whose target column is elsewhere: y never matches
   // a column below, in the head loop or the unsigned vector compare
   if (((y < 0 || y >= V) && y != kForeignTarget) || (c == 0.f && e == 0.f)) {
     zero_row<T, THREADS_PER_ROW>(out, V, lane);
     return;
   }
-  const T* row = logits_ptr + pid_n * stride_logits_n;
 
   GradCoefs k;
   k.row_max = row_max_ptr[pid_n];
@@ -101,23 +118,22 @@ __global__ void __launch_bounds__(kBlockThreads) token_grad_bwd_kernel(
   k.c_over_t = c * inv_temperature;
   k.eh_over_t = -e * H * inv_temperature;
 
-  const RowSplit split = split_row<T>(row, out, V);
   for (int64_t j = lane; j < split.head; j += THREADS_PER_ROW) {
     const float z = Elem<T>::to_float(row[j]);
     out[j] = Elem<T>::from_float(j == y ? grad_of_target<HAS_ENTROPY>(z, scale2, k) : grad_of<HAS_ENTROPY>(z, scale2, k));
   }
 
-  const uint4* body_in = reinterpret_cast<const uint4*>(row + split.head);
-  uint4* body_out = reinterpret_cast<uint4*>(out + split.head);
   // the target's position relative to the body; one unsigned compare per vector finds it
   const int64_t y_body = y - split.head;
-  int64_t i = lane;
-  for (; i + (kUnroll - 1) * THREADS_PER_ROW < split.nvec; i += kUnroll * THREADS_PER_ROW) {
-    uint4 raw[kUnroll];
+  while (full) {
+    const bool next_full = i + kBatch + (kUnrollRow - 1) * THREADS_PER_ROW < split.nvec;
+    uint4 next[kUnrollRow];
+    if (next_full) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) raw[u] = body_in[i + u * THREADS_PER_ROW];  // all in flight
+      for (int u = 0; u < kUnrollRow; ++u) next[u] = body_in[i + kBatch + u * THREADS_PER_ROW];
+    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnrollRow; ++u) {
       const int64_t v = i + u * THREADS_PER_ROW;
       float z[kVec], g[kVec];
       Elem<T>::unpack(raw[u], z);
@@ -130,6 +146,10 @@ __global__ void __launch_bounds__(kBlockThreads) token_grad_bwd_kernel(
       }
       body_out[v] = Elem<T>::pack(g);
     }
+#pragma unroll
+    for (int u = 0; u < kUnrollRow; ++u) raw[u] = next[u];
+    i += kBatch;
+    full = next_full;
   }
   for (; i < split.nvec; i += THREADS_PER_ROW) {
     float z[kVec], g[kVec];

@@ -6,11 +6,15 @@ namespace {
 
 // One row per warp (V <= kWarpRowMaxV: 8 rows per block) or per block, rows on grid x.
 // Reads each valid row once in 16-byte vectors (N*V*sizeof(T) bytes), writes up to 5 floats per row.
+// The main loop is software-pipelined: each thread issues its next batch of kUnroll vectors before it
+// reduces the current one, and the first batch goes out before the row's label is known (the label's
+// load would otherwise stall every block before it streams).
 // Hazards: -inf is the max identity and never meets -inf in a subtraction; row offsets are int64
-// (N*V > 2^31); a row whose label is outside [0, V) is never read and gets zeros, except a
-// kForeignTarget row (tensor parallelism), which gets its statistics and a log-prob of 0.
+// (N*V > 2^31); a row whose label is outside [0, V) gets zeros and no more of it is read than that
+// first batch (inside the row: pid_n < N), except a kForeignTarget row (tensor parallelism), which
+// gets its statistics and a log-prob of 0.
 template <typename T, int THREADS_PER_ROW, bool HAS_ENTROPY, bool HAS_SUM_SQ>
-__global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) token_stats_fwd_kernel(
     // data ptrs
     const T* __restrict__ logits_ptr,       // (N, V) with stride_logits_n
     const int64_t* __restrict__ labels_ptr,  // (N,)
@@ -36,6 +40,20 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
   const float inv_temperature = inv_t_rows != nullptr ? inv_t_rows[pid_n] : inv_temperature_all;
   const float scale2 = inv_t_rows != nullptr ? inv_temperature * kLog2e : scale2_all;
 
+  const T* row = logits_ptr + pid_n * stride_logits_n;
+  const RowSplit split = split_row<T>(row, row, V);
+  const uint4* body = reinterpret_cast<const uint4*>(row + split.head);
+  // with both entropy sums the state leaves room for two batches of 2 vectors at kMinBlocksPerSm (sm_100 spilled)
+  constexpr int kUnrollRow = HAS_ENTROPY && HAS_SUM_SQ ? 2 : kUnroll;
+  constexpr int64_t kBatch = static_cast<int64_t>(kUnrollRow) * THREADS_PER_ROW;  // vectors of a row per batch
+  int64_t i = lane;
+  bool full = i + (kUnrollRow - 1) * THREADS_PER_ROW < split.nvec;  // a whole batch of this thread's vectors
+  uint4 raw[kUnrollRow];
+  if (full) {
+#pragma unroll
+    for (int u = 0; u < kUnrollRow; ++u) raw[u] = __ldg(body + i + u * THREADS_PER_ROW);
+  }
+
   const int64_t y = labels_ptr[pid_n];
   const bool has_target = y >= 0 && y < V;
   if (!has_target && y != kForeignTarget) {  // uniform over the row's threads: the exit skips no barrier
@@ -48,33 +66,36 @@ __global__ void __launch_bounds__(kBlockThreads) token_stats_fwd_kernel(
     }
     return;
   }
-
-  const T* row = logits_ptr + pid_n * stride_logits_n;
   // the target logit, loaded before the loop so that its latency hides behind it
   const float z_y = (lane == 0 && has_target) ? Elem<T>::to_float(row[y]) : 0.f;
 
   State s = State::identity();
-  const RowSplit split = split_row<T>(row, row, V);
   for (int64_t j = lane; j < split.head; j += THREADS_PER_ROW) {
     const float z[1] = {Elem<T>::to_float(row[j])};
     s.add(z, scale2);
   }
 
-  const uint4* body = reinterpret_cast<const uint4*>(row + split.head);
-  int64_t i = lane;
-  for (; i + (kUnroll - 1) * THREADS_PER_ROW < split.nvec; i += kUnroll * THREADS_PER_ROW) {
-    uint4 raw[kUnroll];
+  while (full) {
+    // the next batch goes out before this one is reduced: two batches in flight per thread
+    const bool next_full = i + kBatch + (kUnrollRow - 1) * THREADS_PER_ROW < split.nvec;
+    uint4 next[kUnrollRow];
+    if (next_full) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) raw[u] = __ldg(body + i + u * THREADS_PER_ROW);  // all in flight
-    float z[kUnroll * kVec];
+      for (int u = 0; u < kUnrollRow; ++u) next[u] = __ldg(body + i + kBatch + u * THREADS_PER_ROW);
+    }
+    float z[kUnrollRow * kVec];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnrollRow; ++u) {
       float zu[kVec];
       Elem<T>::unpack(raw[u], zu);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) z[u * kVec + j] = zu[j];
     }
     s.add(z, scale2);
+#pragma unroll
+    for (int u = 0; u < kUnrollRow; ++u) raw[u] = next[u];
+    i += kBatch;
+    full = next_full;
   }
   for (; i < split.nvec; i += THREADS_PER_ROW) {
     float z[kVec];
