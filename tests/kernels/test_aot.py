@@ -177,5 +177,6 @@ def test_aot_compile_no_spills_and_enough_occupancy(target):
     for fields in rows:  # columns: aot.COLUMNS, then the kernel's configuration
         assert fields[4] == "0", f"spills: {fields}"
         assert float(fields[8]) >= aot.OCCUPANCY_FLOOR, f"occupancy: {fields}"
-        if target.startswith("sm_") and fields[11].startswith(("token_stats_fwd[", "token_grad_bwd[")):
+        streams = ("token_stats_fwd[", "token_grad_bwd[", "full_divergences_fwd[", "full_divergences_bwd[")
+        if target.startswith("sm_") and fields[11].startswith(streams):
             assert fields[7] == "128", f"no 16-byte loads of the logits: {fields}"
