@@ -11,6 +11,9 @@ CUDA `triton.testing.do_bench`, which clears the L2 cache before each call):
     copy_ceiling           out.copy_(logits): one read and one write
     {backend}.forward      the backend's token_stats_fwd launcher alone (no validation, no autograd)
     {backend}.backward     its token_grad_bwd launcher alone (out of place)
+    {backend}.divergences  its full_divergences_fwd alone against a second N x V tensor, without TV (the form
+                           needs one read of both) and [tv] with it (two reads of both); the C++ kernels always
+                           read twice, so their [tv]-less figure is held against bytes they do not achieve
     api.forward[validate]  rlkernels.token_logprobs(backend=...), validate True and False
     api.fwd_bwd[validate]  the same and its backward (the gradient of the log-probs' sum)
     graph.forward          token_logprobs(validate=False) replayed from a CUDA graph (CUDA only)
@@ -57,6 +60,8 @@ def _cases(logits: torch.Tensor, labels: torch.Tensor, device: str) -> Dict[str,
     cases = {"read_ceiling": (lambda: logits.sum(), read, "read_ceiling"),
              "copy_ceiling": (lambda: out.copy_(logits), 2 * read, "copy_ceiling")}
     c = torch.randn(N, device=device)
+    reference = (logits.float() + 0.5 * torch.randn(logits.shape, device=device)).to(logits.dtype)
+    every = torch.ones(N, dtype=torch.bool, device=device)
     for name in ("triton", "cuda", "cpu"):
         if not (backends.is_available(name) and backends._supports(name, logits)):
             continue
@@ -67,6 +72,11 @@ def _cases(logits: torch.Tensor, labels: torch.Tensor, device: str) -> Dict[str,
         cases[f"{name}.backward"] = (
             lambda k=kernel, s=stats: k.token_grad_bwd(logits, labels, s.row_max, s.log_norm, None, c, None, 1.0,
                                                        False), 2 * read, "copy_ceiling")
+        # the CUDA extension's divergences are the torch backend's chunked form: no kernel of its own to time
+        for with_tv, reads in ((False, 2), (True, 4)) if name != "cuda" else ():
+            cases[f"{name}.divergences{'[tv]' if with_tv else ''}"] = (
+                lambda k=kernel, w=with_tv: k.full_divergences_fwd(logits, reference, every, 1.0, 1.0, w),
+                reads * read, "read_ceiling")
     leaf = logits.detach().requires_grad_(True)
     for validate in (True, False):
         cases[f"api.forward[validate={validate}]"] = (

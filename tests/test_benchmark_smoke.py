@@ -260,6 +260,7 @@ def test_the_kernels_benchmark_sets_each_pass_against_its_ceiling(tmp_path):
 
     if backends.is_available("cpu"):
         assert cases["cpu.forward"]["bytes"] == read and cases["cpu.backward"]["bytes"] == 2 * read
+        assert cases["cpu.divergences"]["bytes"] == 2 * read and cases["cpu.divergences[tv]"]["bytes"] == 4 * read
     assert all(len(c["samples_ms"]) == 2 and c["ms"] > 0 for c in cases.values())
 
 
