@@ -32,6 +32,7 @@ from .tl_math import (
     TRITON_DTYPES,
     all_pair_configs,
     grouped_rows,
+    lane_dot,
     one_inverse_temperature,
     pair_config,
     safe_shift,
@@ -62,7 +63,7 @@ def _carried(total, rescaled):
 
 
 @triton.jit
-def _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr):
+def _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr, CHAIN: tl.constexpr):
     """One block of both rows [BLOCK_N, SLOTS, VECTOR] into the per-slot online sums [BLOCK_N, SLOTS], in log2
     units relative to each slot's running shifts (dz = (z - shift_z) kz, dr likewise; e = 2^d):
 
@@ -86,8 +87,14 @@ def _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr):
     dr = (r - shift_r[:, :, None]) * kr[:, None, None]
     ez, er = tl.math.exp2(dz), tl.math.exp2(dr)
     live_p = ez > 0.0
-    akl += tl.sum(tl.where(er > 0.0, er * (dr - dz), 0.0), axis=2)
-    arkl += tl.sum(tl.where(live_p, ez * (dz - dr), 0.0), axis=2)
+    # er (dr - dz) where er > 0, else 0 (dr - dz may be infinite there): the select on the difference, so that the
+    # products chain into FFMAs (lane_dot)
+    if CHAIN:
+        akl = lane_dot(er, tl.where(er > 0.0, dr - dz, 0.0), akl)
+        arkl = lane_dot(ez, tl.where(live_p, dz - dr, 0.0), arkl)
+    else:
+        akl += tl.sum(er * tl.where(er > 0.0, dr - dz, 0.0), axis=2)
+        arkl += tl.sum(ez * tl.where(live_p, dz - dr, 0.0), axis=2)
     chi += tl.sum(tl.where(live_p, tl.math.exp2(2.0 * dz - dr), 0.0), axis=2)
     sz = alpha_z * sz + tl.sum(ez, axis=2)
     sr = alpha_r * sr + tl.sum(er, axis=2)
@@ -121,6 +128,8 @@ def _full_divergences_fwd_kernel(
     # or barrier inside a loop), merged once per row after it; full blocks with the row mask alone, one masked
     # tail.
     SLOTS: tl.constexpr = BLOCK_V // VECTOR
+    # a slot of one 16-byte load (one thread's): its sums as FFMA chains (tl_math.lane_dot)
+    CHAIN: tl.constexpr = VECTOR * z_ptr.dtype.element_ty.primitive_bitwidth == 128
     pid_n = tl.program_id(0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -145,14 +154,18 @@ def _full_divergences_fwd_kernel(
     v_stop = V * tl.max(active.to(tl.int32), axis=0)
     v_full = (v_stop // BLOCK_V) * BLOCK_V
     for v0 in tl.range(0, v_full, BLOCK_V):
-        z = tl.load(z_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
-        r = tl.load(r_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
-        mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr)
+        if BLOCK_N == 1:  # the loop runs only for an active row: no mask, so no -inf fill before each load
+            z = tl.load(z_ptrs + v0).to(tl.float32)
+            r = tl.load(r_ptrs + v0).to(tl.float32)
+        else:
+            z = tl.load(z_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
+            r = tl.load(r_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
+        mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr, CHAIN)
     if v_full < v_stop:
         tail = rows_in & ((v_full + cols)[None, :, :] < V)
         z = tl.load(z_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
         r = tl.load(r_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
-        mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr)
+        mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr, CHAIN)
     # the slots onto each row's shifts (tl_math.slot_merge; a slot without a finite entry has dm = 0 and beta 0:
     # its sums are 0, or +inf where mass met none, and stay so)
     row_mz, sum_z, dmz, beta_z = slot_merge(mz, sz, kz)
@@ -312,11 +325,11 @@ def full_divergences_bwd(logits: torch.Tensor, reference: torch.Tensor, stats: t
 # The forward's static gate on sm_90 (aot.LOOP_GATE_TARGET): SASS instructions per element pair (one of each
 # tensor) in its hottest loop, the one-read loop, by logits dtype width, for the tiers whose program streams a row;
 # no barrier in any loop. History, bf16 per pair: the first two-pass form spent 36.6 + 57.6 in its two reads (7 and
-# 10 barriers per iteration), the per-slot rewrite 17.4 + 32.5; the one-read form spends 33.9-34.5 in its one read
-# (27 MUFU.EX2 per 8 pairs: π's, μ's and χ²'s terms and three rescales per slot) and TV's read, when asked, 17.4
-# (fp16 32.9-33.6, fp32 37.3-37.5 + 16.9). Gated just above Triton 3.6's figures (the device image's compiler:
-# bf16 to 34.62, fp32 to 39.0).
-FORWARD_LOOP_GATES = {16: 34.75, 32: 39.25}
+# 10 barriers per iteration), the per-slot rewrite 17.4 + 32.5; the one-read form 33.9-34.5 in its one read (27
+# MUFU.EX2 per 8 pairs: π's, μ's and χ²'s terms and three rescales per slot), 30.9-31.4 with its full blocks
+# unmasked and the KL sums as FFMA chains (fp16 29.9-30.4, fp32 33.0-33.9), and TV's read, when asked, 17.4. Gated
+# a quarter above the most of Triton 3.9 and 3.6 (the device image's compiler), rounded up to a quarter.
+FORWARD_LOOP_GATES = {16: 31.75, 32: 34.25}
 # The backward's (one read of both rows, one write), per element pair: 57.0 with 24 non-ftz ex2 before the exp2
 # form, now bf16 44.5, fp16 43.1, fp32 41.9-42.3 (Triton 3.6 the same), each gated half an instruction above.
 BACKWARD_LOOP_GATES = {16: 45.0, 32: 42.75}

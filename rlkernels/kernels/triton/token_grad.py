@@ -102,8 +102,17 @@ def _token_grad_bwd_kernel(
     z_y = tl.load(in_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
     rows_in, rows_out = active[:, None], mask_n[:, None]
     if BLOCK_N == 1:
-        for v0 in tl.range(v_lo, v_full, BLOCK_V):
-            _grad_block(in_ptrs, out_ptrs, v0, cols, rows_in, rows_out, row_max, k, b, a, q, HAS_ENTROPY)
+        # one row, in the grid (rows_out holds): its full blocks load and store unmasked (a masked load fills its
+        # registers with -inf first), and a row that carries no coefficient writes zeros without reading
+        if tl.max(active.to(tl.int32), axis=0) != 0:
+            for v0 in tl.range(v_lo, v_full, BLOCK_V):
+                z = tl.load(in_ptrs[:, None] + (v0 + cols)[None, :]).to(tl.float32)
+                g = _dlogit(z, row_max[:, None], k[:, None], b[:, None], a[:, None], q[:, None], HAS_ENTROPY)
+                tl.store(out_ptrs[:, None] + (v0 + cols)[None, :], g.to(out_ptrs.dtype.element_ty))
+        else:
+            zeros = tl.zeros([BLOCK_N, BLOCK_V], out_ptrs.dtype.element_ty)
+            for v0 in tl.range(v_lo, v_full, BLOCK_V):
+                tl.store(out_ptrs[:, None] + (v0 + cols)[None, :], zeros)
         if v_full < v_hi:
             in_row = (v_full + cols)[None, :] < V
             _grad_block(in_ptrs, out_ptrs, v_full, cols, rows_in & in_row, rows_out & in_row, row_max, k, b, a, q,
@@ -201,10 +210,11 @@ def token_grad_bwd(
 
 
 # The hot loop's static gate on sm_90 (aot.LOOP_GATE_TARGET), SASS instructions per element by (logits dtype width,
-# HAS_ENTROPY), for the tiers whose program streams one row: what the rewrite reaches with Triton 3.9 (bf16 8.3 and
-# 10.3; the loop it replaced spent 20.0, 4 of them on a 64-bit label compare per element), a quarter of an
-# instruction above, rounded up to the next quarter. No barrier in the loop, no non-ftz ex2.
-BACKWARD_LOOP_GATES = {(16, False): 8.75, (16, True): 10.75, (32, False): 8.0, (32, True): 10.0}
+# HAS_ENTROPY), for the tiers whose program streams one row: the most either compiler reaches (Triton 3.9, or 3.6,
+# the device image's: bf16 7.8 and 9.75, fp32 7.0 and 8.4; the loop it replaced spent 20.0 and 25.0, 4 of them on
+# a 64-bit label compare per element, and 8.3 and 10.3 with masked loads, whose -inf fill cost 0.5), a quarter of
+# an instruction above, rounded up to the next quarter. No barrier in the loop, no non-ftz ex2.
+BACKWARD_LOOP_GATES = {(16, False): 8.25, (16, True): 10.0, (32, False): 7.25, (32, True): 8.75}
 
 
 def aot_specs():

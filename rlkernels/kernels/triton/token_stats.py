@@ -47,6 +47,8 @@ def _token_stats_fwd_kernel(
     # max identity and a -inf max is never subtracted (safe_shift); p*d terms with p = 0 are 0, not 0 * -inf;
     # skipped rows (label outside [0, V)) read no logits when a program holds one row (every LLM vocabulary).
     SLOTS: tl.constexpr = BLOCK_V // VECTOR
+    # a slot of one 16-byte load (one thread's): its sums as FFMA chains (tl_math.lane_dot)
+    CHAIN: tl.constexpr = VECTOR * logits_ptr.dtype.element_ty.primitive_bitwidth == 128
     pid_n = tl.program_id(0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -72,12 +74,15 @@ def _token_stats_fwd_kernel(
     v_stop = V * tl.max(active.to(tl.int32), axis=0)
     v_full = (v_stop // BLOCK_V) * BLOCK_V
     for v0 in tl.range(0, v_full, BLOCK_V, num_stages=STAGES):
-        z = tl.load(block_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
-        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED)
+        if BLOCK_N == 1:  # the loop runs only for an active row: no mask, so no -inf fill before each load
+            z = tl.load(block_ptrs + v0).to(tl.float32)
+        else:
+            z = tl.load(block_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
+        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED, CHAIN)
     if v_full < v_stop:
         tail = rows_in & ((v_full + cols)[None, :, :] < V)
         z = tl.load(block_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
-        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED)
+        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED, CHAIN)
 
     # the slots merged, once per row (`slot_merge`)
     row_max, row_sum_e, dm, beta = slot_merge(m, sum_e, k)
@@ -102,19 +107,22 @@ def _token_stats_fwd_kernel(
         tl.store(sum_pi_squared_ptr + offs_n, tl.where(active & has_mass, sum_pi_squared, 0.0), mask=mask_n)
 
 
-# The stream's shape per launch configuration. VECTOR: a slot's contiguous logits, one 16-byte load of bf16 / fp16
-# (two of fp32). STAGES: blocks prefetched through shared memory (cp.async) where a program streams one row in many
-# blocks. It stays 1 until a GPU measures it: on sm_90 three stages add 1.8 SASS instructions per bf16 element and
-# 2 barriers to the loop (the H200's issue budget at its copy rate is ~15.6 per element), while 4 CTAs of 16 warps
-# per SM, 32 bytes in flight per thread, already hold ~64 KiB of loads per SM.
-SLOT_VECTOR = 8
+# The stream's shape per launch configuration. VECTOR: a slot's contiguous logits, one 16-byte load (8 bf16 / fp16,
+# 4 fp32), so that a slot is one thread's and its sums chain in its registers (with 8 fp32 a slot spanned two
+# threads: shuffles in the loop, 8.7 and 14.7 SASS instructions per element plain and with entropy and sum p^2 on
+# sm_90, against 7.6 and 12.2 with 4). STAGES: blocks prefetched through shared memory (cp.async) where a program
+# streams one row in many blocks. It stays 1 until a GPU measures it: on sm_90 three stages add 1.8 SASS
+# instructions per bf16 element and 2 barriers to the loop (the H200's issue budget at its copy rate is ~15.6 per
+# element), while 4 CTAs of 16 warps per SM, 32 bytes in flight per thread, already hold ~64 KiB of loads per SM.
+SLOT_BYTES = 16
 STREAM_STAGES = 1
 
 
-def stream_shape(cfg) -> dict:
-    """The forward kernel's VECTOR and STAGES constexprs for a VocabConfig (see SLOT_VECTOR, STREAM_STAGES)."""
+def stream_shape(cfg, element_size: int) -> dict:
+    """The forward kernel's VECTOR and STAGES constexprs for a VocabConfig and the logits' element size (see
+    SLOT_BYTES, STREAM_STAGES)."""
     streams = cfg.BLOCK_N == 1 and cfg.BLOCK_V >= 4096
-    return dict(VECTOR=min(SLOT_VECTOR, cfg.BLOCK_V), STAGES=STREAM_STAGES if streams else 1)
+    return dict(VECTOR=min(SLOT_BYTES // element_size, cfg.BLOCK_V), STAGES=STREAM_STAGES if streams else 1)
 
 
 class TokenStatsResult(NamedTuple):
@@ -187,20 +195,23 @@ def token_stats_fwd(
             stride_g, stride_n,
             scalar,
             HAS_ENTROPY=compute_entropy, HAS_SUM_PI_SQUARED=compute_sum_pi_squared,
-            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, ROW_TEMPERATURE=inv_t is not None, **stream_shape(cfg),
+            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, ROW_TEMPERATURE=inv_t is not None,
+            **stream_shape(cfg, logits.element_size()),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return TokenStatsResult(row_max, log_norm, logprobs, entropy, sum_pi_squared)
 
 
 # The hot loop's static gate on sm_90 (aot.LOOP_GATE_TARGET), SASS instructions per element by (logits dtype
-# width, HAS_ENTROPY, HAS_SUM_PI_SQUARED), for the tiers whose program streams one row: what the rewrite reaches with
-# Triton 3.9 (bf16 8.75 / 10.4 / 11.4 / 13.25, fp16 half an instruction less; the block-reduction loop it replaced
-# spent 15.3 and 23.7 with 4 and 8 barriers), a quarter of an instruction above, rounded up to the next quarter, so
-# that a compiler release may move it slightly and a regression fails. No barrier in the loop, no non-ftz ex2.
+# width, HAS_ENTROPY, HAS_SUM_PI_SQUARED), for the tiers whose program streams one row: the most either compiler
+# reaches (Triton 3.9, or 3.6, the device image's): bf16 8.25 / 9.5 / 10.75 / 12.0, fp16 a quarter less, fp32
+# 7.7 / 9.2 / 10.7 / 12.6. The block-reduction loop the rewrite replaced spent 15.3 and 23.7 with 4 and 8 barriers;
+# its first form 8.75 and 13.25, before the unmasked full blocks (-0.5), the FFMA chains (-0.75 with entropy and
+# sum p^2) and float32's one-thread slots (-1 to -2.5). A quarter of an instruction above, rounded up to the next
+# quarter, so that a compiler release may move it slightly and a regression fails. No barrier, no non-ftz ex2.
 FORWARD_LOOP_GATES = {
-    (16, False, False): 9.0, (16, False, True): 10.75, (16, True, False): 11.75, (16, True, True): 13.5,
-    (32, False, False): 10.0, (32, False, True): 12.25, (32, True, False): 13.75, (32, True, True): 16.0,
+    (16, False, False): 8.5, (16, False, True): 9.75, (16, True, False): 11.0, (16, True, True): 12.25,
+    (32, False, False): 8.0, (32, False, True): 9.5, (32, True, False): 11.0, (32, True, True): 13.0,
 }
 
 
@@ -215,14 +226,14 @@ def aot_specs():
                         constexprs = {
                             "HAS_ENTROPY": has_entropy, "HAS_SUM_PI_SQUARED": has_s2,
                             "BLOCK_N": cfg.BLOCK_N, "BLOCK_V": cfg.BLOCK_V, "ROW_TEMPERATURE": row_t,
-                            **stream_shape(cfg),
+                            **stream_shape(cfg, 4 if dtype == "fp32" else 2),
                         }
                         gate = None
                         if cfg.BLOCK_N == 1:
                             width = 32 if dtype == "fp32" else 16
                             gate = LoopGate(elements=cfg.BLOCK_V // (32 * cfg.num_warps),
                                             per_element=FORWARD_LOOP_GATES[width, has_entropy, has_s2],
-                                            staged=stream_shape(cfg)["STAGES"] > 1)
+                                            staged=constexprs["STAGES"] > 1)
                         signature = {
                             "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "row_max_ptr": "*fp32",
                             "log_norm_ptr": "*fp32", "logprobs_ptr": "*fp32",
