@@ -18,6 +18,7 @@ from .inputs import (
     DistillationOptions,
     check_baseline_options,
     check_metrics,
+    check_wanted,
     prepare_baseline_rows,
     prepare_correction,
     prepare_distillation,
@@ -320,10 +321,10 @@ def token_divergences(
     Returns:
         TokenDivergences; `form` and `lower_bounds` say which values are exact.
     """
+    wanted = check_wanted(divergences)
     given = prepare_divergences(logits, labels, (reference_topk_ids, reference_topk_logprobs, reference_logits),
-                                (temperature, reference_temperature), mode, ignore_index, backend, validate,
-                                divergences)
-    return step.token_divergences(logits, given, backend)
+                                (temperature, reference_temperature), mode, ignore_index, backend, validate)
+    return step.token_divergences(logits, given._replace(wanted=wanted), backend)
 
 
 def topk_distillation_loss(

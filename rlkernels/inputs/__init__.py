@@ -28,6 +28,7 @@ from .divergences import (
     DistillationInputs,
     DistillationOptions,
     DivergenceInputs,
+    check_wanted,
     prepare_distillation,
     prepare_divergences,
 )
@@ -37,7 +38,7 @@ from .sampler import SamplerHead
 __all__ = [
     "DEFAULT_BUCKET_EDGES", "Arguments", "CorrectionInputs", "DistillationInputs", "DistillationOptions",
     "DivergenceInputs", "ParityRows", "PreparedBatch", "SamplerHead", "prepare_parity", "check_baseline_options",
-    "check_metrics",
+    "check_metrics", "check_wanted",
     "prepare_baseline_rows", "prepare_correction", "prepare_distillation", "prepare_divergences",
     "prepare_hidden_loss", "prepare_linear_stats", "prepare_logits_loss", "prepare_loss", "prepare_policy",
     "prepare_stats", "prepare_variance_rows",

@@ -85,11 +85,10 @@ def check_wanted(divergences) -> Tuple[str, ...]:
 
 
 def prepare_divergences(logits, labels, reference: Tuple, temperatures: Tuple, mode: str, ignore_index: int,
-                        backend: str, validate: bool, divergences=DIVERGENCES) -> DivergenceInputs:
+                        backend: str, validate: bool) -> DivergenceInputs:
     """token_divergences: `reference` is (reference_topk_ids, reference_topk_logprobs, reference_logits),
-    `temperatures` (temperature, reference_temperature)."""
+    `temperatures` (temperature, reference_temperature). Every divergence is wanted (the caller narrows `wanted`)."""
     check_logits(logits, allow_any_rank=True)
-    wanted = check_wanted(divergences)
     token_shape, V = tuple(logits.shape[:-1]), logits.shape[-1]
     head = prepare_head(REFERENCE_NAMES, reference, token_shape, V, logits.device, mode, trainer_shape=logits.shape)
     if head is None:
@@ -103,7 +102,7 @@ def prepare_divergences(logits, labels, reference: Tuple, temperatures: Tuple, m
         check_head_values(rows.checks, head, REFERENCE_NAMES[:2], V, rows.rows,
                           None if labels is None else rows.row_labels)
         rows.checks.run()
-    return DivergenceInputs(head, rows, labels is not None, wanted)
+    return DivergenceInputs(head, rows, labels is not None)
 
 
 class DistillationOptions(NamedTuple):

@@ -31,6 +31,7 @@ from .tl_math import (
     LOG2E,
     TRITON_DTYPES,
     all_pair_configs,
+    full_block,
     grouped_rows,
     lane_dot,
     one_inverse_temperature,
@@ -115,6 +116,23 @@ def _tv_sums(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br, tv, s_bar):
 
 
 @triton.jit
+def _tv_read(z_ptrs, r_ptrs, cols, V, has_mass, sz, sr, kz, kr, bz, br, BLOCK_N: tl.constexpr,
+             BLOCK_V: tl.constexpr, SLOTS: tl.constexpr):
+    """TV's read of both rows, from their final normalisers: (Σ |π - μ|, Σ π sign(π - μ)) per row."""
+    tv = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    s_bar = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    rows_in = has_mass[:, None, None]
+    v_stop = V * tl.max(has_mass.to(tl.int32), axis=0)
+    v_full = (v_stop // BLOCK_V) * BLOCK_V
+    for v0 in tl.range(0, v_full, BLOCK_V):
+        tv, s_bar = _tv_sums(z_ptrs + v0, r_ptrs + v0, rows_in, sz, sr, kz, kr, bz, br, tv, s_bar)
+    if v_full < v_stop:
+        tail = rows_in & ((v_full + cols)[None, :, :] < V)
+        tv, s_bar = _tv_sums(z_ptrs + v_full, r_ptrs + v_full, tail, sz, sr, kz, kr, bz, br, tv, s_bar)
+    return tl.sum(tv, axis=1), tl.sum(s_bar, axis=1)
+
+
+@triton.jit
 def _full_divergences_fwd_kernel(
     z_ptr, r_ptr, active_ptr, stats_ptr,
     N, V, rows_per_group,
@@ -154,12 +172,7 @@ def _full_divergences_fwd_kernel(
     v_stop = V * tl.max(active.to(tl.int32), axis=0)
     v_full = (v_stop // BLOCK_V) * BLOCK_V
     for v0 in tl.range(0, v_full, BLOCK_V):
-        if BLOCK_N == 1:  # the loop runs only for an active row: no mask, so no -inf fill before each load
-            z = tl.load(z_ptrs + v0).to(tl.float32)
-            r = tl.load(r_ptrs + v0).to(tl.float32)
-        else:
-            z = tl.load(z_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
-            r = tl.load(r_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
+        z, r = full_block(z_ptrs + v0, rows_in, BLOCK_N), full_block(r_ptrs + v0, rows_in, BLOCK_N)
         mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr, CHAIN)
     if v_full < v_stop:
         tail = rows_in & ((v_full + cols)[None, :, :] < V)
@@ -189,21 +202,11 @@ def _full_divergences_fwd_kernel(
     tl.store(base + 7, tl.where(has_mass, row_mr, 0.0), mask=mask_n)
     tl.store(base + 8, tl.where(has_mass, nr, 0.0), mask=mask_n)
 
-    tv = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    s_bar = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    if WITH_TV:
-        bz, br = nz * LOG2E, nr * LOG2E
-        rows_in = has_mass[:, None, None]
-        v_stop = V * tl.max(has_mass.to(tl.int32), axis=0)
-        v_full = (v_stop // BLOCK_V) * BLOCK_V
-        for v0 in tl.range(0, v_full, BLOCK_V):
-            tv, s_bar = _tv_sums(z_ptrs + v0, r_ptrs + v0, rows_in, row_mz, row_mr, kz, kr, bz, br, tv, s_bar)
-        if v_full < v_stop:
-            tail = rows_in & ((v_full + cols)[None, :, :] < V)
-            tv, s_bar = _tv_sums(z_ptrs + v_full, r_ptrs + v_full, tail, row_mz, row_mr, kz, kr, bz, br, tv, s_bar)
-    # without TV its columns stay 0 (the op reports no TV then, and nothing differentiates it)
-    tl.store(base + 3, tl.where(has_mass, 0.5 * tl.sum(tv, axis=1), 0.0), mask=mask_n)
-    tl.store(base + 4, tl.where(has_mass, tl.sum(s_bar, axis=1), 0.0), mask=mask_n)
+    if WITH_TV:  # without TV its columns stay 0 (the op reports no TV then, and nothing differentiates it)
+        tv, s_bar = _tv_read(z_ptrs, r_ptrs, cols, V, has_mass, row_mz, row_mr, kz, kr, nz * LOG2E, nr * LOG2E,
+                             BLOCK_N, BLOCK_V, SLOTS)
+        tl.store(base + 3, tl.where(has_mass, 0.5 * tv, 0.0), mask=mask_n)
+        tl.store(base + 4, tl.where(has_mass, s_bar, 0.0), mask=mask_n)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ from .tl_math import (
     LOG2E,
     TRITON_DTYPES,
     all_vocab_configs,
+    full_block,
     grouped_rows,
     row_inverse_temperature,
     slot_merge,
@@ -74,10 +75,7 @@ def _token_stats_fwd_kernel(
     v_stop = V * tl.max(active.to(tl.int32), axis=0)
     v_full = (v_stop // BLOCK_V) * BLOCK_V
     for v0 in tl.range(0, v_full, BLOCK_V, num_stages=STAGES):
-        if BLOCK_N == 1:  # the loop runs only for an active row: no mask, so no -inf fill before each load
-            z = tl.load(block_ptrs + v0).to(tl.float32)
-        else:
-            z = tl.load(block_ptrs + v0, mask=rows_in, other=float("-inf")).to(tl.float32)
+        z = full_block(block_ptrs + v0, rows_in, BLOCK_N)
         m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED, CHAIN)
     if v_full < v_stop:
         tail = rows_in & ((v_full + cols)[None, :, :] < V)
