@@ -174,3 +174,53 @@ def test_one_read_forward_matches_the_oracle_on_drawn_rows(V, rows, z_kind, r_ki
     expected = dict(out, s_bar=(pi * torch.sign(pi - mu)).sum(-1))
     columns = ("kl", "reverse_kl", "chi2") + (("tv",) if with_tv else ())
     _compare(stats, expected, torch.arange(rows), columns)
+
+
+def _torch_backend_stats(z, r, t, t_r):
+    from rlkernels.backends.temperature import Temperature
+    from rlkernels.backends.torch_backend import TorchBackend
+
+    active = torch.ones(z.shape[0], dtype=torch.bool)
+    return TorchBackend().full_divergences_fwd(z, r, active, Temperature.of(t), Temperature.of(t_r))
+
+
+def test_mass_against_none_is_decided_against_the_final_maxima_whatever_the_order():
+    """π's mass where μ = 0 makes KL(π||μ) and χ² +inf when it is real in float32, and is dropped when it is below
+    float32's range against the row's final max (as in the torch and C++ backends), wherever the entry sits: an
+    entry 200 nats under the max that is its slot's running max when it is read once gave +inf, and the same row
+    with its columns swapped a finite value (found in review)."""
+    V = 16
+    z = torch.tensor([[0.0] * 8 + [-200.0] + [-300.0] * 7])
+    r = torch.zeros(1, V)
+    r[0, 8] = float("-inf")
+    swapped = [0, 8] + list(range(2, 8)) + [1] + list(range(9, V))
+    expected = _torch_backend_stats(z, r, 1.0, 1.0)
+    assert torch.isfinite(expected[0, :3]).all()
+    for order in (list(range(V)), swapped):
+        stats = full_divergences_fwd(z[:, order], r[:, order], torch.ones(1, dtype=torch.bool), 1.0, 1.0,
+                                     with_tv=False).stats
+        assert_close(stats[0, :3].double(), expected[0, :3].double(), **tol("divergence", torch.float32),
+                     name="divergences")
+    z[0, 8] = -20.0  # real mass against none: +inf either way
+    for order in (list(range(V)), swapped):
+        stats = full_divergences_fwd(z[:, order], r[:, order], torch.ones(1, dtype=torch.bool), 1.0, 1.0).stats
+        assert math.isinf(stats[0, 1]) and math.isinf(stats[0, 2]) and math.isfinite(stats[0, 0])
+
+
+def test_chi2_terms_never_overflow_against_a_max_that_comes_later():
+    """χ²'s sum is a log-sum-exp per slot: π²/μ of an early entry, 2^130 against the maxima read so far, is tiny
+    against the row's final ones (found in review: the plain running sum overflowed to +inf, χ² = 1 here)."""
+    V = 40
+    z = torch.full((1, V), float("-inf"))
+    r = torch.full((1, V), float("-inf"))
+    r[0, 0] = 0.0
+    z[0, 1], r[0, 1] = 0.0, -90.0
+    z[0, 32], r[0, 32] = 100.0, 0.0
+    stats = full_divergences_fwd(z, r, torch.ones(1, dtype=torch.bool), 1.0, 1.0, with_tv=False).stats
+    expected = reference.token_divergences(z.double(), reference_logits=r.double(), temperature=1.0)
+    assert float(expected["chi2"][0]) == pytest.approx(1.0)
+    _compare(stats, expected, torch.arange(1))
+    # T_r = 0.3: the same entries, χ² = 5.4e43 in float64, past float32's range: +inf is the float32 value
+    stats = full_divergences_fwd(z, r, torch.ones(1, dtype=torch.bool), 1.0, 0.3, with_tv=False).stats
+    _compare(stats, reference.token_divergences(z.double(), reference_logits=r.double(), temperature=1.0,
+                                                reference_temperature=0.3), torch.arange(1))

@@ -7,7 +7,10 @@ gives the entropy: with log π = dz - log sz and log μ = dr - log sr (d relativ
     KL(μ||π) = Σ er (dr - dz) / sr + log(sz / sr),   KL(π||μ) = Σ ez (dz - dr) / sz - log(sz / sr),
     χ² + 1 = Σ e^(2 dz - dr) sr / sz²,
 
-each sum carried onto a new max when one moves. TV = ½ Σ |π - μ| (and Σ π·sign(π − μ), which its gradient needs)
+each sum carried onto a new max when one moves (χ²'s as a log-sum-exp, so that no term overflows), over the
+entries finite on both sides. Mass against none (one side -inf) is decided once per row against the final maxima,
+from the largest logit of each side there: +inf where its weight is in float32's normal range, else dropped, as the
+torch and C++ backends flush it. TV = ½ Σ |π - μ| (and Σ π·sign(π − μ), which its gradient needs)
 has no such form: its terms need both final normalisers, so it reads both rows a second time, only when asked
 (with_tv). Backward: one read of both rows and one write,
 
@@ -55,51 +58,56 @@ def _log2_probs(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br):
 
 
 @triton.jit
-def _carried(total, rescaled):
-    """A running sum onto a new shift: +inf stays +inf. A KL sum is +inf once mass met none, as the divergence is
-    however small that mass becomes beside a later max (a weight 2^dm that underflows would make it inf * 0 =
-    NaN); χ²'s sum is also +inf where it overflowed, a value the two-pass form's per-entry π²/μ overflows on as
-    well, unless a later max brings it back under 2^128 (an extreme the one-read form reports as +inf)."""
-    return tl.where(total == float("inf"), total, rescaled)
-
-
-@triton.jit
-def _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr, CHAIN: tl.constexpr):
+def _pair_update(z, r, mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr, kz, kr, CHAIN: tl.constexpr):
     """One block of both rows [BLOCK_N, SLOTS, VECTOR] into the per-slot online sums [BLOCK_N, SLOTS], in log2
     units relative to each slot's running shifts (dz = (z - shift_z) kz, dr likewise; e = 2^d):
 
-        sz = Σ ez,  sr = Σ er,  akl = Σ er (dr - dz),  arkl = Σ ez (dz - dr),  chi = Σ 2^(2 dz - dr),
+        sz = Σ ez,  sr = Σ er,  akl = Σ er (dr - dz),  arkl = Σ ez (dz - dr),  χ's Σ 2^(2 dz - dr) = chi 2^cm.
 
-    each term only where its left-hand weight is positive (0 log 0 = 0; mass against none gives +inf, as the
-    divergence is). When a shift moves by dm (<= 0, -inf before the slot's first finite entry) the carried sums
-    follow: the weights by 2^dm, akl by (dm_r - dm_z) sr (each d moved by its dm), chi by 2^(2 dm_z - dm_r); a sum
-    whose weights are all 0 so far stays 0 (the guards stop (-inf) * 0), and one that is +inf stays +inf
-    (_carried)."""
+    χ's sum is kept against its own running max cm (a log-sum-exp), so no term overflows however far apart the two
+    rows' maxima move. An entry whose other side is -inf (mass against none) takes no part in these sums: nz / nr
+    keep the largest such z / r, and the row decides once, against its final maxima, whether that mass is real
+    (the divergence is then +inf) or below float32's range (then it is 0, as in the other backends); in akl / arkl
+    such an entry stands as a finite 0 difference, so every weight of sr / sz keeps its term. When a shift moves by
+    dm (from shift to shift: the shift is 0 before a slot's first finite entry) the carried sums follow: the weights
+    by 2^dm (0 before the first finite entry), akl by (dm_r - dm_z) sr (each d moved by its dm), cm by
+    2 dm_z - dm_r."""
+    z_fin, r_fin = z > float("-inf"), r > float("-inf")
     mz_new = tl.maximum(mz, tl.max(z, axis=2))
     mr_new = tl.maximum(mr, tl.max(r, axis=2))
     shift_z, shift_r = safe_shift(mz_new), safe_shift(mr_new)
-    dmz = (mz - shift_z) * kz[:, None]
-    dmr = (mr - shift_r) * kr[:, None]
-    alpha_z, alpha_r = tl.math.exp2(dmz), tl.math.exp2(dmr)
-    akl = _carried(akl, alpha_r * (akl + tl.where(sr > 0.0, (dmr - dmz) * sr, 0.0)))
-    arkl = _carried(arkl, alpha_z * (arkl + tl.where(sz > 0.0, (dmz - dmr) * sz, 0.0)))
-    chi = _carried(chi, tl.where(chi > 0.0, chi * tl.math.exp2(2.0 * dmz - dmr), 0.0))
+    # the weights rescale by 2^((max - shift) k): 0 while a slot has seen nothing finite (its sums are 0, and a
+    # shift-to-shift factor could overflow against a 1e4 offset); the differences move shift to shift (finite)
+    alpha_z = tl.math.exp2((mz - shift_z) * kz[:, None])
+    alpha_r = tl.math.exp2((mr - shift_r) * kr[:, None])
+    dmz = (safe_shift(mz) - shift_z) * kz[:, None]
+    dmr = (safe_shift(mr) - shift_r) * kr[:, None]
+    akl = alpha_r * (akl + (dmr - dmz) * sr)
+    arkl = alpha_z * (arkl + (dmz - dmr) * sz)
     dz = (z - shift_z[:, :, None]) * kz[:, None, None]
     dr = (r - shift_r[:, :, None]) * kr[:, None, None]
     ez, er = tl.math.exp2(dz), tl.math.exp2(dr)
-    live_p = ez > 0.0
-    # er (dr - dz) where er > 0, else 0 (dr - dz may be infinite there): the select on the difference, so that the
-    # products chain into FFMAs (lane_dot)
+    # dr - dz where both sides are finite, else 0: one select on the difference, which both KL sums take (the
+    # reverse one negated), so that the products chain into FFMAs (lane_dot)
+    both = z_fin & r_fin
+    diff = tl.where(both, dr - dz, 0.0)
     if CHAIN:
-        akl = lane_dot(er, tl.where(er > 0.0, dr - dz, 0.0), akl)
-        arkl = lane_dot(ez, tl.where(live_p, dz - dr, 0.0), arkl)
+        akl = lane_dot(er, diff, akl)
+        arkl = lane_dot(ez, -diff, arkl)
     else:
-        akl += tl.sum(er * tl.where(er > 0.0, dr - dz, 0.0), axis=2)
-        arkl += tl.sum(ez * tl.where(live_p, dz - dr, 0.0), axis=2)
-    chi += tl.sum(tl.where(live_p, tl.math.exp2(2.0 * dz - dr), 0.0), axis=2)
+        akl += tl.sum(er * diff, axis=2)
+        arkl -= tl.sum(ez * diff, axis=2)
+    w = tl.where(both, 2.0 * dz - dr, float("-inf"))
+    cm_carried = cm + (2.0 * dmz - dmr)
+    cm_new = tl.maximum(cm_carried, tl.max(w, axis=2))
+    c_shift = safe_shift(cm_new)
+    chi = chi * tl.math.exp2(cm_carried - c_shift) + tl.sum(tl.math.exp2(w - c_shift[:, :, None]), axis=2)
+    # the entries apart (one side -inf): the largest logit of each side there (a -inf on both adds nothing)
+    nz = tl.maximum(nz, tl.max(tl.where(both, float("-inf"), z), axis=2))
+    nr = tl.maximum(nr, tl.max(tl.where(both, float("-inf"), r), axis=2))
     sz = alpha_z * sz + tl.sum(ez, axis=2)
     sr = alpha_r * sr + tl.sum(er, axis=2)
-    return mz_new, mr_new, sz, sr, akl, arkl, chi
+    return mz_new, mr_new, sz, sr, akl, arkl, cm_new, chi, nz, nr
 
 
 @triton.jit
@@ -167,35 +175,51 @@ def _full_divergences_fwd_kernel(
     sr = tl.zeros([BLOCK_N, SLOTS], tl.float32)
     akl = tl.zeros([BLOCK_N, SLOTS], tl.float32)
     arkl = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    cm = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
     chi = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    nz = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
+    nr = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
     rows_in = active[:, None, None]
     v_stop = V * tl.max(active.to(tl.int32), axis=0)
     v_full = (v_stop // BLOCK_V) * BLOCK_V
     for v0 in tl.range(0, v_full, BLOCK_V):
         z, r = full_block(z_ptrs + v0, rows_in, BLOCK_N), full_block(r_ptrs + v0, rows_in, BLOCK_N)
-        mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr, CHAIN)
+        mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr,
+                                                                 kz, kr, CHAIN)
     if v_full < v_stop:
         tail = rows_in & ((v_full + cols)[None, :, :] < V)
         z = tl.load(z_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
         r = tl.load(r_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
-        mz, mr, sz, sr, akl, arkl, chi = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, chi, kz, kr, CHAIN)
-    # the slots onto each row's shifts (tl_math.slot_merge; a slot without a finite entry has dm = 0 and beta 0:
-    # its sums are 0, or +inf where mass met none, and stay so)
-    row_mz, sum_z, dmz, beta_z = slot_merge(mz, sz, kz)
-    row_mr, sum_r, dmr, beta_r = slot_merge(mr, sr, kr)
-    kl = tl.sum(_carried(akl, tl.where(beta_r > 0.0, beta_r * (akl + (dmr - dmz) * sr), 0.0)), axis=1)
-    rkl = tl.sum(_carried(arkl, tl.where(beta_z > 0.0, beta_z * (arkl + (dmz - dmr) * sz), 0.0)), axis=1)
-    chi_row = tl.sum(_carried(chi, tl.where(chi > 0.0, chi * tl.math.exp2(2.0 * dmz - dmr), 0.0)), axis=1)
+        mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr,
+                                                                 kz, kr, CHAIN)
+    # the slots onto each row's shifts: the weights by beta (tl_math.slot_merge: 0 for a slot without a finite
+    # entry), the differences shift to shift, as in the loop
+    row_mz, sum_z, _, beta_z = slot_merge(mz, sz, kz)
+    row_mr, sum_r, _, beta_r = slot_merge(mr, sr, kr)
+    dmz = (safe_shift(mz) - row_mz[:, None]) * kz[:, None]
+    dmr = (safe_shift(mr) - row_mr[:, None]) * kr[:, None]
+    kl = tl.sum(beta_r * (akl + (dmr - dmz) * sr), axis=1)
+    rkl = tl.sum(beta_z * (arkl + (dmz - dmr) * sz), axis=1)
+    cm = cm + (2.0 * dmz - dmr)
+    chi_shift = safe_shift(tl.max(cm, axis=1))
+    chi_row = tl.sum(chi * tl.math.exp2(cm - chi_shift[:, None]), axis=1)
+    # mass against none, against the final maxima: real (+inf) where its weight is in float32's normal range
+    # (2^-126, the flushing exponential's; the C++ kernel's bound), else below it and dropped
+    pi_none = (tl.max(nz, axis=1) - row_mz) * kz >= -126.0
+    mu_none = (tl.max(nr, axis=1) - row_mr) * kr >= -126.0
     has_mass = active & (sum_z > 0.0) & (sum_r > 0.0)  # a row without a finite entry has no distribution: zeros
     sum_z = tl.where(has_mass, sum_z, 1.0)
     sum_r = tl.where(has_mass, sum_r, 1.0)
     # log2 π = dz - log2 sum_z, log2 μ = dr - log2 sum_r; the normalisers' difference as one log2 of their ratio
     # (a correctly rounded quotient: ~1 ulp of the divergence, where two ~17-bit logs would leave ~|log2 V| ulps)
     log2_ratio = tl.math.log2(sum_z / sum_r)
+    kl = tl.where(mu_none, float("inf"), LN2 * (kl / sum_r + log2_ratio))
+    rkl = tl.where(pi_none, float("inf"), LN2 * (rkl / sum_z - log2_ratio))
+    chi2 = tl.where(pi_none, float("inf"), chi_row * (sum_r / sum_z) / sum_z * tl.math.exp2(chi_shift) - 1.0)
     base = stats_ptr + offs_n * 9
-    tl.store(base + 0, tl.where(has_mass, LN2 * (kl / sum_r + log2_ratio), 0.0), mask=mask_n)
-    tl.store(base + 1, tl.where(has_mass, LN2 * (rkl / sum_z - log2_ratio), 0.0), mask=mask_n)
-    tl.store(base + 2, tl.where(has_mass, chi_row * (sum_r / sum_z) / sum_z - 1.0, 0.0), mask=mask_n)
+    tl.store(base + 0, tl.where(has_mass, kl, 0.0), mask=mask_n)
+    tl.store(base + 1, tl.where(has_mass, rkl, 0.0), mask=mask_n)
+    tl.store(base + 2, tl.where(has_mass, chi2, 0.0), mask=mask_n)
     nz, nr = tl.log(sum_z), tl.log(sum_r)
     tl.store(base + 5, tl.where(has_mass, row_mz, 0.0), mask=mask_n)
     tl.store(base + 6, tl.where(has_mass, nz, 0.0), mask=mask_n)
@@ -328,11 +352,11 @@ def full_divergences_bwd(logits: torch.Tensor, reference: torch.Tensor, stats: t
 # The forward's static gate on sm_90 (aot.LOOP_GATE_TARGET): SASS instructions per element pair (one of each
 # tensor) in its hottest loop, the one-read loop, by logits dtype width, for the tiers whose program streams a row;
 # no barrier in any loop. History, bf16 per pair: the first two-pass form spent 36.6 + 57.6 in its two reads (7 and
-# 10 barriers per iteration), the per-slot rewrite 17.4 + 32.5; the one-read form 33.9-34.5 in its one read (27
-# MUFU.EX2 per 8 pairs: π's, μ's and χ²'s terms and three rescales per slot), 30.9-31.4 with its full blocks
-# unmasked and the KL sums as FFMA chains (fp16 29.9-30.4, fp32 33.0-33.9), and TV's read, when asked, 17.4. Gated
-# a quarter above the most of Triton 3.9 and 3.6 (the device image's compiler), rounded up to a quarter.
-FORWARD_LOOP_GATES = {16: 31.75, 32: 34.25}
+# 10 barriers per iteration), the per-slot rewrite 17.4 + 32.5; the one-read form 34.0 in its one read (Triton 3.9;
+# 35.25 with 3.6; fp16 a unit less, fp32 36.0-37.75): 27 MUFU.EX2 per 8 pairs (π's, μ's and χ²'s terms, three
+# rescales per slot), χ²'s log-sum-exp and the two largest logits against a -inf included; TV's read, when asked,
+# 17.4. Gated a quarter above the most of Triton 3.9 and 3.6 (the device image's compiler), rounded up to a quarter.
+FORWARD_LOOP_GATES = {16: 35.5, 32: 38.0}
 # The backward's (one read of both rows, one write), per element pair: 57.0 with 24 non-ftz ex2 before the exp2
 # form, now bf16 44.5, fp16 43.1, fp32 41.9-42.3 (Triton 3.6 the same), each gated half an instruction above.
 BACKWARD_LOOP_GATES = {16: 45.0, 32: 42.75}
