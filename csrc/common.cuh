@@ -52,9 +52,10 @@ namespace rlkernels {
 constexpr int kBlockThreads = 256;  // both kernels; a row gets one warp or the whole block
 constexpr int kWarpSize = 32;
 constexpr int kUnroll = 4;  // 16-byte vectors per thread per main-loop batch; two batches are in flight
-// Resident blocks per SM the launch bounds ask for: 4 x 256 threads = 32 warps with at most 64 registers each,
-// each thread keeping its next batch (64 bytes) in flight while it reduces the current one: 128 KiB of loads in
-// flight per SM, where 48 warps without the prefetch would keep 96 KiB (and a 40-register budget spills the batch)
+// Resident blocks per SM the launch bounds ask for: 3 x 256 threads = 24 warps with at most 85 registers each,
+// each thread keeping its next batch (64 bytes) in flight while it reduces the current one: 96 KiB of loads in
+// flight per SM. 4 blocks (a 64-register budget) spilled the two batches, and 48 warps without the prefetch would
+// hold 96 KiB only in bursts.
 constexpr int kMinBlocksPerSm = 3;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
