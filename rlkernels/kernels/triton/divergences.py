@@ -124,6 +124,38 @@ def _tv_sums(z_ptrs, r_ptrs, mask, sz, sr, kz, kr, bz, br, tv, s_bar):
 
 
 @triton.jit
+def _row_divergences(mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr, kz, kr):
+    """The slots of _pair_update merged into each row's (row max of z and r, their sums of 2^d, KL(μ||π),
+    KL(π||μ), χ², whether both sides have a finite entry); a side without one has its sum taken as 1."""
+    # the slots onto each row's shifts: the weights by beta (tl_math.slot_merge: 0 for a slot without a finite
+    # entry), the differences shift to shift, as in the loop
+    row_mz, sum_z, _, beta_z = slot_merge(mz, sz, kz)
+    row_mr, sum_r, _, beta_r = slot_merge(mr, sr, kr)
+    dmz = (safe_shift(mz) - row_mz[:, None]) * kz[:, None]
+    dmr = (safe_shift(mr) - row_mr[:, None]) * kr[:, None]
+    kl = tl.sum(beta_r * (akl + (dmr - dmz) * sr), axis=1)
+    rkl = tl.sum(beta_z * (arkl + (dmz - dmr) * sz), axis=1)
+    cm = cm + (2.0 * dmz - dmr)
+    chi_shift = safe_shift(tl.max(cm, axis=1))
+    chi_row = tl.sum(chi * tl.math.exp2(cm - chi_shift[:, None]), axis=1)
+    # mass against none, against the final maxima: real (+inf) where its weight is in float32's normal range
+    # (2^-126, the flushing exponential's; the C++ kernel's bound), else below it and dropped
+    pi_none = (tl.max(nz, axis=1) - row_mz) * kz >= -126.0
+    mu_none = (tl.max(nr, axis=1) - row_mr) * kr >= -126.0
+    # a side without a finite entry (no distribution: the caller writes zeros) divides by 1, not 0
+    finite = (sum_z > 0.0) & (sum_r > 0.0)
+    sum_z = tl.where(sum_z > 0.0, sum_z, 1.0)
+    sum_r = tl.where(sum_r > 0.0, sum_r, 1.0)
+    # log2 π = dz - log2 sum_z, log2 μ = dr - log2 sum_r; the normalisers' difference as one log2 of their ratio
+    # (a correctly rounded quotient: ~1 ulp of the divergence, where two ~17-bit logs would leave ~|log2 V| ulps)
+    log2_ratio = tl.math.log2(sum_z / sum_r)
+    kl = tl.where(mu_none, float("inf"), LN2 * (kl / sum_r + log2_ratio))
+    rkl = tl.where(pi_none, float("inf"), LN2 * (rkl / sum_z - log2_ratio))
+    chi2 = tl.where(pi_none, float("inf"), chi_row * (sum_r / sum_z) / sum_z * tl.math.exp2(chi_shift) - 1.0)
+    return row_mz, row_mr, sum_z, sum_r, kl, rkl, chi2, finite
+
+
+@triton.jit
 def _tv_read(z_ptrs, r_ptrs, cols, V, has_mass, sz, sr, kz, kr, bz, br, BLOCK_N: tl.constexpr,
              BLOCK_V: tl.constexpr, SLOTS: tl.constexpr):
     """TV's read of both rows, from their final normalisers: (Σ |π - μ|, Σ π sign(π - μ)) per row."""
@@ -192,30 +224,9 @@ def _full_divergences_fwd_kernel(
         r = tl.load(r_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
         mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr = _pair_update(z, r, mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr,
                                                                  kz, kr, CHAIN)
-    # the slots onto each row's shifts: the weights by beta (tl_math.slot_merge: 0 for a slot without a finite
-    # entry), the differences shift to shift, as in the loop
-    row_mz, sum_z, _, beta_z = slot_merge(mz, sz, kz)
-    row_mr, sum_r, _, beta_r = slot_merge(mr, sr, kr)
-    dmz = (safe_shift(mz) - row_mz[:, None]) * kz[:, None]
-    dmr = (safe_shift(mr) - row_mr[:, None]) * kr[:, None]
-    kl = tl.sum(beta_r * (akl + (dmr - dmz) * sr), axis=1)
-    rkl = tl.sum(beta_z * (arkl + (dmz - dmr) * sz), axis=1)
-    cm = cm + (2.0 * dmz - dmr)
-    chi_shift = safe_shift(tl.max(cm, axis=1))
-    chi_row = tl.sum(chi * tl.math.exp2(cm - chi_shift[:, None]), axis=1)
-    # mass against none, against the final maxima: real (+inf) where its weight is in float32's normal range
-    # (2^-126, the flushing exponential's; the C++ kernel's bound), else below it and dropped
-    pi_none = (tl.max(nz, axis=1) - row_mz) * kz >= -126.0
-    mu_none = (tl.max(nr, axis=1) - row_mr) * kr >= -126.0
-    has_mass = active & (sum_z > 0.0) & (sum_r > 0.0)  # a row without a finite entry has no distribution: zeros
-    sum_z = tl.where(has_mass, sum_z, 1.0)
-    sum_r = tl.where(has_mass, sum_r, 1.0)
-    # log2 π = dz - log2 sum_z, log2 μ = dr - log2 sum_r; the normalisers' difference as one log2 of their ratio
-    # (a correctly rounded quotient: ~1 ulp of the divergence, where two ~17-bit logs would leave ~|log2 V| ulps)
-    log2_ratio = tl.math.log2(sum_z / sum_r)
-    kl = tl.where(mu_none, float("inf"), LN2 * (kl / sum_r + log2_ratio))
-    rkl = tl.where(pi_none, float("inf"), LN2 * (rkl / sum_z - log2_ratio))
-    chi2 = tl.where(pi_none, float("inf"), chi_row * (sum_r / sum_z) / sum_z * tl.math.exp2(chi_shift) - 1.0)
+    row_mz, row_mr, sum_z, sum_r, kl, rkl, chi2, finite = _row_divergences(mz, mr, sz, sr, akl, arkl, cm, chi, nz,
+                                                                           nr, kz, kr)
+    has_mass = active & finite  # a row without a finite entry on a side has no distribution: zeros
     base = stats_ptr + offs_n * 9
     tl.store(base + 0, tl.where(has_mass, kl, 0.0), mask=mask_n)
     tl.store(base + 1, tl.where(has_mass, rkl, 0.0), mask=mask_n)
