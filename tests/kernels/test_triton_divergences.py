@@ -220,7 +220,32 @@ def test_chi2_terms_never_overflow_against_a_max_that_comes_later():
     expected = reference.token_divergences(z.double(), reference_logits=r.double(), temperature=1.0)
     assert float(expected["chi2"][0]) == pytest.approx(1.0)
     _compare(stats, expected, torch.arange(1))
-    # T_r = 0.3: the same entries, χ² = 5.4e43 in float64, past float32's range: +inf is the float32 value
+    # T_r = 0.3: float64 has χ² = 5.4e43 from entry 1, whose π = e^-100 is below float32's normal range: dropped
+    # there, as the C++ kernel drops it, which leaves the χ² of the other entries, 1
     stats = full_divergences_fwd(z, r, torch.ones(1, dtype=torch.bool), 1.0, 0.3, with_tv=False).stats
-    _compare(stats, reference.token_divergences(z.double(), reference_logits=r.double(), temperature=1.0,
-                                                reference_temperature=0.3), torch.arange(1))
+    assert float(stats[0, 2]) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_chi2_past_2_to_128_in_its_shift_but_not_in_value_stays_finite():
+    """χ² + 1 = Σ 2^(w - shift) s_r / s_z² · 2^shift: the shift passes 128 (μ below 2^-128 under π's mass) where the
+    product does not, so 2^shift is applied in two halves (found in review: +inf where float64 has 1.5e38)."""
+    for z, r in ((torch.zeros(1, 8), torch.zeros(1, 8)), (torch.zeros(1, 2), torch.tensor([[0.0, 0.0]]))):
+        r[0, 1] = -(130.0 if z.shape[1] == 8 else 129.2) * math.log(2)
+        stats = full_divergences_fwd(z, r, torch.ones(1, dtype=torch.bool), 1.0, 1.0, with_tv=False).stats
+        _compare(stats, reference.token_divergences(z.double(), reference_logits=r.double()), torch.arange(1))
+        assert math.isfinite(stats[0, 2])
+
+
+def test_chi2_drops_the_terms_of_a_pi_below_float32s_range_as_the_other_backends():
+    """A χ² term whose π is below float32's normal range adds nothing, as in the torch and C++ backends (found in
+    review: 7.39 where they give 0 at T = 0.05; +inf for a reference masked with -60000 instead of -inf)."""
+    cases = [(torch.tensor([[0.0, -5.5]]), torch.tensor([[0.0, -11.1]]), 0.05),
+             (torch.tensor([[496.5, 332.5, 165.25, 1.48, -170.25, -337.75, -498.75]]),
+              torch.tensor([[499.5, 330.75, 160.9, -4.9, -60000.0, -334.0, -499.0]]), 0.7)]
+    for z, r, t in cases:
+        for dtype in (torch.float32, torch.float16):
+            zz, rr = z.to(dtype), r.to(dtype)
+            stats = full_divergences_fwd(zz, rr, torch.ones(1, dtype=torch.bool), t, t, with_tv=False).stats
+            expected = _torch_backend_stats(zz.float(), rr.float(), t, t)
+            assert_close(stats[0, :3].double(), expected[0, :3].double(), **tol("divergence", torch.float32,
+                         scale=max(1.0, float(expected[0, :3].abs().max()))), name=str(dtype))

@@ -10,7 +10,7 @@ gives the entropy: with log π = dz - log sz and log μ = dr - log sr (d relativ
 each sum carried onto a new max when one moves (χ²'s as a log-sum-exp, so that no term overflows), over the
 entries finite on both sides. Mass against none (one side -inf) is decided once per row against the final maxima,
 from the largest logit of each side there: +inf where its weight is in float32's normal range, else dropped, as the
-torch and C++ backends flush it. TV = ½ Σ |π - μ| (and Σ π·sign(π − μ), which its gradient needs)
+C++ backend flushes it. TV = ½ Σ |π - μ| (and Σ π·sign(π − μ), which its gradient needs)
 has no such form: its terms need both final normalisers, so it reads both rows a second time, only when asked
 (with_tv). Backward: one read of both rows and one write,
 
@@ -65,9 +65,15 @@ def _pair_update(z, r, mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr, kz, kr, CHAIN
         sz = Σ ez,  sr = Σ er,  akl = Σ er (dr - dz),  arkl = Σ ez (dz - dr),  χ's Σ 2^(2 dz - dr) = chi 2^cm.
 
     χ's sum is kept against its own running max cm (a log-sum-exp), so no term overflows however far apart the two
-    rows' maxima move. An entry whose other side is -inf (mass against none) takes no part in these sums: nz / nr
-    keep the largest such z / r, and the row decides once, against its final maxima, whether that mass is real
-    (the divergence is then +inf) or below float32's range (then it is 0, as in the other backends); in akl / arkl
+    rows' maxima move; a term whose π is below float32's normal range against the slot's running max is dropped,
+    and so are the carried ones when a move (or the row's max, at the merge) takes the slot's max 2^126 lower. The
+    two-pass backends drop against the row's final max: they differ where π leaves the range only over several
+    smaller moves of a slot's max and μ there is below ~2^-252 of its own max (a reference masked with a large
+    finite number instead of -inf).
+    An entry whose other side is -inf (mass against none) takes no part in these sums: nz / nr keep the largest
+    such z / r, and the row decides once, against its final maxima, whether that mass is real (the divergence is
+    then +inf) or below float32's normal range (then it is 0, as the C++ backend and the exponential of a GPU,
+    which flushes, have it; the torch backend keeps subnormal weights, to ~103 nats below the max); in akl / arkl
     such an entry stands as a finite 0 difference, so every weight of sr / sz keeps its term. When a shift moves by
     dm (from shift to shift: the shift is 0 before a slot's first finite entry) the carried sums follow: the weights
     by 2^dm (0 before the first finite entry), akl by (dm_r - dm_z) sr (each d moved by its dm), cm by
@@ -97,8 +103,14 @@ def _pair_update(z, r, mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr, kz, kr, CHAIN
     else:
         akl += tl.sum(er * diff, axis=2)
         arkl -= tl.sum(ez * diff, axis=2)
+    # χ²'s terms: π below float32's normal range against the running max (2^-126, the flushing exponential's) is
+    # dropped, as the two-pass backends drop it against the final max. Arithmetic, not a select: K (dz + 126) is
+    # >= 0 in range and far below 0 under it (within 1/K of the bound the term is only scaled); a predicate per
+    # element spilled the loop's predicates to registers (6 instructions per pair against 3)
     w = tl.where(both, 2.0 * dz - dr, float("-inf"))
-    cm_carried = cm + (2.0 * dmz - dmr)
+    w += tl.minimum(tl.fma(dz, 65536.0, 126.0 * 65536.0), 0.0)
+    # a max that rises past float32's range above the slot's terms takes their π below it: they are dropped
+    cm_carried = tl.where(dmz >= -126.0, cm + (2.0 * dmz - dmr), float("-inf"))
     cm_new = tl.maximum(cm_carried, tl.max(w, axis=2))
     c_shift = safe_shift(cm_new)
     chi = chi * tl.math.exp2(cm_carried - c_shift) + tl.sum(tl.math.exp2(w - c_shift[:, :, None]), axis=2)
@@ -135,11 +147,11 @@ def _row_divergences(mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr, kz, kr):
     dmr = (safe_shift(mr) - row_mr[:, None]) * kr[:, None]
     kl = tl.sum(beta_r * (akl + (dmr - dmz) * sr), axis=1)
     rkl = tl.sum(beta_z * (arkl + (dmz - dmr) * sz), axis=1)
-    cm = cm + (2.0 * dmz - dmr)
+    cm = tl.where(dmz >= -126.0, cm + (2.0 * dmz - dmr), float("-inf"))  # a slot below the row's range: dropped
     chi_shift = safe_shift(tl.max(cm, axis=1))
     chi_row = tl.sum(chi * tl.math.exp2(cm - chi_shift[:, None]), axis=1)
     # mass against none, against the final maxima: real (+inf) where its weight is in float32's normal range
-    # (2^-126, the flushing exponential's; the C++ kernel's bound), else below it and dropped
+    # (2^-126, the flushing exponential's; the C++ kernel's bound, e^-87), else below it and dropped
     pi_none = (tl.max(nz, axis=1) - row_mz) * kz >= -126.0
     mu_none = (tl.max(nr, axis=1) - row_mr) * kr >= -126.0
     # a side without a finite entry (no distribution: the caller writes zeros) divides by 1, not 0
@@ -151,7 +163,9 @@ def _row_divergences(mz, mr, sz, sr, akl, arkl, cm, chi, nz, nr, kz, kr):
     log2_ratio = tl.math.log2(sum_z / sum_r)
     kl = tl.where(mu_none, float("inf"), LN2 * (kl / sum_r + log2_ratio))
     rkl = tl.where(pi_none, float("inf"), LN2 * (rkl / sum_z - log2_ratio))
-    chi2 = tl.where(pi_none, float("inf"), chi_row * (sum_r / sum_z) / sum_z * tl.math.exp2(chi_shift) - 1.0)
+    # 2^chi_shift in two halves: the shift may pass 2^128 where the product does not
+    half = tl.math.exp2(0.5 * chi_shift)
+    chi2 = tl.where(pi_none, float("inf"), chi_row * (sum_r / sum_z) / sum_z * half * half - 1.0)
     return row_mz, row_mr, sum_z, sum_r, kl, rkl, chi2, finite
 
 
@@ -363,11 +377,12 @@ def full_divergences_bwd(logits: torch.Tensor, reference: torch.Tensor, stats: t
 # The forward's static gate on sm_90 (aot.LOOP_GATE_TARGET): SASS instructions per element pair (one of each
 # tensor) in its hottest loop, the one-read loop, by logits dtype width, for the tiers whose program streams a row;
 # no barrier in any loop. History, bf16 per pair: the first two-pass form spent 36.6 + 57.6 in its two reads (7 and
-# 10 barriers per iteration), the per-slot rewrite 17.4 + 32.5; the one-read form 34.0 in its one read (Triton 3.9;
-# 35.25 with 3.6; fp16 a unit less, fp32 36.0-37.75): 27 MUFU.EX2 per 8 pairs (π's, μ's and χ²'s terms, three
-# rescales per slot), χ²'s log-sum-exp and the two largest logits against a -inf included; TV's read, when asked,
-# 17.4. Gated a quarter above the most of Triton 3.9 and 3.6 (the device image's compiler), rounded up to a quarter.
-FORWARD_LOOP_GATES = {16: 35.5, 32: 38.0}
+# 10 barriers per iteration), the per-slot rewrite 17.4 + 32.5; the one-read form 37.9-38.1 in its one read (Triton
+# 3.9; 38.4-38.9 with 3.6; fp16 a unit less, fp32 39.6-41.4): 27 MUFU.EX2 per 8 pairs (π's, μ's and χ²'s terms,
+# three rescales per slot), χ²'s log-sum-exp and its float32-range rule (3) and the two largest logits against a
+# -inf (4) included; TV's read, when asked, 17.4. Gated a quarter above the most of Triton 3.9 and 3.6 (the device
+# image's compiler), rounded up to a quarter.
+FORWARD_LOOP_GATES = {16: 39.25, 32: 41.75}
 # The backward's (one read of both rows, one write), per element pair: 57.0 with 24 non-ftz ex2 before the exp2
 # form, now bf16 44.5, fp16 43.1, fp32 41.9-42.3 (Triton 3.6 the same), each gated half an instruction above.
 BACKWARD_LOOP_GATES = {16: 45.0, 32: 42.75}
