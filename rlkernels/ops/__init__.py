@@ -31,7 +31,7 @@ from ..backends.base import rows_form_one_sequence
 from ..backends.temperature import Temperature
 from . import kept_set, linear, vocab, vocab_parallel
 from .coefficients import CoefficientLossFunction, ForwardGradientFunction
-from .divergences import full_divergence_stats, linear_full_divergence_values
+from .divergences import divergence_columns, full_divergence_stats, linear_full_divergence_values
 from .head import HeadRows, HeadStatistics, head_token_stats, linear_head_logprobs
 
 __all__ = ["CoefficientLossFunction", "ForwardGradientFunction", "HeadStatistics", "PassOptions", "Statistics",
@@ -311,5 +311,4 @@ def linear_full_divergences(hidden: torch.Tensor, weight: torch.Tensor, bias: Op
     head = linear.HeadOptions(name, chunk_rows, select_rows=options.select_rows)
     values = linear_full_divergence_values(hidden, weight, bias, reference, batch.mask, batch.temperature, head,
                                            with_tv)
-    kl, reverse_kl, chi2, tv = values.unbind(1)
-    return kl, reverse_kl, chi2, tv if with_tv else None
+    return divergence_columns(values, with_tv)

@@ -82,6 +82,12 @@ def full_divergence_stats(logits: Tensor, reference: Tensor, active: Tensor, tem
     with_tv (the GPU kernel then reads both tensors once instead of twice)."""
     stats = full_divergences_op(logits, reference, active, temperature.tensor, reference_temperature.tensor, backend,
                                 chunk_rows or 0, with_tv)
+    return divergence_columns(stats, with_tv)
+
+
+def divergence_columns(stats: Tensor, with_tv: bool):
+    """(kl, reverse_kl, chi2, tv) from the first columns of [N, >= 4] statistics; tv None without with_tv (its
+    column unspecified then)."""
     kl, reverse_kl, chi2, tv = stats[:, :len(DIVERGENCES)].unbind(1)
     return kl, reverse_kl, chi2, tv if with_tv else None
 
