@@ -400,6 +400,11 @@ class PolicyLossConfig:
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
+        fused_stage: run the per-sequence stage as two Triton kernels (stage/fused.py) where they cover the call:
+            PPO's clip per token, token / sequence / geometric IS, seq-MIS / geo-RS / K3-RS rejection, the KL
+            penalties, the entropy bonus, every aggregation, metrics="loss_only", no split. None (the default): on
+            CUDA with Triton, else the torch stage (compile_stage's); True: wherever Triton runs, and a call outside
+            the family is refused before any pass; False: never.
         metrics: "all" (every metric of SPEC §8 in the output's `.metrics`, verl's names) or "loss_only" (none:
             the loss and its gradient alone, for steps that log no metrics; the stage's ~60 metric reductions
             and their launches are skipped, the loss and gradient are the same bits).
@@ -445,6 +450,7 @@ class PolicyLossConfig:
     chunk_rows: Optional[int] = None
     inplace_backward: bool = False
     compile_stage: Optional[bool] = None
+    fused_stage: Optional[bool] = None
     metrics: str = "all"
     memory_budget_bytes: Optional[int] = None
     select_loss_rows: Optional[bool] = None
@@ -528,7 +534,7 @@ class PolicyLossConfig:
         for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        for name in ("compile_stage", "select_loss_rows"):
+        for name in ("compile_stage", "fused_stage", "select_loss_rows"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool or None, got {getattr(self, name)!r}")
         if self.metrics not in METRICS_MODES:

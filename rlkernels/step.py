@@ -11,9 +11,9 @@ The policy losses take one of these routes (SPEC §2, §2.1, §9):
              otherwise                 as for logits: ops.linear_token_stats / linear_head_stats /
                                        linear_full_divergences (the two-pass form)
 
-then the stage (`stage.select` -> `stage.run`) on the detached statistics, with the sampler's evidence as a
-typed record (`stage.SamplerEvidence`), and `ops.CoefficientLossFunction` to carry its closed-form
-coefficients back into autograd. api.py calls one function here per public function.
+then the stage (`stage.choose`: the fused kernels, or `stage.run` eager or compiled) on the detached statistics,
+with the sampler's evidence as a typed record (`stage.SamplerEvidence`), and `ops.CoefficientLossFunction` to carry
+its closed-form coefficients back into autograd. api.py calls one function here per public function.
 """
 
 from typing import Optional
@@ -56,6 +56,7 @@ def checked_rows(source: str, logprobs: torch.Tensor, batch: PreparedBatch, vali
 
 def logits_loss(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig) -> PolicyLossOutput:
     """decoupled_ppo_loss: the current policy's statistics from the logits, then the stage."""
+    stage.check_fused(batch, config, statistics_dtype(logits.dtype), logits.device)
     options = pass_options(config)
     head = batch.sampler_head
     if head is None:
@@ -81,6 +82,7 @@ def hidden_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                 config: PolicyLossConfig) -> PolicyLossOutput:
     """linear_decoupled_ppo_loss: the one-pass form where every token's coefficients allow (SPEC §2.1), else the
     two-pass form's statistics, then the stage."""
+    stage.check_fused(batch, config, statistics_dtype(hidden.dtype), hidden.device)
     options = pass_options(config)
     if config.linear_one_pass and ops.one_pass_blocker(hidden, weight, bias, batch) is None \
             and stage.forward_gradient_blocker(batch, config) is None:
@@ -113,12 +115,13 @@ def policy_output(stats: ops.Statistics, batch: PreparedBatch, config: PolicyLos
     that reads the sampler's top-k gets `evidence.head_logprobs` (with autograd) as the stage's head."""
     lp, entropy = stats.logprobs, stats.entropy
     dt = statistics_dtype(lp.dtype)
+    stage.check_fused(batch, config, dt, lp.device)
     detached = TokenStats(lp.detach().to(dt), None if entropy is None else entropy.detach().to(dt), None)
     head_logprobs = None if evidence is None else evidence.head_logprobs
     if head_logprobs is not None:
         evidence = evidence._replace(head_logprobs=head_logprobs.detach().to(dt))
-    out = stage.select(lp, config.compile_stage)(detached, batch, config, metrics=config.metrics == "all",
-                                                 evidence=evidence)
+    out = stage.choose(detached.logprobs, batch, config)(detached, batch, config, metrics=config.metrics == "all",
+                                                         evidence=evidence)
     loss = ops.CoefficientLossFunction.apply(out.loss, lp, entropy, out.coef_logprob, out.coef_entropy,
                                              head_logprobs, out.coef_head)
     return _output(loss, detached, out, batch, path)
@@ -147,12 +150,14 @@ def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
         torch.where(batch.mask, proximal.to(dt), zero)
     entropy = torch.zeros_like(lp) if options.entropy else None
     corrected = stage.correct(TokenStats(lp, entropy, None), batch, config)  # once: its collectives too
+    # the fused kernels where they cover the call (they decide the correction again: two launches per chunk)
+    run = stage.choose(lp, batch, config, fallback=stage.run)
 
     def coefficients(idx, lp_rows, entropy_rows):
         lp.index_copy_(0, idx, lp_rows)
         if entropy is not None:
             entropy.index_copy_(0, idx, entropy_rows)
-        out = stage.run(TokenStats(lp, entropy, None), batch, config, corrected=corrected, metrics=False)
+        out = run(TokenStats(lp, entropy, None), batch, config, corrected=corrected, metrics=False)
         e = None if out.coef_entropy is None else out.coef_entropy.index_select(0, idx)
         return out.coef_logprob.index_select(0, idx), e
 
@@ -162,7 +167,7 @@ def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     # the correction is reused unless it reads the current policy (bypass mode's mismatch metrics): then the split
     # is combined a second time. Eager either way: a compiled stage takes no precomputed correction
     reuse = None if stage.correction_reads_current_policy(batch) else corrected
-    out = stage.run(detached, batch, config, corrected=reuse, metrics=config.metrics == "all")
+    out = run(detached, batch, config, corrected=reuse, metrics=config.metrics == "all")
     d_hidden = None if grads.d_hidden is None else grads.d_hidden.view(hidden.shape)
     loss = ops.ForwardGradientFunction.apply(out.loss, hidden, weight, bias, d_hidden, grads.d_weight, grads.d_bias,
                                              config.validate)

@@ -11,6 +11,7 @@ import torch
 from ..kernels.triton import divergences as divergence_kernels
 from ..kernels.triton import vllm_logprobs as vllm_kernels
 from ..kernels.triton.head_columns import head_logprobs_fwd, write_head_columns
+from ..kernels.triton.stage import stage_fwd
 from ..kernels.triton.token_grad import token_grad_bwd
 from ..kernels.triton.token_stats import token_stats_fwd
 from .base import RowStats
@@ -33,6 +34,11 @@ class TritonBackend(TorchBackend):
 
     def _normalising_pass(self) -> "TritonBackend":
         return self  # the kernel computes every active row's normaliser
+
+    @staticmethod
+    def sequence_stage(inputs, options: dict, hyper: dict) -> tuple:
+        """The per-sequence stage of the common PPO family in two launches (stage/fused.py decides when)."""
+        return stage_fwd(inputs, options, hyper)
 
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
         return RowStats(*token_stats_fwd(logits, labels, Temperature.of(temperature).value(), compute_entropy,

@@ -4,7 +4,8 @@ One torch implementation, run eagerly or compiled (`select`). Layout: loss.py bu
 (inputs -> correction -> ratio -> the loss type's term -> weights and masks -> aggregation -> KL ->
 entropy -> scale); policy_terms.py holds one function per loss type behind the LOSS_TERMS table;
 correction.py the IS weights, rejection and rollout_corr/* metrics; segments.py the sequence structure;
-split.py the data- and context-parallel combines; metrics.py the combinable metric records.
+split.py the data- and context-parallel combines; metrics.py the combinable metric records; fused.py the common
+PPO family in two kernel launches (kernels/triton/stage.py), which `choose` takes where it covers a call.
 """
 
 import contextlib
@@ -12,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from . import fused
 from .loss import (
     SamplerEvidence,
     StageOutput,
@@ -22,8 +24,8 @@ from .loss import (
     run,
 )
 
-__all__ = ["SamplerEvidence", "StageOutput", "correct", "correction_reads_current_policy", "forward_gradient_blocker",
-           "kept_mask", "run", "select"]
+__all__ = ["SamplerEvidence", "StageOutput", "check_fused", "choose", "correct", "correction_reads_current_policy",
+           "forward_gradient_blocker", "kept_mask", "run", "select"]
 
 # Graphs the compiled stage may hold: Dynamo specialises sizes 0 and 1 even with dynamic=True, so one
 # option set can take ~5 graphs (padded B > 1, B = 1, T = 1, packed, one sequence); the default limit
@@ -85,3 +87,34 @@ def select(tensor: torch.Tensor, compile_stage: Optional[bool]):
 
         compile_stage = tensor.is_cuda and backends.is_available("triton")
     return _compiled() if compile_stage else run
+
+
+def _fused_runs(config, device: torch.device) -> bool:
+    """Whether config.fused_stage asks for the fused kernels on `device`: None on CUDA with Triton, True wherever
+    Triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1), False never; never inside a compiled region."""
+    if config.fused_stage is False or torch.compiler.is_compiling():
+        return False
+    from .. import backends
+
+    runs_here = backends.is_available("triton") and (device.type == "cuda" or backends.triton_interpreter())
+    return runs_here and (config.fused_stage or device.type == "cuda")
+
+
+def check_fused(batch, config, dtype: torch.dtype, device: torch.device) -> None:
+    """fused_stage=True on a call the fused kernels cannot run: a ValueError naming why, before any pass runs."""
+    if config.fused_stage is not True or torch.compiler.is_compiling():
+        return
+    if not _fused_runs(config, device):
+        raise ValueError(f"fused_stage: True needs Triton on CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+    reason = fused.blocker(batch, config, dtype)
+    if reason is not None:
+        raise ValueError(f"fused_stage: True, but this call is outside the fused stage's family: {reason} "
+                         "(fused_stage=None takes it where it can)")
+
+
+def choose(tensor: torch.Tensor, batch, config, fallback=None):
+    """The stage of one call on statistics like `tensor`: the fused kernels (fused.run) where config.fused_stage
+    allows and they cover the call, else `fallback` (None: `select`'s eager or compiled `run`)."""
+    if _fused_runs(config, tensor.device) and fused.blocker(batch, config, tensor.dtype) is None:
+        return fused.run
+    return select(tensor, config.compile_stage) if fallback is None else fallback

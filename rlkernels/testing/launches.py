@@ -14,6 +14,7 @@ On the CPU they cost nothing; on a GPU each one drains the stream. A copy from t
 seen here only when the call runs on a GPU (`_to_copy` to the CPU of a CUDA tensor).
 """
 
+import contextlib
 import sys
 from collections import Counter
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -122,9 +123,40 @@ class _Recorder(TorchDispatchMode):
         return LaunchCount(self.ops, self.views, self.syncs, self.dtypes)
 
 
+@contextlib.contextmanager
+def _triton_launches_counted(recorder: _Recorder):
+    """Each Triton kernel launch counted as one op, "triton:<kernel>", and nothing it runs inside: under
+    TRITON_INTERPRET=1 the interpreter copies every argument through torch ops (set_, copy_, empty) that a GPU launch
+    never runs."""
+    try:
+        from triton.runtime import interpreter, jit
+    except ImportError:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    classes = (jit.JITFunction, interpreter.InterpretedFunction)
+    originals = [cls.run for cls in classes]
+
+    def counted(original):
+        def run(self, *args, **kwargs):
+            recorder.ops[f"triton:{getattr(self.fn, '__name__', self.fn)}"] += 1
+            with _disable_current_modes():
+                return original(self, *args, **kwargs)
+        return run
+
+    for cls, original in zip(classes, originals):
+        cls.run = counted(original)
+    try:
+        yield
+    finally:
+        for cls, original in zip(classes, originals):
+            cls.run = original
+
+
 def count_launches(fn: Callable[..., Any], *args, **kwargs) -> Tuple[Any, LaunchCount]:
     """(fn(*args, **kwargs), what it ran)."""
-    with _Recorder() as recorder:
+    with _Recorder() as recorder, _triton_launches_counted(recorder):
         result = fn(*args, **kwargs)
     return result, recorder.count()
 

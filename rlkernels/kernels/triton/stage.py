@@ -1,0 +1,412 @@
+"""The per-sequence stage of the common PPO family in two launches (SPEC §4-§7): what ~60 [N]-sized torch ops (or a
+compiled graph of ~50 generated kernels) compute for the loss and its gradient coefficients.
+
+    _sequence_kernel   one program per sequence, two reads of its tokens. The first sums what the sequence's
+                       decisions need (masked length, log-ratio, k1 / k3 statistics); the decisions follow (IS
+                       weight, rejection). The second forms each token's IS weight, final mask, PPO term and its
+                       derivative, the KL penalty's derivative, and the sequence's sums of the loss's terms.
+    _finish_kernel     one program per block of tokens. Each first reduces the [S] record to the batch's
+                       normalisers (a few KB, read from L2 by every program: no atomics, no ticket, the same bits
+                       every run). Program 0 writes the loss; every program scales its tokens' coefficients by
+                       their aggregation weight a_t.
+
+Every hyperparameter is a run-time float argument, so a new clip ratio, threshold or coefficient launches the same
+binary; only the option *set* (which correction, which KL type, which aggregation) is constexpr. The arithmetic is
+the torch stage's, in float32, in a different summation order: stage/fused.py says which configs this covers and
+tests/stage/test_fused_stage.py holds it to the torch stage.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .aot_spec import AotSpec
+from .token_stats import device_guard
+
+BLOCK = 512  # tokens per step of a sequence's reads and per finish program
+BLOCK_S = 256  # sequences per step of the finish programs' record reduction
+RECORD_WIDTH = 5  # per-sequence record: policy-term sum, KL sum, entropy sum (over m'), final length, width
+RECORD = tl.constexpr(RECORD_WIDTH)
+CLAMP = tl.constexpr(20.0)  # SPEC §4: every importance log-ratio is clamped to [-20, 20] before exp
+
+# the option sets' codes (constexpr)
+IS_LEVELS = {None: 0, "token": 1, "sequence": 2, "geometric": 3}
+KL_TYPES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k3_unclamped": 5}
+AGGREGATIONS = {"token-sum": 0, "token-mean": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum": 3,
+                "seq-mean-token-sum-norm": 4}
+PROXIMAL = {"current": 0, "old": 1, "rollout": 2}  # l_old of SPEC §1: on-policy, decoupled, bypass
+
+
+@triton.jit
+def _truncated(raw, live, lo, hi, IS_MASK: tl.constexpr):
+    """SPEC §4: raw clamped to [lo, hi] (IcePop: 0 outside it), 0 where not `live`."""
+    if IS_MASK:  # nested selects: `live` may be a 0-d flag, which the interpreter cannot `&` with a block
+        return tl.where(live, tl.where(raw >= lo, tl.where(raw <= hi, raw, 0.0), 0.0), 0.0)
+    return tl.where(live, tl.minimum(tl.maximum(raw, lo), hi), 0.0)
+
+
+@triton.jit
+def _kl_and_grad(lp, ref, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
+    """SPEC §6's penalty and its derivative in lp (stage/loss.py kl_and_grad); KL_STRAIGHT: k2's derivative."""
+    if KL_TYPE == 1:
+        kl = lp - ref
+        dkl = tl.full(lp.shape, 1.0, tl.float32)
+    elif KL_TYPE == 2:
+        kl = 0.5 * ((lp - ref) * (lp - ref))
+        dkl = lp - ref
+    elif KL_TYPE == 3:
+        kl = tl.abs(lp - ref)
+        dkl = tl.where(lp > ref, 1.0, tl.where(lp < ref, -1.0, 0.0))
+    elif KL_TYPE == 4:
+        d_raw = ref - lp
+        d = tl.minimum(tl.maximum(d_raw, -CLAMP), CLAMP)
+        k3_raw = tl.exp(d) - d - 1.0
+        kl = tl.minimum(tl.maximum(k3_raw, -10.0), 10.0)
+        live = (d_raw >= -CLAMP) & (d_raw <= CLAMP) & (k3_raw <= 10.0) & (k3_raw >= -10.0)
+        dkl = tl.where(live, 1.0 - tl.exp(d), 0.0)
+    else:
+        d = ref - lp
+        kl = tl.exp(d) - d - 1.0
+        dkl = 1.0 - tl.exp(d)
+    if KL_STRAIGHT:
+        dkl = lp - ref
+    return kl, dkl
+
+
+@triton.jit(do_not_specialize=["seq_len"])
+def _sequence_kernel(
+    # inputs [N] (any float dtype; mask bool) and the packed offsets [S + 1]
+    lp_ptr, entropy_ptr, adv_ptr, mask_ptr, old_ptr, rollout_ptr, ref_ptr, cu_ptr,
+    # outputs [N] float32 / bool, and the [S, RECORD] record
+    lp_out_ptr, grad_ptr, dkl_ptr, weights_ptr, kept_ptr, record_ptr,
+    # the padded layout's T (HAS_CU False)
+    seq_len,
+    # hyperparameters
+    is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
+    clip_hi, clip_c,
+    # the option set
+    HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
+    IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
+    RS_K3_SUM: tl.constexpr, RS_K3_MEAN: tl.constexpr, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr,
+    KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
+    # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
+    s = tl.program_id(0).to(tl.int64)
+    if HAS_CU:
+        start = tl.load(cu_ptr + s)
+        end = tl.load(cu_ptr + s + 1)
+    else:
+        start = s * seq_len
+        end = start + seq_len
+    offs = tl.arange(0, BLOCK)
+    HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN
+    HAS_CORRECTION: tl.constexpr = HAS_RS or IS_LEVEL != 0
+
+    # -- first read: the sums the sequence's decisions read (correction.token_terms); vectors summed once at the end
+    length_acc = tl.zeros([BLOCK], tl.float32)
+    delta_acc = tl.zeros([BLOCK], tl.float32)
+    k1_acc = tl.zeros([BLOCK], tl.float32)
+    k3_acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(start, end, BLOCK):
+        idx = off + offs
+        inside = idx < end
+        m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
+        length_acc += m.to(tl.float32)
+        if HAS_CORRECTION:
+            train = tl.where(m, tl.load(old_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            behaviour = tl.where(m, tl.load(rollout_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            delta = train - behaviour
+            delta_acc += delta
+            delta_hat = tl.minimum(tl.maximum(delta, -CLAMP), CLAMP)
+            k1_acc += -delta_hat
+            k3_acc += tl.where(m, tl.exp(delta_hat) - 1.0 - delta_hat, 0.0)
+    length = tl.sum(length_acc, 0)
+    count = tl.maximum(length, 1.0)
+
+    # -- the sequence's decisions (correction.decide): its IS weight and whether rejection keeps it
+    seq_weight = 0.0
+    if IS_LEVEL >= 2:
+        log_ratio = tl.sum(delta_acc, 0)
+        if IS_LEVEL == 3:
+            log_ratio = log_ratio / count
+        log_ratio = tl.minimum(tl.maximum(log_ratio, -CLAMP), CLAMP)
+        seq_weight = _truncated(tl.exp(log_ratio), length > 0, is_lo, is_hi, IS_MASK)
+    # whether rejection keeps the sequence, as a 1.0 / 0.0 flag (0-d booleans do not combine with blocks in the
+    # interpreter); a statistic that is NaN fails every bound, as the torch comparisons do
+    keep = 1.0
+    if RS_K1_SUM or RS_K1_MEAN:
+        k1 = tl.sum(k1_acc, 0)
+        if RS_K1_SUM:  # k1 in [-log hi, -log lo] (SPEC §5, compared in log space)
+            keep = tl.where((k1 <= k1_sum_hi) & (k1 >= k1_sum_lo), keep, 0.0)
+        if RS_K1_MEAN:
+            keep = tl.where((k1 / count <= k1_mean_hi) & (k1 / count >= k1_mean_lo), keep, 0.0)
+    if RS_K3_SUM or RS_K3_MEAN:
+        k3 = tl.sum(k3_acc, 0)
+        if RS_K3_SUM:
+            keep = tl.where(k3 <= k3_sum_max, keep, 0.0)
+        if RS_K3_MEAN:
+            keep = tl.where(k3 / count <= k3_mean_max, keep, 0.0)
+    keep_block = (tl.zeros([BLOCK], tl.float32) + keep) != 0.0
+
+    # -- second read: each token's weight, final mask, policy term and derivatives, and the sequence's loss sums
+    pg_acc = tl.zeros([BLOCK], tl.float32)
+    kl_acc = tl.zeros([BLOCK], tl.float32)
+    h_acc = tl.zeros([BLOCK], tl.float32)
+    kept_acc = tl.zeros([BLOCK], tl.float32)
+    for off in range(start, end, BLOCK):
+        idx = off + offs
+        inside = idx < end
+        m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
+        kept = m & keep_block
+        lp = tl.where(m, tl.load(lp_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+        adv = tl.where(m, tl.load(adv_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+        if PROXIMAL == 1:
+            l_old = tl.where(m, tl.load(old_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+        elif PROXIMAL == 2:
+            l_old = tl.where(m, tl.load(rollout_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+        else:
+            l_old = lp
+        w = tl.zeros([BLOCK], tl.float32)
+        if IS_LEVEL == 1:
+            behaviour = tl.where(m, tl.load(rollout_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            delta_hat = tl.minimum(tl.maximum(l_old - behaviour, -CLAMP), CLAMP)
+            w = _truncated(tl.exp(delta_hat), m, is_lo, is_hi, IS_MASK)
+        elif IS_LEVEL >= 2:
+            w = tl.where(m, seq_weight, 0.0)
+        if WEIGHTED:
+            tl.store(weights_ptr + idx, w, mask=inside)
+
+        # the policy ratio (clamped to log_ratio_clamp) and PPO's clip with dual clip (policy_terms._ppo_clip)
+        log_r = lp - l_old
+        if RATIO_CLAMP:
+            r = tl.exp(tl.minimum(tl.maximum(log_r, -ratio_clamp), ratio_clamp))
+        else:
+            r = tl.exp(log_r)
+        neg_adv = -adv
+        l1 = neg_adv * r
+        l2 = neg_adv * tl.minimum(tl.maximum(r, clip_lo), clip_hi)
+        clipped = l2 > l1
+        term = tl.where(clipped, l2, l1)
+        active = ~clipped
+        if DUAL_CLIP:
+            l3 = neg_adv * clip_c
+            dual = (adv < 0) & (l3 < term)
+            term = tl.where(dual, l3, term)
+            active = active & ~dual
+        grad = tl.where(active, l1, 0.0)
+        if RATIO_CLAMP:
+            grad = tl.where(tl.abs(log_r) <= ratio_clamp, grad, 0.0)
+        if WEIGHTED:
+            term = term * w
+            grad = grad * w
+        pg_acc += tl.where(kept, term, 0.0)
+        tl.store(grad_ptr + idx, grad, mask=inside)
+        if KL_TYPE != 0:
+            ref = tl.where(m, tl.load(ref_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            kl, dkl = _kl_and_grad(lp, ref, KL_TYPE, KL_STRAIGHT)
+            kl_acc += tl.where(kept, kl, 0.0)
+            tl.store(dkl_ptr + idx, dkl, mask=inside)
+        if HAS_ENTROPY:
+            h = tl.where(m, tl.load(entropy_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            h_acc += tl.where(kept, h, 0.0)
+        kept_acc += kept.to(tl.float32)
+        tl.store(lp_out_ptr + idx, lp, mask=inside)
+        tl.store(kept_ptr + idx, kept, mask=inside)
+    row = record_ptr + s * RECORD
+    tl.store(row, tl.sum(pg_acc, 0))
+    tl.store(row + 1, tl.sum(kl_acc, 0))
+    tl.store(row + 2, tl.sum(h_acc, 0))
+    tl.store(row + 3, tl.sum(kept_acc, 0))
+    tl.store(row + 4, (end - start).to(tl.float32))
+
+
+@triton.jit(do_not_specialize=["N", "S"])
+def _finish_kernel(
+    record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, loss_ptr,
+    N, S,
+    kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
+    AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
+    GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, HAS_KL: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    # -- the batch's normalisers (correction.normalisers, loss.aggregation_weights), from the record
+    kept_tokens_acc = tl.zeros([BLOCK_S], tl.float32)
+    kept_seqs_acc = tl.zeros([BLOCK_S], tl.float32)
+    width_acc = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        seqs = s0 + offs_s
+        row = record_ptr + seqs.to(tl.int64) * RECORD
+        final_length = tl.load(row + 3, mask=seqs < S, other=0.0)
+        kept_tokens_acc += final_length
+        kept_seqs_acc += (final_length > 0).to(tl.float32)
+        width_acc = tl.maximum(width_acc, tl.load(row + 4, mask=seqs < S, other=0.0))
+    if GLOBAL_TOKENS:
+        tokens = global_tokens
+    else:
+        tokens = tl.maximum(tl.sum(kept_tokens_acc, 0), 1.0)
+    if GLOBAL_SEQS:
+        seqs_count = global_seqs
+    elif SEQ_MEAN_OVER_ALL:
+        seqs_count = tl.maximum(S.to(tl.float32), 1.0)
+    else:
+        seqs_count = tl.maximum(tl.sum(kept_seqs_acc, 0), 1.0)
+    if SCALE_FACTOR:
+        width = scale_factor
+    else:
+        width = tl.maximum(tl.max(width_acc, 0), 1.0)
+    # a_t = m'_t * per_token / per_seq[s]: the division's denominator, as loss.aggregation_weights forms it
+    if AGGREGATION == 0:
+        per_token = 1.0
+    elif AGGREGATION == 1:
+        per_token = tokens
+    elif AGGREGATION == 3:
+        per_token = seqs_count
+    else:
+        per_token = seqs_count * width  # 4; seq-mean-token-mean divides per sequence
+
+    # -- the loss (program 0): the per-sequence sums weighted as a_t weighs their tokens
+    if pid == 0:
+        pg_acc = tl.zeros([BLOCK_S], tl.float32)
+        kl_acc = tl.zeros([BLOCK_S], tl.float32)
+        h_acc = tl.zeros([BLOCK_S], tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            seqs = s0 + offs_s
+            row = record_ptr + seqs.to(tl.int64) * RECORD
+            inside = seqs < S
+            if AGGREGATION == 2:
+                a = 1.0 / (tl.maximum(tl.load(row + 3, mask=inside, other=1.0), 1.0) * seqs_count)
+            else:
+                a = tl.full([BLOCK_S], 1.0, tl.float32) / per_token
+            pg_acc += a * tl.load(row, mask=inside, other=0.0)
+            kl_acc += a * tl.load(row + 1, mask=inside, other=0.0)
+            h_acc += a * tl.load(row + 2, mask=inside, other=0.0)
+        loss = tl.sum(pg_acc, 0)
+        if HAS_KL:
+            loss = loss + kl_coef * tl.sum(kl_acc, 0)
+        if HAS_ENTROPY:
+            loss = loss + -entropy_coeff * tl.sum(h_acc, 0)
+        tl.store(loss_ptr, loss)
+
+    # -- each token's coefficients: c_t = a_t (g_t + beta dKL_t), e_t = -entropy_coeff a_t (loss.run)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = idx < N
+    kept = tl.load(kept_ptr + idx, mask=inside, other=0).to(tl.float32)
+    if AGGREGATION == 2:
+        sid = tl.load(seq_id_ptr + idx, mask=inside, other=0)
+        final_length = tl.load(record_ptr + sid * RECORD + 3, mask=inside, other=1.0)
+        a = kept / (tl.maximum(final_length, 1.0) * seqs_count)
+    elif AGGREGATION == 0:
+        a = kept
+    else:
+        a = kept / per_token
+    coef = a * tl.load(grad_ptr + idx, mask=inside, other=0.0)
+    if HAS_KL:
+        coef = (kl_coef * a) * tl.load(dkl_ptr + idx, mask=inside, other=0.0) + coef
+    tl.store(coef_ptr + idx, coef, mask=inside)
+    if HAS_ENTROPY:
+        tl.store(coef_entropy_ptr + idx, -entropy_coeff * a, mask=inside)
+
+
+def kernel_options(options: dict) -> dict:
+    """The constexpr arguments of both kernels from the stage's option set (stage/fused.py names it)."""
+    rejection = set(options["rejection"])
+    return dict(
+        PROXIMAL=PROXIMAL[options["proximal"]], WEIGHTED=options["weighted"], IS_LEVEL=IS_LEVELS[options["is_level"]],
+        IS_MASK=options["is_mask"], RS_K1_SUM="seq_sum_k1" in rejection, RS_K1_MEAN="seq_mean_k1" in rejection,
+        RS_K3_SUM="seq_sum_k3" in rejection, RS_K3_MEAN="seq_mean_k3" in rejection,
+        RATIO_CLAMP=options["ratio_clamp"], DUAL_CLIP=options["dual_clip"], KL_TYPE=KL_TYPES[options["kl_type"]],
+        KL_STRAIGHT=options["kl_straight"], AGGREGATION=AGGREGATIONS[options["aggregation"]],
+        SEQ_MEAN_OVER_ALL=options["seq_mean_over_all"], GLOBAL_TOKENS=options["global_tokens"],
+        GLOBAL_SEQS=options["global_seqs"], SCALE_FACTOR=options["scale_factor"])
+
+
+def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
+    """Launch the two kernels. `inputs`: stage.fused.KernelInputs ([N] tensors, None where absent; the packed
+    offsets or the padded T; seq_id), `options`: the stage's option set (see kernel_options), `hyper`: the float
+    hyperparameters (a dict of the kernels' argument names). Returns (loss 0-d, lp [N], coef [N], coef_entropy [N]
+    or None, weights [N] or None, kept [N] bool), float32 but kept."""
+    codes = kernel_options(options)
+    lp = inputs.lp
+    N, S, device = lp.shape[0], inputs.num_seqs, lp.device
+    # every float32 output in one allocation (views of it: one allocator call instead of up to eight)
+    columns = 3 + bool(codes["KL_TYPE"]) + bool(codes["WEIGHTED"]) + (inputs.entropy is not None)
+    buffer = torch.empty(columns * N + S * RECORD_WIDTH + 1, dtype=torch.float32, device=device)
+    views = iter(buffer[i * N:(i + 1) * N] for i in range(columns))
+    lp_out, grad, coef = next(views), next(views), next(views)
+    dkl = next(views) if codes["KL_TYPE"] else grad
+    weights = next(views) if codes["WEIGHTED"] else None
+    coef_entropy = next(views) if inputs.entropy is not None else None
+    record = buffer[columns * N:columns * N + S * RECORD_WIDTH]
+    loss = buffer[-1]
+    kept = torch.empty(N, dtype=torch.bool, device=device)
+    # an absent input's pointer: any [N] tensor (its loads are compiled out)
+    given = lambda t: lp if t is None else t.contiguous()  # noqa: E731
+    h = hyper
+    with device_guard(lp):
+        _sequence_kernel[(S,)](
+            lp.contiguous(), given(inputs.entropy), given(inputs.advantages), inputs.mask.contiguous(),
+            given(inputs.old), given(inputs.rollout), given(inputs.ref),
+            inputs.cu_seqlens if inputs.cu_seqlens is not None else inputs.seq_id,
+            lp_out, grad, dkl, lp_out if weights is None else weights, kept, record, inputs.seq_len,
+            h["is_lo"], h["is_hi"], h["k1_sum_lo"], h["k1_sum_hi"], h["k1_mean_lo"], h["k1_mean_hi"], h["k3_sum_max"],
+            h["k3_mean_max"], h["ratio_clamp"], h["clip_lo"], h["clip_hi"], h["clip_c"],
+            HAS_CU=inputs.cu_seqlens is not None, HAS_ENTROPY=inputs.entropy is not None,
+            **{k: codes[k] for k in _SEQUENCE_OPTIONS}, BLOCK=BLOCK,
+        )
+        _finish_kernel[(max(1, triton.cdiv(N, BLOCK)),)](
+            record, kept, grad, dkl, inputs.seq_id, coef, coef if coef_entropy is None else coef_entropy, loss,
+            N, S, h["kl_coef"], h["entropy_coeff"], h["global_tokens"], h["global_seqs"], h["scale_factor"],
+            **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
+            HAS_ENTROPY=coef_entropy is not None, BLOCK=BLOCK, BLOCK_S=BLOCK_S,
+        )
+    return loss, lp_out, coef, coef_entropy, weights, kept
+
+
+_SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
+                     "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT")
+_FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR")
+
+
+def aot_specs():
+    """The option sets a launch can take, each flag on and off at least once: the families of stage/fused.py (no
+    correction; seq-MIS; geo-RS with token TIS; IcePop with K3-RS and every other flag), both layouts and every
+    aggregation; the inputs in float32 (bf16 advantages or log-probs load through the same code)."""
+    base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
+                RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False)
+    sequence_sets = [
+        dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
+        dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
+        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_K1_MEAN=True, KL_TYPE=1, KL_STRAIGHT=True),
+        dict(base, WEIGHTED=True, IS_LEVEL=3, IS_MASK=True, RS_K3_SUM=True, RS_K3_MEAN=True, KL_TYPE=5),
+        dict(base, PROXIMAL=2, KL_TYPE=2),
+        dict(base, KL_TYPE=3),
+    ]
+    pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "cu_ptr",
+                "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
+    types = dict(zip(pointers, ("*fp32",) * 3 + ("*i1",) + ("*fp32",) * 3 + ("*i64",) + ("*fp32",) * 4
+                     + ("*i1", "*fp32")))
+    floats = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean_lo", "k1_mean_hi", "k3_sum_max", "k3_mean_max",
+              "ratio_clamp", "clip_lo", "clip_hi", "clip_c")
+    specs = []
+    for i, options in enumerate(sequence_sets):
+        for has_cu in (True, False):
+            constexprs = dict(options, HAS_CU=has_cu, HAS_ENTROPY=i % 2 == 1, BLOCK=BLOCK)
+            signature = {**types, "seq_len": "i32", **{f: "fp32" for f in floats},
+                         **{k: "constexpr" for k in constexprs}}
+            specs.append(AotSpec(name=f"sequence_stage[set={i},HAS_CU={int(has_cu)}]", fn=_sequence_kernel,
+                                 signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))
+    for aggregation in AGGREGATIONS.values():
+        for i, flags in enumerate(((False, False, False, False, False), (True, True, True, True, True))):
+            constexprs = dict(zip(("SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "HAS_KL"),
+                                  flags), AGGREGATION=aggregation, HAS_ENTROPY=i == 1, BLOCK=BLOCK, BLOCK_S=BLOCK_S)
+            signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
+                         "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "loss_ptr": "*fp32",
+                         "N": "i32", "S": "i32", **{f: "fp32" for f in ("kl_coef", "entropy_coeff", "global_tokens",
+                                                                         "global_seqs", "scale_factor")},
+                         **{k: "constexpr" for k in constexprs}}
+            specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i}]", fn=_finish_kernel,
+                                 signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))
+    return specs

@@ -1,0 +1,140 @@
+"""The stage in two kernel launches for the common PPO family (kernels/triton/stage.py), where a config and batch
+are inside it: `blocker` says why not, `run` is `loss.run`'s twin for the rest.
+
+The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) at the token ratio level, any
+log_ratio_clamp; on-policy, bypass without a correction, or decoupled mode with token / sequence / geometric IS
+weights (truncated or IcePop-masked) and sequence rejection on the sum or mean of k1 or k3 (seq-MIS, geo-RS,
+K3-RS and their combinations with IS); the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through
+forms; the entropy bonus at the loss's aggregation; every aggregation mode, with the global counts. Everything
+else keeps the torch stage (`loss.run`): token-level rejection, batch-normalised weights, the other loss types,
+split batches, the sampler's evidence, and the metrics (metrics="all"), which read the stage's intermediates.
+
+Why two launches and no metrics: the metrics are ~60 reductions of a dozen intermediates the kernels never write;
+the steps that log no metrics (metrics="loss_only") are the ones whose host time shows.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import backends
+from .loss import StageOutput
+from .policy_terms import LOSS_TERMS
+from .segments import _log
+
+_PPO = tuple(name for name, entry in LOSS_TERMS.items() if entry.term is LOSS_TERMS["vanilla"].term)
+# rejection options the sequence kernel decides: k1 / k3 summed or averaged over the sequence's mask
+_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3")
+_KL_TYPES = ("k1", "k2", "abs", "k3", "k3_unclamped")
+
+
+class KernelInputs(NamedTuple):
+    """What the kernels read: [N] tensors (None where absent) and the sequences' layout."""
+    lp: torch.Tensor  # float32 statistics
+    entropy: Optional[torch.Tensor]  # None unless the loss has an entropy term
+    advantages: torch.Tensor
+    mask: torch.Tensor  # bool
+    old: Optional[torch.Tensor]
+    rollout: Optional[torch.Tensor]
+    ref: Optional[torch.Tensor]  # None unless the loss has a KL term
+    cu_seqlens: Optional[torch.Tensor]  # [S + 1] int64 (packed), or None (padded: seq_len tokens each)
+    seq_len: int
+    seq_id: torch.Tensor  # [N] int64
+    num_seqs: int
+
+
+def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
+    """Why a call's stage is outside the fused kernels' family (`dtype`: its statistics'), or None when they
+    compute it. Decided from the inputs alone, before any pass runs."""
+    if config.metrics == "all":
+        return "metrics='all' (the metrics read the torch stage's intermediates)"
+    if dtype != torch.float32:
+        return f"{dtype} statistics (the kernels compute in float32)"
+    if config.loss_type not in _PPO or config.ratio_level != "token":
+        return f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip per token only)"
+    for name in ("seq_mean_advantages", "off_policy_mask_threshold", "m2po_threshold", "vaco_threshold",
+                 "log_ratio_sq_coef", "kl_score_gradient", "kl_bias_correction", "entropy_agg_mode"):
+        if getattr(config, name):
+            return f"{name}={getattr(config, name)!r}"
+    if batch.ref_logprobs is not None and config.kl_coef and config.kl_type.rstrip("+") not in _KL_TYPES:
+        return f"kl_type={config.kl_type!r}"
+    if batch.sampler_head is not None:
+        return "the sampler's top-k or logits (SPEC §9)"
+    if batch.is_weights is not None:
+        return "a trainer's own is_weights"
+    split, seg = batch.split, batch.segments
+    if split is not None and (split.dp_group is not None or split.cp_group is not None):
+        return "a dp_group / cp_group split"
+    if seg.order is not None or seg.num_seqs == 0:
+        return "no sequences, or sequences whose tokens are not contiguous"
+    return _correction_blocker(batch, config.rollout_correction)
+
+
+def _correction_blocker(batch, rc) -> Optional[str]:
+    if rc is None or batch.rollout_logprobs is None or not rc.enabled:
+        return None
+    if batch.old_logprobs is None:
+        return "bypass mode with a rollout correction (its weights are of the current policy)"
+    if rc.is_batch_normalize or rc.rs_mode != "mask":
+        return "is_batch_normalize or rs_mode='zero_weight'"
+    unknown = [option for option, _ in rc.rs if option not in _RS]
+    if unknown:
+        return f"rejection options {unknown} (the kernels decide seq_sum / seq_mean of k1 and k3)"
+    return None
+
+
+def run(stats, batch, config, corrected=None, metrics: bool = False, evidence=None) -> StageOutput:
+    """`loss.run` for a call `blocker` passes: the same StageOutput, its metrics empty. `corrected` (the torch
+    stage's correction, computed once for the fused-linear chunks) is not read: the kernels decide it again."""
+    if metrics or evidence is not None:
+        raise ValueError("the fused stage computes no metrics and takes no sampler evidence (see blocker)")
+    inputs, options, hyper = _launch_arguments(stats, batch, config)
+    loss, lp, coef, coef_entropy, weights, kept = backends.instance("triton").sequence_stage(inputs, options, hyper)
+    return StageOutput(loss, coef, coef_entropy, weights, kept, {}, None, lp)
+
+
+def _launch_arguments(stats, batch, config):
+    """(KernelInputs, the constexpr option set, the float hyperparameters) of a covered call."""
+    seg = batch.segments
+    rc = config.rollout_correction if batch.rollout_logprobs is not None and batch.old_logprobs is not None \
+        else None
+    rc = rc if rc is not None and rc.enabled else None
+    kl = batch.ref_logprobs is not None and bool(config.kl_coef)
+    entropy_term = stats.entropy is not None and (config.adaptive_entropy or bool(config.entropy_coeff))
+    proximal = 1 if batch.old_logprobs is not None else 2 if batch.rollout_logprobs is not None else 0
+    inputs = KernelInputs(stats.logprobs, stats.entropy if entropy_term else None, batch.advantages, batch.mask,
+                          batch.old_logprobs, batch.rollout_logprobs if proximal == 2 or rc else None,
+                          batch.ref_logprobs if kl else None, seg.cu_seqlens, seg.padded_T or 0, seg.seq_id,
+                          seg.num_seqs)
+    options = dict(
+        proximal=("current", "old", "rollout")[proximal], weighted=rc is not None and rc.is_level is not None,
+        is_level=None if rc is None else rc.is_level, is_mask=rc is not None and rc.is_icepop,
+        rejection=() if rc is None else tuple(option for option, _ in rc.rs),
+        ratio_clamp=config.log_ratio_clamp is not None, dual_clip=config.clip_ratio_c is not None,
+        kl_type=config.kl_type.rstrip("+") if kl else None, kl_straight=config.kl_type.endswith("+"),
+        aggregation=config.loss_agg_mode, seq_mean_over_all=config.seq_mean_over == "all",
+        global_tokens=config.global_num_tokens is not None, global_seqs=config.global_num_seqs is not None,
+        scale_factor=config.loss_scale_factor is not None)
+    return inputs, options, _hyperparameters(config, rc)
+
+
+def _hyperparameters(config, rc) -> dict:
+    """The float arguments (never constexpr: a new value launches the same binary). k1's bounds as the torch stage
+    compares them: k1 in [-log hi, -log lo], the logs taken in float64 (correction._keeps)."""
+    bounds = dict(rc.rs) if rc is not None else {}
+
+    def k1_range(option):
+        lo, hi = bounds.get(option, (1.0, 1.0))
+        return (-_log(hi), -_log(lo))
+
+    is_lo, is_hi = rc.is_range if rc is not None else (0.0, 1.0)
+    (k1_sum_lo, k1_sum_hi), (k1_mean_lo, k1_mean_hi) = k1_range("seq_sum_k1"), k1_range("seq_mean_k1")
+    return dict(
+        is_lo=float(is_lo), is_hi=float(is_hi), k1_sum_lo=k1_sum_lo, k1_sum_hi=k1_sum_hi, k1_mean_lo=k1_mean_lo,
+        k1_mean_hi=k1_mean_hi, k3_sum_max=float(bounds.get("seq_sum_k3", 0.0)),
+        k3_mean_max=float(bounds.get("seq_mean_k3", 0.0)), ratio_clamp=float(config.log_ratio_clamp or 0.0),
+        clip_lo=1 - config.clip_ratio_low, clip_hi=1 + config.clip_ratio_high, clip_c=float(config.clip_ratio_c or 0.0),
+        kl_coef=float(config.kl_coef), entropy_coeff=float(config.entropy_coeff),
+        global_tokens=float(config.global_num_tokens or 1.0), global_seqs=float(config.global_num_seqs or 1.0),
+        scale_factor=float(config.loss_scale_factor or 1.0))
+
