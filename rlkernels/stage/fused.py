@@ -65,8 +65,8 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
     split, seg = batch.split, batch.segments
     if split is not None and (split.dp_group is not None or split.cp_group is not None):
         return "a dp_group / cp_group split"
-    if seg.order is not None or seg.num_seqs == 0:
-        return "no sequences, or sequences whose tokens are not contiguous"
+    if seg.order is not None:
+        return "sequences whose tokens are not contiguous"
     return _correction_blocker(batch, config.rollout_correction)
 
 

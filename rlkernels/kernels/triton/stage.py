@@ -346,25 +346,28 @@ def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
     given = lambda t: lp if t is None else t.contiguous()  # noqa: E731
     h = hyper
     with device_guard(lp):
-        _sequence_kernel[(S,)](
-            lp.contiguous(), given(inputs.entropy), given(inputs.advantages), inputs.mask.contiguous(),
-            given(inputs.old), given(inputs.rollout), given(inputs.ref),
-            inputs.cu_seqlens if inputs.cu_seqlens is not None else inputs.seq_id,
-            lp_out, grad, dkl, lp_out if weights is None else weights, kept, record, inputs.seq_len,
-            h["is_lo"], h["is_hi"], h["k1_sum_lo"], h["k1_sum_hi"], h["k1_mean_lo"], h["k1_mean_hi"], h["k3_sum_max"],
-            h["k3_mean_max"], h["ratio_clamp"], h["clip_lo"], h["clip_hi"], h["clip_c"],
-            HAS_CU=inputs.cu_seqlens is not None, HAS_ENTROPY=inputs.entropy is not None,
-            **{k: codes[k] for k in _SEQUENCE_OPTIONS}, BLOCK=BLOCK,
-        )
+        if S:  # an empty grid is no launch (CUDA refuses it); the finish then reads an empty record: loss 0
+            _sequence_kernel[(S,)](
+                lp.contiguous(), given(inputs.entropy), given(inputs.advantages), inputs.mask.contiguous(),
+                given(inputs.old), given(inputs.rollout), given(inputs.ref),
+                inputs.cu_seqlens if inputs.cu_seqlens is not None else inputs.seq_id,
+                lp_out, grad, dkl, lp_out if weights is None else weights, kept, record, inputs.seq_len,
+                *(h[name] for name in _SEQUENCE_HYPERPARAMETERS),
+                HAS_CU=inputs.cu_seqlens is not None, HAS_ENTROPY=inputs.entropy is not None,
+                **{k: codes[k] for k in _SEQUENCE_OPTIONS}, BLOCK=BLOCK,
+            )
         _finish_kernel[(max(1, triton.cdiv(N, BLOCK)),)](
             record, kept, grad, dkl, inputs.seq_id, coef, coef if coef_entropy is None else coef_entropy, loss,
-            N, S, h["kl_coef"], h["entropy_coeff"], h["global_tokens"], h["global_seqs"], h["scale_factor"],
+            N, S, *(h[name] for name in _FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
             HAS_ENTROPY=coef_entropy is not None, BLOCK=BLOCK, BLOCK_S=BLOCK_S,
         )
     return loss, lp_out, coef, coef_entropy, weights, kept
 
 
+_SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean_lo", "k1_mean_hi", "k3_sum_max",
+                             "k3_mean_max", "ratio_clamp", "clip_lo", "clip_hi", "clip_c")
+_FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor")
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR")
@@ -388,13 +391,11 @@ def aot_specs():
                 "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
     types = dict(zip(pointers, ("*fp32",) * 3 + ("*i1",) + ("*fp32",) * 3 + ("*i64",) + ("*fp32",) * 4
                      + ("*i1", "*fp32")))
-    floats = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean_lo", "k1_mean_hi", "k3_sum_max", "k3_mean_max",
-              "ratio_clamp", "clip_lo", "clip_hi", "clip_c")
     specs = []
     for i, options in enumerate(sequence_sets):
         for has_cu in (True, False):
             constexprs = dict(options, HAS_CU=has_cu, HAS_ENTROPY=i % 2 == 1, BLOCK=BLOCK)
-            signature = {**types, "seq_len": "i32", **{f: "fp32" for f in floats},
+            signature = {**types, "seq_len": "i32", **{f: "fp32" for f in _SEQUENCE_HYPERPARAMETERS},
                          **{k: "constexpr" for k in constexprs}}
             specs.append(AotSpec(name=f"sequence_stage[set={i},HAS_CU={int(has_cu)}]", fn=_sequence_kernel,
                                  signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))
@@ -404,8 +405,7 @@ def aot_specs():
                                   flags), AGGREGATION=aggregation, HAS_ENTROPY=i == 1, BLOCK=BLOCK, BLOCK_S=BLOCK_S)
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
                          "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "loss_ptr": "*fp32",
-                         "N": "i32", "S": "i32", **{f: "fp32" for f in ("kl_coef", "entropy_coeff", "global_tokens",
-                                                                         "global_seqs", "scale_factor")},
+                         "N": "i32", "S": "i32", **{f: "fp32" for f in _FINISH_HYPERPARAMETERS},
                          **{k: "constexpr" for k in constexprs}}
             specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i}]", fn=_finish_kernel,
                                  signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))

@@ -1,0 +1,220 @@
+"""The fused stage (stage/fused.py: two Triton launches, kernels/triton/stage.py) against the torch stage over its
+family, under TRITON_INTERPRET=1 on CPU tensors; which calls it takes (stage.choose) and which it refuses.
+
+The torch stage is held to the float64 oracle elsewhere (tests/stage/test_loss_family.py); here both sides compute
+in float32 and differ in summation order (a sequence's sums in blocks, the batch's sums per sequence), so the
+comparison is the ("reordered", fp32) row of the tolerance table: the loss, the gradient the coefficients give the
+log-probs and the entropy, the IS weights, the reported log-probs, and the final mask exactly. Inputs: both layouts,
+empty and all-masked sequences, NaN padding, mismatches from 0 to 50 nats (clamped weights, rejected sequences),
+every aggregation with and without the global counts, every KL type, log_ratio_clamp None.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rlkernels
+from rlkernels import PolicyLossConfig, RolloutCorrection, stage
+from rlkernels.config import LOSS_AGG_MODES
+from rlkernels.stage import fused
+from rlkernels.testing.launches import count_launches
+
+from ..cases import F32, assert_close, batches, scaled, tol
+
+pytestmark = [pytest.mark.interpret,
+              pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")]
+
+FAMILY_KL = ("k1", "k2", "abs", "k3", "k3_unclamped", "low_var_kl", "k1+", "k3+", "abs+")
+FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3")
+
+
+@st.composite
+def family_corrections(draw):
+    """A rollout correction inside the family: an IS level (or none), truncated or masked, and sequence rejection
+    on k1 / k3 sums and means."""
+    is_level = draw(st.sampled_from((None, "token", "sequence", "geometric")))
+    threshold = draw(st.sampled_from((2.0, 1.2, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0))))
+    rs = {}
+    for option in draw(st.lists(st.sampled_from(FAMILY_RS), max_size=3, unique=True)):
+        if option.endswith("k1"):
+            rs[option] = draw(st.sampled_from(((0.999, 1.001), (0.5, 2.0), (0.3, 5.0), (0.0, 1.1), (0.9, math.inf))))
+        else:
+            rs[option] = draw(st.sampled_from((0.001, 0.05, 4.0)))
+    if is_level is None and not rs:
+        return None
+    return RolloutCorrection(is_level=is_level, is_threshold=threshold, rs=rs,
+                             is_mode=draw(st.sampled_from((None, "truncate", "mask"))),
+                             seq_tokens=draw(st.sampled_from(("mask", "kept"))))
+
+
+@st.composite
+def family_configs(draw, mode: str):
+    kl = draw(st.sampled_from((None,) + FAMILY_KL))
+    globals_ = draw(st.booleans())
+    return PolicyLossConfig(
+        loss_type=draw(st.sampled_from(("vanilla", "ppo_clip"))),
+        clip_ratio_low=draw(st.sampled_from((0.2, 0.1))), clip_ratio_high=draw(st.sampled_from((0.2, 0.28))),
+        clip_ratio_c=draw(st.sampled_from((3.0, None, 1.5))), loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
+        entropy_coeff=draw(st.sampled_from((0.0, 0.01, -0.02))), adaptive_entropy=draw(st.booleans()),
+        kl_coef=0.0 if kl is None else draw(st.sampled_from((0.05, 1.0))), kl_type=kl or "k3",
+        rollout_correction=draw(family_corrections()) if mode == "decoupled" else None,
+        global_num_tokens=13.0 if globals_ else None, global_num_seqs=3.0 if globals_ else None,
+        loss_scale_factor=draw(st.sampled_from((None, 4.0))), seq_mean_over=draw(st.sampled_from(("nonempty", "all"))),
+        log_ratio_clamp=draw(st.sampled_from((20.0, 5.0, None))), metrics="loss_only", validate=False)
+
+
+def _both(batch, mode, config, logprobs, entropy):
+    """(output, d loss / d logprobs, d loss / d entropy) of the torch stage and of the fused one."""
+    results = []
+    for fused_stage in (False, True):
+        lp, h = logprobs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+        kwargs = batch.kwargs(mode)
+        out = rlkernels.policy_loss(lp, batch.advantages, batch.response_mask, entropy=h,
+                                    config=config.with_overrides(fused_stage=fused_stage), **kwargs)
+        results.append((out, *torch.autograd.grad(out.loss, (lp, h), allow_unused=True)))
+    return results
+
+
+@settings(max_examples=scaled(300), deadline=None)  # ~15 s: the interpreter runs these small batches quickly
+@given(batch=batches(dtype=F32, max_seqs=6, max_len=11),
+       mode=st.sampled_from(("decoupled", "decoupled", "decoupled", "bypass", "on-policy")), data=st.data())
+def test_fused_stage_matches_the_torch_stage(batch, mode, data):
+    config = data.draw(family_configs(mode))
+    gen = torch.Generator().manual_seed(int(batch.labels.numel()))
+    shape = batch.labels.shape
+    logprobs = batch.old_logprobs + torch.randn(shape, generator=gen) * data.draw(st.sampled_from((0.0, 0.1, 2.0)))
+    entropy = torch.rand(shape, generator=gen) * 3
+    (want, want_lp, want_h), (got, got_lp, got_h) = _both(batch, mode, config, logprobs, entropy)
+    assert got.metrics == {} and got.path == want.path
+    assert torch.equal(got.mask, want.mask), "final mask differs"
+    scale = max(1.0, float(want.loss.detach().abs())) if torch.isfinite(want.loss) else 1.0
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=scale), name="loss")
+    assert_close(got.logprobs, want.logprobs, **tol("reordered", F32), name="logprobs")
+    assert (got.is_weights is None) == (want.is_weights is None)
+    if want.is_weights is not None:
+        assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
+    for name, g, w in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            scale = max(1e-3, float(w.abs().amax()) if w.numel() else 0.0)
+            assert_close(g, w, **tol("reordered", F32, scale=scale), name=name)
+
+
+def test_the_logits_route_takes_it_and_its_gradient_matches():
+    """decoupled_ppo_loss on logits (the torch pass) with the fused stage: d loss / d logits as the torch stage's."""
+    g = torch.Generator().manual_seed(1)
+    N, V = 29, 17
+    logits, labels = torch.randn(N, V, generator=g), torch.randint(0, V, (N,), generator=g)
+    adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.2
+    old = torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0] + 0.2 * torch.randn(N, generator=g)
+    grads, losses = [], []
+    for fused_stage in (False, True):
+        leaf = logits.clone().requires_grad_(True)
+        config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), kl_coef=0.1, entropy_coeff=0.01,
+                                  metrics="loss_only", fused_stage=fused_stage, backend="torch")
+        out = rlkernels.decoupled_ppo_loss(leaf, labels, adv, mask, old_logprobs=old, rollout_logprobs=old - 0.1,
+                                           ref_logprobs=old + 0.05, cu_seqlens=torch.tensor([0, 4, 4, 20, N]),
+                                           config=config)
+        losses.append(out.loss.detach())
+        grads.append(torch.autograd.grad(out.loss, leaf)[0])
+    assert_close(losses[1], losses[0], **tol("reordered", F32), name="loss")
+    assert_close(grads[1], grads[0], **tol("reordered.dlogits", F32, scale=float(grads[0].abs().max())), name="dlogits")
+
+
+def test_the_fused_stage_is_two_launches():
+    """The stage's launches: 2 Triton kernels and at most 4 ATen ops (its two allocations and their views), against
+    dozens for the torch stage: the launch counter (which counts a Triton launch as one op) on the stage alone."""
+    batch, _, config = _policy_call(fused_stage=True)
+    _, fused_count = count_launches(batch)
+    _, torch_count = count_launches(_policy_call(fused_stage=False)[0])
+    triton_launches = {k: v for k, v in fused_count.ops.items() if k.startswith("triton:")}
+    assert triton_launches == {"triton:_sequence_kernel": 1, "triton:_finish_kernel": 1}, fused_count.ops
+    assert torch_count.launching - fused_count.launching >= 40, (torch_count.ops, fused_count.ops)
+
+
+def _policy_call(**overrides):
+    g = torch.Generator().manual_seed(2)
+    N = 40
+    old = -torch.rand(N, generator=g) * 3
+    config = PolicyLossConfig(**{"rollout_correction": RolloutCorrection.seq_mis(), "metrics": "loss_only",
+                                 "validate": False, **overrides})
+    lp = (old + 0.1 * torch.randn(N, generator=g)).requires_grad_(True)
+    adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
+    return (lambda: rlkernels.policy_loss(lp, adv, mask, old_logprobs=old, rollout_logprobs=old + 0.05,
+                                          cu_seqlens=torch.tensor([0, 10, 25, N]), config=config)), None, config
+
+
+@pytest.mark.parametrize("override, reason", [
+    (dict(metrics="all"), "metrics='all'"),
+    (dict(loss_type="gspo"), "loss_type='gspo'"),
+    (dict(ratio_level="sequence"), "ratio_level='sequence'"),
+    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    (dict(entropy_agg_mode="token-sum"), "entropy_agg_mode"),
+    (dict(kl_score_gradient=True), "kl_score_gradient"),
+    (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_k1": (0.5, 2.0)})), "rejection options"),
+    (dict(rollout_correction=RolloutCorrection.seq_tis(is_batch_normalize=True)), "is_batch_normalize"),
+    (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
+])
+def test_outside_the_family_the_torch_stage_runs_and_true_is_refused(override, reason):
+    call, _, config = _policy_call(**override)
+    out = call()  # fused_stage=None on the CPU: the torch stage, whatever the family
+    assert out.loss.requires_grad
+    with pytest.raises(ValueError, match=f"fused_stage: True, but .*{reason}"):
+        _policy_call(fused_stage=True, **override)[0]()
+    prepared = _prepared(config.with_overrides(**override))
+    assert stage.choose(torch.zeros(1), prepared, config.with_overrides(fused_stage=True, **override)) \
+        is not fused.run
+
+
+def _prepared(config):
+    from rlkernels.inputs import Arguments, prepare_policy
+
+    g = torch.Generator().manual_seed(3)
+    lp = torch.randn(8, generator=g)
+    args = Arguments(advantages=torch.randn(8, generator=g), response_mask=torch.ones(8, dtype=torch.bool),
+                     old_logprobs=lp, rollout_logprobs=lp + 0.1)
+    return prepare_policy(lp, args, config, {})[1]
+
+
+def test_fused_stage_none_takes_it_only_on_cuda_and_false_never():
+    """On CPU tensors fused_stage=None keeps the torch stage (the interpreter is for tests); True takes the kernels
+    where they cover the call; False never; inside a compiled region never (it traces the torch stage)."""
+    config = PolicyLossConfig(metrics="loss_only")
+    batch = _prepared(config)
+    x = torch.zeros(1)
+    assert stage.choose(x, batch, config) is not fused.run
+    assert stage.choose(x, batch, config.with_overrides(fused_stage=True)) is fused.run
+    assert stage.choose(x, batch, config.with_overrides(fused_stage=False)) is not fused.run
+    assert fused.blocker(batch, config, torch.float64) == "torch.float64 statistics (the kernels compute in float32)"
+    with pytest.raises(TypeError, match="fused_stage: expected a bool or None"):
+        PolicyLossConfig(fused_stage="yes")
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("rc, agg", [
+    (RolloutCorrection.seq_mis(), "seq-mean-token-mean"),
+    (RolloutCorrection.geo_rs_token_tis(bounds=(0.98, 1.02)), "token-mean"),
+    (RolloutCorrection(is_level="geometric", is_threshold=(0.8, 1.25), rs={"seq_mean_k3": 0.05}),
+     "seq-mean-token-sum-norm"),
+])
+def test_sequences_longer_than_a_block(layout, rc, agg):
+    """Sequences of 0 to 1,100 tokens: the sequence kernel's two reads step through several 512-token blocks (a
+    partial last one), and the finish programs each take a block of tokens (cases.make_batch's inputs)."""
+    from ..cases import make_batch
+
+    lengths = [1100, 0, 513, 3, 512] if layout == "packed" else [700] * 3
+    batch = make_batch(layout, lengths, 2, dtype=F32, seed=4, mismatch=0.05, mask_p=0.85)
+    config = PolicyLossConfig(rollout_correction=rc, loss_agg_mode=agg, kl_coef=0.1, kl_type="k3", entropy_coeff=0.01,
+                              metrics="loss_only", validate=False)
+    gen = torch.Generator().manual_seed(5)
+    logprobs = batch.old_logprobs + 0.05 * torch.randn(batch.labels.shape, generator=gen)
+    entropy = torch.rand(batch.labels.shape, generator=gen)
+    (want, want_lp, want_h), (got, got_lp, got_h) = _both(batch, "decoupled", config, logprobs, entropy)
+    assert torch.equal(got.mask, want.mask) and 0 < int(got.mask.sum()) < got.mask.numel()
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
+    for name, g, w in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
+        assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
