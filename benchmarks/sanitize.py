@@ -6,7 +6,7 @@
 
 Each backend runs, through the public API, the calls that reach each of its kernels once: the token statistics
 forward and backward (with and without entropy, in place), the top-k head columns (`sampler_topk_ids`), the full
-divergences forward and backward (`sampler_logits`), and numerics="vllm". The rows are few (16) and the vocabulary
+divergences forward and backward (`sampler_logits`), numerics="vllm", and the fused stage (Triton). The rows are few (16) and the vocabulary
 real (151,936 by default): the sanitizer checks every access and is slow, so the shape is what a launch at scale
 touches per row, not its row count. Prints one line per call, so that a report names the kernel it came from.
 """
@@ -42,9 +42,9 @@ def calls(N: int, V: int, device: str, backend: str):
                                        inplace_backward=inplace)
         (out.logprobs.sum() + (out.entropy.sum() if entropy else 0)).backward()
 
-    def ppo(**sampler_inputs):
+    def ppo(config=seq_mis, **sampler_inputs):
         x = logits.clone().requires_grad_(True)
-        rlkernels.decoupled_ppo_loss(x, labels, config=seq_mis, **common, **sampler_inputs).loss.backward()
+        rlkernels.decoupled_ppo_loss(x, labels, config=config, **common, **sampler_inputs).loss.backward()
 
     out = [("token_stats + token_grad", lambda: logprobs(False, False)),
            ("token_stats + token_grad, entropy, in place", lambda: logprobs(True, True)),
@@ -54,6 +54,9 @@ def calls(N: int, V: int, device: str, backend: str):
         out += [("full divergences fwd + bwd", lambda: ppo(sampler_logits=sampler)),
                 ("vllm_logprobs", lambda: rlkernels.token_logprobs(logits, labels, backend=backend, validate=False,
                                                                    numerics="vllm"))]
+    if backend == "triton":  # the fused stage's two kernels (16 rows in 3 sequences, one of them empty)
+        fused = seq_mis.with_overrides(metrics="loss_only", fused_stage=True, entropy_coeff=0.01, kl_coef=0.0)
+        out.append(("fused stage", lambda: ppo(fused, cu_seqlens=torch.tensor([0, 5, 5, N], device=device))))
     return out
 
 

@@ -15,6 +15,13 @@ script checks that they cause no recompilation and that both versions agree.
 `--split` also times the stage with `dp_group` set to a one-rank group (gloo on the CPU, NCCL on
 CUDA) against no group, eager and compiled, interleaved: what the split's packing, merging, two
 all_gathers and graph breaks cost by themselves, before any network time.
+
+    python -m benchmarks.stage --device cuda --fused       # + the fused stage (two Triton launches)
+    python -m benchmarks.stage --device cuda --fused-only  # the fused stage's rows alone
+
+`--fused` times the loss alone (metrics="loss_only") of the cases the fused stage covers (stage/fused.py): the
+torch stage eager, compiled, and eager replayed from a CUDA graph, against the two kernels, interleaved, with the
+loss of each checked against the eager one. On the CPU it needs TRITON_INTERPRET=1 (a correctness run, not a time).
 """
 
 import argparse
@@ -140,6 +147,56 @@ def measure_split(case: str, num_tokens: int, num_seqs: int, device: str, reps: 
                 compiled_split_vs_local=round(ms[(True, "split")] / ms[(True, "local")], 3))
 
 
+def measure_fused(case: str, num_tokens: int, num_seqs: int, device: str, reps: int) -> dict:
+    """The loss alone: the torch stage eager, compiled and graph-replayed (CUDA) against the fused kernels."""
+    from rlkernels.outputs import TokenStats
+    from rlkernels.stage import fused
+    from rlkernels.testing.stage import stage_batch
+
+    lp, ent, adv, mask, old, rollout, ref, seg = stage_inputs(num_tokens, num_seqs, device)
+    config = CASES[case]().with_overrides(metrics="loss_only")
+    batch, stats = stage_batch(mask, seg, adv, old, rollout, ref), TokenStats(lp, ent, None)
+    reason = fused.blocker(batch, config, lp.dtype)
+    if reason is not None:
+        return dict(case=case, device=device, fused=f"not covered: {reason}")
+    variants = {"eager": lambda: rk_stage.run(stats, batch, config, metrics=False),
+                "compiled": lambda: rk_stage.select(lp, True)(stats, batch, config, metrics=False),
+                "fused": lambda: fused.run(stats, batch, config)}
+    losses = {name: fn().loss for name, fn in variants.items()}  # first contact (compiles) outside the times
+    if device == "cuda":
+        variants["graphed"] = _graph_replay(variants["eager"])
+    times = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    want = losses["eager"]
+    return dict(case=case, device=device, tokens=num_tokens, seqs=num_seqs,
+                **{f"{name}_ms": round(t, 4) for name, t in ms.items()},
+                fused_vs_eager=round(ms["fused"] / ms["eager"], 3),
+                fused_vs_compiled=round(ms["fused"] / ms["compiled"], 3),
+                loss_max_rel_diff={name: float((loss - want).abs() / want.abs().clamp_min(1e-30))
+                                   for name, loss in losses.items()})
+
+
+def _graph_replay(fn):
+    """fn (sync-free) captured in a CUDA graph after warm-up; its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -149,10 +206,15 @@ def main(argv=None):
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="default: every case")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--split", action="store_true", help="also time a one-rank dp_group against no group")
+    ap.add_argument("--fused", action="store_true", help="also time the loss alone against the fused stage")
+    ap.add_argument("--fused-only", action="store_true", help="only --fused's rows")
     args = ap.parse_args(argv)
-    rows = [measure(c, args.tokens, args.seqs, args.device, args.reps) for c in (args.case or sorted(CASES))]
-    print(f"{'case':22} {'device':6} {'N':>6} {'S':>4} {'kernels':>7} {'first call s':>12} "
-          f"{'eager ms':>9} {'compiled ms':>11} {'compiled/eager':>14}")
+    args.fused = args.fused or args.fused_only
+    rows = [] if args.fused_only else [measure(c, args.tokens, args.seqs, args.device, args.reps)
+                                       for c in (args.case or sorted(CASES))]
+    if rows:
+        print(f"{'case':22} {'device':6} {'N':>6} {'S':>4} {'kernels':>7} {'first call s':>12} "
+              f"{'eager ms':>9} {'compiled ms':>11} {'compiled/eager':>14}")
     for r in rows:
         print(f"{r['case']:22} {r['device']:6} {r['tokens']:>6} {r['seqs']:>4} {r['inductor_kernels']:>7} "
               f"{r['first_call_s']:>12} {r['eager_ms']:>9.3f} {r['compiled_ms']:>11.3f} "
@@ -167,6 +229,13 @@ def main(argv=None):
                   f"{r['eager_split_vs_local']:>6.2f} {r['compiled_local_ms']:>11.3f} {r['compiled_split_ms']:>9.3f} "
                   f"{r['compiled_split_vs_local']:>6.2f}")
         rows += split_rows
+    if args.fused:
+        fused_rows = [measure_fused(c, args.tokens, args.seqs, args.device, args.reps)
+                      for c in (args.case or sorted(CASES))]
+        print()
+        for r in fused_rows:
+            print("  ".join(f"{k} {v}" for k, v in r.items()))
+        rows += fused_rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -279,3 +279,16 @@ def test_the_sanitizer_script_reaches_every_kernel_family(capsys):
         "full divergences fwd + bwd", "vllm_logprobs"]
     script = (Path(sanitize.__file__).parent / "gpu_check.sh").read_text()
     assert "compute-sanitizer --tool memcheck" in script and "compute-sanitizer --tool racecheck" in script
+
+
+def test_the_stage_benchmark_sets_the_fused_stage_against_the_torch_stage(tmp_path):
+    """benchmarks/stage.py --fused-only (gpu_check.sh's stage_fused step) under the interpreter: a covered case gets
+    every variant's loss, equal to the eager one's; a case outside the family says why instead of a time."""
+    stage = pytest.importorskip("benchmarks.stage")
+    rows = stage.main(["--device", "cpu", "--tokens", "64", "--seqs", "4", "--reps", "1", "--fused-only",
+                       "--case", "seq_mis+kl+entropy", "--case", "family", "--json", str(tmp_path / "s.json")])
+    covered, family = rows
+    assert {"eager_ms", "compiled_ms", "fused_ms"} <= set(covered)
+    assert max(covered["loss_max_rel_diff"].values()) <= TOL[("reordered", torch.float32)].rtol
+    assert family["fused"].startswith("not covered: loss_type='ppo_clip', ratio_level='sequence'")
+    assert json.loads((tmp_path / "s.json").read_text()) == rows
