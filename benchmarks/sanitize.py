@@ -6,9 +6,10 @@
 
 Each backend runs, through the public API, the calls that reach each of its kernels once: the token statistics
 forward and backward (with and without entropy, in place), the top-k head columns (`sampler_topk_ids`), the full
-divergences forward and backward (`sampler_logits`), numerics="vllm", and the fused stage (Triton). The rows are few (16) and the vocabulary
-real (151,936 by default): the sanitizer checks every access and is slow, so the shape is what a launch at scale
-touches per row, not its row count. Prints one line per call, so that a report names the kernel it came from.
+divergences forward and backward (`sampler_logits`), numerics="vllm", and the fused stage (Triton). The rows are
+few (16) and the vocabulary real (151,936 by default): the sanitizer checks every access and is slow, so the shape
+is what a launch at scale touches per row, not its row count. Prints one line per call, so that a report names the
+kernel it came from.
 """
 
 import argparse
