@@ -218,3 +218,37 @@ def test_sequences_longer_than_a_block(layout, rc, agg):
     assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
     for name, g, w in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
         assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_the_hidden_state_routes_take_it(one_pass):
+    """linear_decoupled_ppo_loss with the fused stage: in the one-pass form every chunk's coefficients come from the
+    two kernels (the correction decided again from the proximal and sampler log-probs, as the torch stage's once),
+    in the two-pass form the stage after the pass; the gradients of the hidden states and the weight as the torch
+    stage's, with chunks of 8 rows so that the one-pass form runs several."""
+    g = torch.Generator().manual_seed(6)
+    N, H, V = 30, 8, 23
+    hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / 3
+    labels, adv = torch.randint(0, V, (N,), generator=g), torch.randn(N, generator=g)
+    mask = torch.rand(N, generator=g) > 0.2
+    old = -torch.rand(N, generator=g) * 3
+    rollout = old + 0.1 * torch.randn(N, generator=g)
+    results = []
+    for fused_stage in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        config = PolicyLossConfig(rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.8, 1.25)),
+                                  entropy_coeff=0.01, kl_coef=0.1, metrics="loss_only", fused_stage=fused_stage,
+                                  linear_one_pass=one_pass, backend="torch", memory_budget_bytes=8 * V * 4,
+                                  validate=False)
+        out, launched = count_launches(lambda: rlkernels.linear_decoupled_ppo_loss(
+            h, w, labels, adv, mask, old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=old + 0.05,
+            cu_seqlens=torch.tensor([0, 9, 9, 21, N]), config=config))
+        # one-pass: a stage per chunk of 8 rows (4) and the final one; two-pass: the one after the pass
+        assert launched.ops["triton:_sequence_kernel"] == (0 if not fused_stage else 5 if one_pass else 1)
+        results.append((out, *torch.autograd.grad(out.loss, (h, w))))
+    (want, want_h, want_w), (got, got_h, got_w) = results
+    assert got.path == want.path == ("linear_one_pass" if one_pass else "linear_two_pass")
+    assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    for name, x, y in (("dhidden", got_h, want_h), ("dweight", got_w, want_w)):
+        assert_close(x, y, **tol("reordered", F32, scale=float(y.abs().amax())), name=name)

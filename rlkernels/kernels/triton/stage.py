@@ -221,18 +221,13 @@ def _sequence_kernel(
     tl.store(row + 4, (end - start).to(tl.float32))
 
 
-@triton.jit(do_not_specialize=["N", "S"])
-def _finish_kernel(
-    record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, loss_ptr,
-    N, S,
-    kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
-    AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
-    GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, HAS_KL: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    pid = tl.program_id(0)
+@triton.jit
+def _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor, SEQ_MEAN_OVER_ALL: tl.constexpr,
+                 GLOBAL_TOKENS: tl.constexpr, GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """The batch's normalisers from the [S] record (correction.normalisers, loss.aggregation_weights): the kept
+    tokens, the sequences G, and the width K of seq-mean-token-sum-norm, or the config's global values."""
     offs_s = tl.arange(0, BLOCK_S)
-    # -- the batch's normalisers (correction.normalisers, loss.aggregation_weights), from the record
     kept_tokens_acc = tl.zeros([BLOCK_S], tl.float32)
     kept_seqs_acc = tl.zeros([BLOCK_S], tl.float32)
     width_acc = tl.zeros([BLOCK_S], tl.float32)
@@ -257,6 +252,22 @@ def _finish_kernel(
         width = scale_factor
     else:
         width = tl.maximum(tl.max(width_acc, 0), 1.0)
+    return tokens, seqs_count, width
+
+
+@triton.jit(do_not_specialize=["N", "S"])
+def _finish_kernel(
+    record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, loss_ptr,
+    N, S,
+    kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
+    AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
+    GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, HAS_KL: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
+                                             SEQ_MEAN_OVER_ALL, GLOBAL_TOKENS, GLOBAL_SEQS, SCALE_FACTOR, BLOCK_S)
     # a_t = m'_t * per_token / per_seq[s]: the division's denominator, as loss.aggregation_weights forms it
     if AGGREGATION == 0:
         per_token = 1.0
