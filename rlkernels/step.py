@@ -150,8 +150,9 @@ def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
         torch.where(batch.mask, proximal.to(dt), zero)
     entropy = torch.zeros_like(lp) if options.entropy else None
     corrected = stage.correct(TokenStats(lp, entropy, None), batch, config)  # once: its collectives too
-    # the fused kernels where they cover the call (they decide the correction again: two launches per chunk)
-    run = stage.choose(lp, batch, config, fallback=stage.run)
+    # the fused kernels where they cover the call (they decide the correction again: two launches per chunk); the
+    # chunks' runs record no metrics, so they take the kernels with metrics="all" too
+    run = stage.choose(lp, batch, config, fallback=stage.run, metrics=False)
 
     def coefficients(idx, lp_rows, entropy_rows):
         lp.index_copy_(0, idx, lp_rows)
@@ -167,7 +168,8 @@ def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     # the correction is reused unless it reads the current policy (bypass mode's mismatch metrics): then the split
     # is combined a second time. Eager either way: a compiled stage takes no precomputed correction
     reuse = None if stage.correction_reads_current_policy(batch) else corrected
-    out = run(detached, batch, config, corrected=reuse, metrics=config.metrics == "all")
+    out = stage.choose(lp, batch, config, fallback=stage.run)(detached, batch, config, corrected=reuse,
+                                                              metrics=config.metrics == "all")
     d_hidden = None if grads.d_hidden is None else grads.d_hidden.view(hidden.shape)
     loss = ops.ForwardGradientFunction.apply(out.loss, hidden, weight, bias, d_hidden, grads.d_weight, grads.d_bias,
                                              config.validate)

@@ -112,9 +112,10 @@ def check_fused(batch, config, dtype: torch.dtype, device: torch.device) -> None
                          "(fused_stage=None takes it where it can)")
 
 
-def choose(tensor: torch.Tensor, batch, config, fallback=None):
+def choose(tensor: torch.Tensor, batch, config, fallback=None, metrics: Optional[bool] = None):
     """The stage of one call on statistics like `tensor`: the fused kernels (fused.run) where config.fused_stage
-    allows and they cover the call, else `fallback` (None: `select`'s eager or compiled `run`)."""
-    if _fused_runs(config, tensor.device) and fused.blocker(batch, config, tensor.dtype) is None:
+    allows and they cover the call, else `fallback` (None: `select`'s eager or compiled `run`). `metrics`: whether
+    this run records them (None: as config.metrics)."""
+    if _fused_runs(config, tensor.device) and fused.blocker(batch, config, tensor.dtype, metrics) is None:
         return fused.run
     return select(tensor, config.compile_stage) if fallback is None else fallback

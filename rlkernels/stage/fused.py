@@ -10,7 +10,8 @@ else keeps the torch stage (`loss.run`): token-level rejection, batch-normalised
 split batches, the sampler's evidence, and the metrics (metrics="all"), which read the stage's intermediates.
 
 Why two launches and no metrics: the metrics are ~60 reductions of a dozen intermediates the kernels never write;
-the steps that log no metrics (metrics="loss_only") are the ones whose host time shows.
+the steps that log no metrics (metrics="loss_only") are the ones whose host time shows. The fused-linear one-pass
+form's per-chunk runs (coefficients only) take the kernels whatever config.metrics says.
 """
 
 from typing import NamedTuple, Optional
@@ -43,10 +44,11 @@ class KernelInputs(NamedTuple):
     num_seqs: int
 
 
-def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
+def blocker(batch, config, dtype: torch.dtype, metrics: Optional[bool] = None) -> Optional[str]:
     """Why a call's stage is outside the fused kernels' family (`dtype`: its statistics'), or None when they
-    compute it. Decided from the inputs alone, before any pass runs."""
-    if config.metrics == "all":
+    compute it. Decided from the inputs alone, before any pass runs. `metrics`: whether this run of the stage
+    records them (None: as config.metrics; the fused-linear chunks' runs never do)."""
+    if config.metrics == "all" if metrics is None else metrics:
         return "metrics='all' (the metrics read the torch stage's intermediates)"
     if dtype != torch.float32:
         return f"{dtype} statistics (the kernels compute in float32)"

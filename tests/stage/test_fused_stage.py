@@ -240,15 +240,44 @@ def test_the_hidden_state_routes_take_it(one_pass):
                                   entropy_coeff=0.01, kl_coef=0.1, metrics="loss_only", fused_stage=fused_stage,
                                   linear_one_pass=one_pass, backend="torch", memory_budget_bytes=8 * V * 4,
                                   validate=False)
-        out, launched = count_launches(lambda: rlkernels.linear_decoupled_ppo_loss(
-            h, w, labels, adv, mask, old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=old + 0.05,
-            cu_seqlens=torch.tensor([0, 9, 9, 21, N]), config=config))
+        out, launched = count_launches(
+            rlkernels.linear_decoupled_ppo_loss, h, w, labels, adv, mask, old_logprobs=old, rollout_logprobs=rollout,
+            ref_logprobs=old + 0.05, cu_seqlens=torch.tensor([0, 9, 9, 21, N]), config=config)
         # one-pass: a stage per chunk of 8 rows (4) and the final one; two-pass: the one after the pass
         assert launched.ops["triton:_sequence_kernel"] == (0 if not fused_stage else 5 if one_pass else 1)
         results.append((out, *torch.autograd.grad(out.loss, (h, w))))
     (want, want_h, want_w), (got, got_h, got_w) = results
     assert got.path == want.path == ("linear_one_pass" if one_pass else "linear_two_pass")
     assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    for name, x, y in (("dhidden", got_h, want_h), ("dweight", got_w, want_w)):
+        assert_close(x, y, **tol("reordered", F32, scale=float(y.abs().amax())), name=name)
+
+
+def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
+    """With metrics="all" (the default), the one-pass form's per-chunk runs record no metrics, so on CUDA
+    (fused_stage=None; simulated here by letting the kernels run on the CPU) they take the two kernels, while the
+    final run, which records the metrics, is the torch stage: the same loss, gradients and metrics."""
+    g = torch.Generator().manual_seed(8)
+    N, H, V = 24, 8, 19
+    hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / 3
+    labels, adv, old = torch.randint(0, V, (N,), generator=g), torch.randn(N, generator=g), -torch.rand(N, generator=g)
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), backend="torch",
+                              memory_budget_bytes=8 * V * 4, validate=False)
+    results = []
+    for kernels in (False, True):
+        monkeypatch.setattr(stage, "_fused_runs", lambda config, device, on=kernels: on)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out, launched = count_launches(
+            rlkernels.linear_decoupled_ppo_loss, h, w, labels, adv, torch.ones(N, dtype=torch.bool), old_logprobs=old,
+            rollout_logprobs=old - 0.05, cu_seqlens=torch.tensor([0, 10, N]), config=config)
+        assert out.path == "linear_one_pass"
+        assert launched.ops["triton:_sequence_kernel"] == (3 if kernels else 0)  # 3 chunks of 8 rows
+        results.append((out, *torch.autograd.grad(out.loss, (h, w))))
+    (want, want_h, want_w), (got, got_h, got_w) = results
+    assert set(got.metrics) == set(want.metrics) and len(want.metrics) > 20
+    for name, value in want.metrics.items():
+        assert_close(got.metrics[name], value, **tol("reordered", F32, scale=max(1.0, float(value.abs()))), name=name)
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
     for name, x, y in (("dhidden", got_h, want_h), ("dweight", got_w, want_w)):
         assert_close(x, y, **tol("reordered", F32, scale=float(y.abs().amax())), name=name)
