@@ -57,7 +57,7 @@ class Segments:
         if cu_seqlens is None:  # [N, V] without cu_seqlens: one sequence
             cu = torch.tensor([0, N], dtype=torch.long, device=device)
             return cls(torch.zeros(N, dtype=torch.long, device=device), 1, N, None, cu)
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        cu = cu_seqlens.to(device=device, dtype=torch.long).contiguous()  # kernels index it as contiguous
         S = cu.numel() - 1
         seq_id = torch.searchsorted(cu[1:], torch.arange(N, device=device), right=True)
         return cls(seq_id, S, None, None, cu)

@@ -255,10 +255,10 @@ def _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor, SEQ_ME
     return tokens, seqs_count, width
 
 
-@triton.jit(do_not_specialize=["N", "S"])
+@triton.jit(do_not_specialize=["N", "S", "blocks_per_program"])
 def _finish_kernel(
     record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, loss_ptr,
-    N, S,
+    N, S, blocks_per_program,
     kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
     AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
     GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, HAS_KL: tl.constexpr, HAS_ENTROPY: tl.constexpr,
@@ -301,24 +301,27 @@ def _finish_kernel(
             loss = loss + -entropy_coeff * tl.sum(h_acc, 0)
         tl.store(loss_ptr, loss)
 
-    # -- each token's coefficients: c_t = a_t (g_t + beta dKL_t), e_t = -entropy_coeff a_t (loss.run)
-    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = idx < N
-    kept = tl.load(kept_ptr + idx, mask=inside, other=0).to(tl.float32)
-    if AGGREGATION == 2:
-        sid = tl.load(seq_id_ptr + idx, mask=inside, other=0)
-        final_length = tl.load(record_ptr + sid * RECORD + 3, mask=inside, other=1.0)
-        a = kept / (tl.maximum(final_length, 1.0) * seqs_count)
-    elif AGGREGATION == 0:
-        a = kept
-    else:
-        a = kept / per_token
-    coef = a * tl.load(grad_ptr + idx, mask=inside, other=0.0)
-    if HAS_KL:
-        coef = (kl_coef * a) * tl.load(dkl_ptr + idx, mask=inside, other=0.0) + coef
-    tl.store(coef_ptr + idx, coef, mask=inside)
-    if HAS_ENTROPY:
-        tl.store(coef_entropy_ptr + idx, -entropy_coeff * a, mask=inside)
+    # -- each token's coefficients: c_t = a_t (g_t + beta dKL_t), e_t = -entropy_coeff a_t (loss.run), over the
+    # program's blocks of tokens (several where the record is long: its reduction above is every program's cost)
+    first = pid.to(tl.int64) * blocks_per_program * BLOCK
+    for b in range(0, blocks_per_program):
+        idx = first + b * BLOCK + tl.arange(0, BLOCK)
+        inside = idx < N
+        kept = tl.load(kept_ptr + idx, mask=inside, other=0).to(tl.float32)
+        if AGGREGATION == 2:
+            sid = tl.load(seq_id_ptr + idx, mask=inside, other=0)
+            final_length = tl.load(record_ptr + sid * RECORD + 3, mask=inside, other=1.0)
+            a = kept / (tl.maximum(final_length, 1.0) * seqs_count)
+        elif AGGREGATION == 0:
+            a = kept
+        else:
+            a = kept / per_token
+        coef = a * tl.load(grad_ptr + idx, mask=inside, other=0.0)
+        if HAS_KL:
+            coef = (kl_coef * a) * tl.load(dkl_ptr + idx, mask=inside, other=0.0) + coef
+        tl.store(coef_ptr + idx, coef, mask=inside)
+        if HAS_ENTROPY:
+            tl.store(coef_entropy_ptr + idx, -entropy_coeff * a, mask=inside)
 
 
 def kernel_options(options: dict) -> dict:
@@ -342,18 +345,25 @@ def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
     codes = kernel_options(options)
     lp = inputs.lp
     N, S, device = lp.shape[0], inputs.num_seqs, lp.device
-    # every float32 output in one allocation (views of it: one allocator call instead of up to eight)
-    columns = 3 + bool(codes["KL_TYPE"]) + bool(codes["WEIGHTED"]) + (inputs.entropy is not None)
-    buffer = torch.empty(columns * N + S * RECORD_WIDTH + 1, dtype=torch.float32, device=device)
-    views = iter(buffer[i * N:(i + 1) * N] for i in range(columns))
-    lp_out, grad, coef = next(views), next(views), next(views)
+    f32 = dict(dtype=torch.float32, device=device)
+    # two float32 allocations, views of each: what the call reports (log-probs, IS weights: a caller may edit them
+    # in place) apart from what the backward saves (the coefficients), which share no version counter with them
+    reported = torch.empty((1 + bool(codes["WEIGHTED"])) * N, **f32)
+    lp_out = reported[:N]
+    weights = reported[N:] if codes["WEIGHTED"] else None
+    columns = 2 + bool(codes["KL_TYPE"]) + (inputs.entropy is not None)
+    internal = torch.empty(columns * N + S * RECORD_WIDTH + 1, **f32)
+    views = iter(internal[i * N:(i + 1) * N] for i in range(columns))
+    grad, coef = next(views), next(views)
     dkl = next(views) if codes["KL_TYPE"] else grad
-    weights = next(views) if codes["WEIGHTED"] else None
     coef_entropy = next(views) if inputs.entropy is not None else None
-    record = buffer[columns * N:columns * N + S * RECORD_WIDTH]
-    loss = buffer[-1]
+    record = internal[columns * N:columns * N + S * RECORD_WIDTH]
+    loss = internal[-1]
     kept = torch.empty(N, dtype=torch.bool, device=device)
-    # an absent input's pointer: any [N] tensor (its loads are compiled out)
+    # each finish program reduces the whole record: for a long one, fewer programs with more tokens each
+    blocks_per_program = max(1, triton.cdiv(S, BLOCK))
+    # the kernels index every input as contiguous (a strided view is copied); an absent one's pointer: any tensor
+    # (its loads are compiled out)
     given = lambda t: lp if t is None else t.contiguous()  # noqa: E731
     h = hyper
     with device_guard(lp):
@@ -361,15 +371,15 @@ def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
             _sequence_kernel[(S,)](
                 lp.contiguous(), given(inputs.entropy), given(inputs.advantages), inputs.mask.contiguous(),
                 given(inputs.old), given(inputs.rollout), given(inputs.ref),
-                inputs.cu_seqlens if inputs.cu_seqlens is not None else inputs.seq_id,
+                given(inputs.cu_seqlens if inputs.cu_seqlens is not None else inputs.seq_id),
                 lp_out, grad, dkl, lp_out if weights is None else weights, kept, record, inputs.seq_len,
                 *(h[name] for name in _SEQUENCE_HYPERPARAMETERS),
                 HAS_CU=inputs.cu_seqlens is not None, HAS_ENTROPY=inputs.entropy is not None,
                 **{k: codes[k] for k in _SEQUENCE_OPTIONS}, BLOCK=BLOCK,
             )
-        _finish_kernel[(max(1, triton.cdiv(N, BLOCK)),)](
-            record, kept, grad, dkl, inputs.seq_id, coef, coef if coef_entropy is None else coef_entropy, loss,
-            N, S, *(h[name] for name in _FINISH_HYPERPARAMETERS),
+        _finish_kernel[(max(1, triton.cdiv(N, BLOCK * blocks_per_program)),)](
+            record, kept, grad, dkl, given(inputs.seq_id), coef, coef if coef_entropy is None else coef_entropy,
+            loss, N, S, blocks_per_program, *(h[name] for name in _FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
             HAS_ENTROPY=coef_entropy is not None, BLOCK=BLOCK, BLOCK_S=BLOCK_S,
         )
@@ -416,7 +426,8 @@ def aot_specs():
                                   flags), AGGREGATION=aggregation, HAS_ENTROPY=i == 1, BLOCK=BLOCK, BLOCK_S=BLOCK_S)
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
                          "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "loss_ptr": "*fp32",
-                         "N": "i32", "S": "i32", **{f: "fp32" for f in _FINISH_HYPERPARAMETERS},
+                         "N": "i32", "S": "i32", "blocks_per_program": "i32",
+                         **{f: "fp32" for f in _FINISH_HYPERPARAMETERS},
                          **{k: "constexpr" for k in constexprs}}
             specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i}]", fn=_finish_kernel,
                                  signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))
