@@ -38,11 +38,17 @@ PROXIMAL = {"current": 0, "old": 1, "rollout": 2}  # l_old of SPEC §1: on-polic
 
 
 @triton.jit
+def _clamp(x, lo, hi):
+    """torch.clamp: NaN stays NaN (a GPU's min / max would return the bound), as the torch stage's decisions see it."""
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _truncated(raw, live, lo, hi, IS_MASK: tl.constexpr):
     """SPEC §4: raw clamped to [lo, hi] (IcePop: 0 outside it), 0 where not `live`."""
     if IS_MASK:  # nested selects: `live` may be a 0-d flag, which the interpreter cannot `&` with a block
         return tl.where(live, tl.where(raw >= lo, tl.where(raw <= hi, raw, 0.0), 0.0), 0.0)
-    return tl.where(live, tl.minimum(tl.maximum(raw, lo), hi), 0.0)
+    return tl.where(live, _clamp(raw, lo, hi), 0.0)
 
 
 @triton.jit
@@ -59,9 +65,9 @@ def _kl_and_grad(lp, ref, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
         dkl = tl.where(lp > ref, 1.0, tl.where(lp < ref, -1.0, 0.0))
     elif KL_TYPE == 4:
         d_raw = ref - lp
-        d = tl.minimum(tl.maximum(d_raw, -CLAMP), CLAMP)
+        d = _clamp(d_raw, -CLAMP, CLAMP)
         k3_raw = tl.exp(d) - d - 1.0
-        kl = tl.minimum(tl.maximum(k3_raw, -10.0), 10.0)
+        kl = _clamp(k3_raw, -10.0, 10.0)
         live = (d_raw >= -CLAMP) & (d_raw <= CLAMP) & (k3_raw <= 10.0) & (k3_raw >= -10.0)
         dkl = tl.where(live, 1.0 - tl.exp(d), 0.0)
     else:
@@ -118,7 +124,7 @@ def _sequence_kernel(
             behaviour = tl.where(m, tl.load(rollout_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
             delta = train - behaviour
             delta_acc += delta
-            delta_hat = tl.minimum(tl.maximum(delta, -CLAMP), CLAMP)
+            delta_hat = _clamp(delta, -CLAMP, CLAMP)
             k1_acc += -delta_hat
             k3_acc += tl.where(m, tl.exp(delta_hat) - 1.0 - delta_hat, 0.0)
     length = tl.sum(length_acc, 0)
@@ -130,7 +136,7 @@ def _sequence_kernel(
         log_ratio = tl.sum(delta_acc, 0)
         if IS_LEVEL == 3:
             log_ratio = log_ratio / count
-        log_ratio = tl.minimum(tl.maximum(log_ratio, -CLAMP), CLAMP)
+        log_ratio = _clamp(log_ratio, -CLAMP, CLAMP)
         seq_weight = _truncated(tl.exp(log_ratio), length > 0, is_lo, is_hi, IS_MASK)
     # whether rejection keeps the sequence, as a 1.0 / 0.0 flag (0-d booleans do not combine with blocks in the
     # interpreter); a statistic that is NaN fails every bound, as the torch comparisons do
@@ -170,7 +176,7 @@ def _sequence_kernel(
         w = tl.zeros([BLOCK], tl.float32)
         if IS_LEVEL == 1:
             behaviour = tl.where(m, tl.load(rollout_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
-            delta_hat = tl.minimum(tl.maximum(l_old - behaviour, -CLAMP), CLAMP)
+            delta_hat = _clamp(l_old - behaviour, -CLAMP, CLAMP)
             w = _truncated(tl.exp(delta_hat), m, is_lo, is_hi, IS_MASK)
         elif IS_LEVEL >= 2:
             w = tl.where(m, seq_weight, 0.0)
@@ -180,12 +186,12 @@ def _sequence_kernel(
         # the policy ratio (clamped to log_ratio_clamp) and PPO's clip with dual clip (policy_terms._ppo_clip)
         log_r = lp - l_old
         if RATIO_CLAMP:
-            r = tl.exp(tl.minimum(tl.maximum(log_r, -ratio_clamp), ratio_clamp))
+            r = tl.exp(_clamp(log_r, -ratio_clamp, ratio_clamp))
         else:
             r = tl.exp(log_r)
         neg_adv = -adv
         l1 = neg_adv * r
-        l2 = neg_adv * tl.minimum(tl.maximum(r, clip_lo), clip_hi)
+        l2 = neg_adv * _clamp(r, clip_lo, clip_hi)
         clipped = l2 > l1
         term = tl.where(clipped, l2, l1)
         active = ~clipped
