@@ -9,7 +9,7 @@ cost of a call that the device never hides (rlkernels/testing/launches.py counts
 Cases, all with validate=False (no host sync, so a step can be captured in a CUDA graph):
 
     ppo[all] / ppo[loss_only]   decoupled_ppo_loss, packed, decoupled, seq-MIS: every metric, or the loss alone
-    ppo[loss_only,fused]        the loss alone with the fused stage (CUDA, or TRITON_INTERPRET=1 for the counts)
+    ppo[loss_only,fused]        the loss alone with the fused stage (two Triton launches; on the CPU the CPU kernels')
     logprobs                    token_logprobs: the vocabulary pass alone (the floor the loss is measured against)
     topk_head / plain_pass      the sampler's top-k form (ops.head_stats, k ids) against the plain pass
     linear                      linear_decoupled_ppo_loss, the one-pass form (hidden states)
@@ -53,9 +53,9 @@ def cases(N: int, V: int, H: int, S: int, k: int, device: str, dtype: torch.dtyp
         # the stage eager: its launches are what is counted, and a CUDA graph replays them (compile_stage=None would
         # compile it on CUDA, tens of seconds of first contact)
         config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False, metrics=metrics,
-                                  compile_stage=False, fused_stage=False)
+                                  compile_stage=False, fused_stage=False)  # the torch stage (see the fused row)
         out[f"ppo[{metrics}]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x).loss
-    if device == "cuda" or rlkernels.backends.triton_interpreter():  # the fused stage's two launches
+    if device == "cuda" or rlkernels.backends.is_available("cpu"):  # the fused stage (Triton, or the CPU kernels)
         config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False,
                                   metrics="loss_only", fused_stage=True)
         out["ppo[loss_only,fused]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x).loss

@@ -400,14 +400,16 @@ class PolicyLossConfig:
         chunk_rows: rows per chunk of the torch backend (None = sized from the vocabulary).
         inplace_backward: let fused backends write dlogits into the logits' storage.
         compile_stage: run the per-sequence stage through torch.compile (None: on CUDA tensors only).
-        fused_stage: run the per-sequence stage as two Triton kernels (stage/fused.py) where they cover the call:
-            PPO's clip per token, token / sequence / geometric IS, seq-MIS / geo-RS / K3-RS rejection, the KL
-            penalties, the entropy bonus, every aggregation, metrics="loss_only", no split. None (the default): on
-            CUDA with Triton, else the torch stage (compile_stage's); True: wherever Triton runs, and a call outside
-            the family is refused before any pass; False: never.
+        fused_stage: run the per-sequence stage as kernels (stage/fused.py: two Triton launches on CUDA, one op of
+            the CPU kernels on the CPU) where they cover the call: PPO's clip per token, token / sequence / geometric
+            IS, seq-MIS / geo-RS / K3-RS rejection, the KL penalties, the entropy bonus, every aggregation,
+            metrics="loss_only", no split. None (the default) and True: wherever those kernels run (Triton on CUDA;
+            the CPU kernels for backend "auto" / "cpu", Triton's interpreter for "triton" on CPU tensors), else the
+            torch stage (compile_stage's); True refuses a call outside the family before any pass; False: never.
         metrics: "all" (every metric of SPEC §8 in the output's `.metrics`, verl's names) or "loss_only" (none:
             the loss and its gradient alone, for steps that log no metrics; the stage's ~60 metric reductions
-            and their launches are skipped, the loss and gradient are the same bits).
+            and their launches are skipped; with the torch stage the loss and gradient are the same bits, with the
+            fused one the same to float32 rounding).
         memory_budget_bytes: the fused-linear path (`linear_decoupled_ppo_loss`) forms logits in chunks
             of rows whose logits take at most this many bytes (None: on CUDA a quarter of the memory free for it,
             a power of two from 512 MiB to 4 GiB; 32 MiB on CPU).

@@ -1,5 +1,5 @@
 // The two vocabulary passes (SPEC §2) on the CPU, and the full-form divergences between two distributions
-// (SPEC §9.2): one parallel loop over rows per pass.
+// (SPEC §9.2): one parallel loop over rows per pass. At the end, the fused per-sequence stage (its own section).
 //
 // Why not ATen ops: the chunked torch backend runs several ATen ops per ~1 Mi-element chunk, each its
 // own parallel region; on a machine shared with another multi-threaded process every region waits at
@@ -37,6 +37,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -895,9 +896,234 @@ at::Tensor full_divergences_bwd(const at::Tensor& logits, const at::Tensor& refe
   return dlogits;
 }
 
+// ---- The fused per-sequence stage (rlkernels/stage/fused.py; its GPU twin: kernels/triton/stage.py) ----------
+// The common PPO family's loss and gradient coefficients from [N] per-token values: one parallel loop over
+// sequences (each reads its tokens twice: the sums its decisions need, then each token's IS weight, final mask,
+// PPO term and derivatives, and the sequence's loss sums into an [S, 5] record), the batch's normalisers from the
+// record, the loss, then one parallel loop over tokens scaling each coefficient by its aggregation weight a_t. The
+// arithmetic is the torch stage's in float32, each sequence summed in token order as its segmented sums are; the
+// options arrive as codes (kernels/triton/stage.py's, in kStage* order), the hyperparameters as floats.
+namespace stage {
+enum OptionCode {
+  kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
+  kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kOptionCount
+};
+enum HyperCode {
+  kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
+  kClipC, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kHyperCount
+};
+constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
+
+// torch.clamp: NaN stays NaN
+inline float clamp(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
+
+inline float truncated(float raw, bool live, float lo, float hi, bool mask_mode) {
+  if (!live) return 0.0f;
+  if (mask_mode) return (raw >= lo && raw <= hi) ? raw : 0.0f;
+  return clamp(raw, lo, hi);
+}
+
+// SPEC §6's penalty and its derivative in lp (stage/loss.py kl_and_grad): 1 k1, 2 k2, 3 abs, 4 k3, 5 k3 unclamped
+inline void kl_and_grad(float lp, float ref, int64_t type, bool straight, float& kl, float& dkl) {
+  if (type == 1) {
+    kl = lp - ref, dkl = 1.0f;
+  } else if (type == 2) {
+    kl = 0.5f * ((lp - ref) * (lp - ref)), dkl = lp - ref;
+  } else if (type == 3) {
+    kl = std::fabs(lp - ref), dkl = lp > ref ? 1.0f : (lp < ref ? -1.0f : 0.0f);
+  } else if (type == 4) {
+    const float d_raw = ref - lp, d = clamp(d_raw, -kClamp, kClamp), k3_raw = std::exp(d) - d - 1.0f;
+    kl = clamp(k3_raw, -10.0f, 10.0f);
+    const bool live = d_raw >= -kClamp && d_raw <= kClamp && k3_raw <= 10.0f && k3_raw >= -10.0f;
+    dkl = live ? 1.0f - std::exp(d) : 0.0f;
+  } else {
+    const float d = ref - lp;
+    kl = std::exp(d) - d - 1.0f, dkl = 1.0f - std::exp(d);
+  }
+  if (straight) dkl = lp - ref;
+}
+
+struct Inputs {
+  const float *lp, *entropy, *adv, *old, *rollout, *ref;
+  const bool* mask;
+  const int64_t* cu;  // nullptr: the padded layout, seq_len tokens each
+  int64_t seq_len;
+};
+
+struct Outputs {
+  float *lp, *grad, *dkl, *weights, *record;
+  bool* kept;
+};
+
+// One sequence: its decisions and its tokens' outputs, and its record (policy-term sum, KL sum, entropy sum over
+// m', final length, width).
+void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o, const float* h) {
+  const int64_t start = in.cu ? in.cu[s] : s * in.seq_len, end = in.cu ? in.cu[s + 1] : start + in.seq_len;
+  const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean];
+  const bool corrects = rejects || o[kIsLevel] != 0;
+  float length = 0.0f, delta_sum = 0.0f, k1 = 0.0f, k3 = 0.0f;
+  for (int64_t t = start; t < end; ++t) {
+    const bool m = in.mask[t];
+    length += m ? 1.0f : 0.0f;
+    if (corrects) {
+      const float delta = (m ? in.old[t] : 0.0f) - (m ? in.rollout[t] : 0.0f);
+      const float delta_hat = clamp(delta, -kClamp, kClamp);
+      delta_sum += delta, k1 += -delta_hat, k3 += m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f;
+    }
+  }
+  const float count = std::max(length, 1.0f);
+  float seq_weight = 0.0f;
+  if (o[kIsLevel] >= 2) {
+    const float log_ratio = clamp(o[kIsLevel] == 3 ? delta_sum / count : delta_sum, -kClamp, kClamp);
+    seq_weight = truncated(std::exp(log_ratio), length > 0.0f, h[kIsLo], h[kIsHi], o[kIsMask]);
+  }
+  bool keep = true;  // a NaN statistic fails every bound, as the torch comparisons do
+  if (o[kRsK1Sum]) keep = keep && k1 <= h[kK1SumHi] && k1 >= h[kK1SumLo];
+  if (o[kRsK1Mean]) keep = keep && k1 / count <= h[kK1MeanHi] && k1 / count >= h[kK1MeanLo];
+  if (o[kRsK3Sum]) keep = keep && k3 <= h[kK3SumMax];
+  if (o[kRsK3Mean]) keep = keep && k3 / count <= h[kK3MeanMax];
+  float pg = 0.0f, kl_sum = 0.0f, entropy_sum = 0.0f, kept_count = 0.0f;
+  for (int64_t t = start; t < end; ++t) {
+    const bool m = in.mask[t], kept = m && keep;
+    const float lp = m ? in.lp[t] : 0.0f, adv = m ? in.adv[t] : 0.0f;
+    const float l_old = o[kProximal] == 1 ? (m ? in.old[t] : 0.0f) : o[kProximal] == 2 ? (m ? in.rollout[t] : 0.0f)
+                                                                                          : lp;
+    float w = 0.0f;
+    if (o[kIsLevel] == 1) {
+      const float delta_hat = clamp(l_old - (m ? in.rollout[t] : 0.0f), -kClamp, kClamp);
+      w = truncated(std::exp(delta_hat), m, h[kIsLo], h[kIsHi], o[kIsMask]);
+    } else if (o[kIsLevel] >= 2) {
+      w = m ? seq_weight : 0.0f;
+    }
+    if (o[kWeighted]) out.weights[t] = w;
+    // the policy ratio (clamped to log_ratio_clamp) and PPO's clip with dual clip (policy_terms._ppo_clip)
+    const float log_r = lp - l_old;
+    const float r = std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
+    const float neg_adv = -adv, l1 = neg_adv * r, l2 = neg_adv * clamp(r, h[kClipLo], h[kClipHi]);
+    const bool clipped = l2 > l1;
+    float term = clipped ? l2 : l1;
+    bool active = !clipped;
+    if (o[kDualClip]) {
+      const float l3 = neg_adv * h[kClipC];
+      const bool dual = adv < 0.0f && l3 < term;
+      term = dual ? l3 : term, active = active && !dual;
+    }
+    float grad = active ? l1 : 0.0f;
+    if (o[kRatioClamp] && !(std::fabs(log_r) <= h[kRatioClampValue])) grad = 0.0f;
+    if (o[kWeighted]) term *= w, grad *= w;
+    pg += kept ? term : 0.0f;
+    out.grad[t] = grad;
+    if (o[kKlType] != 0) {
+      float kl, dkl;
+      kl_and_grad(lp, m ? in.ref[t] : 0.0f, o[kKlType], o[kKlStraight], kl, dkl);
+      kl_sum += kept ? kl : 0.0f;
+      out.dkl[t] = dkl;
+    }
+    if (in.entropy) entropy_sum += kept ? (m ? in.entropy[t] : 0.0f) : 0.0f;
+    kept_count += kept ? 1.0f : 0.0f;
+    out.lp[t] = lp, out.kept[t] = kept;
+  }
+  float* row = out.record + s * 5;
+  row[0] = pg, row[1] = kl_sum, row[2] = entropy_sum, row[3] = kept_count, row[4] = static_cast<float>(end - start);
+}
+}  // namespace stage
+
+// Returns (loss, lp, coef, coef_entropy, weights, kept); coef_entropy and weights are [0] where the options have
+// none (no entropy input; no IS level).
+std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional<at::Tensor>& entropy,
+                                       const at::Tensor& advantages, const at::Tensor& mask,
+                                       const std::optional<at::Tensor>& old, const std::optional<at::Tensor>& rollout,
+                                       const std::optional<at::Tensor>& ref,
+                                       const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_id,
+                                       int64_t seq_len, int64_t num_seqs, at::IntArrayRef options,
+                                       at::ArrayRef<double> hyper) {
+  using namespace stage;
+  const char* op = "sequence_stage";
+  const int64_t N = lp.numel(), S = num_seqs;
+  TORCH_CHECK(options.size() == kOptionCount && hyper.size() == kHyperCount, op, ": expected ", kOptionCount,
+              " option codes and ", kHyperCount, " hyperparameters");
+  auto f32 = [&](const std::optional<at::Tensor>& t, const char* name) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N, op, ": ", name,
+                " must be contiguous float32 [N]");
+    return t->data_ptr<float>();
+  };
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.numel() == N, op,
+              ": mask must be contiguous bool [N]");
+  TORCH_CHECK(seq_id.scalar_type() == at::kLong && seq_id.is_contiguous() && seq_id.numel() == N, op,
+              ": seq_id must be contiguous int64 [N]");
+  const int64_t* o = options.data();
+  float h[kHyperCount];
+  for (int i = 0; i < kHyperCount; ++i) h[i] = static_cast<float>(hyper[i]);  // as a float kernel argument rounds
+  const int64_t* cu = nullptr;
+  if (cu_seqlens.has_value()) {
+    TORCH_CHECK(cu_seqlens->scalar_type() == at::kLong && cu_seqlens->is_contiguous() && cu_seqlens->numel() == S + 1,
+                op, ": cu_seqlens must be contiguous int64 [S + 1]");
+    cu = cu_seqlens->data_ptr<int64_t>();
+  }
+  const Inputs in{f32(lp, "lp"), f32(entropy, "entropy"), f32(advantages, "advantages"), f32(old, "old"),
+                  f32(rollout, "rollout"), f32(ref, "ref"), mask.data_ptr<bool>(), cu, seq_len};
+  const bool weighted = o[kWeighted], has_kl = o[kKlType] != 0, has_entropy = in.entropy != nullptr;
+  const auto options_f32 = lp.options().dtype(at::kFloat);
+  at::Tensor lp_out = at::empty({N}, options_f32), coef = at::empty({N}, options_f32);
+  at::Tensor weights = at::empty({weighted ? N : 0}, options_f32);
+  at::Tensor coef_entropy = at::empty({has_entropy ? N : 0}, options_f32);
+  at::Tensor dkl = at::empty({has_kl ? N : 0}, options_f32), record = at::empty({S, 5}, options_f32);
+  at::Tensor kept = at::empty({N}, mask.options());
+  const Outputs out{lp_out.data_ptr<float>(), coef.data_ptr<float>(), dkl.data_ptr<float>(),
+                    weights.data_ptr<float>(), record.data_ptr<float>(), kept.data_ptr<bool>()};
+  at::parallel_for(0, S, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) sequence(s, in, out, o, h);
+  });
+  // the batch's normalisers (correction.normalisers, loss.aggregation_weights)
+  const float* rec = out.record;
+  float kept_tokens = 0.0f, kept_seqs = 0.0f, width = 0.0f;
+  for (int64_t s = 0; s < S; ++s) {
+    kept_tokens += rec[s * 5 + 3], kept_seqs += rec[s * 5 + 3] > 0.0f ? 1.0f : 0.0f;
+    width = std::max(width, rec[s * 5 + 4]);
+  }
+  const float tokens = o[kGlobalTokens] ? h[kGlobalTokensValue] : std::max(kept_tokens, 1.0f);
+  const float seqs = o[kGlobalSeqs] ? h[kGlobalSeqsValue]
+                                    : (o[kSeqMeanOverAll] ? std::max(static_cast<float>(S), 1.0f)
+                                                          : std::max(kept_seqs, 1.0f));
+  const float K = o[kScaleFactor] ? h[kScaleFactorValue] : std::max(width, 1.0f);
+  const int64_t agg = o[kAggregation];  // 0 token-sum, 1 token-mean, 2 seq-mean-token-mean, 3 -token-sum, 4 -norm
+  const float per_token = agg == 0 ? 1.0f : agg == 1 ? tokens : agg == 3 ? seqs : seqs * K;
+  auto sequence_weight = [&](int64_t s) {  // a_t of the sequence's kept tokens
+    return agg == 2 ? 1.0f / (std::max(rec[s * 5 + 3], 1.0f) * seqs) : 1.0f / per_token;
+  };
+  float pg = 0.0f, kl_total = 0.0f, entropy_total = 0.0f;
+  for (int64_t s = 0; s < S; ++s) {
+    const float a = sequence_weight(s);
+    pg += a * rec[s * 5], kl_total += a * rec[s * 5 + 1], entropy_total += a * rec[s * 5 + 2];
+  }
+  float loss = pg;
+  if (has_kl) loss = loss + h[kKlCoef] * kl_total;
+  if (has_entropy) loss = loss + -h[kEntropyCoeff] * entropy_total;
+  // each token's coefficients: c_t = a_t g_t + (beta a_t) dKL_t, e_t = -entropy_coeff a_t (loss.run)
+  const int64_t* sid = seq_id.data_ptr<int64_t>();
+  float* c = coef.data_ptr<float>();
+  float* e = has_entropy ? coef_entropy.data_ptr<float>() : nullptr;
+  const float* d = has_kl ? dkl.data_ptr<float>() : nullptr;
+  const float beta = h[kKlCoef], entropy_coeff = h[kEntropyCoeff];
+  at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float kept_t = out.kept[t] ? 1.0f : 0.0f;
+      const float a = agg == 2 ? kept_t / (std::max(rec[sid[t] * 5 + 3], 1.0f) * seqs)
+                               : (agg == 0 ? kept_t : kept_t / per_token);
+      float value = a * c[t];
+      if (d) value = (beta * a) * d[t] + value;
+      c[t] = value;
+      if (e) e[t] = -entropy_coeff * a;
+    }
+  });
+  return {at::scalar_tensor(loss, options_f32), lp_out, coef, coef_entropy, weights, kept};
+}
+
 }  // namespace
 
-// The same schemas as the CUDA extension's ops (csrc/bindings.cpp), in their own namespace.
+// The same schemas as the CUDA extension's ops (csrc/bindings.cpp), in their own namespace; sequence_stage is the
+// CPU's alone (the GPU's is Triton).
 TORCH_LIBRARY(rlkernels_cpu, m) {
   m.def("token_stats_fwd(Tensor logits, Tensor labels, float temperature, bool compute_entropy, "
         "bool compute_sum_pi_squared, Tensor? inv_temperature=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -920,6 +1146,9 @@ TORCH_LIBRARY(rlkernels_cpu, m) {
   m.def("full_divergences_bwd(Tensor logits, Tensor reference, Tensor stats, Tensor coef, float temperature, "
         "float reference_temperature, Tensor? inv_temperature=None, Tensor? inv_reference_temperature=None) "
         "-> Tensor");
+  m.def("sequence_stage(Tensor lp, Tensor? entropy, Tensor advantages, Tensor mask, Tensor? old, Tensor? rollout, "
+        "Tensor? ref, Tensor? cu_seqlens, Tensor seq_id, int seq_len, int num_seqs, int[] options, float[] hyper) "
+        "-> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_cpu, CPU, m) {
@@ -931,4 +1160,5 @@ TORCH_LIBRARY_IMPL(rlkernels_cpu, CPU, m) {
   m.impl("head_grad_bwd_out", &head_grad_bwd_out);
   m.impl("full_divergences_fwd", &full_divergences_fwd);
   m.impl("full_divergences_bwd", &full_divergences_bwd);
+  m.impl("sequence_stage", &sequence_stage);
 }

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.stage_options import HYPERPARAMETERS, option_codes
 from .base import DIVERGENCE_STATS, paired_row_groups, row_groups
 from .extension import ExtensionBackend, register_fakes
 from .temperature import Temperature
@@ -171,6 +172,20 @@ class CpuBackend(ExtensionBackend):
 
     def supports(self, logits: torch.Tensor) -> bool:
         return logits.device.type == "cpu" and logits.dtype in _SUPPORTED
+
+    @staticmethod
+    def sequence_stage(inputs, options: dict, hyper: dict) -> tuple:
+        """The fused stage (stage/fused.py) as one C++ op: the Triton launcher's outputs, from float32 copies of
+        inputs of other dtypes."""
+        codes = option_codes(options)
+        f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+        cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int64).contiguous()
+        loss, lp, coef, coef_entropy, weights, kept = torch.ops.rlkernels_cpu.sequence_stage(
+            f32(inputs.lp), f32(inputs.entropy), f32(inputs.advantages), inputs.mask.to(torch.bool).contiguous(),
+            f32(inputs.old), f32(inputs.rollout), f32(inputs.ref), cu, inputs.seq_id.contiguous(), inputs.seq_len,
+            inputs.num_seqs, [int(value) for value in codes.values()], [float(hyper[name]) for name in HYPERPARAMETERS])
+        return (loss, lp, coef, None if inputs.entropy is None else coef_entropy,
+                weights if codes["WEIGHTED"] else None, kept)
 
     # The full form (SPEC §9.2) as two C++ passes: two reads of both rows forward, one backward, as the Triton
     # kernels; a reference of another dtype takes the inherited chunked form (the ops read one dtype).

@@ -89,23 +89,14 @@ def select(tensor: torch.Tensor, compile_stage: Optional[bool]):
     return _compiled() if compile_stage else run
 
 
-def _fused_runs(config, device: torch.device) -> bool:
-    """Whether config.fused_stage asks for the fused kernels on `device`: None on CUDA with Triton, True wherever
-    Triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1), False never; never inside a compiled region."""
-    if config.fused_stage is False or torch.compiler.is_compiling():
-        return False
-    from .. import backends
-
-    runs_here = backends.is_available("triton") and (device.type == "cuda" or backends.triton_interpreter())
-    return runs_here and (config.fused_stage or device.type == "cuda")
-
-
 def check_fused(batch, config, dtype: torch.dtype, device: torch.device) -> None:
     """fused_stage=True on a call the fused kernels cannot run: a ValueError naming why, before any pass runs."""
     if config.fused_stage is not True or torch.compiler.is_compiling():
         return
-    if not _fused_runs(config, device):
-        raise ValueError(f"fused_stage: True needs Triton on CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+    if fused.implementation(config, device) is None:
+        raise ValueError(f"fused_stage: True needs Triton on CUDA tensors, or the CPU kernels (backend 'auto' or "
+                         f"'cpu') or Triton's interpreter (backend 'triton', TRITON_INTERPRET=1) on CPU tensors; got "
+                         f"{device} with backend={config.backend!r}")
     reason = fused.blocker(batch, config, dtype)
     if reason is not None:
         raise ValueError(f"fused_stage: True, but this call is outside the fused stage's family: {reason} "
@@ -116,6 +107,7 @@ def choose(tensor: torch.Tensor, batch, config, fallback=None, metrics: Optional
     """The stage of one call on statistics like `tensor`: the fused kernels (fused.run) where config.fused_stage
     allows and they cover the call, else `fallback` (None: `select`'s eager or compiled `run`). `metrics`: whether
     this run records them (None: as config.metrics)."""
-    if _fused_runs(config, tensor.device) and fused.blocker(batch, config, tensor.dtype, metrics) is None:
+    if fused.implementation(config, tensor.device) is not None and \
+            fused.blocker(batch, config, tensor.dtype, metrics) is None:
         return fused.run
     return select(tensor, config.compile_stage) if fallback is None else fallback

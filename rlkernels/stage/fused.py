@@ -1,5 +1,6 @@
-"""The stage in two kernel launches for the common PPO family (kernels/triton/stage.py), where a config and batch
-are inside it: `blocker` says why not, `run` is `loss.run`'s twin for the rest.
+"""The stage as kernels for the common PPO family, where a config and batch are inside it: two Triton launches
+(kernels/triton/stage.py) on CUDA, one op of the CPU kernels (csrc/cpu/token_passes.cpp sequence_stage) on the CPU.
+`blocker` says why a call is outside, `implementation` which kernels run it, `run` is `loss.run`'s twin.
 
 The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) at the token ratio level, any
 log_ratio_clamp; on-policy, bypass without a correction, or decoupled mode with token / sequence / geometric IS
@@ -85,13 +86,29 @@ def _correction_blocker(batch, rc) -> Optional[str]:
     return None
 
 
+def implementation(config, device: torch.device) -> Optional[str]:
+    """The kernels that run the fused stage for a call with `config` on `device`, or None (the torch stage):
+    Triton on CUDA; on the CPU, the CPU kernels, or Triton's interpreter where the call's backend is "triton"
+    (TRITON_INTERPRET=1). Never for fused_stage=False or inside a compiled region (the torch stage traces there)."""
+    if config.fused_stage is False or torch.compiler.is_compiling():
+        return None
+    if device.type == "cuda":
+        return "triton" if backends.is_available("triton") else None
+    if device.type != "cpu":
+        return None
+    if config.backend == "triton":
+        return "triton" if backends.is_available("triton") and backends.triton_interpreter() else None
+    return "cpu" if config.backend in ("auto", "cpu") and backends.is_available("cpu") else None
+
+
 def run(stats, batch, config, corrected=None, metrics: bool = False, evidence=None) -> StageOutput:
     """`loss.run` for a call `blocker` passes: the same StageOutput, its metrics empty. `corrected` (the torch
     stage's correction, computed once for the fused-linear chunks) is not read: the kernels decide it again."""
     if metrics or evidence is not None:
         raise ValueError("the fused stage computes no metrics and takes no sampler evidence (see blocker)")
     inputs, options, hyper = _launch_arguments(stats, batch, config)
-    loss, lp, coef, coef_entropy, weights, kept = backends.instance("triton").sequence_stage(inputs, options, hyper)
+    kernels = backends.instance(implementation(config, stats.logprobs.device))
+    loss, lp, coef, coef_entropy, weights, kept = kernels.sequence_stage(inputs, options, hyper)
     return StageOutput(loss, coef, coef_entropy, weights, kept, {}, None, lp)
 
 

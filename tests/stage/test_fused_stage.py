@@ -1,5 +1,7 @@
-"""The fused stage (stage/fused.py: two Triton launches, kernels/triton/stage.py) against the torch stage over its
-family, under TRITON_INTERPRET=1 on CPU tensors; which calls it takes (stage.choose) and which it refuses.
+"""The fused stage (stage/fused.py) against the torch stage over its family, in both its implementations: two Triton
+launches (kernels/triton/stage.py, under TRITON_INTERPRET=1 on CPU tensors: backend="triton") and the CPU kernels'
+one op (csrc/cpu/token_passes.cpp sequence_stage: backend "auto" / "cpu"); which calls it takes (stage.choose) and
+which it refuses.
 
 The torch stage is held to the float64 oracle elsewhere (tests/stage/test_loss_family.py); here both sides compute
 in float32 and differ in summation order (a sequence's sums in blocks, the batch's sums per sequence), so the
@@ -29,6 +31,12 @@ pytestmark = [pytest.mark.interpret,
 
 FAMILY_KL = ("k1", "k2", "abs", "k3", "k3_unclamped", "low_var_kl", "k1+", "k3+", "abs+")
 FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3")
+IMPLEMENTATIONS = ("triton", "cpu")  # the backend that runs the fused stage on CPU tensors
+STAGE_OP = {"triton": "triton:_sequence_kernel", "cpu": "sequence_stage"}  # one per stage run, as counted
+needs_cpu_kernels = pytest.mark.skipif(not rlkernels.backends.is_available("cpu"),
+                                       reason="the CPU kernels are not built here")
+implementations = pytest.mark.parametrize("backend", [
+    "triton", pytest.param("cpu", marks=needs_cpu_kernels)])
 
 
 @st.composite
@@ -83,6 +91,10 @@ def _both(batch, mode, config, logprobs, entropy):
        mode=st.sampled_from(("decoupled", "decoupled", "decoupled", "bypass", "on-policy")), data=st.data())
 def test_fused_stage_matches_the_torch_stage(batch, mode, data):
     config = data.draw(family_configs(mode))
+    if rlkernels.backends.is_available("cpu"):
+        config = config.with_overrides(backend=data.draw(st.sampled_from(IMPLEMENTATIONS)))
+    else:
+        config = config.with_overrides(backend="triton")
     gen = torch.Generator().manual_seed(int(batch.labels.numel()))
     shape = batch.labels.shape
     logprobs = batch.old_logprobs + torch.randn(shape, generator=gen) * data.draw(st.sampled_from((0.0, 0.1, 2.0)))
@@ -103,8 +115,9 @@ def test_fused_stage_matches_the_torch_stage(batch, mode, data):
             assert_close(g, w, **tol("reordered", F32, scale=scale), name=name)
 
 
-def test_the_logits_route_takes_it_and_its_gradient_matches():
-    """decoupled_ppo_loss on logits (the torch pass) with the fused stage: d loss / d logits as the torch stage's."""
+@implementations
+def test_the_logits_route_takes_it_and_its_gradient_matches(backend):
+    """decoupled_ppo_loss on logits with the fused stage: d loss / d logits as the torch stage's."""
     g = torch.Generator().manual_seed(1)
     N, V = 29, 17
     logits, labels = torch.randn(N, V, generator=g), torch.randint(0, V, (N,), generator=g)
@@ -114,7 +127,7 @@ def test_the_logits_route_takes_it_and_its_gradient_matches():
     for fused_stage in (False, True):
         leaf = logits.clone().requires_grad_(True)
         config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), kl_coef=0.1, entropy_coeff=0.01,
-                                  metrics="loss_only", fused_stage=fused_stage, backend="torch")
+                                  metrics="loss_only", fused_stage=fused_stage, backend=backend)
         out = rlkernels.decoupled_ppo_loss(leaf, labels, adv, mask, old_logprobs=old, rollout_logprobs=old - 0.1,
                                            ref_logprobs=old + 0.05, cu_seqlens=torch.tensor([0, 4, 4, 20, N]),
                                            config=config)
@@ -124,14 +137,18 @@ def test_the_logits_route_takes_it_and_its_gradient_matches():
     assert_close(grads[1], grads[0], **tol("reordered.dlogits", F32, scale=float(grads[0].abs().max())), name="dlogits")
 
 
-def test_the_fused_stage_is_two_launches():
-    """The stage's launches: 2 Triton kernels and at most 4 ATen ops (its two allocations and their views), against
-    dozens for the torch stage: the launch counter (which counts a Triton launch as one op) on the stage alone."""
-    batch, _, config = _policy_call(fused_stage=True)
-    _, fused_count = count_launches(batch)
+@implementations
+def test_the_fused_stage_is_two_launches(backend):
+    """The stage's launches: 2 Triton kernels (or the CPU kernels' one op) and a few allocations, against dozens for
+    the torch stage: the launch counter (which counts a Triton launch as one op) on the stage alone."""
+    call, _, config = _policy_call(fused_stage=True, backend=backend)
+    _, fused_count = count_launches(call)
     _, torch_count = count_launches(_policy_call(fused_stage=False)[0])
-    triton_launches = {k: v for k, v in fused_count.ops.items() if k.startswith("triton:")}
-    assert triton_launches == {"triton:_sequence_kernel": 1, "triton:_finish_kernel": 1}, fused_count.ops
+    if backend == "triton":
+        triton_launches = {k: v for k, v in fused_count.ops.items() if k.startswith("triton:")}
+        assert triton_launches == {"triton:_sequence_kernel": 1, "triton:_finish_kernel": 1}, fused_count.ops
+    else:
+        assert fused_count.ops["sequence_stage"] == 1, fused_count.ops
     assert torch_count.launching - fused_count.launching >= 40, (torch_count.ops, fused_count.ops)
 
 
@@ -179,15 +196,22 @@ def _prepared(config):
     return prepare_policy(lp, args, config, {})[1]
 
 
-def test_fused_stage_none_takes_it_only_on_cuda_and_false_never():
-    """On CPU tensors fused_stage=None keeps the torch stage (the interpreter is for tests); True takes the kernels
-    where they cover the call; False never; inside a compiled region never (it traces the torch stage)."""
+def test_which_kernels_take_it():
+    """fused_stage=None (the default): on CPU tensors the CPU kernels (backend "auto" / "cpu"), Triton's interpreter
+    for backend="triton", none for backend="torch"; True the same, refusing a call they cannot take before any pass;
+    False never; inside a compiled region never (it traces the torch stage)."""
     config = PolicyLossConfig(metrics="loss_only")
     batch = _prepared(config)
     x = torch.zeros(1)
-    assert stage.choose(x, batch, config) is not fused.run
-    assert stage.choose(x, batch, config.with_overrides(fused_stage=True)) is fused.run
+    cpu = "cpu" if rlkernels.backends.is_available("cpu") else None
+    assert fused.implementation(config, x.device) == cpu
+    assert fused.implementation(config.with_overrides(backend="triton"), x.device) == "triton"
+    assert fused.implementation(config.with_overrides(backend="torch"), x.device) is None
+    assert fused.implementation(config.with_overrides(fused_stage=False), x.device) is None
+    assert (stage.choose(x, batch, config) is fused.run) == (cpu is not None)
     assert stage.choose(x, batch, config.with_overrides(fused_stage=False)) is not fused.run
+    with pytest.raises(ValueError, match="fused_stage: True needs .* backend='torch'"):
+        stage.check_fused(batch, config.with_overrides(fused_stage=True, backend="torch"), torch.float32, x.device)
     assert fused.blocker(batch, config, torch.float64) == "torch.float64 statistics (the kernels compute in float32)"
     with pytest.raises(TypeError, match="fused_stage: expected a bool or None"):
         PolicyLossConfig(fused_stage="yes")
@@ -200,7 +224,8 @@ def test_fused_stage_none_takes_it_only_on_cuda_and_false_never():
     (RolloutCorrection(is_level="geometric", is_threshold=(0.8, 1.25), rs={"seq_mean_k3": 0.05}),
      "seq-mean-token-sum-norm"),
 ])
-def test_sequences_longer_than_a_block(layout, rc, agg):
+@implementations
+def test_sequences_longer_than_a_block(layout, rc, agg, backend):
     """Sequences of 0 to 1,100 tokens: the sequence kernel's two reads step through several 512-token blocks (a
     partial last one), and the finish programs each take a block of tokens (cases.make_batch's inputs)."""
     from ..cases import make_batch
@@ -208,7 +233,7 @@ def test_sequences_longer_than_a_block(layout, rc, agg):
     lengths = [1100, 0, 513, 3, 512] if layout == "packed" else [700] * 3
     batch = make_batch(layout, lengths, 2, dtype=F32, seed=4, mismatch=0.05, mask_p=0.85)
     config = PolicyLossConfig(rollout_correction=rc, loss_agg_mode=agg, kl_coef=0.1, kl_type="k3", entropy_coeff=0.01,
-                              metrics="loss_only", validate=False)
+                              metrics="loss_only", validate=False, backend=backend)
     gen = torch.Generator().manual_seed(5)
     logprobs = batch.old_logprobs + 0.05 * torch.randn(batch.labels.shape, generator=gen)
     entropy = torch.rand(batch.labels.shape, generator=gen)
@@ -220,8 +245,9 @@ def test_sequences_longer_than_a_block(layout, rc, agg):
         assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
 
 
+@implementations
 @pytest.mark.parametrize("one_pass", [True, False])
-def test_the_hidden_state_routes_take_it(one_pass):
+def test_the_hidden_state_routes_take_it(one_pass, backend):
     """linear_decoupled_ppo_loss with the fused stage: in the one-pass form every chunk's coefficients come from the
     two kernels (the correction decided again from the proximal and sampler log-probs, as the torch stage's once),
     in the two-pass form the stage after the pass; the gradients of the hidden states and the weight as the torch
@@ -238,13 +264,13 @@ def test_the_hidden_state_routes_take_it(one_pass):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         config = PolicyLossConfig(rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.8, 1.25)),
                                   entropy_coeff=0.01, kl_coef=0.1, metrics="loss_only", fused_stage=fused_stage,
-                                  linear_one_pass=one_pass, backend="torch", memory_budget_bytes=8 * V * 4,
+                                  linear_one_pass=one_pass, backend=backend, memory_budget_bytes=8 * V * 4,
                                   validate=False)
         out, launched = count_launches(
             rlkernels.linear_decoupled_ppo_loss, h, w, labels, adv, mask, old_logprobs=old, rollout_logprobs=rollout,
             ref_logprobs=old + 0.05, cu_seqlens=torch.tensor([0, 9, 9, 21, N]), config=config)
         # one-pass: a stage per chunk of 8 rows (4) and the final one; two-pass: the one after the pass
-        assert launched.ops["triton:_sequence_kernel"] == (0 if not fused_stage else 5 if one_pass else 1)
+        assert launched.ops[STAGE_OP[backend]] == (0 if not fused_stage else 5 if one_pass else 1)
         results.append((out, *torch.autograd.grad(out.loss, (h, w))))
     (want, want_h, want_w), (got, got_h, got_w) = results
     assert got.path == want.path == ("linear_one_pass" if one_pass else "linear_two_pass")
@@ -266,7 +292,7 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
                               memory_budget_bytes=8 * V * 4, validate=False)
     results = []
     for kernels in (False, True):
-        monkeypatch.setattr(stage, "_fused_runs", lambda config, device, on=kernels: on)
+        monkeypatch.setattr(fused, "implementation", lambda config, device, on=kernels: "triton" if on else None)
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         out, launched = count_launches(
             rlkernels.linear_decoupled_ppo_loss, h, w, labels, adv, torch.ones(N, dtype=torch.bool), old_logprobs=old,
@@ -317,7 +343,8 @@ def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg):
         assert_close(x, y, **tol("reordered", F32, scale=float(y.abs().amax())), name=name)
 
 
-def test_strided_offsets_and_outputs_edited_in_place():
+@implementations
+def test_strided_offsets_and_outputs_edited_in_place(backend):
     """Found by review: int64 cu_seqlens as a strided view were read as contiguous (the wrong boundaries, writes past
     the outputs); and the reported log-probs shared a version counter with the saved coefficients, so editing them in
     place broke the backward. Now the offsets are the view's values and the outputs are the caller's to edit."""
@@ -330,7 +357,7 @@ def test_strided_offsets_and_outputs_edited_in_place():
     for fused_stage in (False, True):
         leaf = lp.clone().requires_grad_(True)
         config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), loss_agg_mode="seq-mean-token-mean",
-                                  metrics="loss_only", validate=False, fused_stage=fused_stage)
+                                  metrics="loss_only", validate=False, fused_stage=fused_stage, backend=backend)
         out = rlkernels.policy_loss(leaf, adv, mask, old_logprobs=old, rollout_logprobs=old + 0.05, cu_seqlens=cu,
                                     config=config)
         out.logprobs.mul_(2.0)
@@ -351,7 +378,7 @@ def test_a_long_record_spreads_the_finish_over_fewer_programs():
     batch = make_batch("packed", lengths, 2, dtype=F32, seed=12, mismatch=0.3, mask_p=0.9)
     for agg in ("seq-mean-token-mean", "token-mean"):
         config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_tis(), loss_agg_mode=agg, kl_coef=0.1,
-                                  entropy_coeff=0.01, metrics="loss_only", validate=False)
+                                  entropy_coeff=0.01, metrics="loss_only", validate=False, backend="triton")
         (want, want_lp, want_h), (got, got_lp, got_h) = _both(batch, "decoupled", config, batch.old_logprobs - 0.1,
                                                               torch.ones(batch.labels.shape))
         assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name=agg)

@@ -115,6 +115,8 @@ def test_the_stack_order_does_not_depend_on_the_lengths():
 
 
 def test_loss_only_gives_the_same_loss_and_gradient_and_no_metrics():
+    """The torch stage with and without its metrics: the same bits (fused_stage=False; the fused stage, which
+    metrics="loss_only" takes by default where kernels run, is held to the torch stage in test_fused_stage.py)."""
     batch = make_batch("packed", [5, 0, 9, 3], 13, dtype=torch.float32, mask_p=0.8)
     grads, losses, metrics = [], [], []
     for mode in ("all", "loss_only"):
@@ -123,7 +125,7 @@ def test_loss_only_gives_the_same_loss_and_gradient_and_no_metrics():
             logits, batch.labels, batch.advantages, batch.response_mask, old_logprobs=batch.old_logprobs,
             rollout_logprobs=batch.old_logprobs - 0.05, ref_logprobs=batch.old_logprobs, cu_seqlens=batch.cu_seqlens,
             config=PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), kl_coef=0.1, entropy_coeff=0.01,
-                                    metrics=mode))
+                                    metrics=mode, fused_stage=False))
         out.loss.backward()
         losses.append(out.loss.detach())
         grads.append(logits.grad)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..stage_options import AGGREGATIONS, FINISH_HYPERPARAMETERS, SEQUENCE_HYPERPARAMETERS, option_codes
 from .aot_spec import AotSpec
 from .token_stats import device_guard
 
@@ -28,13 +29,6 @@ BLOCK_S = 256  # sequences per step of the finish programs' record reduction
 RECORD_WIDTH = 5  # per-sequence record: policy-term sum, KL sum, entropy sum (over m'), final length, width
 RECORD = tl.constexpr(RECORD_WIDTH)
 CLAMP = tl.constexpr(20.0)  # SPEC §4: every importance log-ratio is clamped to [-20, 20] before exp
-
-# the option sets' codes (constexpr)
-IS_LEVELS = {None: 0, "token": 1, "sequence": 2, "geometric": 3}
-KL_TYPES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k3_unclamped": 5}
-AGGREGATIONS = {"token-sum": 0, "token-mean": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum": 3,
-                "seq-mean-token-sum-norm": 4}
-PROXIMAL = {"current": 0, "old": 1, "rollout": 2}  # l_old of SPEC §1: on-policy, decoupled, bypass
 
 
 @triton.jit
@@ -330,25 +324,12 @@ def _finish_kernel(
             tl.store(coef_entropy_ptr + idx, -entropy_coeff * a, mask=inside)
 
 
-def kernel_options(options: dict) -> dict:
-    """The constexpr arguments of both kernels from the stage's option set (stage/fused.py names it)."""
-    rejection = set(options["rejection"])
-    return dict(
-        PROXIMAL=PROXIMAL[options["proximal"]], WEIGHTED=options["weighted"], IS_LEVEL=IS_LEVELS[options["is_level"]],
-        IS_MASK=options["is_mask"], RS_K1_SUM="seq_sum_k1" in rejection, RS_K1_MEAN="seq_mean_k1" in rejection,
-        RS_K3_SUM="seq_sum_k3" in rejection, RS_K3_MEAN="seq_mean_k3" in rejection,
-        RATIO_CLAMP=options["ratio_clamp"], DUAL_CLIP=options["dual_clip"], KL_TYPE=KL_TYPES[options["kl_type"]],
-        KL_STRAIGHT=options["kl_straight"], AGGREGATION=AGGREGATIONS[options["aggregation"]],
-        SEQ_MEAN_OVER_ALL=options["seq_mean_over_all"], GLOBAL_TOKENS=options["global_tokens"],
-        GLOBAL_SEQS=options["global_seqs"], SCALE_FACTOR=options["scale_factor"])
-
-
 def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
     """Launch the two kernels. `inputs`: stage.fused.KernelInputs ([N] tensors, None where absent; the packed
-    offsets or the padded T; seq_id), `options`: the stage's option set (see kernel_options), `hyper`: the float
+    offsets or the padded T; seq_id), `options`: the stage's option set (stage_options.option_codes), `hyper`: the float
     hyperparameters (a dict of the kernels' argument names). Returns (loss 0-d, lp [N], coef [N], coef_entropy [N]
     or None, weights [N] or None, kept [N] bool), float32 but kept."""
-    codes = kernel_options(options)
+    codes = option_codes(options)
     lp = inputs.lp
     N, S, device = lp.shape[0], inputs.num_seqs, lp.device
     f32 = dict(dtype=torch.float32, device=device)
@@ -379,22 +360,19 @@ def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
                 given(inputs.old), given(inputs.rollout), given(inputs.ref),
                 given(inputs.cu_seqlens if inputs.cu_seqlens is not None else inputs.seq_id),
                 lp_out, grad, dkl, lp_out if weights is None else weights, kept, record, inputs.seq_len,
-                *(h[name] for name in _SEQUENCE_HYPERPARAMETERS),
+                *(h[name] for name in SEQUENCE_HYPERPARAMETERS),
                 HAS_CU=inputs.cu_seqlens is not None, HAS_ENTROPY=inputs.entropy is not None,
                 **{k: codes[k] for k in _SEQUENCE_OPTIONS}, BLOCK=BLOCK,
             )
         _finish_kernel[(max(1, triton.cdiv(N, BLOCK * blocks_per_program)),)](
             record, kept, grad, dkl, given(inputs.seq_id), coef, coef if coef_entropy is None else coef_entropy,
-            loss, N, S, blocks_per_program, *(h[name] for name in _FINISH_HYPERPARAMETERS),
+            loss, N, S, blocks_per_program, *(h[name] for name in FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
             HAS_ENTROPY=coef_entropy is not None, BLOCK=BLOCK, BLOCK_S=BLOCK_S,
         )
     return loss, lp_out, coef, coef_entropy, weights, kept
 
 
-_SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean_lo", "k1_mean_hi", "k3_sum_max",
-                             "k3_mean_max", "ratio_clamp", "clip_lo", "clip_hi", "clip_c")
-_FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor")
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR")
@@ -422,7 +400,7 @@ def aot_specs():
     for i, options in enumerate(sequence_sets):
         for has_cu in (True, False):
             constexprs = dict(options, HAS_CU=has_cu, HAS_ENTROPY=i % 2 == 1, BLOCK=BLOCK)
-            signature = {**types, "seq_len": "i32", **{f: "fp32" for f in _SEQUENCE_HYPERPARAMETERS},
+            signature = {**types, "seq_len": "i32", **{f: "fp32" for f in SEQUENCE_HYPERPARAMETERS},
                          **{k: "constexpr" for k in constexprs}}
             specs.append(AotSpec(name=f"sequence_stage[set={i},HAS_CU={int(has_cu)}]", fn=_sequence_kernel,
                                  signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))
@@ -433,7 +411,7 @@ def aot_specs():
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
                          "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "loss_ptr": "*fp32",
                          "N": "i32", "S": "i32", "blocks_per_program": "i32",
-                         **{f: "fp32" for f in _FINISH_HYPERPARAMETERS},
+                         **{f: "fp32" for f in FINISH_HYPERPARAMETERS},
                          **{k: "constexpr" for k in constexprs}}
             specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i}]", fn=_finish_kernel,
                                  signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))

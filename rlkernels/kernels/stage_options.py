@@ -1,0 +1,27 @@
+"""The fused stage's option set as the kernels take it (kernels/triton/stage.py and the CPU kernels' sequence_stage in
+csrc/cpu/token_passes.cpp, whose enums list them in this order): codes for the constexpr options, the float
+hyperparameters by name. Apart from the Triton module so that the CPU kernels need no Triton."""
+
+IS_LEVELS = {None: 0, "token": 1, "sequence": 2, "geometric": 3}
+KL_TYPES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k3_unclamped": 5}
+AGGREGATIONS = {"token-sum": 0, "token-mean": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum": 3,
+                "seq-mean-token-sum-norm": 4}
+PROXIMAL = {"current": 0, "old": 1, "rollout": 2}  # l_old of SPEC §1: on-policy, decoupled, bypass
+
+SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean_lo", "k1_mean_hi", "k3_sum_max",
+                            "k3_mean_max", "ratio_clamp", "clip_lo", "clip_hi", "clip_c")
+FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor")
+HYPERPARAMETERS = SEQUENCE_HYPERPARAMETERS + FINISH_HYPERPARAMETERS
+
+
+def option_codes(options: dict) -> dict:
+    """The kernels' option codes (ordered as the C++ enum) from the stage's option set (stage/fused.py names it)."""
+    rejection = set(options["rejection"])
+    return dict(
+        PROXIMAL=PROXIMAL[options["proximal"]], WEIGHTED=options["weighted"], IS_LEVEL=IS_LEVELS[options["is_level"]],
+        IS_MASK=options["is_mask"], RS_K1_SUM="seq_sum_k1" in rejection, RS_K1_MEAN="seq_mean_k1" in rejection,
+        RS_K3_SUM="seq_sum_k3" in rejection, RS_K3_MEAN="seq_mean_k3" in rejection,
+        RATIO_CLAMP=options["ratio_clamp"], DUAL_CLIP=options["dual_clip"], KL_TYPE=KL_TYPES[options["kl_type"]],
+        KL_STRAIGHT=options["kl_straight"], AGGREGATION=AGGREGATIONS[options["aggregation"]],
+        SEQ_MEAN_OVER_ALL=options["seq_mean_over_all"], GLOBAL_TOKENS=options["global_tokens"],
+        GLOBAL_SEQS=options["global_seqs"], SCALE_FACTOR=options["scale_factor"])
