@@ -147,8 +147,9 @@ def measure_split(case: str, num_tokens: int, num_seqs: int, device: str, reps: 
                 compiled_split_vs_local=round(ms[(True, "split")] / ms[(True, "local")], 3))
 
 
-def measure_fused(case: str, num_tokens: int, num_seqs: int, device: str, reps: int) -> dict:
-    """The loss alone: the torch stage eager, compiled and graph-replayed (CUDA) against the fused kernels."""
+def measure_fused(case: str, num_tokens: int, num_seqs: int, device: str, reps: int, compiled: bool = True) -> dict:
+    """The loss alone: the torch stage eager, compiled (unless `compiled` is False: its first call compiles for
+    tens of seconds on a GPU machine) and graph-replayed (CUDA) against the fused kernels."""
     from rlkernels.outputs import TokenStats
     from rlkernels.stage import fused
     from rlkernels.testing.stage import stage_batch
@@ -160,8 +161,9 @@ def measure_fused(case: str, num_tokens: int, num_seqs: int, device: str, reps: 
     if reason is not None:
         return dict(case=case, device=device, fused=f"not covered: {reason}")
     variants = {"eager": lambda: rk_stage.run(stats, batch, config, metrics=False),
-                "compiled": lambda: rk_stage.select(lp, True)(stats, batch, config, metrics=False),
                 "fused": lambda: fused.run(stats, batch, config)}
+    if compiled:
+        variants["compiled"] = lambda: rk_stage.select(lp, True)(stats, batch, config, metrics=False)
     losses = {name: fn().loss for name, fn in variants.items()}  # first contact (compiles) outside the times
     if device == "cuda":
         variants["graphed"] = _graph_replay(variants["eager"])
@@ -178,7 +180,8 @@ def measure_fused(case: str, num_tokens: int, num_seqs: int, device: str, reps: 
     return dict(case=case, device=device, tokens=num_tokens, seqs=num_seqs,
                 **{f"{name}_ms": round(t, 4) for name, t in ms.items()},
                 fused_vs_eager=round(ms["fused"] / ms["eager"], 3),
-                fused_vs_compiled=round(ms["fused"] / ms["compiled"], 3),
+                **({"fused_vs_compiled": round(ms["fused"] / ms["compiled"], 3)} if compiled else {}),
+                **({"fused_vs_graphed": round(ms["fused"] / ms["graphed"], 3)} if "graphed" in ms else {}),
                 loss_max_rel_diff={name: float((loss - want).abs() / want.abs().clamp_min(1e-30))
                                    for name, loss in losses.items()})
 
@@ -208,6 +211,7 @@ def main(argv=None):
     ap.add_argument("--split", action="store_true", help="also time a one-rank dp_group against no group")
     ap.add_argument("--fused", action="store_true", help="also time the loss alone against the fused stage")
     ap.add_argument("--fused-only", action="store_true", help="only --fused's rows")
+    ap.add_argument("--no-compiled", action="store_true", help="--fused's rows without the compiled stage")
     args = ap.parse_args(argv)
     args.fused = args.fused or args.fused_only
     rows = [] if args.fused_only else [measure(c, args.tokens, args.seqs, args.device, args.reps)
@@ -230,7 +234,7 @@ def main(argv=None):
                   f"{r['compiled_split_vs_local']:>6.2f}")
         rows += split_rows
     if args.fused:
-        fused_rows = [measure_fused(c, args.tokens, args.seqs, args.device, args.reps)
+        fused_rows = [measure_fused(c, args.tokens, args.seqs, args.device, args.reps, not args.no_compiled)
                       for c in (args.case or sorted(CASES))]
         print()
         for r in fused_rows:
