@@ -901,8 +901,8 @@ at::Tensor full_divergences_bwd(const at::Tensor& logits, const at::Tensor& refe
 // sequences (each reads its tokens twice: the sums its decisions need, then each token's IS weight, final mask,
 // PPO term and derivatives, and the sequence's loss sums into an [S, 5] record), the batch's normalisers from the
 // record, the loss, then one parallel loop over tokens scaling each coefficient by its aggregation weight a_t. The
-// arithmetic is the torch stage's in float32, each sequence summed in token order as its segmented sums are; the
-// options arrive as codes (kernels/triton/stage.py's, in kStage* order), the hyperparameters as floats.
+// arithmetic is the torch stage's in float32, a sequence's sums kept in lanes (LaneSum); the options arrive as codes
+// (kernels/stage_options.py, in the enums' order), the hyperparameters as floats. The same bits on any thread count.
 namespace stage {
 enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
@@ -955,26 +955,45 @@ struct Outputs {
   bool* kept;
 };
 
+// Sums of a sequence's values in kLanes interleaved partial sums, added pairwise at the end: the error of a long
+// sequence's sum grows as its length over kLanes, not its length (the Triton kernel keeps 512).
+constexpr int kLanes = 16;
+struct LaneSum {
+  float lane[kLanes] = {};
+  void add(int64_t i, float x) { lane[i % kLanes] += x; }
+  float total() const {
+    float part[kLanes];
+    std::copy(lane, lane + kLanes, part);
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int j = 0; j < width; ++j) part[j] += part[j + width];
+    return part[0];
+  }
+};
+
 // One sequence: its decisions and its tokens' outputs, and its record (policy-term sum, KL sum, entropy sum over
-// m', final length, width).
-void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o, const float* h) {
+// m', final length, width). Not inlined: one compiled copy serves the serial and the threaded loop, so a result
+// never depends on the thread count (-ffp-contract=fast could contract two inlined copies differently).
+__attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o,
+                                        const float* h) {
   const int64_t start = in.cu ? in.cu[s] : s * in.seq_len, end = in.cu ? in.cu[s + 1] : start + in.seq_len;
   const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean];
   const bool corrects = rejects || o[kIsLevel] != 0;
-  float length = 0.0f, delta_sum = 0.0f, k1 = 0.0f, k3 = 0.0f;
+  LaneSum length_sum, delta_sum, k1_sum, k3_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];
-    length += m ? 1.0f : 0.0f;
+    length_sum.add(t, m ? 1.0f : 0.0f);
     if (corrects) {
       const float delta = (m ? in.old[t] : 0.0f) - (m ? in.rollout[t] : 0.0f);
       const float delta_hat = clamp(delta, -kClamp, kClamp);
-      delta_sum += delta, k1 += -delta_hat, k3 += m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f;
+      delta_sum.add(t, delta), k1_sum.add(t, -delta_hat);
+      k3_sum.add(t, m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f);
     }
   }
-  const float count = std::max(length, 1.0f);
+  const float length = length_sum.total(), count = std::max(length, 1.0f), k1 = k1_sum.total(), k3 = k3_sum.total();
   float seq_weight = 0.0f;
   if (o[kIsLevel] >= 2) {
-    const float log_ratio = clamp(o[kIsLevel] == 3 ? delta_sum / count : delta_sum, -kClamp, kClamp);
+    const float log_sum = delta_sum.total();
+    const float log_ratio = clamp(o[kIsLevel] == 3 ? log_sum / count : log_sum, -kClamp, kClamp);
     seq_weight = truncated(std::exp(log_ratio), length > 0.0f, h[kIsLo], h[kIsHi], o[kIsMask]);
   }
   bool keep = true;  // a NaN statistic fails every bound, as the torch comparisons do
@@ -982,7 +1001,7 @@ void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o,
   if (o[kRsK1Mean]) keep = keep && k1 / count <= h[kK1MeanHi] && k1 / count >= h[kK1MeanLo];
   if (o[kRsK3Sum]) keep = keep && k3 <= h[kK3SumMax];
   if (o[kRsK3Mean]) keep = keep && k3 / count <= h[kK3MeanMax];
-  float pg = 0.0f, kl_sum = 0.0f, entropy_sum = 0.0f, kept_count = 0.0f;
+  LaneSum pg, kl_sum, entropy_sum, kept_count;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t], kept = m && keep;
     const float lp = m ? in.lp[t] : 0.0f, adv = m ? in.adv[t] : 0.0f;
@@ -1011,20 +1030,33 @@ void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o,
     float grad = active ? l1 : 0.0f;
     if (o[kRatioClamp] && !(std::fabs(log_r) <= h[kRatioClampValue])) grad = 0.0f;
     if (o[kWeighted]) term *= w, grad *= w;
-    pg += kept ? term : 0.0f;
+    pg.add(t, kept ? term : 0.0f);
     out.grad[t] = grad;
     if (o[kKlType] != 0) {
       float kl, dkl;
       kl_and_grad(lp, m ? in.ref[t] : 0.0f, o[kKlType], o[kKlStraight], kl, dkl);
-      kl_sum += kept ? kl : 0.0f;
+      kl_sum.add(t, kept ? kl : 0.0f);
       out.dkl[t] = dkl;
     }
-    if (in.entropy) entropy_sum += kept ? (m ? in.entropy[t] : 0.0f) : 0.0f;
-    kept_count += kept ? 1.0f : 0.0f;
+    if (in.entropy) entropy_sum.add(t, kept ? (m ? in.entropy[t] : 0.0f) : 0.0f);
+    kept_count.add(t, kept ? 1.0f : 0.0f);
     out.lp[t] = lp, out.kept[t] = kept;
   }
   float* row = out.record + s * 5;
-  row[0] = pg, row[1] = kl_sum, row[2] = entropy_sum, row[3] = kept_count, row[4] = static_cast<float>(end - start);
+  row[0] = pg.total(), row[1] = kl_sum.total(), row[2] = entropy_sum.total(), row[3] = kept_count.total();
+  row[4] = static_cast<float>(end - start);
+}
+
+// The offsets, read on the host (free on the CPU): every token in exactly one sequence, or the op refuses.
+void check_layout(const char* op, const int64_t* cu, int64_t S, int64_t seq_len, int64_t N, const int64_t* seq_id) {
+  TORCH_CHECK(S >= 0, op, ": num_seqs must be >= 0");
+  if (cu) {
+    TORCH_CHECK(cu[0] == 0 && cu[S] == N, op, ": cu_seqlens must run from 0 to N = ", N);
+    for (int64_t s = 0; s < S; ++s) TORCH_CHECK(cu[s] <= cu[s + 1], op, ": cu_seqlens must not decrease");
+  } else {
+    TORCH_CHECK(S * seq_len == N, op, ": num_seqs x seq_len must be N = ", N);
+  }
+  for (int64_t t = 0; t < N; ++t) TORCH_CHECK(seq_id[t] >= 0 && seq_id[t] < S, op, ": seq_id out of [0, S)");
 }
 }  // namespace stage
 
@@ -1061,6 +1093,7 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
                 op, ": cu_seqlens must be contiguous int64 [S + 1]");
     cu = cu_seqlens->data_ptr<int64_t>();
   }
+  check_layout(op, cu, S, seq_len, N, seq_id.data_ptr<int64_t>());
   const Inputs in{f32(lp, "lp"), f32(entropy, "entropy"), f32(advantages, "advantages"), f32(old, "old"),
                   f32(rollout, "rollout"), f32(ref, "ref"), mask.data_ptr<bool>(), cu, seq_len};
   const bool weighted = o[kWeighted], has_kl = o[kKlType] != 0, has_entropy = in.entropy != nullptr;
@@ -1111,9 +1144,9 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
       const float kept_t = out.kept[t] ? 1.0f : 0.0f;
       const float a = agg == 2 ? kept_t / (std::max(rec[sid[t] * 5 + 3], 1.0f) * seqs)
                                : (agg == 0 ? kept_t : kept_t / per_token);
-      float value = a * c[t];
-      if (d) value = (beta * a) * d[t] + value;
-      c[t] = value;
+      // one rounding for the sum of products, spelled out: -ffp-contract=fast could contract the serial and the
+      // threaded copies of this loop differently (a gradient that depended on the thread count)
+      c[t] = d ? std::fma(beta * a, d[t], a * c[t]) : a * c[t];
       if (e) e[t] = -entropy_coeff * a;
     }
   });

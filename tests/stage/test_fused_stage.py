@@ -384,3 +384,32 @@ def test_a_long_record_spreads_the_finish_over_fewer_programs():
         assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name=agg)
         for name, x, y in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
             assert_close(x, y, **tol("reordered", F32, scale=float(y.abs().amax())), name=f"{agg} {name}")
+
+
+@needs_cpu_kernels
+def test_the_cpu_kernels_give_the_same_bits_on_any_thread_count_and_refuse_bad_offsets():
+    """Found by review: the token loop's KL coefficient was contracted to an FMA in the threaded copy of the loop and
+    not in the serial one (-ffp-contract=fast), so the gradient depended on the thread count; and with validate=False
+    offsets past N were read. Now one rounding everywhere (std::fma), and the op checks the offsets on the host."""
+    g = torch.Generator().manual_seed(13)
+    B, T = 3, 3001  # over the token loop's grain (4,096), so that two threads split it
+    old = -torch.rand(B, T, generator=g) * 3
+    lp, adv, entropy = old + 0.1 * torch.randn(B, T, generator=g), torch.randn(B, T, generator=g), torch.rand(B, T)
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_tis(), kl_type="k2", kl_coef=0.1,
+                              entropy_coeff=0.01, metrics="loss_only", validate=False, fused_stage=True)
+    threads, results = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            leaf = lp.clone().requires_grad_(True)
+            out = rlkernels.policy_loss(leaf, adv, torch.rand(B, T, generator=torch.Generator().manual_seed(1)) > 0.1,
+                                        old_logprobs=old, rollout_logprobs=old + 0.05, ref_logprobs=old - 0.1,
+                                        entropy=entropy, config=config)
+            results.append((out.loss.detach(), torch.autograd.grad(out.loss, leaf)[0]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to N = 8"):
+        rlkernels.policy_loss(torch.randn(8), torch.randn(8), torch.ones(8, dtype=torch.bool),
+                              cu_seqlens=torch.tensor([0, 4, 100000]),
+                              config=PolicyLossConfig(metrics="loss_only", validate=False, fused_stage=True))
