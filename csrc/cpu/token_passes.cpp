@@ -1051,10 +1051,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
 void check_layout(const char* op, const int64_t* cu, int64_t S, int64_t seq_len, int64_t N, const int64_t* seq_id) {
   TORCH_CHECK(S >= 0, op, ": num_seqs must be >= 0");
   if (cu) {
-    TORCH_CHECK(cu[0] == 0 && cu[S] == N, op, ": cu_seqlens must run from 0 to N = ", N);
+    TORCH_CHECK(cu[0] == 0 && cu[S] == N, op, ": cu_seqlens must run from 0 to N = ", std::to_string(N));
     for (int64_t s = 0; s < S; ++s) TORCH_CHECK(cu[s] <= cu[s + 1], op, ": cu_seqlens must not decrease");
   } else {
-    TORCH_CHECK(S * seq_len == N, op, ": num_seqs x seq_len must be N = ", N);
+    TORCH_CHECK(S * seq_len == N, op, ": num_seqs x seq_len must be N = ", std::to_string(N));
   }
   for (int64_t t = 0; t < N; ++t) TORCH_CHECK(seq_id[t] >= 0 && seq_id[t] < S, op, ": seq_id out of [0, S)");
 }
@@ -1072,8 +1072,8 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   using namespace stage;
   const char* op = "sequence_stage";
   const int64_t N = lp.numel(), S = num_seqs;
-  TORCH_CHECK(options.size() == kOptionCount && hyper.size() == kHyperCount, op, ": expected ", kOptionCount,
-              " option codes and ", kHyperCount, " hyperparameters");
+  TORCH_CHECK(options.size() == kOptionCount && hyper.size() == kHyperCount, op, ": expected ",
+              std::to_string(kOptionCount), " option codes and ", std::to_string(kHyperCount), " hyperparameters");
   auto f32 = [&](const std::optional<at::Tensor>& t, const char* name) -> const float* {
     if (!t.has_value()) return nullptr;
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == N, op, ": ", name,
