@@ -125,15 +125,15 @@ def _graphed(fn):
     return graph.replay, None
 
 
-def time_cuda(variants: dict, reps: int) -> dict:
+def time_calls(variants: dict, reps: int, sync=torch.cuda.synchronize) -> dict:
     """Median ms per call of each variant, runs interleaved."""
     times = {name: [] for name in variants}
     for _ in range(reps):
         for name, run in variants.items():
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             run()
-            torch.cuda.synchronize()
+            sync()
             times[name].append((time.perf_counter() - t0) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -149,6 +149,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--time-ppo", action="store_true",
+                   help="on the CPU too: the ppo cases' forward + backward time, interleaved (ratios, not absolutes)")
     args = p.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     rows = {}
@@ -164,10 +166,18 @@ def main(argv=None) -> None:
                     variants["graphed"] = replay
                 else:
                     row["graphed"] = why
-            row.update({f"{v}_ms": t for v, t in time_cuda(variants, args.reps).items()})
+            row.update({f"{v}_ms": t for v, t in time_calls(variants, args.reps).items()})
         rows[name] = row
         print(f"{name:16} " + "  ".join(f"{key} {value if not isinstance(value, float) else f'{value:.3f}'}"
                                         for key, value in row.items()), flush=True)
+    if args.time_ppo and args.device != "cuda":
+        every = cases(args.N, args.V, args.H, args.S, args.k, args.device, dtype)
+        ppo = {name: (lambda f=fn: step(f)) for name, fn in every.items()
+               if name.startswith("ppo") or name == "logprobs"}
+        times = time_calls(ppo, args.reps, sync=lambda: None)
+        for name, t in times.items():
+            rows[name]["eager_ms"] = t
+        print("forward + backward ms (median, interleaved): " + "  ".join(f"{n} {t:.3f}" for n, t in times.items()))
     over = {phase: rows["topk_head"][f"{phase}_launches"] - rows["plain_pass"][f"{phase}_launches"]
             for phase in ("forward", "backward")}
     print(f"the top-k form over the plain pass: {over['forward']} launches forward, {over['backward']} backward")
