@@ -2,11 +2,12 @@
 failure, since an earlier test has long since built and loaded the CPU kernels and imported Triton.
 
 The scenarios (tests/support/first_contact.py) compile a training step with per-step hyperparameters
-(fullgraph, aot_eager and Inductor), a one-sequence batch, the no-grad log-prob pass and the fused-linear
-loss, each compared with eager. One interpreter runs them in turn with an empty kernel cache: its first call
-is an Inductor step, so the CPU kernels are built while Dynamo traces it for Inductor (the stricter backend:
-Inductor runs AOTAutograd as aot_eager does, then generates code), and the rest follow under aot_eager.
-A second interpreter runs every scenario under Inductor with the cache warm (loaded while tracing).
+(fullgraph, aot_eager and Inductor), a one-sequence batch, the no-grad log-prob pass, the fused-linear loss and the
+loss alone (the fused stage eagerly, the torch stage compiled), each compared with eager. One interpreter runs them
+in turn with an empty kernel cache: its first call is an Inductor step, so the CPU kernels are built while Dynamo
+traces it for Inductor (the stricter backend: Inductor runs AOTAutograd as aot_eager does, then generates code), and
+the rest follow under aot_eager. A second interpreter runs every scenario under Inductor with the cache warm (loaded
+while tracing).
 """
 
 import os
@@ -19,7 +20,7 @@ import pytest
 from .cases import F32, tol
 
 SCRIPT = Path(__file__).parent / "support" / "first_contact.py"
-ALL = ("compiled_step", "one_sequence", "no_grad_logprobs", "fused_linear")
+ALL = ("compiled_step", "one_sequence", "no_grad_logprobs", "fused_linear", "loss_only")
 BUILD_MESSAGE = "rlkernels: compiling the CPU kernels once"
 TIMEOUT_S = 600  # a busy 2-core machine; the two runs take ~40-70 s each with cold caches
 

@@ -133,8 +133,33 @@ def fused_linear(compile_backend):
         raise AssertionError(f"fused-linear: recompiled after warm-up ({counter.graphs} graphs)")
 
 
+def loss_only(compile_backend):
+    """metrics="loss_only": eagerly the fused stage (the CPU kernels' op, built on first use), compiled the torch
+    stage traced into the graph (the fused stage never runs inside one): the same loss and gradient."""
+    import rlkernels
+    from rlkernels.stage import fused
+
+    kw, logits0 = batch(seed=4)
+    config = rlkernels.PolicyLossConfig(metrics="loss_only", validate=False, entropy_coeff=0.01,
+                                        rollout_correction=rlkernels.RolloutCorrection.geo_rs(bounds=(0.5, 2.0)))
+
+    def step(logits):
+        return rlkernels.decoupled_ppo_loss(logits, **kw, cu_seqlens=torch.tensor([0, 5, 5, 11]), config=config).loss
+
+    x = logits0.clone().requires_grad_(True)
+    loss = torch.compile(step, fullgraph=True, backend=compile_backend)(x)
+    loss.backward()
+    e = logits0.clone().requires_grad_(True)
+    eager = step(e)
+    eager.backward()
+    if fused.implementation(config, e.device) != "cpu":
+        raise AssertionError("metrics='loss_only' did not take the CPU kernels' fused stage eagerly")
+    close(loss.detach(), eager.detach(), "loss")
+    close(x.grad, e.grad, "dlogits")
+
+
 SCENARIOS = {"compiled_step": compiled_step, "one_sequence": one_sequence, "no_grad_logprobs": no_grad_logprobs,
-             "fused_linear": fused_linear}
+             "fused_linear": fused_linear, "loss_only": loss_only}
 
 if __name__ == "__main__":
     # argv: rtol, atol, then scenario@backend pairs, in turn; the first is the process's first call
