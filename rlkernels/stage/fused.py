@@ -55,9 +55,11 @@ def blocker(batch, config, dtype: torch.dtype, metrics: Optional[bool] = None) -
         return f"{dtype} statistics (the kernels compute in float32)"
     if config.loss_type not in _PPO or config.ratio_level != "token":
         return f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip per token only)"
-    for name in ("seq_mean_advantages", "off_policy_mask_threshold", "m2po_threshold", "vaco_threshold",
-                 "log_ratio_sq_coef", "kl_score_gradient", "kl_bias_correction", "entropy_agg_mode"):
-        if getattr(config, name):
+    for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold", "entropy_agg_mode"):
+        if getattr(config, name) is not None:  # a threshold of 0 is on
+            return f"{name}={getattr(config, name)!r}"
+    for name in ("seq_mean_advantages", "log_ratio_sq_coef", "kl_score_gradient", "kl_bias_correction"):
+        if getattr(config, name):  # False / 0: off
             return f"{name}={getattr(config, name)!r}"
     if batch.ref_logprobs is not None and config.kl_coef and config.kl_type.rstrip("+") not in _KL_TYPES:
         return f"kl_type={config.kl_type!r}"

@@ -169,6 +169,7 @@ def _policy_call(**overrides):
     (dict(loss_type="gspo"), "loss_type='gspo'"),
     (dict(ratio_level="sequence"), "ratio_level='sequence'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
     (dict(entropy_agg_mode="token-sum"), "entropy_agg_mode"),
     (dict(kl_score_gradient=True), "kl_score_gradient"),
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_k1": (0.5, 2.0)})), "rejection options"),
