@@ -899,20 +899,24 @@ at::Tensor full_divergences_bwd(const at::Tensor& logits, const at::Tensor& refe
 // ---- The fused per-sequence stage (rlkernels/stage/fused.py; its GPU twin: kernels/triton/stage.py) ----------
 // The common PPO family's loss and gradient coefficients from [N] per-token values: one parallel loop over
 // sequences (each reads its tokens twice: the sums its decisions need, then each token's IS weight, final mask,
-// PPO term and derivatives, and the sequence's loss sums into an [S, 5] record), the batch's normalisers from the
+// PPO term and derivatives, and the sequence's sums into an [S, kRecord] record), the batch's normalisers from the
 // record, the loss, then one parallel loop over tokens scaling each coefficient by its aggregation weight a_t. The
 // arithmetic is the torch stage's in float32, a sequence's sums kept in lanes (LaneSum); the options arrive as codes
 // (kernels/stage_options.py, in the enums' order), the hyperparameters as floats. The same bits on any thread count.
 namespace stage {
 enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
-  kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kOptionCount
+  kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
+  kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
   kClipC, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
+// a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
+// token weights', or the sequence's one weight: what is_batch_normalize averages), masked length
+constexpr int64_t kRecord = 7;
 
 // torch.clamp: NaN stays NaN
 inline float clamp(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
@@ -970,8 +974,7 @@ struct LaneSum {
   }
 };
 
-// One sequence: its decisions and its tokens' outputs, and its record (policy-term sum, KL sum, entropy sum over
-// m', final length, width). Not inlined: one compiled copy serves the serial and the threaded loop, so a result
+// One sequence: its decisions and its tokens' outputs, and its record (kRecord). Not inlined: one compiled copy serves the serial and the threaded loop, so a result
 // never depends on the thread count (-ffp-contract=fast could contract two inlined copies differently).
 __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o,
                                         const float* h) {
@@ -1001,7 +1004,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   if (o[kRsK1Mean]) keep = keep && k1 / count <= h[kK1MeanHi] && k1 / count >= h[kK1MeanLo];
   if (o[kRsK3Sum]) keep = keep && k3 <= h[kK3SumMax];
   if (o[kRsK3Mean]) keep = keep && k3 / count <= h[kK3MeanMax];
-  LaneSum pg, kl_sum, entropy_sum, kept_count;
+  LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t], kept = m && keep;
     const float lp = m ? in.lp[t] : 0.0f, adv = m ? in.adv[t] : 0.0f;
@@ -1014,7 +1017,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     } else if (o[kIsLevel] >= 2) {
       w = m ? seq_weight : 0.0f;
     }
-    if (o[kWeighted]) out.weights[t] = w;
+    if (o[kWeighted]) out.weights[t] = w, weight_sum.add(t, w);
     // the policy ratio (clamped to log_ratio_clamp) and PPO's clip with dual clip (policy_terms._ppo_clip)
     const float log_r = lp - l_old;
     const float r = std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
@@ -1042,9 +1045,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     kept_count.add(t, kept ? 1.0f : 0.0f);
     out.lp[t] = lp, out.kept[t] = kept;
   }
-  float* row = out.record + s * 5;
+  float* row = out.record + s * kRecord;
   row[0] = pg.total(), row[1] = kl_sum.total(), row[2] = entropy_sum.total(), row[3] = kept_count.total();
   row[4] = static_cast<float>(end - start);
+  row[5] = o[kIsLevel] == 1 ? weight_sum.total() : seq_weight, row[6] = length;
 }
 
 // The offsets, read on the host (free on the CPU): every token in exactly one sequence, or the op refuses.
@@ -1101,7 +1105,7 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   at::Tensor lp_out = at::empty({N}, options_f32), coef = at::empty({N}, options_f32);
   at::Tensor weights = at::empty({weighted ? N : 0}, options_f32);
   at::Tensor coef_entropy = at::empty({has_entropy ? N : 0}, options_f32);
-  at::Tensor dkl = at::empty({has_kl ? N : 0}, options_f32), record = at::empty({S, 5}, options_f32);
+  at::Tensor dkl = at::empty({has_kl ? N : 0}, options_f32), record = at::empty({S, kRecord}, options_f32);
   at::Tensor kept = at::empty({N}, mask.options());
   const Outputs out{lp_out.data_ptr<float>(), coef.data_ptr<float>(), dkl.data_ptr<float>(),
                     weights.data_ptr<float>(), record.data_ptr<float>(), kept.data_ptr<bool>()};
@@ -1112,8 +1116,8 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   const float* rec = out.record;
   float kept_tokens = 0.0f, kept_seqs = 0.0f, width = 0.0f;
   for (int64_t s = 0; s < S; ++s) {
-    kept_tokens += rec[s * 5 + 3], kept_seqs += rec[s * 5 + 3] > 0.0f ? 1.0f : 0.0f;
-    width = std::max(width, rec[s * 5 + 4]);
+    kept_tokens += rec[s * kRecord + 3], kept_seqs += rec[s * kRecord + 3] > 0.0f ? 1.0f : 0.0f;
+    width = std::max(width, rec[s * kRecord + 4]);
   }
   const float tokens = o[kGlobalTokens] ? h[kGlobalTokensValue] : std::max(kept_tokens, 1.0f);
   const float seqs = o[kGlobalSeqs] ? h[kGlobalSeqsValue]
@@ -1123,14 +1127,25 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   const int64_t agg = o[kAggregation];  // 0 token-sum, 1 token-mean, 2 seq-mean-token-mean, 3 -token-sum, 4 -norm
   const float per_token = agg == 0 ? 1.0f : agg == 1 ? tokens : agg == 3 ? seqs : seqs * K;
   auto sequence_weight = [&](int64_t s) {  // a_t of the sequence's kept tokens
-    return agg == 2 ? 1.0f / (std::max(rec[s * 5 + 3], 1.0f) * seqs) : 1.0f / per_token;
+    return agg == 2 ? 1.0f / (std::max(rec[s * kRecord + 3], 1.0f) * seqs) : 1.0f / per_token;
   };
   float pg = 0.0f, kl_total = 0.0f, entropy_total = 0.0f;
   for (int64_t s = 0; s < S; ++s) {
     const float a = sequence_weight(s);
-    pg += a * rec[s * 5], kl_total += a * rec[s * 5 + 1], entropy_total += a * rec[s * 5 + 2];
+    pg += a * rec[s * kRecord], kl_total += a * rec[s * kRecord + 1], entropy_total += a * rec[s * kRecord + 2];
   }
-  float loss = pg;
+  // is_batch_normalize: the IS weights over their batch mean (over the masked tokens, or the non-empty sequences)
+  float factor = 1.0f;
+  if (o[kNormalize] != 0) {
+    float total = 0.0f, count = 0.0f;
+    for (int64_t s = 0; s < S; ++s) {
+      total += rec[s * kRecord + 5];
+      count += o[kNormalize] == 1 ? rec[s * kRecord + 6] : (rec[s * kRecord + 6] > 0.0f ? 1.0f : 0.0f);
+    }
+    const float mean = total / std::max(count, 1.0f);
+    factor = mean > 1e-8f ? mean : 1.0f;
+  }
+  float loss = o[kNormalize] != 0 ? pg / factor : pg;
   if (has_kl) loss = loss + h[kKlCoef] * kl_total;
   if (has_entropy) loss = loss + -h[kEntropyCoeff] * entropy_total;
   // each token's coefficients: c_t = a_t g_t + (beta a_t) dKL_t, e_t = -entropy_coeff a_t (loss.run)
@@ -1139,14 +1154,17 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   float* e = has_entropy ? coef_entropy.data_ptr<float>() : nullptr;
   const float* d = has_kl ? dkl.data_ptr<float>() : nullptr;
   const float beta = h[kKlCoef], entropy_coeff = h[kEntropyCoeff];
+  float* w_out = o[kNormalize] != 0 ? weights.data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float kept_t = out.kept[t] ? 1.0f : 0.0f;
-      const float a = agg == 2 ? kept_t / (std::max(rec[sid[t] * 5 + 3], 1.0f) * seqs)
+      const float a = agg == 2 ? kept_t / (std::max(rec[sid[t] * kRecord + 3], 1.0f) * seqs)
                                : (agg == 0 ? kept_t : kept_t / per_token);
       // one rounding for the sum of products, spelled out: -ffp-contract=fast could contract the serial and the
       // threaded copies of this loop differently (a gradient that depended on the thread count)
-      c[t] = d ? std::fma(beta * a, d[t], a * c[t]) : a * c[t];
+      const float g = w_out ? c[t] / factor : c[t];
+      if (w_out) w_out[t] = w_out[t] / factor;
+      c[t] = d ? std::fma(beta * a, d[t], a * g) : a * g;
       if (e) e[t] = -entropy_coeff * a;
     }
   });

@@ -24,4 +24,5 @@ def option_codes(options: dict) -> dict:
         RATIO_CLAMP=options["ratio_clamp"], DUAL_CLIP=options["dual_clip"], KL_TYPE=KL_TYPES[options["kl_type"]],
         KL_STRAIGHT=options["kl_straight"], AGGREGATION=AGGREGATIONS[options["aggregation"]],
         SEQ_MEAN_OVER_ALL=options["seq_mean_over_all"], GLOBAL_TOKENS=options["global_tokens"],
-        GLOBAL_SEQS=options["global_seqs"], SCALE_FACTOR=options["scale_factor"])
+        GLOBAL_SEQS=options["global_seqs"], SCALE_FACTOR=options["scale_factor"],
+        NORMALIZE=0 if not options["normalize"] else 1 if options["is_level"] == "token" else 2)

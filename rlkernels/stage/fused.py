@@ -4,10 +4,10 @@
 
 The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) at the token ratio level, any
 log_ratio_clamp; on-policy, bypass without a correction, or decoupled mode with token / sequence / geometric IS
-weights (truncated or IcePop-masked) and sequence rejection on the sum or mean of k1 or k3 (seq-MIS, geo-RS,
-K3-RS and their combinations with IS); the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through
-forms; the entropy bonus at the loss's aggregation; every aggregation mode, with the global counts. Everything
-else keeps the torch stage (`loss.run`): token-level rejection, batch-normalised weights, the other loss types,
+weights (truncated or IcePop-masked, batch-normalised or not) and sequence rejection on the sum or mean of k1 or k3
+(seq-MIS, geo-RS, K3-RS and their combinations with IS); the KL penalties k1, k2, abs, k3, k3_unclamped and their
+straight-through forms; the entropy bonus at the loss's aggregation; every aggregation mode, with the global counts.
+Everything else keeps the torch stage (`loss.run`): token-level rejection, rs_mode="zero_weight", the other loss types,
 split batches, the sampler's evidence, and the metrics (metrics="all"), which read the stage's intermediates.
 
 Why two launches and no metrics: the metrics are ~60 reductions of a dozen intermediates the kernels never write;
@@ -80,8 +80,8 @@ def _correction_blocker(batch, rc) -> Optional[str]:
         return None
     if batch.old_logprobs is None:
         return "bypass mode with a rollout correction (its weights are of the current policy)"
-    if rc.is_batch_normalize or rc.rs_mode != "mask":
-        return "is_batch_normalize or rs_mode='zero_weight'"
+    if rc.rs_mode != "mask":
+        return "rs_mode='zero_weight'"
     unknown = [option for option, _ in rc.rs if option not in _RS]
     if unknown:
         return f"rejection options {unknown} (the kernels decide seq_sum / seq_mean of k1 and k3)"
@@ -135,7 +135,8 @@ def _launch_arguments(stats, batch, config):
         kl_type=config.kl_type.rstrip("+") if kl else None, kl_straight=config.kl_type.endswith("+"),
         aggregation=config.loss_agg_mode, seq_mean_over_all=config.seq_mean_over == "all",
         global_tokens=config.global_num_tokens is not None, global_seqs=config.global_num_seqs is not None,
-        scale_factor=config.loss_scale_factor is not None)
+        scale_factor=config.loss_scale_factor is not None,
+        normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize)
     return inputs, options, _hyperparameters(config, rc)
 
 

@@ -41,8 +41,8 @@ implementations = pytest.mark.parametrize("backend", [
 
 @st.composite
 def family_corrections(draw):
-    """A rollout correction inside the family: an IS level (or none), truncated or masked, and sequence rejection
-    on k1 / k3 sums and means."""
+    """A rollout correction inside the family: an IS level (or none), truncated or masked, batch-normalised or not,
+    and sequence rejection on k1 / k3 sums and means."""
     is_level = draw(st.sampled_from((None, "token", "sequence", "geometric")))
     threshold = draw(st.sampled_from((2.0, 1.2, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0))))
     rs = {}
@@ -55,6 +55,7 @@ def family_corrections(draw):
         return None
     return RolloutCorrection(is_level=is_level, is_threshold=threshold, rs=rs,
                              is_mode=draw(st.sampled_from((None, "truncate", "mask"))),
+                             is_batch_normalize=is_level is not None and draw(st.booleans()),
                              seq_tokens=draw(st.sampled_from(("mask", "kept"))))
 
 
@@ -173,7 +174,8 @@ def _policy_call(**overrides):
     (dict(entropy_agg_mode="token-sum"), "entropy_agg_mode"),
     (dict(kl_score_gradient=True), "kl_score_gradient"),
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_k1": (0.5, 2.0)})), "rejection options"),
-    (dict(rollout_correction=RolloutCorrection.seq_tis(is_batch_normalize=True)), "is_batch_normalize"),
+    (dict(rollout_correction=RolloutCorrection.seq_tis(rs={"seq_sum_k1": (0.5, 2.0)}, rs_mode="zero_weight")),
+     "zero_weight"),
     (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
 ])
 def test_outside_the_family_the_torch_stage_runs_and_true_is_refused(override, reason):

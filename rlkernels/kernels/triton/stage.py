@@ -6,9 +6,9 @@ compiled graph of ~50 generated kernels) compute for the loss and its gradient c
                        weight, rejection). The second forms each token's IS weight, final mask, PPO term and its
                        derivative, the KL penalty's derivative, and the sequence's sums of the loss's terms.
     _finish_kernel     one program per block of tokens. Each first reduces the [S] record to the batch's
-                       normalisers (a few KB, read from L2 by every program: no atomics, no ticket, the same bits
-                       every run). Program 0 writes the loss; every program scales its tokens' coefficients by
-                       their aggregation weight a_t.
+                       normalisers and, with is_batch_normalize, the IS weights' mean (a few KB, read from L2 by every
+                       program: no atomics, no ticket, the same bits every run). Program 0 writes the loss; every
+                       program scales its tokens' coefficients by their aggregation weight a_t.
 
 Every hyperparameter is a run-time float argument, so a new clip ratio, threshold or coefficient launches the same
 binary; only the option *set* (which correction, which KL type, which aggregation) is constexpr. The arithmetic is
@@ -26,7 +26,9 @@ from .token_stats import device_guard
 
 BLOCK = 512  # tokens per step of a sequence's reads and per finish program
 BLOCK_S = 256  # sequences per step of the finish programs' record reduction
-RECORD_WIDTH = 5  # per-sequence record: policy-term sum, KL sum, entropy sum (over m'), final length, width
+# per-sequence record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
+# token weights', or the sequence's one weight), masked length
+RECORD_WIDTH = 7
 RECORD = tl.constexpr(RECORD_WIDTH)
 CLAMP = tl.constexpr(20.0)  # SPEC §4: every importance log-ratio is clamped to [-20, 20] before exp
 
@@ -154,6 +156,7 @@ def _sequence_kernel(
     kl_acc = tl.zeros([BLOCK], tl.float32)
     h_acc = tl.zeros([BLOCK], tl.float32)
     kept_acc = tl.zeros([BLOCK], tl.float32)
+    w_acc = tl.zeros([BLOCK], tl.float32)
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
@@ -176,6 +179,7 @@ def _sequence_kernel(
             w = tl.where(m, seq_weight, 0.0)
         if WEIGHTED:
             tl.store(weights_ptr + idx, w, mask=inside)
+            w_acc += w
 
         # the policy ratio (clamped to log_ratio_clamp) and PPO's clip with dual clip (policy_terms._ppo_clip)
         log_r = lp - l_old
@@ -219,6 +223,11 @@ def _sequence_kernel(
     tl.store(row + 2, tl.sum(h_acc, 0))
     tl.store(row + 3, tl.sum(kept_acc, 0))
     tl.store(row + 4, (end - start).to(tl.float32))
+    if IS_LEVEL == 1:  # what is_batch_normalize averages: the token weights' sum, or the sequence's one weight
+        tl.store(row + 5, tl.sum(w_acc, 0))
+    else:
+        tl.store(row + 5, seq_weight)
+    tl.store(row + 6, length)
 
 
 @triton.jit
@@ -255,19 +264,44 @@ def _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor, SEQ_ME
     return tokens, seqs_count, width
 
 
+@triton.jit
+def _weight_mean(record_ptr, S, NORMALIZE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The batch mean of the truncated IS weights, or 1 where it is not above 1e-8 (correction.normalisers, .weights):
+    over the masked tokens (NORMALIZE 1, token weights) or the non-empty sequences (2, one weight each)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    total_acc = tl.zeros([BLOCK_S], tl.float32)
+    count_acc = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        seqs = s0 + offs_s
+        row = record_ptr + seqs.to(tl.int64) * RECORD
+        total_acc += tl.load(row + 5, mask=seqs < S, other=0.0)
+        length = tl.load(row + 6, mask=seqs < S, other=0.0)
+        if NORMALIZE == 1:
+            count_acc += length
+        else:
+            count_acc += (length > 0).to(tl.float32)
+    mean = tl.sum(total_acc, 0) / tl.maximum(tl.sum(count_acc, 0), 1.0)
+    return tl.where(mean > 1e-8, mean, 1.0)
+
+
 @triton.jit(do_not_specialize=["N", "S", "blocks_per_program"])
 def _finish_kernel(
-    record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, loss_ptr,
+    record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, weights_ptr, loss_ptr,
     N, S, blocks_per_program,
     kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
     AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
-    GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, HAS_KL: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+    GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_KL: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    # Long on purpose: the batch's scalars, the loss and the tokens' coefficients share the normalisers, which every
+    # program computes itself (no second launch, no atomics).
     pid = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
                                              SEQ_MEAN_OVER_ALL, GLOBAL_TOKENS, GLOBAL_SEQS, SCALE_FACTOR, BLOCK_S)
+    factor = 1.0
+    if NORMALIZE != 0:  # is_batch_normalize: the IS weights over their batch mean (correction.weights)
+        factor = _weight_mean(record_ptr, S, NORMALIZE, BLOCK_S)
     # a_t = m'_t * per_token / per_seq[s]: the division's denominator, as loss.aggregation_weights forms it
     if AGGREGATION == 0:
         per_token = 1.0
@@ -295,6 +329,8 @@ def _finish_kernel(
             kl_acc += a * tl.load(row + 1, mask=inside, other=0.0)
             h_acc += a * tl.load(row + 2, mask=inside, other=0.0)
         loss = tl.sum(pg_acc, 0)
+        if NORMALIZE != 0:
+            loss = loss / factor
         if HAS_KL:
             loss = loss + kl_coef * tl.sum(kl_acc, 0)
         if HAS_ENTROPY:
@@ -316,7 +352,11 @@ def _finish_kernel(
             a = kept
         else:
             a = kept / per_token
-        coef = a * tl.load(grad_ptr + idx, mask=inside, other=0.0)
+        grad = tl.load(grad_ptr + idx, mask=inside, other=0.0)
+        if NORMALIZE != 0:
+            grad = grad / factor
+            tl.store(weights_ptr + idx, tl.load(weights_ptr + idx, mask=inside, other=0.0) / factor, mask=inside)
+        coef = a * grad
         if HAS_KL:
             coef = (kl_coef * a) * tl.load(dkl_ptr + idx, mask=inside, other=0.0) + coef
         tl.store(coef_ptr + idx, coef, mask=inside)
@@ -366,7 +406,8 @@ def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
             )
         _finish_kernel[(max(1, triton.cdiv(N, BLOCK * blocks_per_program)),)](
             record, kept, grad, dkl, given(inputs.seq_id), coef, coef if coef_entropy is None else coef_entropy,
-            loss, N, S, blocks_per_program, *(h[name] for name in FINISH_HYPERPARAMETERS),
+            coef if weights is None else weights, loss, N, S, blocks_per_program,
+            *(h[name] for name in FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
             HAS_ENTROPY=coef_entropy is not None, BLOCK=BLOCK, BLOCK_S=BLOCK_S,
         )
@@ -375,7 +416,7 @@ def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
 
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT")
-_FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR")
+_FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE")
 
 
 def aot_specs():
@@ -407,9 +448,11 @@ def aot_specs():
     for aggregation in AGGREGATIONS.values():
         for i, flags in enumerate(((False, False, False, False, False), (True, True, True, True, True))):
             constexprs = dict(zip(("SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "HAS_KL"),
-                                  flags), AGGREGATION=aggregation, HAS_ENTROPY=i == 1, BLOCK=BLOCK, BLOCK_S=BLOCK_S)
+                                  flags), AGGREGATION=aggregation, NORMALIZE=aggregation % 3, HAS_ENTROPY=i == 1,
+                              BLOCK=BLOCK, BLOCK_S=BLOCK_S)
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
-                         "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32", "loss_ptr": "*fp32",
+                         "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32",
+                         "weights_ptr": "*fp32", "loss_ptr": "*fp32",
                          "N": "i32", "S": "i32", "blocks_per_program": "i32",
                          **{f: "fp32" for f in FINISH_HYPERPARAMETERS},
                          **{k: "constexpr" for k in constexprs}}
