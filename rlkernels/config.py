@@ -403,9 +403,10 @@ class PolicyLossConfig:
         fused_stage: run the per-sequence stage as kernels (stage/fused.py: two Triton launches on CUDA, one op of
             the CPU kernels on the CPU) where they cover the call: PPO's clip per token, token / sequence / geometric
             IS (batch-normalised or not), seq-MIS / geo-RS / K3-RS rejection, the KL penalties, the entropy bonus,
-            every aggregation, metrics="loss_only", no split. None (the default) and True: wherever those kernels run (Triton on CUDA;
-            the CPU kernels for backend "auto" / "cpu", Triton's interpreter for "triton" on CPU tensors), else the
-            torch stage (compile_stage's); True refuses a call outside the family before any pass; False: never.
+            every aggregation, metrics="loss_only", no split. None (the default) and True: wherever those kernels
+            run (Triton on CUDA; the CPU kernels for backend "auto" / "cpu", Triton's interpreter for "triton" on
+            CPU tensors), else the torch stage (compile_stage's); True refuses a call outside the family before any
+            pass; False: never.
         metrics: "all" (every metric of SPEC §8 in the output's `.metrics`, verl's names) or "loss_only" (none:
             the loss and its gradient alone, for steps that log no metrics; the stage's ~60 metric reductions
             and their launches are skipped; with the torch stage the loss and gradient are the same bits, with the
