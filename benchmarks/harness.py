@@ -160,6 +160,22 @@ def run_memory_worker(module: str, argv: List[str], fallback: dict, timeout_s: f
     return dict(fallback, error=(proc.stderr.strip().splitlines() or ["?"])[-1][:200])
 
 
+def cuda_graph(fn: Callable[[], object]):
+    """(a CUDA graph of `fn`, the output of its captured call), `fn` warmed up three times on a side stream first so
+    that lazy allocations and compiles stay out of the graph. Raises what the capture raises (a host sync in `fn`);
+    the output holds the replay's memory, so keep it while replaying."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn()
+    return graph, output
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

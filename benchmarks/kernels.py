@@ -34,7 +34,7 @@ import torch
 import rlkernels
 from rlkernels import backends
 
-from .harness import environment
+from .harness import cuda_graph, environment
 
 
 def _timer(device: str) -> Callable[[Callable[[], object]], float]:
@@ -97,20 +97,11 @@ def _cases(logits: torch.Tensor, labels: torch.Tensor, device: str) -> Dict[str,
 def _captured(fn):
     """(a CUDA graph of fn, its output), fn warmed up on a side stream first (lazy allocations and compiles stay
     out of the graph); None, with the reason printed, where the call cannot be captured (a host synchronisation)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            output = fn()
+        return cuda_graph(fn)
     except RuntimeError as exc:
         print(f"graph.forward: not captured: {str(exc).splitlines()[0]}")
         return None
-    return graph, output
 
 
 def run(N: int, V: int, dtype: torch.dtype, device: str, rounds: int) -> dict:

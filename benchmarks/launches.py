@@ -32,6 +32,8 @@ from rlkernels.ops import vocab
 from rlkernels.ops.head import head_token_stats
 from rlkernels.testing.launches import count_launches
 
+from .harness import cuda_graph
+
 
 def _ppo_inputs(N: int, V: int, S: int, device: str, dtype: torch.dtype):
     torch.manual_seed(0)  # drawn on the device: an 8192 x 151,936 batch drawn on the host takes seconds
@@ -110,16 +112,8 @@ def cuda_kernels(fn) -> int:
 def _graphed(fn):
     """The forward + backward captured in a CUDA graph after warm-up (a step with validate=False syncs nothing, so
     it can be), or None with the reason."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step(fn)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            step(fn)
+        graph, _ = cuda_graph(lambda: step(fn))
     except Exception as e:  # noqa: BLE001 (reported, not hidden: the table says why there is no graphed time)
         return None, f"{type(e).__name__}: {str(e)[:120]}"
     return graph.replay, None

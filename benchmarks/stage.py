@@ -38,6 +38,8 @@ from rlkernels import stage as rk_stage
 from rlkernels.stage.segments import Segments
 from rlkernels.testing.stage import run_stage
 
+from .harness import cuda_graph
+
 CASES = {
     "seq_mis+kl+entropy": lambda: PolicyLossConfig(
         rollout_correction=RolloutCorrection.seq_mis(), kl_coef=0.05, entropy_coeff=0.01,
@@ -166,7 +168,7 @@ def measure_fused(case: str, num_tokens: int, num_seqs: int, device: str, reps: 
         variants["compiled"] = lambda: rk_stage.select(lp, True)(stats, batch, config, metrics=False)
     losses = {name: fn().loss for name, fn in variants.items()}  # first contact (compiles) outside the times
     if device == "cuda":
-        variants["graphed"] = _graph_replay(variants["eager"])
+        variants["graphed"] = cuda_graph(variants["eager"])[0].replay
     times = {name: [] for name in variants}
     for _ in range(reps):
         for name, fn in variants.items():
@@ -184,20 +186,6 @@ def measure_fused(case: str, num_tokens: int, num_seqs: int, device: str, reps: 
                 **({"fused_vs_graphed": round(ms["fused"] / ms["graphed"], 3)} if "graphed" in ms else {}),
                 loss_max_rel_diff={name: float((loss - want).abs() / want.abs().clamp_min(1e-30))
                                    for name, loss in losses.items()})
-
-
-def _graph_replay(fn):
-    """fn (sync-free) captured in a CUDA graph after warm-up; its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main(argv=None):

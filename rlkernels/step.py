@@ -56,7 +56,6 @@ def checked_rows(source: str, logprobs: torch.Tensor, batch: PreparedBatch, vali
 
 def logits_loss(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig) -> PolicyLossOutput:
     """decoupled_ppo_loss: the current policy's statistics from the logits, then the stage."""
-    stage.check_fused(batch, config, statistics_dtype(logits.dtype), logits.device)
     options = pass_options(config)
     head = batch.sampler_head
     if head is None:
@@ -82,7 +81,6 @@ def hidden_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
                 config: PolicyLossConfig) -> PolicyLossOutput:
     """linear_decoupled_ppo_loss: the one-pass form where every token's coefficients allow (SPEC §2.1), else the
     two-pass form's statistics, then the stage."""
-    stage.check_fused(batch, config, statistics_dtype(hidden.dtype), hidden.device)
     options = pass_options(config)
     if config.linear_one_pass and ops.one_pass_blocker(hidden, weight, bias, batch) is None \
             and stage.forward_gradient_blocker(batch, config) is None:
@@ -115,7 +113,6 @@ def policy_output(stats: ops.Statistics, batch: PreparedBatch, config: PolicyLos
     that reads the sampler's top-k gets `evidence.head_logprobs` (with autograd) as the stage's head."""
     lp, entropy = stats.logprobs, stats.entropy
     dt = statistics_dtype(lp.dtype)
-    stage.check_fused(batch, config, dt, lp.device)
     detached = TokenStats(lp.detach().to(dt), None if entropy is None else entropy.detach().to(dt), None)
     head_logprobs = None if evidence is None else evidence.head_logprobs
     if head_logprobs is not None:

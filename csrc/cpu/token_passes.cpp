@@ -947,6 +947,9 @@ inline void kl_and_grad(float lp, float ref, int64_t type, bool straight, float&
   if (straight) dkl = lp - ref;
 }
 
+// A per-token input on the mask, 0 off it (padding may hold NaN: it must reach no sum), as the torch stage's are.
+inline float on_mask(const float* x, int64_t t, bool m) { return m ? x[t] : 0.0f; }
+
 struct Inputs {
   const float *lp, *entropy, *adv, *old, *rollout, *ref;
   const bool* mask;
@@ -974,8 +977,9 @@ struct LaneSum {
   }
 };
 
-// One sequence: its decisions and its tokens' outputs, and its record (kRecord). Not inlined: one compiled copy serves the serial and the threaded loop, so a result
-// never depends on the thread count (-ffp-contract=fast could contract two inlined copies differently).
+// One sequence: its decisions and its tokens' outputs, and its record (kRecord). Not inlined: one compiled copy
+// serves the serial and the threaded loop, so a result never depends on the thread count (-ffp-contract=fast could
+// contract two inlined copies differently).
 __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o,
                                         const float* h) {
   const int64_t start = in.cu ? in.cu[s] : s * in.seq_len, end = in.cu ? in.cu[s + 1] : start + in.seq_len;
@@ -986,7 +990,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     const bool m = in.mask[t];
     length_sum.add(t, m ? 1.0f : 0.0f);
     if (corrects) {
-      const float delta = (m ? in.old[t] : 0.0f) - (m ? in.rollout[t] : 0.0f);
+      const float delta = on_mask(in.old, t, m) - on_mask(in.rollout, t, m);
       const float delta_hat = clamp(delta, -kClamp, kClamp);
       delta_sum.add(t, delta), k1_sum.add(t, -delta_hat);
       k3_sum.add(t, m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f);
@@ -1007,12 +1011,13 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t], kept = m && keep;
-    const float lp = m ? in.lp[t] : 0.0f, adv = m ? in.adv[t] : 0.0f;
-    const float l_old = o[kProximal] == 1 ? (m ? in.old[t] : 0.0f) : o[kProximal] == 2 ? (m ? in.rollout[t] : 0.0f)
-                                                                                          : lp;
+    const float lp = on_mask(in.lp, t, m), adv = on_mask(in.adv, t, m);
+    const float l_old = o[kProximal] == 1   ? on_mask(in.old, t, m)
+                        : o[kProximal] == 2 ? on_mask(in.rollout, t, m)
+                                            : lp;
     float w = 0.0f;
     if (o[kIsLevel] == 1) {
-      const float delta_hat = clamp(l_old - (m ? in.rollout[t] : 0.0f), -kClamp, kClamp);
+      const float delta_hat = clamp(l_old - on_mask(in.rollout, t, m), -kClamp, kClamp);
       w = truncated(std::exp(delta_hat), m, h[kIsLo], h[kIsHi], o[kIsMask]);
     } else if (o[kIsLevel] >= 2) {
       w = m ? seq_weight : 0.0f;
@@ -1037,11 +1042,11 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     out.grad[t] = grad;
     if (o[kKlType] != 0) {
       float kl, dkl;
-      kl_and_grad(lp, m ? in.ref[t] : 0.0f, o[kKlType], o[kKlStraight], kl, dkl);
+      kl_and_grad(lp, on_mask(in.ref, t, m), o[kKlType], o[kKlStraight], kl, dkl);
       kl_sum.add(t, kept ? kl : 0.0f);
       out.dkl[t] = dkl;
     }
-    if (in.entropy) entropy_sum.add(t, kept ? (m ? in.entropy[t] : 0.0f) : 0.0f);
+    if (in.entropy) entropy_sum.add(t, kept ? on_mask(in.entropy, t, m) : 0.0f);
     kept_count.add(t, kept ? 1.0f : 0.0f);
     out.lp[t] = lp, out.kept[t] = kept;
   }

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ..backends import statistics_dtype
 from ..backends.temperature import Temperature
 from ..config import (
     BACKENDS,
@@ -24,6 +25,7 @@ from ..config import (
     check_numerics,
 )
 from ..ops.vocab_parallel import shard_offset
+from ..stage import check_fused
 from ..stage.divergences import Divergences
 from ..stage.loss import check_split_options
 from ..stage.policy_terms import LOSS_TERMS
@@ -287,6 +289,7 @@ def prepare_logits_loss(logits, args: Arguments, config: Optional[PolicyLossConf
                          "linear_decoupled_ppo_loss)")
     batch = prepare_loss("logits", tuple(logits.shape[:-1]), logits.shape[-1], logits.device,
                          args._replace(temperature=temperature), config)
+    check_fused(batch, config, statistics_dtype(logits.dtype), logits.device)
     return config, batch
 
 
@@ -297,6 +300,7 @@ def prepare_hidden_loss(hidden, weight, bias, args: Arguments, config: Optional[
     check_head(hidden, weight, bias)
     batch = prepare_loss("hidden", tuple(hidden.shape[:-1]), weight.shape[0], hidden.device,
                          args._replace(temperature=temperature), config)
+    check_fused(batch, config, statistics_dtype(hidden.dtype), hidden.device)
     return config, batch
 
 
@@ -379,7 +383,9 @@ def prepare_policy(logprobs, args: Arguments, config: Optional[PolicyLossConfig]
                                ("rollout_logprobs", flat(args.rollout_logprobs)),
                                ("ref_logprobs", flat(args.ref_logprobs))])
         checks.run()
-    return config, _batch(token_shape, mask, layout, args)
+    batch = _batch(token_shape, mask, layout, args)
+    check_fused(batch, config, statistics_dtype(logprobs.dtype), device)
+    return config, batch
 
 
 class CorrectionInputs(NamedTuple):

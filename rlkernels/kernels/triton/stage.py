@@ -40,6 +40,13 @@ def _clamp(x, lo, hi):
 
 
 @triton.jit
+def _on_mask(ptr, idx, inside, m):
+    """A per-token input as float32 on the mask, 0 off it (padding may hold NaN: it must reach no sum), as the torch
+    stage's inputs are (loss._masked_inputs)."""
+    return tl.where(m, tl.load(ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+
+
+@triton.jit
 def _truncated(raw, live, lo, hi, IS_MASK: tl.constexpr):
     """SPEC §4: raw clamped to [lo, hi] (IcePop: 0 outside it), 0 where not `live`."""
     if IS_MASK:  # nested selects: `live` may be a 0-d flag, which the interpreter cannot `&` with a block
@@ -116,8 +123,8 @@ def _sequence_kernel(
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
         length_acc += m.to(tl.float32)
         if HAS_CORRECTION:
-            train = tl.where(m, tl.load(old_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
-            behaviour = tl.where(m, tl.load(rollout_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            train = _on_mask(old_ptr, idx, inside, m)
+            behaviour = _on_mask(rollout_ptr, idx, inside, m)
             delta = train - behaviour
             delta_acc += delta
             delta_hat = _clamp(delta, -CLAMP, CLAMP)
@@ -162,17 +169,17 @@ def _sequence_kernel(
         inside = idx < end
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
         kept = m & keep_block
-        lp = tl.where(m, tl.load(lp_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
-        adv = tl.where(m, tl.load(adv_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+        lp = _on_mask(lp_ptr, idx, inside, m)
+        adv = _on_mask(adv_ptr, idx, inside, m)
         if PROXIMAL == 1:
-            l_old = tl.where(m, tl.load(old_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            l_old = _on_mask(old_ptr, idx, inside, m)
         elif PROXIMAL == 2:
-            l_old = tl.where(m, tl.load(rollout_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            l_old = _on_mask(rollout_ptr, idx, inside, m)
         else:
             l_old = lp
         w = tl.zeros([BLOCK], tl.float32)
         if IS_LEVEL == 1:
-            behaviour = tl.where(m, tl.load(rollout_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            behaviour = _on_mask(rollout_ptr, idx, inside, m)
             delta_hat = _clamp(l_old - behaviour, -CLAMP, CLAMP)
             w = _truncated(tl.exp(delta_hat), m, is_lo, is_hi, IS_MASK)
         elif IS_LEVEL >= 2:
@@ -207,12 +214,12 @@ def _sequence_kernel(
         pg_acc += tl.where(kept, term, 0.0)
         tl.store(grad_ptr + idx, grad, mask=inside)
         if KL_TYPE != 0:
-            ref = tl.where(m, tl.load(ref_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            ref = _on_mask(ref_ptr, idx, inside, m)
             kl, dkl = _kl_and_grad(lp, ref, KL_TYPE, KL_STRAIGHT)
             kl_acc += tl.where(kept, kl, 0.0)
             tl.store(dkl_ptr + idx, dkl, mask=inside)
         if HAS_ENTROPY:
-            h = tl.where(m, tl.load(entropy_ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
+            h = _on_mask(entropy_ptr, idx, inside, m)
             h_acc += tl.where(kept, h, 0.0)
         kept_acc += kept.to(tl.float32)
         tl.store(lp_out_ptr + idx, lp, mask=inside)
