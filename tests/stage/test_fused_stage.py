@@ -116,6 +116,23 @@ def test_fused_stage_matches_the_torch_stage(batch, mode, data):
             assert_close(g, w, **tol("reordered", F32, scale=scale), name=name)
 
 
+@settings(max_examples=scaled(60), deadline=None)
+@given(batch=batches(dtype=F32, max_seqs=4, max_len=7, max_vocab=23),
+       mode=st.sampled_from(("decoupled", "decoupled", "bypass", "on-policy")), data=st.data())
+def test_fused_stage_matches_the_float64_oracle(batch, mode, data):
+    """decoupled_ppo_loss on float32 logits with the fused stage against the float64 oracle (rlkernels.reference),
+    through the backends' parity check (tests/backends/parity.py): loss, log-probs, IS weights, the final mask and
+    d loss / d logits at the ("value", fp32) rows. log_ratio_clamp is drawn finite: without it exp() overflows float32
+    where float64 does not (cases.config_options says the same)."""
+    from ..backends.parity import check_against_reference
+
+    config = data.draw(family_configs(mode))
+    backend = data.draw(st.sampled_from(IMPLEMENTATIONS)) if rlkernels.backends.is_available("cpu") else "triton"
+    config = config.with_overrides(fused_stage=True, log_ratio_clamp=config.log_ratio_clamp or 20.0,
+                                   compute_entropy=data.draw(st.booleans()))
+    check_against_reference(batch, mode, config, backend=backend)
+
+
 @implementations
 def test_the_logits_route_takes_it_and_its_gradient_matches(backend):
     """decoupled_ppo_loss on logits with the fused stage: d loss / d logits as the torch stage's."""
