@@ -8,8 +8,12 @@ Every ATen op below autograd that is not a view launches a kernel on a GPU, from
 cost of a call that the device never hides (rlkernels/testing/launches.py counts them, inside our custom ops too).
 Cases, all with validate=False (no host sync, so a step can be captured in a CUDA graph):
 
-    ppo[all] / ppo[loss_only]   decoupled_ppo_loss, packed, decoupled, seq-MIS: every metric, or the loss alone
-    ppo[loss_only,fused]        the loss alone with the fused stage (two Triton launches; on the CPU the CPU kernels')
+    ppo[all] / ppo[loss_only]   decoupled_ppo_loss, packed, decoupled, seq-MIS, the torch stage: every metric, or
+                                the loss alone
+    ppo[all,fused]              every metric with the fused stage (two Triton launches; on the CPU the CPU kernels'
+                                op): the metrics are the torch stage's, run when read, after the backward
+                                (metrics_launches; the step's time includes that read)
+    ppo[loss_only,fused]        the loss alone with the fused stage
     logprobs                    token_logprobs: the vocabulary pass alone (the floor the loss is measured against)
     topk_head / plain_pass      the sampler's top-k form (ops.head_stats, k ids) against the plain pass
     linear                      linear_decoupled_ppo_loss, the one-pass form (hidden states)
@@ -56,11 +60,12 @@ def cases(N: int, V: int, H: int, S: int, k: int, device: str, dtype: torch.dtyp
         # compile it on CUDA, tens of seconds of first contact)
         config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False, metrics=metrics,
                                   compile_stage=False, fused_stage=False)  # the torch stage (see the fused row)
-        out[f"ppo[{metrics}]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x).loss
+        out[f"ppo[{metrics}]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x)
     if device == "cuda" or rlkernels.backends.is_available("cpu"):  # the fused stage (Triton, or the CPU kernels)
-        config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False,
-                                  metrics="loss_only", fused_stage=True)
-        out["ppo[loss_only,fused]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x).loss
+        for metrics in ("all", "loss_only"):
+            config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False,
+                                      metrics=metrics, compile_stage=False, fused_stage=True)
+            out[f"ppo[{metrics},fused]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x)
     out["logprobs"] = lambda: rlkernels.token_logprobs(logits, x["labels"], validate=False).logprobs.sum()
     # k distinct ids per row: one permutation's first k, shifted by the row (distinct mod V)
     ids = (torch.randperm(V, device=device)[:k][None, :] + torch.arange(N, device=device)[:, None]) % V
@@ -75,28 +80,38 @@ def cases(N: int, V: int, H: int, S: int, k: int, device: str, dtype: torch.dtyp
     weight = (torch.randn(V, H, device=device) / H ** 0.5).to(dtype).requires_grad_(True)
     linear_config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False,
                                      compile_stage=False)
-    out["linear"] = lambda: rlkernels.linear_decoupled_ppo_loss(hidden, weight, config=linear_config, **x).loss
+    out["linear"] = lambda: rlkernels.linear_decoupled_ppo_loss(hidden, weight, config=linear_config, **x)
     return out
 
 
 def _backward(result) -> None:
-    if isinstance(result, tuple):
+    if hasattr(result, "loss"):  # a loss's output
+        result.loss.backward()
+    elif isinstance(result, tuple):
         outputs, grads = result
         torch.autograd.backward(outputs, grads)
     else:
         result.backward()
 
 
+def _read_metrics(result) -> None:
+    """A logger's read of a loss's metrics, after its backward (a fused stage's are computed here)."""
+    dict(getattr(result, "metrics", {}))
+
+
 def step(fn) -> None:
-    _backward(fn())
+    result = fn()
+    _backward(result)
+    _read_metrics(result)
 
 
 def count(fn) -> dict:
     result, forward = count_launches(fn)
     _, backward = count_launches(_backward, result)
+    _, read = count_launches(_read_metrics, result)
     return dict(forward_launches=forward.launching, backward_launches=backward.launching,
                 launches=forward.launching + backward.launching, aten_ops=forward.total + backward.total,
-                syncs=len(forward.syncs) + len(backward.syncs))
+                metrics_launches=read.launching, syncs=len(forward.syncs) + len(backward.syncs) + len(read.syncs))
 
 
 def cuda_kernels(fn) -> int:

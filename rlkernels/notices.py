@@ -11,6 +11,8 @@ who reads neither. Where it is read:
 - CUDA tensors: a non-blocking copy into pinned memory and an event; a later call (or `metrics_to_floats`) reads
   the copies whose event has completed (`Event.query`, which never waits).
 - Under torch.compile: nothing (a traced region has no side effects to spare).
+- Metrics computed when first read (`stage.metrics.DeferredMetrics`, the fused stage's): the flag, which the call
+  computed with the loss (`known`), as above, whether or not the rest is ever read.
 """
 
 import warnings
@@ -52,7 +54,8 @@ def watch(metrics: Dict[str, torch.Tensor], validate: bool) -> None:
     """After a step that produced `metrics` (device tensors): warn now, or once its flag reaches the host."""
     if _warned or torch.compiler.is_compiling():
         return
-    flag = metrics.get(ALL_REJECTED)
+    deferred = not getattr(metrics, "ready", True)  # a DeferredMetrics not read yet: its known values only
+    flag = (metrics.known if deferred else metrics).get(ALL_REJECTED)
     if flag is not None and flag.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         host = torch.empty((), dtype=flag.dtype, pin_memory=True)
         host.copy_(flag.detach(), non_blocking=True)

@@ -11,7 +11,7 @@ class PolicyLossOutput(NamedTuple):
     entropy: Optional[torch.Tensor]  # like logprobs, or None
     is_weights: Optional[torch.Tensor]  # weights multiplying the policy term, or None
     mask: torch.Tensor  # bool, the final mask after rejection
-    metrics: Dict[str, torch.Tensor]  # 0-d device tensors named as in SPEC §8
+    metrics: Dict[str, torch.Tensor]  # 0-d device tensors named as in SPEC §8 (a dict, or a DeferredMetrics)
     # how the gradient is formed (SPEC §2.1): "logits" (the logits' backward pass), "linear_two_pass" (the
     # fused-linear backward recomputes the logits) or "linear_one_pass" (formed in the forward, scaled after)
     path: str = "logits"

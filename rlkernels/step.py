@@ -147,9 +147,8 @@ def _one_pass_output(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
         torch.where(batch.mask, proximal.to(dt), zero)
     entropy = torch.zeros_like(lp) if options.entropy else None
     corrected = stage.correct(TokenStats(lp, entropy, None), batch, config)  # once: its collectives too
-    # the fused kernels where they cover the call (they decide the correction again: two launches per chunk); the
-    # chunks' runs record no metrics, so they take the kernels with metrics="all" too
-    run = stage.choose(lp, batch, config, fallback=stage.run, metrics=False)
+    # the fused kernels where they cover the call (they decide the correction again: two launches per chunk)
+    run = stage.choose(lp, batch, config, fallback=stage.run)
 
     def coefficients(idx, lp_rows, entropy_rows):
         lp.index_copy_(0, idx, lp_rows)

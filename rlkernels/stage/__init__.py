@@ -103,11 +103,9 @@ def check_fused(batch, config, dtype: torch.dtype, device: torch.device) -> None
                          "(fused_stage=None takes it where it can)")
 
 
-def choose(tensor: torch.Tensor, batch, config, fallback=None, metrics: Optional[bool] = None):
+def choose(tensor: torch.Tensor, batch, config, fallback=None):
     """The stage of one call on statistics like `tensor`: the fused kernels (fused.run) where config.fused_stage
-    allows and they cover the call, else `fallback` (None: `select`'s eager or compiled `run`). `metrics`: whether
-    this run records them (None: as config.metrics)."""
-    if fused.implementation(config, tensor.device) is not None and \
-            fused.blocker(batch, config, tensor.dtype, metrics) is None:
+    allows and they cover the call, else `fallback` (None: `select`'s eager or compiled `run`)."""
+    if fused.implementation(config, tensor.device) is not None and fused.blocker(batch, config, tensor.dtype) is None:
         return fused.run
     return select(tensor, config.compile_stage) if fallback is None else fallback

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # duck-typed: rlkernels.config reads the stage's loss table, 
     from ..config import RolloutCorrection
 
 CLAMP = 20.0  # SPEC §4: clamp every log-ratio before exp
+ALL_REJECTED = "rollout_corr/rollout_rs_all_rejected"  # 1 when rejection kept none of m's tokens (notices.py reads it)
 DIVERGENCE_METRICS = ("kl", "reverse_kl", "chi2", "tv")  # SPEC §9: token mean, sequence max and batch max of each
 
 
@@ -381,7 +382,7 @@ def _rejection_metrics(metrics: Metrics, decisions: Decisions, sets: _Sets) -> N
         # 1 when the batch had response tokens and rejection kept none of them: a step that learns nothing
         # (a count, not the fraction above, whose sum of 1/n terms need not round to exactly 1)
         metrics.total("_rs_kept_tokens", (mask & decisions.kept).sum().to(dt))
-        metrics.derive("rollout_corr/rollout_rs_all_rejected", lambda kept: ((kept == 0) & (n_tok > 0)).to(dt),
+        metrics.derive(ALL_REJECTED, lambda kept: ((kept == 0) & (n_tok > 0)).to(dt),
                        "_rs_kept_tokens")
 
 

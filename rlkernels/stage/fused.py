@@ -7,12 +7,14 @@ log_ratio_clamp; on-policy, bypass without a correction, or decoupled mode with 
 weights (truncated or IcePop-masked, batch-normalised or not) and sequence rejection on the sum or mean of k1 or k3
 (seq-MIS, geo-RS, K3-RS and their combinations with IS); the KL penalties k1, k2, abs, k3, k3_unclamped and their
 straight-through forms; the entropy bonus at the loss's aggregation; every aggregation mode, with the global counts.
-Everything else keeps the torch stage (`loss.run`): token-level rejection, rs_mode="zero_weight", the other loss types,
-split batches, the sampler's evidence, and the metrics (metrics="all"), which read the stage's intermediates.
+Everything else keeps the torch stage (`loss.run`): token-level rejection, rs_mode="zero_weight", the other loss
+types, split batches, the sampler's evidence.
 
-Why two launches and no metrics: the metrics are ~60 reductions of a dozen intermediates the kernels never write;
-the steps that log no metrics (metrics="loss_only") are the ones whose host time shows. The fused-linear one-pass
-form's per-chunk runs (coefficients only) take the kernels whatever config.metrics says.
+The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
+torch stage's run on the same inputs when they are first read (the values bit for bit), which a trainer does after
+`loss.backward()` has queued the backward. The ~55 metrics are ~60 reductions of a dozen of the torch stage's
+intermediates, a few hundred small ops: kept off the path between the loss and its backward, where host time shows,
+and never run for a step whose metrics nobody reads.
 """
 
 from typing import NamedTuple, Optional
@@ -20,7 +22,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import backends
+from . import loss
+from .correction import ALL_REJECTED
 from .loss import StageOutput
+from .metrics import DeferredMetrics
 from .policy_terms import LOSS_TERMS
 from .segments import _log
 
@@ -45,12 +50,9 @@ class KernelInputs(NamedTuple):
     num_seqs: int
 
 
-def blocker(batch, config, dtype: torch.dtype, metrics: Optional[bool] = None) -> Optional[str]:
+def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
     """Why a call's stage is outside the fused kernels' family (`dtype`: its statistics'), or None when they
-    compute it. Decided from the inputs alone, before any pass runs. `metrics`: whether this run of the stage
-    records them (None: as config.metrics; the fused-linear chunks' runs never do)."""
-    if config.metrics == "all" if metrics is None else metrics:
-        return "metrics='all' (the metrics read the torch stage's intermediates)"
+    compute it. Decided from the inputs alone, before any pass runs."""
     if dtype != torch.float32:
         return f"{dtype} statistics (the kernels compute in float32)"
     if config.loss_type not in _PPO or config.ratio_level != "token":
@@ -104,14 +106,32 @@ def implementation(config, device: torch.device) -> Optional[str]:
 
 
 def run(stats, batch, config, corrected=None, metrics: bool = False, evidence=None) -> StageOutput:
-    """`loss.run` for a call `blocker` passes: the same StageOutput, its metrics empty. `corrected` (the torch
-    stage's correction, computed once for the fused-linear chunks) is not read: the kernels decide it again."""
-    if metrics or evidence is not None:
-        raise ValueError("the fused stage computes no metrics and takes no sampler evidence (see blocker)")
+    """`loss.run` for a call `blocker` passes: the same StageOutput, with `metrics` the torch stage's, deferred to
+    their first read. `corrected` (the torch stage's correction, computed once for the fused-linear chunks) is not
+    read by the kernels, which decide it again; the deferred metrics' run takes it."""
+    if evidence is not None:
+        raise ValueError("the fused stage takes no sampler evidence (see blocker)")
     inputs, options, hyper = _launch_arguments(stats, batch, config)
     kernels = backends.instance(implementation(config, stats.logprobs.device))
-    loss, lp, coef, coef_entropy, weights, kept = kernels.sequence_stage(inputs, options, hyper)
-    return StageOutput(loss, coef, coef_entropy, weights, kept, {}, None, lp)
+    total, lp, coef, coef_entropy, weights, kept = kernels.sequence_stage(inputs, options, hyper)
+    if not metrics:
+        return StageOutput(total, coef, coef_entropy, weights, kept, {}, None, lp)
+    known = {}
+    if options["rejection"]:  # the flag the notices read on every step: rejection kept none of m's tokens
+        known[ALL_REJECTED] = (kept.any() < batch.mask.any()).to(lp.dtype)  # m' within m: none of m kept
+    deferred = DeferredMetrics(lambda: _torch_metrics(stats, batch, config, corrected), known)
+    return StageOutput(total, coef, coef_entropy, weights, kept, deferred, None, lp)
+
+
+def _torch_metrics(stats, batch, config, corrected) -> dict:
+    """The torch stage's metrics of a call, as `stage.choose`'s fallback records them: eager or compiled as
+    `stage.select` says (eager with a precomputed correction, which the compiled stage does not take)."""
+    from . import select  # the package imports this module
+
+    with torch.no_grad():
+        if corrected is not None:
+            return loss.run(stats, batch, config, corrected=corrected).metrics
+        return select(stats.logprobs, config.compile_stage)(stats, batch, config).metrics
 
 
 def _launch_arguments(stats, batch, config):

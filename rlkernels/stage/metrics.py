@@ -27,7 +27,8 @@ already whole on every rank of a context-parallel group (sequences were combined
 so across that group they are taken once, not summed.
 """
 
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from collections.abc import MutableMapping
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -125,7 +126,7 @@ class Metrics:
             return {}
         zero = torch.zeros((), device=_device(self._records[kinds[0]][0][1]))  # the where()s' 0 (promotes to x's dtype)
         # kind -> its chunks, one per dtype of its values: (the records in the order of their values, the values)
-        reduced = {kind: _reduce(kind, self._records[kind], zero) for kind in kinds}
+        reduced = _reduce({kind: self._records[kind] for kind in kinds}, zero)
         if split.combines_metrics:  # packed by kind, one collective per group (a mixed-dtype pack promotes, as ever)
             slots = {kind: len(self._records[kind]) * SLOTS[kind] for kind in KINDS}
             chunks = [chunk for kind in kinds for chunk in reduced[kind]]
@@ -176,22 +177,32 @@ def _unbound(names: List[str], finished: List[Tensor]) -> Dict[str, Tensor]:
     return out
 
 
-def _reduce(kind: int, records: List[Tuple[str, Union[Tensor, _Masked]]], zero: Tensor
-            ) -> List[Tuple[List[Tuple[str, Union[Tensor, _Masked]]], Tensor]]:
-    """(the records in the order of their values, the [M] (moments: [M, 3]) partial values) of one kind: one
-    stacked reduction per length (tokens or sequences) and dtype of their inputs; values recorded as such are
-    stacked. The order is the same on every rank (it follows the recording), as the split's combine needs."""
-    groups: Dict[Optional[tuple], list] = {}
-    for record in records:
-        groups.setdefault(_group_key(record[1]), []).append(record)
-    chunks: Dict[torch.dtype, Tuple[list, List[Tensor]]] = {}  # a cat of two dtypes would promote one of them
-    for key, members in groups.items():
-        values = [value for _, value in members]
-        part = torch.stack(values) if key is None else _reduce_group(kind, values, zero)
-        ordered, parts = chunks.setdefault(part.dtype, ([], []))
-        ordered += members
-        parts.append(part)
-    return [(ordered, parts[0] if len(parts) == 1 else torch.cat(parts)) for ordered, parts in chunks.values()]
+def _reduce(records: Dict[int, List[Tuple[str, Union[Tensor, _Masked]]]], zero: Tensor
+            ) -> Dict[int, List[Tuple[List[Tuple[str, Union[Tensor, _Masked]]], Tensor]]]:
+    """kind -> its chunks, one per dtype: (the records in the order of their values, the [M] (moments: [M, 3])
+    partial values). The masked records of every kind over one axis (tokens or sequences) and dtype are reduced
+    together (_reduce_axis: one stack, ~20 ops for all of them); values recorded as such are stacked. Each kind's
+    order is the same on every rank (it follows the recording), as the split's combine needs."""
+    axes: Dict[tuple, Dict[int, List[_Masked]]] = {}  # (scope, dtype) -> kind -> its masked inputs
+    for kind, kind_records in records.items():
+        for _, value in kind_records:
+            key = _group_key(value)
+            if key is not None:
+                axes.setdefault(key, {}).setdefault(kind, []).append(value)
+    parts = {key: _reduce_axis(members, zero) for key, members in axes.items()}  # key -> kind -> [M] values
+    out = {}
+    for kind, kind_records in records.items():
+        groups: Dict[Optional[tuple], list] = {}
+        for record in kind_records:
+            groups.setdefault(_group_key(record[1]), []).append(record)
+        chunks: Dict[torch.dtype, Tuple[list, List[Tensor]]] = {}  # a cat of two dtypes would promote one of them
+        for key, members in groups.items():
+            part = torch.stack([value for _, value in members]) if key is None else parts[key][kind]
+            ordered, kind_parts = chunks.setdefault(part.dtype, ([], []))
+            ordered += members
+            kind_parts.append(part)
+        out[kind] = [(ordered, ps[0] if len(ps) == 1 else torch.cat(ps)) for ordered, ps in chunks.values()]
+    return out
 
 
 def _group_key(value: Union[Tensor, _Masked]) -> Optional[tuple]:
@@ -210,26 +221,82 @@ def _rows(tensors: List[Tensor]) -> Tensor:
     return first if all(t is first for t in tensors) else torch.stack(tensors)
 
 
-def _reduce_group(kind: int, masked: List[_Masked], zero: Tensor) -> Tensor:
-    x = torch.stack([m.x for m in masked])  # [M, L]; a bool fraction takes its n's dtype
+# the row order of one axis's stack: the means first, then the moments (whose means join theirs), the extremes
+_ROW_ORDER = (SUM_TOKEN, SUM_SEQ, MOMENTS, MOMENTS_SEQ, MAX, MIN, LSE_SEQ)
+
+
+def _reduce_axis(members: Dict[int, List[_Masked]], zero: Tensor) -> Dict[int, Tensor]:
+    """The records of every kind over one axis and dtype, reduced on one [M, L] stack: a row is the reduction its
+    record alone would run (a bool fraction in its n's dtype). The moments' means are means with n = their count,
+    taken in the means' where-and-sum; a min is minus the max of minus its values (exact), taken in the maxima's."""
+    kinds = [kind for kind in _ROW_ORDER if kind in members]
+    masked = [m for kind in kinds for m in members[kind]]
+    bounds, start = {}, 0
+    for kind in kinds:
+        bounds[kind] = slice(start, start + len(members[kind]))
+        start += len(members[kind])
+    x = torch.stack([m.x for m in masked])  # [M, L]: bool rows promote to the float rows' dtype
     valid = _rows([m.valid for m in masked])
-    if kind in (SUM_TOKEN, SUM_SEQ):
-        n = _rows([m.n for m in masked])
-        dt = n.dtype if not x.is_floating_point() else x.dtype
-        n = n.clamp_min(1).to(dt)
-        return torch.where(valid, x.to(dt) / (n if n.dim() == 0 else n[:, None]), zero).sum(1)
-    if kind in (MAX, MIN):
-        if x.shape[1] == 0:  # the identity of the combine (max of nothing)
-            return x.new_full(x.shape[:1], float("-inf") if kind == MAX else float("inf"))
-        filled = torch.where(valid, x, float("-inf") if kind == MAX else float("inf"))
-        return filled.amax(1) if kind == MAX else filled.amin(1)
-    if kind == LSE_SEQ:
-        return torch.logsumexp(torch.where(valid, x, float("-inf")), dim=1)
-    valid = valid if valid.dim() == 2 else valid.expand(x.shape)  # moments
-    count = valid.sum(1).to(x.dtype)
-    mean = torch.where(valid, x / count.clamp_min(1)[:, None], zero).sum(1)
-    m2 = torch.where(valid, (x - mean[:, None]) ** 2, zero).sum(1)
-    return torch.stack([count, mean, m2], 1)
+    valid = valid if valid.dim() == 2 else valid.expand(x.shape)
+    means = [kind for kind in kinds if kind in (SUM_TOKEN, SUM_SEQ, MOMENTS, MOMENTS_SEQ)]
+    extremes = [kind for kind in kinds if kind in (MAX, MIN, LSE_SEQ)]
+    out: Dict[int, Tensor] = {}
+    if means:
+        rows = slice(bounds[means[0]].start, bounds[means[-1]].stop)
+        out.update(_means(x[rows], valid[rows], [(kind, bounds[kind], members[kind]) for kind in means], zero))
+    if extremes:
+        out.update(_extremes(x, valid, [(kind, bounds[kind]) for kind in extremes]))
+    return out
+
+
+def _means(x: Tensor, valid: Tensor, kinds: list, zero: Tensor) -> Dict[int, Tensor]:
+    """The SUM rows' masked means (x / n over valid: n their global count) and the MOMENTS rows' (count, mean, M2),
+    with one where-and-sum for every mean. `kinds`: (kind, its rows in the stack, its records); the sums first."""
+    start = kinds[0][1].start
+    divisors, moments = [], None
+    dt = x.dtype if x.is_floating_point() else kinds[0][2][0].n.dtype  # a stack of fractions alone: n's dtype
+    for kind, rows, records in kinds:
+        if kind in (SUM_TOKEN, SUM_SEQ):
+            divisors.append(_rows([m.n for m in records]).clamp_min(1).to(dt).expand(len(records)))
+        else:
+            moments = slice(rows.start - start, rows.stop - start)
+            count = valid[moments].sum(1).to(dt)
+            divisors.append(count.clamp_min(1))
+    n = divisors[0] if len(divisors) == 1 else torch.cat(divisors)
+    sums = torch.where(valid, x.to(dt) / n[:, None], zero).sum(1)
+    out = {kind: sums[rows.start - start:rows.stop - start] for kind, rows, _ in kinds if kind in (SUM_TOKEN, SUM_SEQ)}
+    if moments is not None:
+        mean = sums[moments]
+        m2 = torch.where(valid[moments], (x[moments] - mean[:, None]) ** 2, zero).sum(1)
+        out[kinds[-1][0]] = torch.stack([count, mean, m2], 1)
+    return out
+
+
+def _extremes(x: Tensor, valid: Tensor, kinds: list) -> Dict[int, Tensor]:
+    """The MAX, MIN and LSE rows' reductions over valid, the unmasked values filled with -inf once for all (a MIN
+    row negated first, in this fresh stack). `kinds`: (kind, its rows), in the stack's order."""
+    rows = {kind: span for kind, span in kinds}
+    if x.shape[1] == 0:  # the identities of the combine (max or logsumexp of nothing)
+        return {kind: x.new_full((span.stop - span.start,), float("inf") if kind == MIN else float("-inf"))
+                for kind, span in rows.items()}
+    if MIN in rows:
+        x[rows[MIN]].neg_()
+    first = kinds[0][1].start
+    filled = torch.where(valid[first:], x[first:], float("-inf"))
+    out = {}
+    ordered = [kind for kind in (MAX, MIN) if kind in rows]
+    if ordered:
+        span = slice(rows[ordered[0]].start - first, rows[ordered[-1]].stop - first)
+        largest = filled[span].amax(1)
+        if MIN in rows:
+            lowest = slice(rows[MIN].start - first - span.start, rows[MIN].stop - first - span.start)
+            largest[lowest].neg_()
+            out[MIN] = largest[lowest]
+        if MAX in rows:
+            out[MAX] = largest[:rows[MAX].stop - rows[MAX].start]
+    if LSE_SEQ in rows:
+        out[LSE_SEQ] = torch.logsumexp(filled[rows[LSE_SEQ].start - first:rows[LSE_SEQ].stop - first], dim=1)
+    return out
 
 
 def _finished(kind: int, values: Tensor, records: List[Tuple[str, Union[Tensor, _Masked]]], zero: Tensor) -> Tensor:
@@ -262,3 +329,47 @@ def combine_moments(parts: Tensor) -> Tensor:
     total = count.sum(0)
     mu = (count * mean).sum(0) / total.clamp_min(1)
     return torch.stack([total, mu, m2.sum(0) + (count * (mean - mu) ** 2).sum(0)], -1)
+
+
+class DeferredMetrics(MutableMapping):
+    """A loss's metrics computed when first read: the fused stage's (SPEC §18). The loss and its gradient's
+    coefficients take two kernel launches; the ~55 metrics are the torch stage's run on the same inputs, a few
+    hundred small ops, queued when a logger reads them (after `loss.backward()` has queued the backward's kernels,
+    whose GPU time then hides that host time) instead of before the loss returns. The values are the torch stage's,
+    bit for bit; a dict in all else (read, copy, update). Its inputs are the call's: modifying them in place before
+    the metrics are read changes the metrics. `known`: values the call computed anyway (the all-rejected flag the
+    notices read), readable without computing the rest."""
+
+    def __init__(self, compute: Callable[[], Dict[str, torch.Tensor]], known: Optional[Dict[str, torch.Tensor]] = None):
+        self._compute: Optional[Callable[[], Dict[str, torch.Tensor]]] = compute
+        self._values: Optional[Dict[str, torch.Tensor]] = None
+        self.known: Dict[str, torch.Tensor] = dict(known or {})
+
+    @property
+    def ready(self) -> bool:
+        """Whether the metrics have been computed (any read computes them)."""
+        return self._values is not None
+
+    def _computed(self) -> Dict[str, torch.Tensor]:
+        if self._values is None:
+            self._values = dict(self._compute())
+            self._compute = None  # lets go of the call's inputs
+        return self._values
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._computed()[name]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._computed()[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._computed()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._computed())
+
+    def __len__(self) -> int:
+        return len(self._computed())
+
+    def __repr__(self) -> str:
+        return f"DeferredMetrics({self._computed()!r})"

@@ -161,11 +161,13 @@ def count_launches(fn: Callable[..., Any], *args, **kwargs) -> Tuple[Any, Launch
     return result, recorder.count()
 
 
-def count_step(loss_fn: Callable[[], Any]) -> Tuple[LaunchCount, LaunchCount]:
-    """(forward, backward) of one training step: `loss_fn()` returns an output with `.loss` (or the loss
-    itself), whose backward is then counted."""
+def count_step(loss_fn: Callable[[], Any]) -> Tuple[LaunchCount, LaunchCount, LaunchCount]:
+    """(forward, backward, metrics) of one training step: `loss_fn()` returns an output with `.loss` (or the loss
+    itself), whose backward is then counted, then a logger's read of its `.metrics` (a fused stage's are computed
+    there; nothing to count where the call computed them)."""
     out, forward = count_launches(loss_fn)
     loss = out.loss if hasattr(out, "loss") else out
     _, backward = count_launches(loss.backward)
-    return forward, backward
+    _, metrics = count_launches(lambda: dict(getattr(out, "metrics", {})))
+    return forward, backward, metrics
 

@@ -22,6 +22,7 @@ import rlkernels
 from rlkernels import PolicyLossConfig, RolloutCorrection, stage
 from rlkernels.config import LOSS_AGG_MODES
 from rlkernels.stage import fused
+from rlkernels.stage.metrics import DeferredMetrics
 from rlkernels.testing.launches import count_launches
 
 from ..cases import F32, assert_close, batches, scaled, tol
@@ -116,6 +117,54 @@ def test_fused_stage_matches_the_torch_stage(batch, mode, data):
             assert_close(g, w, **tol("reordered", F32, scale=scale), name=name)
 
 
+def _assert_same_metrics(got, want):
+    """The same names in the same order, each the same bits (NaN where the other is NaN)."""
+    assert list(got) == list(want)
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype, name
+        assert torch.equal(got[name], value) or bool(torch.isnan(got[name]) & torch.isnan(value)), \
+            (name, got[name], value)
+
+
+@settings(max_examples=scaled(120), deadline=None)
+@given(batch=batches(dtype=F32, max_seqs=6, max_len=11),
+       mode=st.sampled_from(("decoupled", "decoupled", "bypass", "on-policy")), data=st.data())
+def test_with_every_metric_the_metrics_are_the_torch_stages_when_read(batch, mode, data):
+    """metrics="all" (the default) inside the family: the fused stage's loss, and the torch stage's metrics on the
+    same inputs, computed when first read (outputs.DeferredMetrics): the same names and bits as fused_stage=False
+    gives, in both implementations."""
+    config = data.draw(family_configs(mode)).with_overrides(metrics="all")
+    backend = data.draw(st.sampled_from(IMPLEMENTATIONS)) if rlkernels.backends.is_available("cpu") else "triton"
+    gen = torch.Generator().manual_seed(int(batch.labels.numel()))
+    logprobs = batch.old_logprobs + torch.randn(batch.labels.shape, generator=gen) * 0.5
+    entropy = torch.rand(batch.labels.shape, generator=gen) * 3
+    (want, _, _), (got, _, _) = _both(batch, mode, config.with_overrides(backend=backend), logprobs, entropy)
+    assert isinstance(got.metrics, DeferredMetrics) and not got.metrics.ready
+    assert isinstance(want.metrics, dict) and len(want.metrics) > 0
+    _assert_same_metrics(got.metrics, want.metrics)
+
+
+@needs_cpu_kernels
+def test_deferred_metrics_are_computed_once_when_first_read():
+    """The call launches no metric op; the first read runs the torch stage once (on the inputs the call kept, then
+    let go), later reads and dict operations none; the all-rejected flag is known without it."""
+    call, _, _ = _policy_call(metrics="all", fused_stage=True, backend="cpu")
+    out, launched = count_launches(call)
+    metrics = out.metrics
+    assert launched.ops["sequence_stage"] == 1 and launched.launching <= 25, launched.ops
+    assert not metrics.ready and set(metrics.known) == {"rollout_corr/rollout_rs_all_rejected"}
+    _, first = count_launches(lambda: dict(metrics))
+    assert metrics.ready and first.launching > 100 and metrics._compute is None
+    _, again = count_launches(lambda: (dict(metrics), len(metrics), "actor/pg_loss" in metrics, repr(metrics)))
+    assert again.total == 0
+    assert float(metrics.known["rollout_corr/rollout_rs_all_rejected"]) == \
+        float(metrics["rollout_corr/rollout_rs_all_rejected"])
+    metrics["mine"] = torch.tensor(1.0)
+    merged = {**metrics, "other": 2.0}
+    del metrics["mine"]
+    assert "mine" in merged and "mine" not in metrics and merged["actor/pg_loss"] is metrics["actor/pg_loss"]
+
+
 @settings(max_examples=scaled(60), deadline=None)
 @given(batch=batches(dtype=F32, max_seqs=4, max_len=7, max_vocab=23),
        mode=st.sampled_from(("decoupled", "decoupled", "bypass", "on-policy")), data=st.data())
@@ -183,7 +232,6 @@ def _policy_call(**overrides):
 
 
 @pytest.mark.parametrize("override, reason", [
-    (dict(metrics="all"), "metrics='all'"),
     (dict(loss_type="gspo"), "loss_type='gspo'"),
     (dict(ratio_level="sequence"), "ratio_level='sequence'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
@@ -301,9 +349,10 @@ def test_the_hidden_state_routes_take_it(one_pass, backend):
 
 
 def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
-    """With metrics="all" (the default), the one-pass form's per-chunk runs record no metrics, so on CUDA
-    (fused_stage=None; simulated here by letting the kernels run on the CPU) they take the two kernels, while the
-    final run, which records the metrics, is the torch stage: the same loss, gradients and metrics."""
+    """With metrics="all" (the default) on CUDA (fused_stage=None; simulated here by letting the kernels run on the
+    CPU), the one-pass form's per-chunk runs and its final run take the two kernels; the final run's metrics are the
+    torch stage's with the correction computed once, when read: the same loss and gradients, the same metrics bit
+    for bit."""
     g = torch.Generator().manual_seed(8)
     N, H, V = 24, 8, 19
     hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / 3
@@ -318,12 +367,11 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
             rlkernels.linear_decoupled_ppo_loss, h, w, labels, adv, torch.ones(N, dtype=torch.bool), old_logprobs=old,
             rollout_logprobs=old - 0.05, cu_seqlens=torch.tensor([0, 10, N]), config=config)
         assert out.path == "linear_one_pass"
-        assert launched.ops["triton:_sequence_kernel"] == (3 if kernels else 0)  # 3 chunks of 8 rows
+        assert launched.ops["triton:_sequence_kernel"] == (4 if kernels else 0)  # 3 chunks of 8 rows, the final run
         results.append((out, *torch.autograd.grad(out.loss, (h, w))))
     (want, want_h, want_w), (got, got_h, got_w) = results
-    assert set(got.metrics) == set(want.metrics) and len(want.metrics) > 20
-    for name, value in want.metrics.items():
-        assert_close(got.metrics[name], value, **tol("reordered", F32, scale=max(1.0, float(value.abs()))), name=name)
+    assert isinstance(got.metrics, DeferredMetrics) and not got.metrics.ready and len(want.metrics) > 20
+    _assert_same_metrics(got.metrics, want.metrics)
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
     for name, x, y in (("dhidden", got_h, want_h), ("dweight", got_w, want_w)):
         assert_close(x, y, **tol("reordered", F32, scale=float(y.abs().amax())), name=name)

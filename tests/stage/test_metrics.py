@@ -109,7 +109,7 @@ def test_the_stack_order_does_not_depend_on_the_lengths():
             m = Metrics()
             m.extreme(f"r{i}", torch.ones(L), torch.ones(L, dtype=torch.bool), torch.tensor(1.0), True, per_sequence)
             records += m._records[MAX]
-        return [name for chunk, _ in _reduce(MAX, records, torch.zeros(())) for name, _ in chunk]
+        return [name for chunk, _ in _reduce({MAX: records}, torch.zeros(()))[MAX] for name, _ in chunk]
 
     assert order(5, 3) == order(3, 3) == order(0, 3)
 
