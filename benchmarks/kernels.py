@@ -17,6 +17,11 @@ CUDA `triton.testing.do_bench`, which clears the L2 cache before each call):
     api.forward[validate]  rlkernels.token_logprobs(backend=...), validate True and False
     api.fwd_bwd[validate]  the same and its backward (the gradient of the log-probs' sum)
     graph.forward          token_logprobs(validate=False) replayed from a CUDA graph (CUDA only)
+    triton.forward_gradient  the gradient formed in the forward (SPEC §2.4): statistics, PPO coefficients and
+                           dlogits in one launch, held against one read and one write (its second read of each row
+                           is meant to come from L2)
+    ppo.fwd_bwd[one_pass|two_pass]  decoupled_ppo_loss (seq-MIS, the fused stage, validate=True) forward and
+                           backward on the Triton backend, each form, held against the one-pass form's two passes
 
 Each figure carries its bytes (forward: one read; backward: one read and one write; fwd + bwd: two reads and one
 write of N x V), its GB/s, and its share of the ceiling for those bytes (the read ceiling's rate for a forward, the
@@ -72,6 +77,9 @@ def _cases(logits: torch.Tensor, labels: torch.Tensor, device: str) -> Dict[str,
         cases[f"{name}.backward"] = (
             lambda k=kernel, s=stats: k.token_grad_bwd(logits, labels, s.row_max, s.log_norm, None, c, None, 1.0,
                                                        False), 2 * read, "copy_ceiling")
+        if name == "triton" and kernel.forward_gradient_covers(V):
+            cases["triton.forward_gradient"] = (lambda k=kernel, s=stats: _forward_gradient(k, logits, labels, s, out),
+                                                2 * read, "copy_ceiling")
         # the CUDA extension's divergences are the torch backend's chunked form: no kernel of its own to time
         for with_tv, reads in ((False, 2), (True, 4)) if name != "cuda" else ():
             cases[f"{name}.divergences{'[tv]' if with_tv else ''}"] = (
@@ -87,10 +95,49 @@ def _cases(logits: torch.Tensor, labels: torch.Tensor, device: str) -> Dict[str,
             leaf.grad = None
 
         cases[f"api.fwd_bwd[validate={validate}]"] = (fwd_bwd, 3 * read, "copy_ceiling")
+    if device == "cuda" and backends.is_available("triton"):
+        cases.update(_ppo_cases(leaf, labels, read))
     if device == "cuda":
         captured = _captured(lambda: rlkernels.token_logprobs(logits, labels, validate=False).logprobs)
         if captured is not None:  # the graph and its output, which holds the replay's memory
             cases["graph.forward"] = (lambda g=captured: g[0].replay(), read, "read_ceiling")
+    return cases
+
+
+def _forward_gradient(kernel, logits, labels, stats, out):
+    """The one-pass launch with decoupled PPO's factors: every row in the loss, a_t = 1 / N, no IS weight."""
+    from rlkernels.kernels.triton.forward_grad import TokenFactors
+
+    N = labels.numel()
+    ones = torch.ones(N, dtype=torch.bool, device=logits.device)
+    factors = TokenFactors(ones, stats.logprobs * 0 + 1.0, stats.logprobs - 0.01, None,
+                           torch.full((N,), 1.0 / N, device=logits.device), None, None, None)
+    codes = dict(PROXIMAL=1, WEIGHTED=False, NORMALIZE=0, RATIO_CLAMP=False, DUAL_CLIP=False, KL_TYPE=0,
+                 KL_STRAIGHT=False)
+    hyper = dict(ratio_clamp=0.0, clip_lo=0.8, clip_hi=1.28, clip_c=0.0, kl_coef=0.0)
+    return kernel.forward_gradient(logits, labels, 1.0, out, factors, codes, hyper, False)
+
+
+def _ppo_cases(leaf, labels, read: int) -> Dict[str, tuple]:
+    """decoupled_ppo_loss fwd + bwd with seq-MIS on the Triton backend, the gradient formed in the forward or in the
+    backward; both held against the one-pass form's bytes (two passes)."""
+    N = labels.numel()
+    g = torch.Generator(device=leaf.device).manual_seed(1)
+    old = -torch.rand(N, device=leaf.device, generator=g) * 3
+    kwargs = dict(old_logprobs=old, rollout_logprobs=old + 0.01, cu_seqlens=torch.linspace(
+        0, N, 129, device=leaf.device).long())
+    advantages, mask = torch.randn(N, device=leaf.device, generator=g), torch.ones(N, dtype=torch.bool,
+                                                                                   device=leaf.device)
+    cases = {}
+    for one_pass in (True, False):
+        config = rlkernels.PolicyLossConfig(rollout_correction=rlkernels.RolloutCorrection.seq_mis(),
+                                            backend="triton", metrics="loss_only", logits_one_pass=one_pass)
+
+        def step(c=config):
+            rlkernels.decoupled_ppo_loss(leaf, labels, advantages, mask, config=c, **kwargs).loss.backward()
+            leaf.grad = None
+
+        cases[f"ppo.fwd_bwd[{'one_pass' if one_pass else 'two_pass'}]"] = (step, 2 * read, "copy_ceiling")
     return cases
 
 

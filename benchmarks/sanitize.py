@@ -6,7 +6,8 @@
 
 Each backend runs, through the public API, the calls that reach each of its kernels once: the token statistics
 forward and backward (with and without entropy, in place), the top-k head columns (`sampler_topk_ids`), the full
-divergences forward and backward (`sampler_logits`), numerics="vllm", and the fused stage (Triton). The rows are
+divergences forward and backward (`sampler_logits`), numerics="vllm", the fused stage and the gradient formed in
+the forward with its factors (Triton). The rows are
 few (16) and the vocabulary real (151,936 by default): the sanitizer checks every access and is slow, so the shape
 is what a launch at scale touches per row, not its row count. Prints one line per call, so that a report names the
 kernel it came from.
@@ -57,7 +58,11 @@ def calls(N: int, V: int, device: str, backend: str):
                                                                    numerics="vllm"))]
     if backend == "triton":  # the fused stage's two kernels (16 rows in 3 sequences, one of them empty)
         fused = seq_mis.with_overrides(metrics="loss_only", fused_stage=True, entropy_coeff=0.01, kl_coef=0.0)
-        out.append(("fused stage", lambda: ppo(fused, cu_seqlens=torch.tensor([0, 5, 5, N], device=device))))
+        cu = torch.tensor([0, 5, 5, N], device=device)
+        out.append(("fused stage", lambda: ppo(fused, cu_seqlens=cu)))
+        # validate=True: on CUDA the gradient formed in the forward reads its incoming gradient on the host
+        out.append(("fused stage, factors + gradient formed in the forward",
+                    lambda: ppo(fused.with_overrides(validate=True), cu_seqlens=cu)))
     return out
 
 

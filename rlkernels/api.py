@@ -107,7 +107,8 @@ def decoupled_ppo_loss(
 
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, is_weights, mask, metrics, path): path says how the
-        gradient is formed ("logits"; the fused-linear path's "linear_one_pass" / "linear_two_pass", SPEC §2.1).
+        gradient is formed ("logits", or "logits_one_pass" where dlogits are formed in the forward, SPEC §2.4;
+        the fused-linear path's "linear_one_pass" / "linear_two_pass", SPEC §2.1).
 
     Raises:
         TypeError: an argument of the wrong type, named, before any kernel runs (SPEC §11).

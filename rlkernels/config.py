@@ -403,14 +403,14 @@ class PolicyLossConfig:
         fused_stage: run the per-sequence stage as kernels (stage/fused.py: two Triton launches on CUDA, one op of
             the CPU kernels on the CPU) where they cover the call: PPO's clip per token, token / sequence / geometric
             IS (batch-normalised or not), seq-MIS / geo-RS / K3-RS rejection, the KL penalties, the entropy bonus,
-            every aggregation, metrics="loss_only", no split. None (the default) and True: wherever those kernels
-            run (Triton on CUDA; the CPU kernels for backend "auto" / "cpu", Triton's interpreter for "triton" on
-            CPU tensors), else the torch stage (compile_stage's); True refuses a call outside the family before any
-            pass; False: never.
+            every aggregation, no split; with metrics="all" the metrics are the torch stage's, computed when first
+            read (stage.metrics.DeferredMetrics). None (the default) and True: wherever those kernels run (Triton on
+            CUDA; the CPU kernels for backend "auto" / "cpu", Triton's interpreter for "triton" on CPU tensors), else
+            the torch stage (compile_stage's); True refuses a call outside the family before any pass; False: never.
         metrics: "all" (every metric of SPEC §8 in the output's `.metrics`, verl's names) or "loss_only" (none:
             the loss and its gradient alone, for steps that log no metrics; the stage's ~60 metric reductions
             and their launches are skipped; with the torch stage the loss and gradient are the same bits, with the
-            fused one the same to float32 rounding).
+            fused one the same to float32 rounding). With the fused stage "all" defers them to their first read.
         memory_budget_bytes: the fused-linear path (`linear_decoupled_ppo_loss`) forms logits in chunks
             of rows whose logits take at most this many bytes (None: on CUDA a quarter of the memory free for it,
             a power of two from 512 MiB to 4 GiB; 32 MiB on CPU).
@@ -420,6 +420,10 @@ class PolicyLossConfig:
         linear_one_pass: the fused-linear path forms the gradient in its forward pass where every token's
             coefficients allow (SPEC §2.1: three GEMMs of the loss's rows instead of four, the gradients held
             from the forward to the backward). False: always the two-pass form.
+        logits_one_pass: the logits path forms dlogits in its forward pass where the fused stage's Triton kernels
+            cover the call (SPEC §2.4: one launch reads each row twice, the second time from cache, and writes its
+            gradient: two passes over the logits' bytes for fwd + bwd instead of three; the gradient held from the
+            forward to the backward). False: always the two-pass form.
         head_dtype: the fused-linear path's head GEMM: None (the inputs' dtype, float32 accumulation), "float32"
             or torch.float32 (float32 GEMMs on bf16/fp16 operands: vLLM's `head_dtype=float32`, SGLang's
             `--enable-fp32-lm-head`) or "tf32" (NeMo-RL's `fp32_lm_head: tf32`: float32 with TF32 matrix units on
@@ -458,6 +462,7 @@ class PolicyLossConfig:
     memory_budget_bytes: Optional[int] = None
     select_loss_rows: Optional[bool] = None
     linear_one_pass: bool = True
+    logits_one_pass: bool = True
     head_dtype: Optional[str] = None
     numerics: str = "default"
     # -- conventions where the reference libraries differ (SPEC §6.2) ---------
@@ -534,7 +539,7 @@ class PolicyLossConfig:
         object.__setattr__(self, "kl_type", base + ("" if base == "k2" else plus))  # k2+ is k2
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
-        for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass"):
+        for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass", "logits_one_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         for name in ("compile_stage", "fused_stage", "select_loss_rows"):

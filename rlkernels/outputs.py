@@ -12,8 +12,9 @@ class PolicyLossOutput(NamedTuple):
     is_weights: Optional[torch.Tensor]  # weights multiplying the policy term, or None
     mask: torch.Tensor  # bool, the final mask after rejection
     metrics: Dict[str, torch.Tensor]  # 0-d device tensors named as in SPEC §8 (a dict, or a DeferredMetrics)
-    # how the gradient is formed (SPEC §2.1): "logits" (the logits' backward pass), "linear_two_pass" (the
-    # fused-linear backward recomputes the logits) or "linear_one_pass" (formed in the forward, scaled after)
+    # how the gradient is formed (SPEC §2.1, §2.4): "logits" (the logits' backward pass), "logits_one_pass" (dlogits
+    # formed in the forward, scaled after), "linear_two_pass" (the fused-linear backward recomputes the logits) or
+    # "linear_one_pass" (formed in the forward, scaled after)
     path: str = "logits"
 
 

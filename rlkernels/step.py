@@ -58,6 +58,8 @@ def logits_loss(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossCo
     """decoupled_ppo_loss: the current policy's statistics from the logits, then the stage."""
     options = pass_options(config)
     head = batch.sampler_head
+    if head is None and _logits_one_pass_blocker(logits, batch, config, options) is None:
+        return _logits_one_pass_output(logits, batch, config, options)
     if head is None:
         stats = ops.token_stats(logits, batch, options)
         checked_rows("logits", stats.logprobs, batch, config.validate)
@@ -75,6 +77,34 @@ def logits_loss(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossCo
                                       batch.temperature, backend=options.backend, with_tv=config.metrics == "all")
     return policy_output(stats, batch, config, "logits", SamplerEvidence(_record("full", Divergences(*values),
                                                                                  batch.mask)))
+
+
+def _logits_one_pass_blocker(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig,
+                             options: ops.PassOptions) -> Optional[str]:
+    """Why this logits call keeps the two-pass form (SPEC §2.4), or None: the option, the pass (ops), then the
+    stage: the fused stage's Triton kernels must cover the call, and every token's coefficients must be its own."""
+    if not config.logits_one_pass:
+        return "logits_one_pass=False"
+    reason = ops.logits_one_pass_blocker(logits, batch, options, config.validate)
+    if reason is None and stage.fused.implementation(config, logits.device) != "triton":
+        reason = "the fused stage's Triton kernels do not run here"
+    if reason is None:
+        reason = stage.fused.blocker(batch, config, statistics_dtype(logits.dtype))
+    return reason or stage.forward_gradient_blocker(batch, config)
+
+
+def _logits_one_pass_output(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig,
+                            options: ops.PassOptions) -> PolicyLossOutput:
+    """The logits path with its gradient formed in the forward (SPEC §2.4): the stage's factors, one launch for
+    the statistics and dlogits, then the fused stage on the statistics for the loss and the metrics, as the
+    two-pass form computes them; the backward hands back g * dlogits."""
+    factors, codes, hyper = stage.fused.forward_factors(batch, config, options.entropy)
+    stats, d_logits = ops.logits_forward_gradient(logits, batch, options, factors, codes, hyper)
+    checked_rows("logits", stats.logprobs, batch, config.validate)
+    detached = TokenStats(stats.logprobs, stats.entropy, None)
+    out = stage.choose(stats.logprobs, batch, config)(detached, batch, config, metrics=config.metrics == "all")
+    loss = ops.ForwardGradientFunction.apply(out.loss, logits, None, None, d_logits, None, None, config.validate)
+    return _output(loss, detached, out, batch, "logits_one_pass")
 
 
 def hidden_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch: PreparedBatch,

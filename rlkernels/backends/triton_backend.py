@@ -8,8 +8,11 @@ import os
 
 import torch
 
+from ..kernels.stage_options import option_codes
 from ..kernels.triton import divergences as divergence_kernels
 from ..kernels.triton import vllm_logprobs as vllm_kernels
+from ..kernels.triton.forward_grad import TokenFactors, forward_gradient
+from ..kernels.triton.forward_grad import covers as forward_gradient_covers
 from ..kernels.triton.head_columns import head_logprobs_fwd, write_head_columns
 from ..kernels.triton.stage import stage_fwd
 from ..kernels.triton.token_grad import token_grad_bwd
@@ -36,9 +39,33 @@ class TritonBackend(TorchBackend):
         return self  # the kernel computes every active row's normaliser
 
     @staticmethod
-    def sequence_stage(inputs, options: dict, hyper: dict) -> tuple:
-        """The per-sequence stage of the common PPO family in two launches (stage/fused.py decides when)."""
-        return stage_fwd(inputs, options, hyper)
+    def sequence_stage(inputs, options: dict, hyper: dict, factors: bool = False) -> tuple:
+        """The per-sequence stage of the common PPO family in two launches (stage/fused.py decides when); with
+        `factors`, what each token's coefficients are formed from instead (forward_gradient forms them)."""
+        return stage_fwd(inputs, options, hyper, factors)
+
+    @staticmethod
+    def forward_factors(inputs, options: dict, hyper: dict) -> tuple:
+        """(TokenFactors, the option codes): the stage's kernels in their factors mode (stage/fused.py
+        forward_factors runs them on placeholder log-probs), in the form forward_gradient reads them."""
+        codes = option_codes(options)
+        factor, _, a, coef_entropy, weights, _ = stage_fwd(inputs, options, hyper, True)
+        proximal = (None, inputs.old, inputs.rollout)[codes["PROXIMAL"]]
+        return TokenFactors(inputs.mask, inputs.advantages, proximal, inputs.ref, a, weights,
+                            factor if codes["NORMALIZE"] else None, coef_entropy), codes
+
+    @staticmethod
+    def forward_gradient_covers(V: int) -> bool:
+        """Whether forward_gradient runs a vocabulary of V entries (the tiers of LLM vocabularies: V > 1024)."""
+        return forward_gradient_covers(V)
+
+    @staticmethod
+    def forward_gradient(logits, labels, temperature, out, factors, codes: dict, hyper: dict,
+                         compute_entropy: bool) -> tuple:
+        """The statistics and dlogits of every row in one launch (the gradient formed in the forward, SPEC §2.4):
+        (logprobs, entropy or None), dlogits written into `out`."""
+        return forward_gradient(logits, labels, Temperature.of(temperature).value(), out, factors, codes, hyper,
+                                compute_entropy)
 
     def token_stats_fwd(self, logits, labels, temperature, compute_entropy, compute_sum_pi_squared) -> RowStats:
         return RowStats(*token_stats_fwd(logits, labels, Temperature.of(temperature).value(), compute_entropy,

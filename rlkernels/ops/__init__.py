@@ -14,15 +14,17 @@ these routes, chosen here from the prepared batch:
 `coefficients.CoefficientLossFunction` carries the stage's closed-form (c_t, e_t) back to whichever
 produced the statistics. Where the coefficients are per-token functions of each row's own statistics, the
 fused-linear route has a one-pass form instead (`linear_forward_gradient`: the gradient formed in the forward,
-carried by `coefficients.ForwardGradientFunction`). A second set of ids per row (the sampler's or a teacher's top-k,
-SPEC §9) rides on the same pass: `head_stats` (logits: the custom op of head.py, whose backward takes [N, k]
-coefficients) and `linear_head_stats` (hidden + head: k + 1 gathered rows of the head); a second distribution
-given as logits goes through `full_divergences` (divergences.py). Modules: vocab.py (the custom ops over logits),
-linear.py (the fused-linear custom ops and the one-pass form), kept_set.py (sampler replay), vocab_parallel.py
-(tensor parallelism), head.py (head ids), divergences.py (the full form), coefficients.py (the autograd functions).
+carried by `coefficients.ForwardGradientFunction`), and so has the logits route where the fused stage's Triton
+kernels cover the call (`logits_forward_gradient`: one launch, SPEC §2.4). A second set of ids per row (the
+sampler's or a teacher's top-k, SPEC §9) rides on the same pass: `head_stats` (logits: the custom op of head.py,
+whose backward takes [N, k] coefficients) and `linear_head_stats` (hidden + head: k + 1 gathered rows of the head);
+a second distribution given as logits goes through `full_divergences` (divergences.py). Modules: vocab.py (the
+custom ops over logits), linear.py (the fused-linear custom ops and the one-pass form), kept_set.py (sampler
+replay), vocab_parallel.py (tensor parallelism), head.py (head ids), divergences.py (the full form),
+coefficients.py (the autograd functions).
 """
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -36,7 +38,8 @@ from .head import HeadRows, HeadStatistics, head_token_stats, linear_head_logpro
 
 __all__ = ["CoefficientLossFunction", "ForwardGradientFunction", "HeadStatistics", "PassOptions", "Statistics",
            "full_divergences", "head_stats", "linear_forward_gradient", "linear_full_divergences", "linear_head_stats",
-           "linear_token_stats", "one_pass_blocker", "token_stats"]
+           "linear_token_stats", "logits_forward_gradient", "logits_one_pass_blocker", "one_pass_blocker",
+           "token_stats"]
 
 
 class PassOptions(NamedTuple):
@@ -233,6 +236,42 @@ def one_pass_blocker(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     if batch.support is not None and kept_set.gathers(batch.support.shape[1], weight.shape[0]):
         return "a small kept set (sampling_support)"
     return None
+
+
+def logits_one_pass_blocker(logits: torch.Tensor, batch, options: PassOptions, validate: bool) -> Optional[str]:
+    """Why this logits call cannot form its gradient in the forward pass (SPEC §2.4), as far as the pass goes, or
+    None (the stage decides the rest). It runs on the Triton backend, one kernel per row. validate=False on CUDA: its
+    backward reads the incoming gradient on the host, to hand back the dlogits it formed for g = 1 as they are; the
+    two-pass form reads nothing. Otherwise as `one_pass_blocker`, and the kept set and the numerics modes, whose
+    passes are their own."""
+    if not torch.is_grad_enabled() or not logits.requires_grad:
+        return "no gradient is needed"
+    if torch.compiler.is_compiling():
+        return "inside torch.compile"
+    if logits.dtype == torch.float16:
+        return "float16 (a loss scaler's factor must reach the dlogits before they are rounded to float16)"
+    if batch.tp_group is not None or batch.support is not None or options.numerics != "default":
+        return "tp_group, sampling_support or a numerics mode"
+    if backends.resolve(options.backend, logits) != "triton":
+        return "not the Triton backend"
+    if not backends.instance("triton").forward_gradient_covers(logits.shape[-1]):
+        return f"V = {logits.shape[-1]} (its kernel tiers stack rows; from V = 1025 a program streams one)"
+    if logits.is_cuda and not validate:
+        return "validate=False on CUDA (the backward would read its incoming gradient on the host)"
+    return None
+
+
+def logits_forward_gradient(logits: torch.Tensor, batch, options: PassOptions, factors, codes: dict,
+                            hyper: dict) -> Tuple[Statistics, torch.Tensor]:
+    """The statistics of every row and dlogits for a unit incoming gradient, in one launch of the Triton backend
+    (kernels/triton/forward_grad.py): each row's coefficients are formed from its log-prob and the stage's
+    `factors` (stage.fused.forward_factors). dlogits are shaped like `logits`, in their dtype, contiguous."""
+    rows = logit_rows(logits, False)
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    with torch.no_grad():
+        lp, entropy = backends.instance("triton").forward_gradient(
+            rows, batch.row_labels, batch.temperature, out, factors, codes, hyper, options.entropy)
+    return Statistics(lp, entropy, None), out.view(logits.shape)
 
 
 def linear_forward_gradient(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], batch,

@@ -4,8 +4,9 @@ The vocabulary-wide passes carry their autograd formula in custom_ops.py (`rlker
 whose backward receives (c_t, e_t) = (dLoss/dlogprob_t, dLoss/dentropy_t) and runs the backend's
 single backward pass). `CoefficientLossFunction` is the bridge from the per-sequence stage: a 0-d
 loss computed without autograd, together with its closed-form per-token coefficients; its backward
-hands g * (c_t, e_t) back to whatever produced the statistics. `ForwardGradientFunction` is the one-pass
-fused-linear form: the gradients were formed in the forward for g = 1, and its backward scales them by g.
+hands g * (c_t, e_t) back to whatever produced the statistics. `ForwardGradientFunction` is the one-pass forms'
+(fused-linear, and logits: dlogits in the `hidden` slot): the gradients were formed in the forward for g = 1, and
+its backward scales them by g.
 """
 
 import torch

@@ -123,6 +123,29 @@ def run(stats, batch, config, corrected=None, metrics: bool = False, evidence=No
     return StageOutput(total, coef, coef_entropy, weights, kept, deferred, None, lp)
 
 
+def forward_factors(batch, config, entropy: bool):
+    """What each token's coefficients are formed from, decided before the vocabulary pass (the gradient formed in
+    the forward on the logits path, kernels/triton/forward_grad.py): the Triton kernels in their factors mode, on the
+    proximal log-probs in place of the current ones, which no decision of a call in the family reads (decoupled mode
+    decides from π_old and μ, bypass and on-policy modes without a correction decide nothing). Returns
+    (TokenFactors, the option codes, the hyperparameters); `entropy`: the pass computes the entropy (the loss's
+    entropy bonus, where it has one, then takes its coefficient)."""
+    proximal = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+    mask = batch.mask
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    placeholder = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) if proximal is None else \
+        torch.where(mask, proximal.to(torch.float32), zero)
+    inputs, options, hyper = _launch_arguments(_Proximal(placeholder, placeholder if entropy else None), batch, config)
+    factors, codes = backends.instance("triton").forward_factors(inputs, options, hyper)
+    return factors, codes, hyper
+
+
+class _Proximal(NamedTuple):
+    """The statistics forward_factors runs the kernels on (its placeholders: the decisions do not read them)."""
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+
+
 def _torch_metrics(stats, batch, config, corrected) -> dict:
     """The torch stage's metrics of a call, as `stage.choose`'s fallback records them: eager or compiled as
     `stage.select` says (eager with a precomputed correction, which the compiled stage does not take)."""

@@ -55,7 +55,7 @@ def _truncated(raw, live, lo, hi, IS_MASK: tl.constexpr):
 
 
 @triton.jit
-def _kl_and_grad(lp, ref, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
+def kl_and_grad(lp, ref, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
     """SPEC §6's penalty and its derivative in lp (stage/loss.py kl_and_grad); KL_STRAIGHT: k2's derivative."""
     if KL_TYPE == 1:
         kl = lp - ref
@@ -80,6 +80,34 @@ def _kl_and_grad(lp, ref, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
     if KL_STRAIGHT:
         dkl = lp - ref
     return kl, dkl
+
+
+@triton.jit
+def ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP: tl.constexpr,
+             DUAL_CLIP: tl.constexpr):
+    """PPO's clipped term with dual clip (policy_terms._ppo_clip) of the policy ratio exp(lp - l_old) (clamped to
+    log_ratio_clamp), and its derivative in lp, unweighted. Shared with the gradient formed in the forward
+    (forward_grad.py), which must form a token's coefficient in the very operations the stage does."""
+    log_r = lp - l_old
+    if RATIO_CLAMP:
+        r = tl.exp(_clamp(log_r, -ratio_clamp, ratio_clamp))
+    else:
+        r = tl.exp(log_r)
+    neg_adv = -adv
+    l1 = neg_adv * r
+    l2 = neg_adv * _clamp(r, clip_lo, clip_hi)
+    clipped = l2 > l1
+    term = tl.where(clipped, l2, l1)
+    active = ~clipped
+    if DUAL_CLIP:
+        l3 = neg_adv * clip_c
+        dual = (adv < 0) & (l3 < term)
+        term = tl.where(dual, l3, term)
+        active = active & ~dual
+    grad = tl.where(active, l1, 0.0)
+    if RATIO_CLAMP:
+        grad = tl.where(tl.abs(log_r) <= ratio_clamp, grad, 0.0)
+    return term, grad
 
 
 @triton.jit(do_not_specialize=["seq_len"])
@@ -188,26 +216,7 @@ def _sequence_kernel(
             tl.store(weights_ptr + idx, w, mask=inside)
             w_acc += w
 
-        # the policy ratio (clamped to log_ratio_clamp) and PPO's clip with dual clip (policy_terms._ppo_clip)
-        log_r = lp - l_old
-        if RATIO_CLAMP:
-            r = tl.exp(_clamp(log_r, -ratio_clamp, ratio_clamp))
-        else:
-            r = tl.exp(log_r)
-        neg_adv = -adv
-        l1 = neg_adv * r
-        l2 = neg_adv * _clamp(r, clip_lo, clip_hi)
-        clipped = l2 > l1
-        term = tl.where(clipped, l2, l1)
-        active = ~clipped
-        if DUAL_CLIP:
-            l3 = neg_adv * clip_c
-            dual = (adv < 0) & (l3 < term)
-            term = tl.where(dual, l3, term)
-            active = active & ~dual
-        grad = tl.where(active, l1, 0.0)
-        if RATIO_CLAMP:
-            grad = tl.where(tl.abs(log_r) <= ratio_clamp, grad, 0.0)
+        term, grad = ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP, DUAL_CLIP)
         if WEIGHTED:
             term = term * w
             grad = grad * w
@@ -215,7 +224,7 @@ def _sequence_kernel(
         tl.store(grad_ptr + idx, grad, mask=inside)
         if KL_TYPE != 0:
             ref = _on_mask(ref_ptr, idx, inside, m)
-            kl, dkl = _kl_and_grad(lp, ref, KL_TYPE, KL_STRAIGHT)
+            kl, dkl = kl_and_grad(lp, ref, KL_TYPE, KL_STRAIGHT)
             kl_acc += tl.where(kept, kl, 0.0)
             tl.store(dkl_ptr + idx, dkl, mask=inside)
         if HAS_ENTROPY:
@@ -298,10 +307,12 @@ def _finish_kernel(
     kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
     AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
     GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_KL: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, FACTORS: tl.constexpr = False,
 ):
     # Long on purpose: the batch's scalars, the loss and the tokens' coefficients share the normalisers, which every
-    # program computes itself (no second launch, no atomics).
+    # program computes itself (no second launch, no atomics). FACTORS: the factors a coefficient is formed from
+    # instead (forward_grad.py forms it): a_t for coef, the IS weights as the sequence kernel wrote them, the
+    # batch normalisation's factor for the loss.
     pid = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
@@ -319,8 +330,11 @@ def _finish_kernel(
     else:
         per_token = seqs_count * width  # 4; seq-mean-token-mean divides per sequence
 
+    if FACTORS:
+        if pid == 0:
+            tl.store(loss_ptr, factor)
     # -- the loss (program 0): the per-sequence sums weighted as a_t weighs their tokens
-    if pid == 0:
+    elif pid == 0:
         pg_acc = tl.zeros([BLOCK_S], tl.float32)
         kl_acc = tl.zeros([BLOCK_S], tl.float32)
         h_acc = tl.zeros([BLOCK_S], tl.float32)
@@ -359,23 +373,28 @@ def _finish_kernel(
             a = kept
         else:
             a = kept / per_token
-        grad = tl.load(grad_ptr + idx, mask=inside, other=0.0)
-        if NORMALIZE != 0:
-            grad = grad / factor
-            tl.store(weights_ptr + idx, tl.load(weights_ptr + idx, mask=inside, other=0.0) / factor, mask=inside)
-        coef = a * grad
-        if HAS_KL:
-            coef = (kl_coef * a) * tl.load(dkl_ptr + idx, mask=inside, other=0.0) + coef
-        tl.store(coef_ptr + idx, coef, mask=inside)
+        if FACTORS:
+            tl.store(coef_ptr + idx, a, mask=inside)
+        else:
+            grad = tl.load(grad_ptr + idx, mask=inside, other=0.0)
+            if NORMALIZE != 0:
+                grad = grad / factor
+                tl.store(weights_ptr + idx, tl.load(weights_ptr + idx, mask=inside, other=0.0) / factor, mask=inside)
+            coef = a * grad
+            if HAS_KL:
+                coef = (kl_coef * a) * tl.load(dkl_ptr + idx, mask=inside, other=0.0) + coef
+            tl.store(coef_ptr + idx, coef, mask=inside)
         if HAS_ENTROPY:
             tl.store(coef_entropy_ptr + idx, -entropy_coeff * a, mask=inside)
 
 
-def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
+def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tuple:
     """Launch the two kernels. `inputs`: stage.fused.KernelInputs ([N] tensors, None where absent; the packed
     offsets or the padded T; seq_id), `options`: the stage's option set (stage_options.option_codes), `hyper`: the float
     hyperparameters (a dict of the kernels' argument names). Returns (loss 0-d, lp [N], coef [N], coef_entropy [N]
-    or None, weights [N] or None, kept [N] bool), float32 but kept."""
+    or None, weights [N] or None, kept [N] bool), float32 but kept. `factors`: what a coefficient is formed from
+    instead of the coefficients (forward_grad.py, which forms them from the pass's log-probs): coef is each token's
+    a_t, the weights are not normalised, and the loss is the batch normalisation's factor (1 without it)."""
     codes = option_codes(options)
     lp = inputs.lp
     N, S, device = lp.shape[0], inputs.num_seqs, lp.device
@@ -416,7 +435,7 @@ def stage_fwd(inputs, options: dict, hyper: dict) -> tuple:
             coef if weights is None else weights, loss, N, S, blocks_per_program,
             *(h[name] for name in FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
-            HAS_ENTROPY=coef_entropy is not None, BLOCK=BLOCK, BLOCK_S=BLOCK_S,
+            HAS_ENTROPY=coef_entropy is not None, BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=factors,
         )
     return loss, lp_out, coef, coef_entropy, weights, kept
 
@@ -456,7 +475,7 @@ def aot_specs():
         for i, flags in enumerate(((False, False, False, False, False), (True, True, True, True, True))):
             constexprs = dict(zip(("SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "HAS_KL"),
                                   flags), AGGREGATION=aggregation, NORMALIZE=aggregation % 3, HAS_ENTROPY=i == 1,
-                              BLOCK=BLOCK, BLOCK_S=BLOCK_S)
+                              BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=False)
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
                          "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32",
                          "weights_ptr": "*fp32", "loss_ptr": "*fp32",
@@ -465,4 +484,8 @@ def aot_specs():
                          **{k: "constexpr" for k in constexprs}}
             specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i}]", fn=_finish_kernel,
                                  signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))
+            if i == 1:  # the factors mode (forward_grad.py's decisions), every flag on
+                specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i},FACTORS=1]",
+                                     fn=_finish_kernel, signature=signature, constexprs={**constexprs, "FACTORS": True},
+                                     num_warps=4, num_stages=1))
     return specs
