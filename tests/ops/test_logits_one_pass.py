@@ -192,3 +192,27 @@ def _outside(override, reason):
         assert rlkernels.decoupled_ppo_loss(leaf, labels, adv, mask, config=config, **kwargs).path == "logits"
     half = leaf.detach().half().requires_grad_(True)
     assert rlkernels.decoupled_ppo_loss(half, labels, adv, mask, config=config, **kwargs).path == "logits"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_it_runs_at_a_real_vocabulary():
+    """On CUDA at V = 151,936 bf16 (the tier of a program per row, 8192-wide blocks), the default config with
+    validate=True takes the one-pass form: its log-probs, entropy and loss are the two-pass form's bits (the same
+    code), and dlogits agree to the reordered tolerance (compiled separately, the two kernels' products may contract
+    into FMAs differently)."""
+    g = torch.Generator().manual_seed(4)
+    N, V = 256, 151936
+    logits = (torch.randn(N, V, generator=g) * 2).to(torch.bfloat16).cuda()
+    labels = torch.randint(0, V, (N,), generator=g).cuda()
+    old = (-torch.rand(N, generator=g) * 3).cuda()
+    adv, mask = torch.randn(N, generator=g).cuda(), (torch.rand(N, generator=g) > 0.1).cuda()
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=0.01)
+    kwargs = dict(old_logprobs=old, rollout_logprobs=old + 0.02, cu_seqlens=torch.tensor([0, 100, 200, N]).cuda())
+    (want, want_grad), (got, got_grad) = [_step(logits, labels, adv, mask, config.with_overrides(logits_one_pass=one),
+                                                **kwargs) for one in (False, True)]
+    assert (want.path, got.path) == ("logits", "logits_one_pass")
+    _same(got.logprobs, want.logprobs, "logprobs")
+    _same(got.entropy, want.entropy, "entropy")
+    _same(got.loss.detach(), want.loss.detach(), "loss")
+    scale = float(want_grad.float().abs().max())
+    assert_close(got_grad.float(), want_grad.float(), **tol("reordered.dlogits", BF16, scale=scale), name="dlogits")
