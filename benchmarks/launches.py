@@ -14,6 +14,9 @@ Cases, all with validate=False (no host sync, so a step can be captured in a CUD
                                 op): the metrics are the torch stage's, run when read, after the backward
                                 (metrics_launches; the step's time includes that read)
     ppo[loss_only,fused]        the loss alone with the fused stage
+    ppo[loss_only,one_pass]     the same with dlogits formed in the forward (SPEC §2.4; logits_one_pass=True: on
+                                the CPU the CPU kernels' op, on CUDA the Triton kernel, with validate=True there:
+                                its backward reads g on the host)
     logprobs                    token_logprobs: the vocabulary pass alone (the floor the loss is measured against)
     topk_head / plain_pass      the sampler's top-k form (ops.head_stats, k ids) against the plain pass
     linear                      linear_decoupled_ppo_loss, the one-pass form (hidden states)
@@ -66,6 +69,9 @@ def cases(N: int, V: int, H: int, S: int, k: int, device: str, dtype: torch.dtyp
             config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False,
                                       metrics=metrics, compile_stage=False, fused_stage=True)
             out[f"ppo[{metrics},fused]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x)
+        config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=device == "cuda",
+                                  metrics="loss_only", compile_stage=False, fused_stage=True, logits_one_pass=True)
+        out["ppo[loss_only,one_pass]"] = lambda c=config: rlkernels.decoupled_ppo_loss(logits, config=c, **x)
     out["logprobs"] = lambda: rlkernels.token_logprobs(logits, x["labels"], validate=False).logprobs.sum()
     # k distinct ids per row: one permutation's first k, shifted by the row (distinct mod V)
     ids = (torch.randperm(V, device=device)[:k][None, :] + torch.arange(N, device=device)[:, None]) % V

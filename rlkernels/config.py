@@ -420,10 +420,12 @@ class PolicyLossConfig:
         linear_one_pass: the fused-linear path forms the gradient in its forward pass where every token's
             coefficients allow (SPEC §2.1: three GEMMs of the loss's rows instead of four, the gradients held
             from the forward to the backward). False: always the two-pass form.
-        logits_one_pass: the logits path forms dlogits in its forward pass where the fused stage's Triton kernels
-            cover the call (SPEC §2.4: one launch reads each row twice, the second time from cache, and writes its
-            gradient: two passes over the logits' bytes for fwd + bwd instead of three; the gradient held from the
-            forward to the backward). False: always the two-pass form.
+        logits_one_pass: the logits path forms dlogits in its forward pass where the fused stage's kernels cover the
+            call (SPEC §2.4: each row read twice in a row, the second time from cache, and its gradient written: two
+            passes over the logits' bytes for fwd + bwd instead of three; the gradient held from the forward to the
+            backward). None (the default): on the Triton backend, for a GPU's memory bandwidth; True: on the CPU
+            kernels too (the same bits, measured no faster there: a CPU's pass is bound by its exponentials, not
+            its memory); False: always the two-pass form.
         head_dtype: the fused-linear path's head GEMM: None (the inputs' dtype, float32 accumulation), "float32"
             or torch.float32 (float32 GEMMs on bf16/fp16 operands: vLLM's `head_dtype=float32`, SGLang's
             `--enable-fp32-lm-head`) or "tf32" (NeMo-RL's `fp32_lm_head: tf32`: float32 with TF32 matrix units on
@@ -462,7 +464,7 @@ class PolicyLossConfig:
     memory_budget_bytes: Optional[int] = None
     select_loss_rows: Optional[bool] = None
     linear_one_pass: bool = True
-    logits_one_pass: bool = True
+    logits_one_pass: Optional[bool] = None
     head_dtype: Optional[str] = None
     numerics: str = "default"
     # -- conventions where the reference libraries differ (SPEC §6.2) ---------
@@ -539,10 +541,10 @@ class PolicyLossConfig:
         object.__setattr__(self, "kl_type", base + ("" if base == "k2" else plus))  # k2+ is k2
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
-        for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass", "logits_one_pass"):
+        for name in ("compute_entropy", "validate", "inplace_backward", "linear_one_pass"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        for name in ("compile_stage", "fused_stage", "select_loss_rows"):
+        for name in ("compile_stage", "fused_stage", "select_loss_rows", "logits_one_pass"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool or None, got {getattr(self, name)!r}")
         if self.metrics not in METRICS_MODES:

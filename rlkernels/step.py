@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from . import ops, stage
+from . import backends, ops, stage
 from .backends import statistics_dtype
 from .config import SAMPLER_HEAD_LOSSES, PolicyLossConfig, RolloutCorrection
 from .inputs import DistillationInputs, DivergenceInputs, PreparedBatch
@@ -83,11 +83,14 @@ def _logits_one_pass_blocker(logits: torch.Tensor, batch: PreparedBatch, config:
                              options: ops.PassOptions) -> Optional[str]:
     """Why this logits call keeps the two-pass form (SPEC §2.4), or None: the option, the pass (ops), then the
     stage: the fused stage's Triton kernels must cover the call, and every token's coefficients must be its own."""
-    if not config.logits_one_pass:
+    if config.logits_one_pass is False:
         return "logits_one_pass=False"
     reason = ops.logits_one_pass_blocker(logits, batch, options, config.validate)
-    if reason is None and stage.fused.implementation(config, logits.device) != "triton":
-        reason = "the fused stage's Triton kernels do not run here"
+    if reason is None and config.logits_one_pass is None and backends.resolve(options.backend, logits) == "cpu":
+        reason = "the CPU kernels with logits_one_pass=None (no faster there: logits_one_pass=True takes it)"
+    if reason is None and stage.fused.implementation(config, logits.device) != backends.resolve(options.backend,
+                                                                                                logits):
+        reason = "the fused stage's kernels are not the pass's backend's (fused_stage=False, or another backend)"
     if reason is None:
         reason = stage.fused.blocker(batch, config, statistics_dtype(logits.dtype))
     return reason or stage.forward_gradient_blocker(batch, config)

@@ -130,74 +130,86 @@ RLK_ALWAYS_INLINE float row_max_of(const float* z, int64_t V) {
   return m;  // a NaN never wins a max: the sums below propagate it
 }
 
+// One row's statistics: (row max, log-normaliser, log-prob of the label y, entropy, sum p^2), zeros where the row
+// takes no part. Not inlined: the pass (stats_rows) and the gradient formed in the forward (forward_gradient_rows)
+// run this one compiled copy, so their statistics are the same bits (-ffp-contract=fast could contract two inlined
+// copies differently).
+struct RowStatistics {
+  float max = 0.f, ln = 0.f, lp = 0.f, h = 0.f, s2 = 0.f;
+};
+
+__attribute__((noinline)) RowStatistics row_statistics(const float* z, int64_t V, int64_t y, float inv_t, bool more) {
+  const bool has_target = y >= 0 && y < V;
+  float out_max = 0.f, out_ln = 0.f, out_lp = 0.f, out_h = 0.f, out_s2 = 0.f;
+  const float m = row_max_of(z, V);
+  if (m == -kInf && std::none_of(z, z + V, [](float x) { return std::isnan(x); })) {
+    // no finite logit: no distribution (the scan for a NaN, which never wins the max, runs on such rows
+    // only: a NaN row must come out NaN, as in the other backends, for validate=True to refuse it)
+    out_ln = -kInf;
+    out_lp = has_target ? -kInf : 0.f;
+  } else if (m == -kInf) {
+    out_ln = out_lp = out_h = out_s2 = std::numeric_limits<float>::quiet_NaN();
+  } else {
+    // kLanes partial sums over blocks of kBlock elements, each block's total added in
+    // float64: the float32 error grows with kBlock / kLanes terms, not V / kLanes
+    double s1 = 0.0, sx = 0.0, s2 = 0.0;
+    for (int64_t start = 0; start < V; start += kBlock) {
+      const int64_t stop = std::min(start + kBlock, V);
+      float l1[kLanes] = {}, lx[kLanes] = {}, l2[kLanes] = {};
+      int64_t j = start;
+      if (more) {
+        for (; j + kLanes <= stop; j += kLanes) {
+          for (int k = 0; k < kLanes; ++k) {
+            const float d = (z[j + k] - m) * inv_t;
+            const float e = exp_nonpositive(d);
+            l1[k] += e;
+            lx[k] += e * where_p_is_zero_finite(d);  // p log p -> 0 at p = 0 (d = -inf)
+            l2[k] += e * e;
+          }
+        }
+      } else {
+        for (; j + kLanes <= stop; j += kLanes)
+          for (int k = 0; k < kLanes; ++k) l1[k] += exp_nonpositive((z[j + k] - m) * inv_t);
+      }
+      for (; j < stop; ++j) {
+        const float d = (z[j] - m) * inv_t;
+        const float e = exp_nonpositive(d);
+        l1[0] += e;
+        lx[0] += e * where_p_is_zero_finite(d);
+        l2[0] += e * e;
+      }
+      float b1 = 0.f, bx = 0.f, b2 = 0.f;
+      for (int k = 0; k < kLanes; ++k) b1 += l1[k], bx += lx[k], b2 += l2[k];
+      s1 += b1, sx += bx, s2 += b2;
+    }
+    out_max = m;
+    out_ln = static_cast<float>(std::log(s1));
+    out_lp = has_target ? (z[y] - m) * inv_t - out_ln : 0.f;
+    out_h = static_cast<float>(std::log(s1) - sx / s1);
+    out_s2 = static_cast<float>(s2 / (s1 * s1));
+  }
+  return RowStatistics{out_max, out_ln, out_lp, out_h, out_s2};
+}
+
 template <typename T>
 void stats_rows(const T* logits, int64_t stride, const int64_t* labels, int64_t N, int64_t V, float temperature,
                 const float* inv_t_rows, float* row_max, float* log_norm, float* logprobs, float* entropy,
                 float* sum_sq) {
   const float inv_t_all = 1.0f / temperature;
+  const bool more = entropy != nullptr || sum_sq != nullptr;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(std::is_same_v<T, float> ? 0 : V);
     for (int64_t r = begin; r < end; ++r) {
       const float inv_t = inv_t_rows != nullptr ? inv_t_rows[r] : inv_t_all;  // a per-token temperature
       const int64_t y = labels[r];
-      const bool has_target = y >= 0 && y < V;
-      float out_max = 0.f, out_ln = 0.f, out_lp = 0.f, out_h = 0.f, out_s2 = 0.f;
-      if (has_target || y == kForeignTarget) {
-        const float* z = row_as_float(logits + r * stride, V, buffer);
-        const float m = row_max_of(z, V);
-        if (m == -kInf && std::none_of(z, z + V, [](float x) { return std::isnan(x); })) {
-          // no finite logit: no distribution (the scan for a NaN, which never wins the max, runs on such rows
-          // only: a NaN row must come out NaN, as in the other backends, for validate=True to refuse it)
-          out_ln = -kInf;
-          out_lp = has_target ? -kInf : 0.f;
-        } else if (m == -kInf) {
-          out_ln = out_lp = out_h = out_s2 = std::numeric_limits<float>::quiet_NaN();
-        } else {
-          // kLanes partial sums over blocks of kBlock elements, each block's total added in
-          // float64: the float32 error grows with kBlock / kLanes terms, not V / kLanes
-          double s1 = 0.0, sx = 0.0, s2 = 0.0;
-          const bool more = entropy != nullptr || sum_sq != nullptr;
-          for (int64_t start = 0; start < V; start += kBlock) {
-            const int64_t stop = std::min(start + kBlock, V);
-            float l1[kLanes] = {}, lx[kLanes] = {}, l2[kLanes] = {};
-            int64_t j = start;
-            if (more) {
-              for (; j + kLanes <= stop; j += kLanes) {
-                for (int k = 0; k < kLanes; ++k) {
-                  const float d = (z[j + k] - m) * inv_t;
-                  const float e = exp_nonpositive(d);
-                  l1[k] += e;
-                  lx[k] += e * where_p_is_zero_finite(d);  // p log p -> 0 at p = 0 (d = -inf)
-                  l2[k] += e * e;
-                }
-              }
-            } else {
-              for (; j + kLanes <= stop; j += kLanes)
-                for (int k = 0; k < kLanes; ++k) l1[k] += exp_nonpositive((z[j + k] - m) * inv_t);
-            }
-            for (; j < stop; ++j) {
-              const float d = (z[j] - m) * inv_t;
-              const float e = exp_nonpositive(d);
-              l1[0] += e;
-              lx[0] += e * where_p_is_zero_finite(d);
-              l2[0] += e * e;
-            }
-            float b1 = 0.f, bx = 0.f, b2 = 0.f;
-            for (int k = 0; k < kLanes; ++k) b1 += l1[k], bx += lx[k], b2 += l2[k];
-            s1 += b1, sx += bx, s2 += b2;
-          }
-          out_max = m;
-          out_ln = static_cast<float>(std::log(s1));
-          out_lp = has_target ? (z[y] - m) * inv_t - out_ln : 0.f;
-          out_h = static_cast<float>(std::log(s1) - sx / s1);
-          out_s2 = static_cast<float>(s2 / (s1 * s1));
-        }
-      }
-      row_max[r] = out_max;
-      log_norm[r] = out_ln;
-      logprobs[r] = out_lp;
-      if (entropy != nullptr) entropy[r] = out_h;
-      if (sum_sq != nullptr) sum_sq[r] = out_s2;
+      RowStatistics st;
+      if ((y >= 0 && y < V) || y == kForeignTarget) st = row_statistics(row_as_float(logits + r * stride, V, buffer),
+                                                                         V, y, inv_t, more);
+      row_max[r] = st.max;
+      log_norm[r] = st.ln;
+      logprobs[r] = st.lp;
+      if (entropy != nullptr) entropy[r] = st.h;
+      if (sum_sq != nullptr) sum_sq[r] = st.s2;
     }
   });
 }
@@ -212,6 +224,19 @@ RLK_ALWAYS_INLINE void grad_row(const float* z, float* g, int64_t V, float m, fl
     const float p = exp_nonpositive(std::min(lp, 0.f));
     g[j] = -p * (ceh + e * where_p_is_zero_finite(lp));  // p log p -> 0 at p = 0
   }
+}
+
+// One row's dlogits in float32 (the target column's + c included; a head's columns are the caller's): c and e are
+// the row's coefficients over T, c_head the head's share of its p term. Not inlined, as row_statistics: the backward
+// (grad_rows) and the gradient formed in the forward run this one compiled copy.
+__attribute__((noinline)) void row_gradient(const float* z, float* g, int64_t V, int64_t y, float m, float ln,
+                                            float inv_t, float c, float c_head, float e, float h) {
+  if (ln == -kInf) {  // no distribution: p = 0 everywhere
+    std::fill(g, g + V, 0.f);
+  } else {
+    grad_row(z, g, V, m, inv_t, ln, c + c_head + e * h, e);
+  }
+  if (y >= 0 && y < V) g[y] += c;  // the target column in float32, rounded once by the caller
 }
 
 // A second set of columns per row with their own coefficients (SPEC §9.1, the sampler's top-k): dLoss/dlog p at
@@ -254,14 +279,7 @@ void grad_rows(const T* logits, int64_t stride, T* out, int64_t out_stride, cons
       }
       const float* z = row_as_float(logits + r * stride, V, buffer);
       float* g = std::is_same_v<T, float> ? reinterpret_cast<float*>(o) : grad.data();
-      const float ln = log_norm[r];
-      const float m = row_max[r];
-      if (ln == -kInf) {  // no distribution: p = 0 everywhere
-        std::fill(g, g + V, 0.f);
-      } else {
-        grad_row(z, g, V, m, inv_t, ln, c + c_head + e * (entropy != nullptr ? entropy[r] : 0.f), e);
-      }
-      if (has_target) g[y] += c;  // the target column in float32, rounded once below
+      row_gradient(z, g, V, y, row_max[r], log_norm[r], inv_t, c, c_head, e, entropy != nullptr ? entropy[r] : 0.f);
       for (int64_t j = 0; j < head.k; ++j) {  // the head's columns likewise (ids are distinct within a row)
         if (ids[j] >= 0 && ids[j] < V) g[ids[j]] += coef[j] * inv_t;
       }
@@ -950,6 +968,38 @@ inline void kl_and_grad(float lp, float ref, int64_t type, bool straight, float&
 // A per-token input on the mask, 0 off it (padding may hold NaN: it must reach no sum), as the torch stage's are.
 inline float on_mask(const float* x, int64_t t, bool m) { return m ? x[t] : 0.0f; }
 
+// PPO's clip with dual clip of the policy ratio exp(lp - l_old) (clamped to log_ratio_clamp), and its derivative in
+// lp, both times the IS weight w where the options weigh (policy_terms._ppo_clip). Not inlined, nor is
+// token_coefficient: the stage and the gradient formed in the forward (forward_gradient_rows) run one compiled copy,
+// so a token's coefficient is the same bits in both.
+__attribute__((noinline)) void ppo_term(float lp, float l_old, float adv, float w, const int64_t* o, const float* h,
+                                        float& term_out, float& grad_out) {
+  const float log_r = lp - l_old;
+  const float r = std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
+  const float neg_adv = -adv, l1 = neg_adv * r, l2 = neg_adv * clamp(r, h[kClipLo], h[kClipHi]);
+  const bool clipped = l2 > l1;
+  float term = clipped ? l2 : l1;
+  bool active = !clipped;
+  if (o[kDualClip]) {
+    const float l3 = neg_adv * h[kClipC];
+    const bool dual = adv < 0.0f && l3 < term;
+    term = dual ? l3 : term, active = active && !dual;
+  }
+  float grad = active ? l1 : 0.0f;
+  if (o[kRatioClamp] && !(std::fabs(log_r) <= h[kRatioClampValue])) grad = 0.0f;
+  if (o[kWeighted]) term *= w, grad *= w;
+  term_out = term, grad_out = grad;
+}
+
+// c_t = a_t g_t + (beta a_t) dKL_t from the token's weighted policy derivative g_t (over the batch normalisation's
+// factor where it applies), its a_t and its KL derivative (loss.run). One rounding for the sum of products, spelled
+// out: -ffp-contract=fast could contract two copies differently (a gradient that depended on the thread count).
+__attribute__((noinline)) float token_coefficient(float grad, float a, float factor, bool normalize, bool has_kl,
+                                                  float beta, float dkl) {
+  const float g = normalize ? grad / factor : grad;
+  return has_kl ? std::fma(beta * a, dkl, a * g) : a * g;
+}
+
 struct Inputs {
   const float *lp, *entropy, *adv, *old, *rollout, *ref;
   const bool* mask;
@@ -1023,21 +1073,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       w = m ? seq_weight : 0.0f;
     }
     if (o[kWeighted]) out.weights[t] = w, weight_sum.add(t, w);
-    // the policy ratio (clamped to log_ratio_clamp) and PPO's clip with dual clip (policy_terms._ppo_clip)
-    const float log_r = lp - l_old;
-    const float r = std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
-    const float neg_adv = -adv, l1 = neg_adv * r, l2 = neg_adv * clamp(r, h[kClipLo], h[kClipHi]);
-    const bool clipped = l2 > l1;
-    float term = clipped ? l2 : l1;
-    bool active = !clipped;
-    if (o[kDualClip]) {
-      const float l3 = neg_adv * h[kClipC];
-      const bool dual = adv < 0.0f && l3 < term;
-      term = dual ? l3 : term, active = active && !dual;
-    }
-    float grad = active ? l1 : 0.0f;
-    if (o[kRatioClamp] && !(std::fabs(log_r) <= h[kRatioClampValue])) grad = 0.0f;
-    if (o[kWeighted]) term *= w, grad *= w;
+    float term, grad;
+    ppo_term(lp, l_old, adv, w, o, h, term, grad);
     pg.add(t, kept ? term : 0.0f);
     out.grad[t] = grad;
     if (o[kKlType] != 0) {
@@ -1069,7 +1106,9 @@ void check_layout(const char* op, const int64_t* cu, int64_t S, int64_t seq_len,
 }
 }  // namespace stage
 
-// Returns (loss, lp, coef, coef_entropy, weights, kept); coef_entropy and weights are [0] where the options have
+// Returns (loss, lp, coef, coef_entropy, weights, kept); with `factors` (what forward_gradient forms a coefficient
+// from) (the batch normalisation's factor, lp, a_t, coef_entropy, the unnormalised weights, kept) instead.
+// coef_entropy and weights are [0] where the options have
 // none (no entropy input; no IS level).
 std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional<at::Tensor>& entropy,
                                        const at::Tensor& advantages, const at::Tensor& mask,
@@ -1077,7 +1116,7 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
                                        const std::optional<at::Tensor>& ref,
                                        const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_id,
                                        int64_t seq_len, int64_t num_seqs, at::IntArrayRef options,
-                                       at::ArrayRef<double> hyper) {
+                                       at::ArrayRef<double> hyper, bool factors) {
   using namespace stage;
   const char* op = "sequence_stage";
   const int64_t N = lp.numel(), S = num_seqs;
@@ -1165,15 +1204,116 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
       const float kept_t = out.kept[t] ? 1.0f : 0.0f;
       const float a = agg == 2 ? kept_t / (std::max(rec[sid[t] * kRecord + 3], 1.0f) * seqs)
                                : (agg == 0 ? kept_t : kept_t / per_token);
-      // one rounding for the sum of products, spelled out: -ffp-contract=fast could contract the serial and the
-      // threaded copies of this loop differently (a gradient that depended on the thread count)
-      const float g = w_out ? c[t] / factor : c[t];
-      if (w_out) w_out[t] = w_out[t] / factor;
-      c[t] = d ? std::fma(beta * a, d[t], a * g) : a * g;
+      if (factors) {  // what forward_gradient_rows forms the coefficient from: a_t, the unnormalised weights
+        c[t] = a;
+      } else {
+        if (w_out) w_out[t] = w_out[t] / factor;
+        c[t] = token_coefficient(c[t], a, factor, w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);
+      }
       if (e) e[t] = -entropy_coeff * a;
     }
   });
-  return {at::scalar_tensor(loss, options_f32), lp_out, coef, coef_entropy, weights, kept};
+  // factors: the loss's slot carries the batch normalisation's factor (1 without it)
+  return {at::scalar_tensor(factors ? factor : loss, options_f32), lp_out, coef, coef_entropy, weights, kept};
+}
+
+// The gradient formed in the forward (SPEC §2.4), a row at a time: the row's statistics (row_statistics), the
+// token's coefficient from its log-prob and the stage's factors (ppo_term, kl_and_grad, token_coefficient: the
+// stage's own compiled copies), then dlogits (row_gradient) from the row while it is still in cache. The same bits
+// as the two-pass form's statistics, coefficients and gradient.
+struct StageFactors {
+  const bool* mask;
+  const float *adv, *proximal, *ref, *a, *weights, *coef_entropy;  // nullptr where the options have none
+  float factor;
+};
+
+template <typename T>
+void forward_gradient_rows(const T* logits, int64_t stride, T* out, int64_t out_stride, const int64_t* labels,
+                           int64_t N, int64_t V, float temperature, const float* inv_t_rows, float* logprobs,
+                           float* entropy, const StageFactors& f, const int64_t* o, const float* h) {
+  using namespace stage;
+  const float inv_t_all = 1.0f / temperature;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(std::is_same_v<T, float> ? 0 : V);
+    std::vector<float> grad(std::is_same_v<T, float> ? 0 : V);
+    for (int64_t r = begin; r < end; ++r) {
+      const float inv_t = inv_t_rows != nullptr ? inv_t_rows[r] : inv_t_all;
+      const int64_t y = labels[r];
+      const bool has_target = y >= 0 && y < V;
+      T* row_out = out + r * out_stride;
+      const float* z = has_target ? row_as_float(logits + r * stride, V, buffer) : nullptr;
+      RowStatistics st;
+      if (has_target) st = row_statistics(z, V, y, inv_t, entropy != nullptr);
+      logprobs[r] = st.lp;
+      if (entropy != nullptr) entropy[r] = st.h;
+      // the token's coefficients, as the stage forms them from its inputs on the mask
+      const bool m = f.mask[r];
+      const float lp = m ? st.lp : 0.0f, adv = on_mask(f.adv, r, m);
+      const float l_old = o[kProximal] != 0 ? on_mask(f.proximal, r, m) : lp;
+      float term, g;
+      ppo_term(lp, l_old, adv, o[kWeighted] ? f.weights[r] : 0.0f, o, h, term, g);
+      float kl = 0.0f, dkl = 0.0f;
+      if (o[kKlType] != 0) kl_and_grad(lp, on_mask(f.ref, r, m), o[kKlType], o[kKlStraight], kl, dkl);
+      const float coef = token_coefficient(g, f.a[r], f.factor, o[kNormalize] != 0, o[kKlType] != 0, h[kKlCoef], dkl);
+      // dlogits, as grad_rows forms them from the coefficients autograd hands it
+      const float c = has_target ? coef * inv_t : 0.0f;
+      const float e = has_target && f.coef_entropy != nullptr ? f.coef_entropy[r] * inv_t : 0.0f;
+      if (!has_target || (c == 0.f && e == 0.f)) {
+        std::fill(row_out, row_out + V, T(0));
+        continue;
+      }
+      float* gr = std::is_same_v<T, float> ? reinterpret_cast<float*>(row_out) : grad.data();
+      row_gradient(z, gr, V, y, st.max, st.ln, inv_t, c, 0.f, e, f.coef_entropy != nullptr ? st.h : 0.f);
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t j = 0; j < V; ++j) row_out[j] = static_cast<T>(gr[j]);
+      }
+    }
+  });
+}
+
+// Returns (logprobs, entropy or [0]); dlogits written into `out` (like logits, unit stride along V).
+std::vector<at::Tensor> forward_gradient(const at::Tensor& logits, const at::Tensor& labels, double temperature,
+                                         const std::optional<at::Tensor>& inv_temperature, const at::Tensor& out,
+                                         const at::Tensor& mask, const at::Tensor& advantages,
+                                         const std::optional<at::Tensor>& proximal,
+                                         const std::optional<at::Tensor>& ref, const at::Tensor& a,
+                                         const std::optional<at::Tensor>& weights, double factor,
+                                         const std::optional<at::Tensor>& coef_entropy, at::IntArrayRef options,
+                                         at::ArrayRef<double> hyper, bool compute_entropy) {
+  using namespace stage;
+  const char* op = "forward_gradient";
+  check_rows(op, logits, labels);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(options.size() == kOptionCount && hyper.size() == kHyperCount, op, ": expected ",
+              std::to_string(kOptionCount), " option codes and ", std::to_string(kHyperCount), " hyperparameters");
+  TORCH_CHECK(out.scalar_type() == logits.scalar_type() && out.sizes() == logits.sizes() &&
+                  (out.stride(1) == 1 || V <= 1 || out.numel() == 0),
+              op, ": out must be like logits with unit stride along V");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_contiguous() && mask.numel() == N, op,
+              ": mask must be contiguous bool [N]");
+  auto optional = [&](const std::optional<at::Tensor>& t, const char* name) -> const float* {
+    return t.has_value() ? f32(*t, op, name, N) : nullptr;
+  };
+  const int64_t* o = options.data();
+  TORCH_CHECK(!(o[kProximal] != 0 && !proximal.has_value()) && !(o[kKlType] != 0 && !ref.has_value()) &&
+                  !(o[kWeighted] && !weights.has_value()),
+              op, ": the options read an input that is absent");
+  float h[kHyperCount];
+  for (int i = 0; i < kHyperCount; ++i) h[i] = static_cast<float>(hyper[i]);
+  const StageFactors f{mask.data_ptr<bool>(), f32(advantages, op, "advantages", N), optional(proximal, "proximal"),
+                       optional(ref, "ref"), f32(a, op, "a", N), optional(weights, "weights"),
+                       optional(coef_entropy, "coef_entropy"), static_cast<float>(factor)};
+  const auto opts = logits.options().dtype(at::kFloat);
+  at::Tensor logprobs = at::empty({N}, opts), entropy = at::empty({compute_entropy ? N : 0}, opts);
+  at::Tensor dlogits = out;
+  dispatch(op, logits, [&](auto tag) {
+    using T = decltype(tag);
+    forward_gradient_rows<T>(logits.data_ptr<T>(), logits.stride(0), dlogits.data_ptr<T>(), dlogits.stride(0),
+                             labels.data_ptr<int64_t>(), N, V, static_cast<float>(temperature),
+                             inverse_temperatures(inv_temperature, op, N), logprobs.data_ptr<float>(),
+                             compute_entropy ? entropy.data_ptr<float>() : nullptr, f, o, h);
+  });
+  return {logprobs, entropy};
 }
 
 }  // namespace
@@ -1203,8 +1343,11 @@ TORCH_LIBRARY(rlkernels_cpu, m) {
         "float reference_temperature, Tensor? inv_temperature=None, Tensor? inv_reference_temperature=None) "
         "-> Tensor");
   m.def("sequence_stage(Tensor lp, Tensor? entropy, Tensor advantages, Tensor mask, Tensor? old, Tensor? rollout, "
-        "Tensor? ref, Tensor? cu_seqlens, Tensor seq_id, int seq_len, int num_seqs, int[] options, float[] hyper) "
-        "-> Tensor[]");
+        "Tensor? ref, Tensor? cu_seqlens, Tensor seq_id, int seq_len, int num_seqs, int[] options, float[] hyper, "
+        "bool factors=False) -> Tensor[]");
+  m.def("forward_gradient(Tensor logits, Tensor labels, float temperature, Tensor? inv_temperature, "
+        "Tensor(a!) out, Tensor mask, Tensor advantages, Tensor? proximal, Tensor? ref, Tensor a, Tensor? weights, "
+        "float factor, Tensor? coef_entropy, int[] options, float[] hyper, bool compute_entropy) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_cpu, CPU, m) {
@@ -1217,4 +1360,5 @@ TORCH_LIBRARY_IMPL(rlkernels_cpu, CPU, m) {
   m.impl("full_divergences_fwd", &full_divergences_fwd);
   m.impl("full_divergences_bwd", &full_divergences_bwd);
   m.impl("sequence_stage", &sequence_stage);
+  m.impl("forward_gradient", &forward_gradient);
 }

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.stage_options import HYPERPARAMETERS, option_codes
+from ..kernels.stage_options import HYPERPARAMETERS, TokenFactors, option_codes
 from .base import DIVERGENCE_STATS, paired_row_groups, row_groups
 from .extension import ExtensionBackend, register_fakes
 from .temperature import Temperature
@@ -174,18 +174,57 @@ class CpuBackend(ExtensionBackend):
         return logits.device.type == "cpu" and logits.dtype in _SUPPORTED
 
     @staticmethod
-    def sequence_stage(inputs, options: dict, hyper: dict) -> tuple:
+    def sequence_stage(inputs, options: dict, hyper: dict, factors: bool = False) -> tuple:
         """The fused stage (stage/fused.py) as one C++ op: the Triton launcher's outputs, from float32 copies of
-        inputs of other dtypes."""
+        inputs of other dtypes; with `factors`, what each token's coefficients are formed from instead."""
         codes = option_codes(options)
         f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
         cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int64).contiguous()
         loss, lp, coef, coef_entropy, weights, kept = torch.ops.rlkernels_cpu.sequence_stage(
             f32(inputs.lp), f32(inputs.entropy), f32(inputs.advantages), inputs.mask.to(torch.bool).contiguous(),
             f32(inputs.old), f32(inputs.rollout), f32(inputs.ref), cu, inputs.seq_id.contiguous(), inputs.seq_len,
-            inputs.num_seqs, [int(value) for value in codes.values()], [float(hyper[name]) for name in HYPERPARAMETERS])
+            inputs.num_seqs, [int(value) for value in codes.values()], [float(hyper[name]) for name in HYPERPARAMETERS],
+            factors)
         return (loss, lp, coef, None if inputs.entropy is None else coef_entropy,
                 weights if codes["WEIGHTED"] else None, kept)
+
+    @classmethod
+    def forward_factors(cls, inputs, options: dict, hyper: dict) -> tuple:
+        """(TokenFactors, the option codes): sequence_stage in its factors mode (stage/fused.py forward_factors runs
+        it on placeholder log-probs)."""
+        codes = option_codes(options)
+        factor, _, a, coef_entropy, weights, _ = cls.sequence_stage(inputs, options, hyper, True)
+        f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+        proximal = (None, inputs.old, inputs.rollout)[codes["PROXIMAL"]]
+        return TokenFactors(inputs.mask.to(torch.bool).contiguous(), f32(inputs.advantages), f32(proximal),
+                            f32(inputs.ref), a, weights, factor if codes["NORMALIZE"] else None, coef_entropy), codes
+
+    @staticmethod
+    def forward_gradient_covers(V: int) -> bool:
+        """Every vocabulary: the op works a row at a time."""
+        return True
+
+    def forward_gradient(self, logits, labels, temperature, out, factors, codes: dict, hyper: dict,
+                         compute_entropy: bool) -> tuple:
+        """The statistics and dlogits of every row in one op, a row at a time (the gradient formed in the forward,
+        SPEC §2.4): (logprobs, entropy or None), dlogits written into `out`."""
+        scalar, inverse = Temperature.of(temperature).kernel_args()
+        labels = labels.to(torch.int64).contiguous()
+        factor = 1.0 if factors.factor is None else float(factors.factor)  # a CPU tensor: no device to wait for
+        vectors = (factors.mask, factors.advantages, factors.proximal, factors.ref, factors.a, factors.weights,
+                   factors.coef_entropy, labels, inverse)
+        lp, entropy = [], []
+        for start, rows, out_rows in paired_row_groups(logits, out):
+            mask, adv, proximal, ref, a, weights, e, row_labels, inv = (
+                None if v is None else v[start:start + rows.shape[0]] for v in vectors)
+            piece_lp, piece_h = self._ops().forward_gradient(
+                rows, row_labels, scalar, inv, out_rows, mask, adv, proximal, ref, a, weights, factor, e,
+                [int(value) for value in codes.values()], [float(hyper[name]) for name in HYPERPARAMETERS],
+                compute_entropy)
+            lp.append(piece_lp)
+            entropy.append(piece_h)
+        cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+        return cat(lp), cat(entropy) if compute_entropy else None
 
     # The full form (SPEC §9.2) as two C++ passes: two reads of both rows forward, one backward, as the Triton
     # kernels; a reference of another dtype takes the inherited chunked form (the ops read one dtype).

@@ -8,11 +8,11 @@ import os
 
 import torch
 
-from ..kernels.stage_options import option_codes
+from ..kernels.stage_options import TokenFactors, option_codes
 from ..kernels.triton import divergences as divergence_kernels
 from ..kernels.triton import vllm_logprobs as vllm_kernels
-from ..kernels.triton.forward_grad import TokenFactors, forward_gradient
 from ..kernels.triton.forward_grad import covers as forward_gradient_covers
+from ..kernels.triton.forward_grad import forward_gradient
 from ..kernels.triton.head_columns import head_logprobs_fwd, write_head_columns
 from ..kernels.triton.stage import stage_fwd
 from ..kernels.triton.token_grad import token_grad_bwd

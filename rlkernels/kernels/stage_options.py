@@ -2,6 +2,10 @@
 csrc/cpu/token_passes.cpp, whose enums list them in this order): codes for the constexpr options, the float
 hyperparameters by name. Apart from the Triton module so that the CPU kernels need no Triton."""
 
+from typing import NamedTuple, Optional
+
+import torch
+
 IS_LEVELS = {None: 0, "token": 1, "sequence": 2, "geometric": 3}
 KL_TYPES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k3_unclamped": 5}
 AGGREGATIONS = {"token-sum": 0, "token-mean": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum": 3,
@@ -26,3 +30,15 @@ def option_codes(options: dict) -> dict:
         SEQ_MEAN_OVER_ALL=options["seq_mean_over_all"], GLOBAL_TOKENS=options["global_tokens"],
         GLOBAL_SEQS=options["global_seqs"], SCALE_FACTOR=options["scale_factor"],
         NORMALIZE=0 if not options["normalize"] else 1 if options["is_level"] == "token" else 2)
+
+
+class TokenFactors(NamedTuple):
+    """What the stage decided before the pass ([N] float32 but `mask`; None where the option set has none)."""
+    mask: torch.Tensor  # bool m
+    advantages: torch.Tensor
+    proximal: Optional[torch.Tensor]  # π_old (or μ in bypass mode); None on-policy (the ratio is 1)
+    ref: Optional[torch.Tensor]  # the KL penalty's reference, or None
+    a: torch.Tensor  # a_t m'_t, the aggregation weight on the final mask
+    weights: Optional[torch.Tensor]  # IS weights before batch normalisation, or None
+    factor: Optional[torch.Tensor]  # () the batch normalisation's factor, or None
+    coef_entropy: Optional[torch.Tensor]  # e_t, or None without an entropy term

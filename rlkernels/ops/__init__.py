@@ -240,7 +240,8 @@ def one_pass_blocker(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
 
 def logits_one_pass_blocker(logits: torch.Tensor, batch, options: PassOptions, validate: bool) -> Optional[str]:
     """Why this logits call cannot form its gradient in the forward pass (SPEC §2.4), as far as the pass goes, or
-    None (the stage decides the rest). It runs on the Triton backend, one kernel per row. validate=False on CUDA: its
+    None (the stage decides the rest). It runs on the Triton backend (a program per row) or the CPU kernels (a row at
+    a time). validate=False on CUDA: its
     backward reads the incoming gradient on the host, to hand back the dlogits it formed for g = 1 as they are; the
     two-pass form reads nothing. Otherwise as `one_pass_blocker`, and the kept set and the numerics modes, whose
     passes are their own."""
@@ -252,9 +253,10 @@ def logits_one_pass_blocker(logits: torch.Tensor, batch, options: PassOptions, v
         return "float16 (a loss scaler's factor must reach the dlogits before they are rounded to float16)"
     if batch.tp_group is not None or batch.support is not None or options.numerics != "default":
         return "tp_group, sampling_support or a numerics mode"
-    if backends.resolve(options.backend, logits) != "triton":
-        return "not the Triton backend"
-    if not backends.instance("triton").forward_gradient_covers(logits.shape[-1]):
+    name = backends.resolve(options.backend, logits)
+    if name not in ("triton", "cpu"):
+        return f"the {name} backend (the Triton backend and the CPU kernels have it)"
+    if not backends.instance(name).forward_gradient_covers(logits.shape[-1]):
         return f"V = {logits.shape[-1]} (its kernel tiers stack rows; from V = 1025 a program streams one)"
     if logits.is_cuda and not validate:
         return "validate=False on CUDA (the backward would read its incoming gradient on the host)"
@@ -264,12 +266,13 @@ def logits_one_pass_blocker(logits: torch.Tensor, batch, options: PassOptions, v
 def logits_forward_gradient(logits: torch.Tensor, batch, options: PassOptions, factors, codes: dict,
                             hyper: dict) -> Tuple[Statistics, torch.Tensor]:
     """The statistics of every row and dlogits for a unit incoming gradient, in one launch of the Triton backend
-    (kernels/triton/forward_grad.py): each row's coefficients are formed from its log-prob and the stage's
-    `factors` (stage.fused.forward_factors). dlogits are shaped like `logits`, in their dtype, contiguous."""
+    (kernels/triton/forward_grad.py) or one op of the CPU kernels: each row's coefficients are formed from its
+    log-prob and the stage's `factors` (stage.fused.forward_factors). dlogits are shaped like `logits`, in their
+    dtype, contiguous."""
     rows = logit_rows(logits, False)
     out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
     with torch.no_grad():
-        lp, entropy = backends.instance("triton").forward_gradient(
+        lp, entropy = backends.instance(backends.resolve(options.backend, rows)).forward_gradient(
             rows, batch.row_labels, batch.temperature, out, factors, codes, hyper, options.entropy)
     return Statistics(lp, entropy, None), out.view(logits.shape)
 

@@ -125,7 +125,7 @@ def run(stats, batch, config, corrected=None, metrics: bool = False, evidence=No
 
 def forward_factors(batch, config, entropy: bool):
     """What each token's coefficients are formed from, decided before the vocabulary pass (the gradient formed in
-    the forward on the logits path, kernels/triton/forward_grad.py): the Triton kernels in their factors mode, on the
+    the forward on the logits path, SPEC §2.4): the fused stage's kernels in their factors mode, on the
     proximal log-probs in place of the current ones, which no decision of a call in the family reads (decoupled mode
     decides from π_old and μ, bypass and on-policy modes without a correction decide nothing). Returns
     (TokenFactors, the option codes, the hyperparameters); `entropy`: the pass computes the entropy (the loss's
@@ -136,7 +136,8 @@ def forward_factors(batch, config, entropy: bool):
     placeholder = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) if proximal is None else \
         torch.where(mask, proximal.to(torch.float32), zero)
     inputs, options, hyper = _launch_arguments(_Proximal(placeholder, placeholder if entropy else None), batch, config)
-    factors, codes = backends.instance("triton").forward_factors(inputs, options, hyper)
+    kernels = backends.instance(implementation(config, batch.mask.device))
+    factors, codes = kernels.forward_factors(inputs, options, hyper)
     return factors, codes, hyper
 
 

@@ -81,7 +81,7 @@ def _python_implementation(func) -> Optional[Callable]:
 # Reads that never touch a device, by design, that a CPU run cannot tell from a sync by their tensors: (function,
 # file) of the code that makes them. The one temperature travels as a 0-d CPU tensor (backends.temperature); the
 # torch backend zeroes rows through an index on the CPU only, and with a masked fill on a device.
-_HOST_READS = {("host_float", "temperature.py"), ("_zero_rows", "torch_backend.py")}
+_HOST_READS = {("host_float", "temperature.py"), ("_zero_rows", "torch_backend.py"), ("_host_value", "coefficients.py")}
 
 
 def _reading_host_tensor() -> bool:

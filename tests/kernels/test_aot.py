@@ -16,7 +16,7 @@ import sys
 import pytest
 import triton
 
-from rlkernels.kernels.triton import aot, divergences, token_grad, token_stats
+from rlkernels.kernels.triton import aot, divergences, forward_grad, token_grad, token_stats
 from rlkernels.kernels.triton.tl_math import vocab_config
 
 pytestmark = pytest.mark.aot
@@ -45,7 +45,8 @@ def test_specs_cover_exactly_the_heuristic(module):
 
 def test_discovery_finds_every_kernel_module():
     found = {name: specs for name, specs in aot.discover_specs()}
-    assert {"token_stats", "token_grad", "divergences", "vllm_logprobs", "head_columns"} <= set(found)
+    assert {"token_stats", "token_grad", "divergences", "vllm_logprobs", "head_columns", "stage",
+            "forward_grad"} <= set(found)
     assert all(not isinstance(specs, str) for specs in found.values()), found
 
 
@@ -100,9 +101,12 @@ def test_loop_gate_failures_name_each_excess():
     unstaged = dataclasses.replace(res, loop=dataclasses.replace(loop, cp_async=0))
     assert aot.loop_gate_failures(generous, unstaged) == [f"{spec.name} sm_90: a staged loop without cp.async"]
     assert "no loop" in aot.loop_gate_failures(generous, dataclasses.replace(res, loop=None))[0]
+    allowed = dataclasses.replace(generous, loop_gate=LoopGate(elements=1, per_element=6, barriers=1, non_ftz=1))
+    assert aot.loop_gate_failures(allowed, dataclasses.replace(res, non_ftz=1)) == []
+    assert "2 non-ftz ex2 in the PTX, gate 1" in aot.loop_gate_failures(allowed, dataclasses.replace(res, non_ftz=2))[0]
 
 
-@pytest.mark.parametrize("module", [token_stats, token_grad, divergences],
+@pytest.mark.parametrize("module", [token_stats, token_grad, divergences, forward_grad],
                          ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_the_streaming_specs_carry_a_loop_gate(module):
     gated = [s for s in module.aot_specs() if s.loop_gate is not None]

@@ -1,7 +1,8 @@
-"""The logits path's gradient formed in the forward (SPEC §2.4, kernels/triton/forward_grad.py): where the fused
-stage's Triton kernels cover a call, one launch (a program per row) forms the statistics, the token's coefficients
-and dlogits, and the backward hands back g * dlogits. Run here under TRITON_INTERPRET=1 (backend="triton" on CPU
-tensors).
+"""The logits path's gradient formed in the forward (SPEC §2.4): where the fused stage's kernels cover a call, one
+launch forms the statistics, the token's coefficients and dlogits (kernels/triton/forward_grad.py, a program per
+row; the CPU kernels' forward_gradient op, a row at a time), and the backward hands back g * dlogits. The Triton
+kernel runs here under TRITON_INTERPRET=1 (backend="triton" on CPU tensors), the CPU op compiled
+(logits_one_pass=True: not its default).
 
 Against the two-pass form (logits_one_pass=False): the same kernels' arithmetic in the same order, so the loss, the
 log-probs, the entropy, the metrics and dlogits are the same bits, over the fused stage's family (hypothesis), the
@@ -75,20 +76,37 @@ def rows_per_program(block_v: int):
         yield
 
 
-@pytest.fixture(params=[8, 64], ids=["blocks and a tail", "one masked block"])
+CPU_KERNELS = rlkernels.backends.is_available("cpu")
+# the implementations: the Triton kernel under the interpreter (its tier forced: blocks and a tail, or one masked
+# block), and the CPU kernels' op (logits_one_pass=True: not their default, which measured no faster)
+IMPLEMENTATIONS = ["triton-blocks", "triton-block"] + (["cpu"] if CPU_KERNELS else [])
+
+
+@contextlib.contextmanager
+def implementation(name: str):
+    """The config overrides that select it, inside the tier it needs."""
+    if name == "cpu":
+        yield dict(backend="cpu", logits_one_pass=True)
+        return
+    with rows_per_program(8 if name == "triton-blocks" else 64):
+        yield dict(backend="triton")
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
 def tier(request):
-    with rows_per_program(request.param):
-        yield request.param
+    with implementation(request.param) as overrides:
+        yield overrides
 
 
 @settings(max_examples=scaled(80), deadline=None)
 @given(batch=batches(dtype=F32, max_seqs=5, max_len=9, max_vocab=23),
        mode=st.sampled_from(("decoupled", "decoupled", "bypass", "on-policy")), data=st.data())
 def test_it_is_the_two_pass_form_bit_for_bit(batch, mode, data):
-    config = data.draw(family_configs(mode)).with_overrides(backend="triton", validate=False,
+    config = data.draw(family_configs(mode)).with_overrides(validate=False,
                                                             metrics=data.draw(st.sampled_from(("all", "loss_only"))))
-    with rows_per_program(data.draw(st.sampled_from((8, 64)))):
-        _both(batch.logits, batch.labels, batch.advantages, batch.response_mask, config, **batch.kwargs(mode))
+    with implementation(data.draw(st.sampled_from(IMPLEMENTATIONS))) as overrides:
+        _both(batch.logits, batch.labels, batch.advantages, batch.response_mask, config.with_overrides(**overrides),
+              **batch.kwargs(mode))
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -97,7 +115,7 @@ def test_tiers_layouts_and_dtypes(tier, layout, dtype):
     batch = make_batch(layout, [7, 0, 5, 9] if layout == "packed" else [6, 6, 6], 37, dtype=dtype, seed=3,
                        logit_kind="neg_inf")
     config = PolicyLossConfig(rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.5, 2.0)),
-                              kl_coef=0.1, kl_type="k3", entropy_coeff=0.01, backend="triton", validate=False)
+                              kl_coef=0.1, kl_type="k3", entropy_coeff=0.01, validate=False, **tier)
     _both(batch.logits, batch.labels, batch.advantages, batch.response_mask, config, **batch.kwargs("decoupled"))
 
 
@@ -115,7 +133,7 @@ def test_the_causal_shift_view_and_temperatures(tier, temperature):
     """logits[:, :-1] read where they lie (a [B, T, V] view whose rows are not one stride), T != 1 or one per token."""
     logits, labels, adv, mask, old = _tokens()
     T = 0.7 if temperature == "one" else 0.5 + torch.rand(labels.shape, generator=torch.Generator().manual_seed(1))
-    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=-0.02, backend="triton")
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=-0.02, **tier)
     _both(logits[:, :-1], labels, adv, mask, config, old_logprobs=old, rollout_logprobs=old + 0.05,
           temperature=T)
 
@@ -126,7 +144,7 @@ def test_a_scaled_loss_a_retained_graph_and_logits_from_a_matmul(tier):
     logits, labels, adv, mask, old = _tokens()
     rows, labels, adv, mask, old = logits[:, :-1].reshape(-1, 29), labels.reshape(-1), adv.reshape(-1), \
         mask.reshape(-1), old.reshape(-1)
-    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=0.01, backend="triton")
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=0.01, **tier)
     kwargs = dict(old_logprobs=old, rollout_logprobs=old - 0.1, cu_seqlens=torch.tensor([0, 6, 12, 18]))
     grads = [_step(rows, labels, adv, mask, config.with_overrides(logits_one_pass=one), scale=-3.0, **kwargs)[1]
              for one in (False, True)]
@@ -151,20 +169,22 @@ def test_a_scaled_loss_a_retained_graph_and_logits_from_a_matmul(tier):
     assert torch.equal(got[0][1], got[1][1]) and torch.equal(got[0][2], got[1][2])
 
 
-def test_without_validation_the_scale_is_applied_on_the_device(tier):
-    """validate=False reads nothing on the host: on CPU tensors the backward multiplies by g on the device (the
-    same bits for g = 1); on CUDA that call keeps two passes (ops.logits_one_pass_blocker)."""
+def test_without_validation_on_cpu_tensors(tier):
+    """validate=False reads nothing from a device: on CPU tensors g is read as with validation (the host is the
+    device: no sync, as the launch counter agrees); on CUDA that call keeps two passes (ops.logits_one_pass_blocker)."""
     logits, labels, adv, mask, old = _tokens()
-    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), backend="triton", validate=False)
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(), validate=False, **tier)
     _both(logits[:, :-1], labels, adv, mask, config, old_logprobs=old, rollout_logprobs=old + 0.05)
 
 
 @pytest.mark.parametrize("override, reason", [
     (dict(logits_one_pass=False), "logits_one_pass=False"),
+    pytest.param(dict(backend="cpu"), "the CPU kernels with logits_one_pass=None",
+                 marks=pytest.mark.skipif(not CPU_KERNELS, reason="the CPU kernels are not built here")),
     (dict(small_vocabulary=True), "V = 29"),
-    (dict(backend="torch"), "not the Triton backend"),
+    (dict(backend="torch"), "the torch backend"),
     (dict(loss_type="gspo"), "loss_type='gspo'"),
-    (dict(fused_stage=False), "the fused stage's Triton kernels do not run here"),
+    (dict(fused_stage=False), "the fused stage's kernels are not the pass's backend's"),
     (dict(numerics="vllm"), "a numerics mode"),
 ])
 def test_outside_it_the_two_pass_form_runs(override, reason):

@@ -12,12 +12,14 @@ from typing import Any, Dict, Optional, Tuple
 class LoopGate:
     """What a streaming kernel's hot loop may spend on sm_90 (aot.LOOP_GATE_TARGET): SASS instructions per element
     (a loop iteration's instructions over the `elements` one thread handles in it) and barriers (BAR.*) inside it;
-    its PTX has no non-ftz ex2, and a loop staged through shared memory (`staged`) has cp.async in it."""
+    its PTX has no non-ftz ex2 but `non_ftz` (once-per-row exponentials whose bits another kernel fixes), and a loop
+    staged through shared memory (`staged`) has cp.async in it."""
 
     elements: int
     per_element: float
     barriers: int = 0
     staged: bool = False
+    non_ftz: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,13 @@ KL penalties and entropy bonus, every aggregation. The arithmetic is `token_stat
 log-probs, the entropy and dlogits are the two-pass form's bits.
 """
 
-from typing import NamedTuple, Optional
-
 import torch
 import triton
 import triton.language as tl
 
+from ..stage_options import TokenFactors
 from ..temperature import row_temperature
-from .aot_spec import AotSpec
+from .aot_spec import AotSpec, LoopGate
 from .stage import _on_mask, kl_and_grad, ppo_term
 from .tl_math import (
     LN2,
@@ -36,18 +35,6 @@ from .tl_math import (
 )
 from .token_grad import _dlogit, _grad_block, _row_full_blocks
 from .token_stats import device_guard, grouped_strides, stream_shape
-
-
-class TokenFactors(NamedTuple):
-    """What the stage decided before the pass ([N] float32 but `mask`; None where the option set has none)."""
-    mask: torch.Tensor  # bool m
-    advantages: torch.Tensor
-    proximal: Optional[torch.Tensor]  # π_old (or μ in bypass mode); None on-policy (the ratio is 1)
-    ref: Optional[torch.Tensor]  # the KL penalty's reference, or None
-    a: torch.Tensor  # a_t m'_t, the aggregation weight on the final mask
-    weights: Optional[torch.Tensor]  # IS weights before batch normalisation, or None
-    factor: Optional[torch.Tensor]  # () the batch normalisation's factor, or None
-    coef_entropy: Optional[torch.Tensor]  # e_t, or None without an entropy term
 
 
 @triton.jit
@@ -243,6 +230,14 @@ def forward_gradient(logits: torch.Tensor, labels: torch.Tensor, temperature, ou
     return logprobs, entropy
 
 
+# The hottest loop's static gate on sm_90 (aot.LOOP_GATE_TARGET), SASS instructions per element by (logits dtype
+# width, the entropy term): of the two loops (the statistics' stream and the gradient's), the hotter, as either
+# compiler reaches it (Triton 3.9 or 3.6: bf16 8.12 and 10.62, fp32 7.81 and 10.69), a quarter above, rounded up to
+# the next quarter; no barrier in a loop; one non-ftz ex2, once per row outside the loops: the policy ratio's
+# tl.exp, the fused stage's own, whose bits the coefficient must reproduce.
+LOOP_GATES = {(16, False): 8.5, (16, True): 11.0, (32, False): 8.25, (32, True): 11.0}
+
+
 def aot_specs():
     """Each logits dtype and tier it covers with the entropy term on and off, under two of the stage's option sets
     (the plainest, and every flag on with a KL type), per-row temperatures on one of them."""
@@ -271,6 +266,8 @@ def aot_specs():
                               f"ENTROPY={int(entropy)}]"),
                         fn=_forward_gradient_kernel, signature=signature, constexprs=constexprs,
                         num_warps=cfg.num_warps, num_stages=1,
+                        loop_gate=LoopGate(elements=cfg.BLOCK_V // (32 * cfg.num_warps), non_ftz=1,
+                                           per_element=LOOP_GATES[32 if dtype == "fp32" else 16, entropy]),
                         # what the JIT sees on a real launch: 16-byte aligned allocations, V % 16 == 0
                         aligned=pointers + ("V", "stride_logits_g", "stride_logits_n", "stride_dlogits_g",
                                             "stride_dlogits_n")))
