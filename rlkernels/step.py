@@ -82,18 +82,20 @@ def logits_loss(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossCo
 def _logits_one_pass_blocker(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig,
                              options: ops.PassOptions) -> Optional[str]:
     """Why this logits call keeps the two-pass form (SPEC §2.4), or None: the option, the pass (ops), then the
-    stage: the fused stage's Triton kernels must cover the call, and every token's coefficients must be its own."""
+    stage: the fused stage's kernels of the pass's backend must cover the call, and every token's coefficients must
+    be its own."""
     if config.logits_one_pass is False:
         return "logits_one_pass=False"
     reason = ops.logits_one_pass_blocker(logits, batch, options, config.validate)
-    if reason is None and config.logits_one_pass is None and backends.resolve(options.backend, logits) == "cpu":
-        reason = "the CPU kernels with logits_one_pass=None (no faster there: logits_one_pass=True takes it)"
-    if reason is None and stage.fused.implementation(config, logits.device) != backends.resolve(options.backend,
-                                                                                                logits):
-        reason = "the fused stage's kernels are not the pass's backend's (fused_stage=False, or another backend)"
-    if reason is None:
-        reason = stage.fused.blocker(batch, config, statistics_dtype(logits.dtype))
-    return reason or stage.forward_gradient_blocker(batch, config)
+    if reason is not None:
+        return reason
+    name = backends.resolve(options.backend, logits)
+    if name == "cpu" and config.logits_one_pass is None:
+        return "the CPU kernels with logits_one_pass=None (no faster there: logits_one_pass=True takes it)"
+    if stage.fused.implementation(config, logits.device) != name:
+        return "the fused stage's kernels are not the pass's backend's (fused_stage=False, or another backend)"
+    return stage.fused.blocker(batch, config, statistics_dtype(logits.dtype)) or \
+        stage.forward_gradient_blocker(batch, config)
 
 
 def _logits_one_pass_output(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig,

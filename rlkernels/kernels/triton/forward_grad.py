@@ -5,11 +5,11 @@ row again to write dlogits. The second read follows the first within the program
 gradient's write) where the two-pass form moves them three times (two reads and a write).
 
 Each token's coefficients are functions of its own log-prob and of constants the stage decides beforehand from the
-proximal and rollout log-probs (stage/fused.py `run(factors=True)`: the aggregation weight a_t, the IS weight, the
-batch normalisation's factor, the entropy coefficient): the PPO family's clip, dual clip, IS weights, rejection,
-KL penalties and entropy bonus, every aggregation. The arithmetic is `token_stats_fwd`'s, the stage's
-(`stage.ppo_term`, `stage.kl_and_grad`, `_finish_kernel`'s products) and `token_grad_bwd`'s, in their order, so the
-log-probs, the entropy and dlogits are the two-pass form's bits.
+proximal and rollout log-probs (stage/fused.py `forward_factors`, the stage kernels' factors mode: the aggregation
+weight a_t, the IS weight, the batch normalisation's factor, the entropy coefficient): the PPO family's clip, dual
+clip, IS weights, rejection, KL penalties and entropy bonus, every aggregation. The arithmetic is
+`token_stats_fwd`'s, the stage's (`stage.ppo_term`, `stage.kl_and_grad`, `_finish_kernel`'s products) and
+`token_grad_bwd`'s, in their order, so the log-probs, the entropy and dlogits are the two-pass form's bits.
 """
 
 import torch
@@ -19,7 +19,7 @@ import triton.language as tl
 from ..stage_options import TokenFactors
 from ..temperature import row_temperature
 from .aot_spec import AotSpec, LoopGate
-from .stage import _on_mask, kl_and_grad, ppo_term
+from .stage import kl_and_grad, on_mask, ppo_term
 from .tl_math import (
     LN2,
     LOG2E,
@@ -43,12 +43,12 @@ def _row_coefficients(lp, offs_n, mask_n, mask_ptr, adv_ptr, old_ptr, ref_ptr, a
                       NORMALIZE: tl.constexpr, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr,
                       KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
     """c_t of the rows' tokens from their log-probs, as the fused stage forms it: the inputs on the mask
-    (_on_mask), ppo_term's derivative times the IS weight over the factor, times a_t, plus the KL's."""
+    (on_mask), ppo_term's derivative times the IS weight over the factor, times a_t, plus the KL's."""
     m = tl.load(mask_ptr + offs_n, mask=mask_n, other=0) != 0
     lp = tl.where(m, lp, 0.0)
-    adv = _on_mask(adv_ptr, offs_n, mask_n, m)
+    adv = on_mask(adv_ptr, offs_n, mask_n, m)
     if PROXIMAL != 0:
-        l_old = _on_mask(old_ptr, offs_n, mask_n, m)
+        l_old = on_mask(old_ptr, offs_n, mask_n, m)
     else:
         l_old = lp
     _, grad = ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP, DUAL_CLIP)
@@ -59,7 +59,7 @@ def _row_coefficients(lp, offs_n, mask_n, mask_ptr, adv_ptr, old_ptr, ref_ptr, a
     a = tl.load(a_ptr + offs_n, mask=mask_n, other=0.0)
     coef = a * grad
     if KL_TYPE != 0:
-        _, dkl = kl_and_grad(lp, _on_mask(ref_ptr, offs_n, mask_n, m), KL_TYPE, KL_STRAIGHT)
+        _, dkl = kl_and_grad(lp, on_mask(ref_ptr, offs_n, mask_n, m), KL_TYPE, KL_STRAIGHT)
         coef = (kl_coef * a) * dkl + coef
     return coef
 

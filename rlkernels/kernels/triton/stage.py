@@ -40,7 +40,7 @@ def _clamp(x, lo, hi):
 
 
 @triton.jit
-def _on_mask(ptr, idx, inside, m):
+def on_mask(ptr, idx, inside, m):
     """A per-token input as float32 on the mask, 0 off it (padding may hold NaN: it must reach no sum), as the torch
     stage's inputs are (loss._masked_inputs)."""
     return tl.where(m, tl.load(ptr + idx, mask=inside, other=0.0).to(tl.float32), 0.0)
@@ -151,8 +151,8 @@ def _sequence_kernel(
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
         length_acc += m.to(tl.float32)
         if HAS_CORRECTION:
-            train = _on_mask(old_ptr, idx, inside, m)
-            behaviour = _on_mask(rollout_ptr, idx, inside, m)
+            train = on_mask(old_ptr, idx, inside, m)
+            behaviour = on_mask(rollout_ptr, idx, inside, m)
             delta = train - behaviour
             delta_acc += delta
             delta_hat = _clamp(delta, -CLAMP, CLAMP)
@@ -197,17 +197,17 @@ def _sequence_kernel(
         inside = idx < end
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
         kept = m & keep_block
-        lp = _on_mask(lp_ptr, idx, inside, m)
-        adv = _on_mask(adv_ptr, idx, inside, m)
+        lp = on_mask(lp_ptr, idx, inside, m)
+        adv = on_mask(adv_ptr, idx, inside, m)
         if PROXIMAL == 1:
-            l_old = _on_mask(old_ptr, idx, inside, m)
+            l_old = on_mask(old_ptr, idx, inside, m)
         elif PROXIMAL == 2:
-            l_old = _on_mask(rollout_ptr, idx, inside, m)
+            l_old = on_mask(rollout_ptr, idx, inside, m)
         else:
             l_old = lp
         w = tl.zeros([BLOCK], tl.float32)
         if IS_LEVEL == 1:
-            behaviour = _on_mask(rollout_ptr, idx, inside, m)
+            behaviour = on_mask(rollout_ptr, idx, inside, m)
             delta_hat = _clamp(l_old - behaviour, -CLAMP, CLAMP)
             w = _truncated(tl.exp(delta_hat), m, is_lo, is_hi, IS_MASK)
         elif IS_LEVEL >= 2:
@@ -223,12 +223,12 @@ def _sequence_kernel(
         pg_acc += tl.where(kept, term, 0.0)
         tl.store(grad_ptr + idx, grad, mask=inside)
         if KL_TYPE != 0:
-            ref = _on_mask(ref_ptr, idx, inside, m)
+            ref = on_mask(ref_ptr, idx, inside, m)
             kl, dkl = kl_and_grad(lp, ref, KL_TYPE, KL_STRAIGHT)
             kl_acc += tl.where(kept, kl, 0.0)
             tl.store(dkl_ptr + idx, dkl, mask=inside)
         if HAS_ENTROPY:
-            h = _on_mask(entropy_ptr, idx, inside, m)
+            h = on_mask(entropy_ptr, idx, inside, m)
             h_acc += tl.where(kept, h, 0.0)
         kept_acc += kept.to(tl.float32)
         tl.store(lp_out_ptr + idx, lp, mask=inside)
