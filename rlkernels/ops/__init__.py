@@ -260,6 +260,8 @@ def logits_one_pass_blocker(logits: torch.Tensor, batch, options: PassOptions, v
         return f"V = {logits.shape[-1]} (its kernel tiers stack rows; from V = 1025 a program streams one)"
     if logits.is_cuda and not validate:
         return "validate=False on CUDA (the backward would read its incoming gradient on the host)"
+    if options.inplace_backward:  # the caller asked for no logits-sized buffer: the one-pass form allocates one
+        return "inplace_backward=True (the two-pass backward writes dlogits into the logits' storage)"
     return None
 
 

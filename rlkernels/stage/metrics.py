@@ -27,7 +27,7 @@ already whole on every rank of a context-parallel group (sequences were combined
 so across that group they are taken once, not summed.
 """
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -336,13 +336,18 @@ class DeferredMetrics(MutableMapping):
     coefficients take two kernel launches; the ~55 metrics are the torch stage's run on the same inputs, a few
     hundred small ops, queued when a logger reads them (after `loss.backward()` has queued the backward's kernels,
     whose GPU time then hides that host time) instead of before the loss returns. The values are the torch stage's,
-    bit for bit; a dict in all else (read, copy, update). Its inputs are the call's: modifying them in place before
-    the metrics are read changes the metrics. `known`: values the call computed anyway (the all-rejected flag the
-    notices read), readable without computing the rest."""
+    bit for bit. A mapping in all else: read, update, `copy()` and `|` give dicts, a pickle or `copy.copy` is the
+    dict of the values (built by calling `dict`, which `torch.load(weights_only=True)` refuses: save `dict(m)`), and
+    a library that rebuilds a mapping as `type(m)(items)` gets one computed already; only `isinstance(m, dict)`
+    tells it apart. Its inputs are the call's: modifying them in place (the advantages, the
+    returned entropy) before the metrics are read changes the metrics. `known`: values the call computed anyway (the
+    all-rejected flag the notices read), readable without computing the rest."""
 
-    def __init__(self, compute: Callable[[], Dict[str, torch.Tensor]], known: Optional[Dict[str, torch.Tensor]] = None):
-        self._compute: Optional[Callable[[], Dict[str, torch.Tensor]]] = compute
-        self._values: Optional[Dict[str, torch.Tensor]] = None
+    def __init__(self, compute: Union[Callable[[], Dict[str, torch.Tensor]], Mapping],
+                 known: Optional[Dict[str, torch.Tensor]] = None):
+        given = isinstance(compute, Mapping) or not callable(compute)  # type(m)({...}): values, not a computation
+        self._compute: Optional[Callable[[], Dict[str, torch.Tensor]]] = None if given else compute
+        self._values: Optional[Dict[str, torch.Tensor]] = dict(compute) if given else None
         self.known: Dict[str, torch.Tensor] = dict(known or {})
 
     @property
@@ -373,3 +378,15 @@ class DeferredMetrics(MutableMapping):
 
     def __repr__(self) -> str:
         return f"DeferredMetrics({self._computed()!r})"
+
+    def copy(self) -> Dict[str, torch.Tensor]:
+        return dict(self._computed())
+
+    def __or__(self, other: Mapping) -> Dict[str, torch.Tensor]:
+        return {**self._computed(), **other}
+
+    def __ror__(self, other: Mapping) -> Dict[str, torch.Tensor]:
+        return {**other, **self._computed()}
+
+    def __reduce__(self):
+        return dict, (dict(self._computed()),)

@@ -186,6 +186,7 @@ def test_without_validation_on_cpu_tensors(tier):
     (dict(loss_type="gspo"), "loss_type='gspo'"),
     (dict(fused_stage=False), "the fused stage's kernels are not the pass's backend's"),
     (dict(numerics="vllm"), "a numerics mode"),
+    (dict(inplace_backward=True), "inplace_backward=True"),
 ])
 def test_outside_it_the_two_pass_form_runs(override, reason):
     """Whatever blocks it, the call is the two-pass form's (as the real tiers of V = 29 are)."""

@@ -165,6 +165,37 @@ def test_deferred_metrics_are_computed_once_when_first_read():
     assert "mine" in merged and "mine" not in metrics and merged["actor/pg_loss"] is metrics["actor/pg_loss"]
 
 
+@needs_cpu_kernels
+def test_deferred_metrics_go_where_a_dict_goes():
+    """What trainers and their libraries do with a metrics dict, before or after the first read: pickle it (Ray, a
+    queue, torch.save), copy it, merge it with `|`, rebuild it as type(m)(items) (accelerate's send_to_device and
+    gather_for_metrics); each gives the values."""
+    import copy
+    import io
+    import pickle
+
+    def fresh():
+        return _policy_call(metrics="all", fused_stage=True, backend="cpu")[0]().metrics
+
+    want = dict(fresh())
+    for unread in (True, False):
+        metrics = fresh()
+        if not unread:
+            dict(metrics)
+        assert pickle.loads(pickle.dumps(metrics)).keys() == want.keys()
+        buffer = io.BytesIO()
+        torch.save(metrics, buffer)
+        buffer.seek(0)
+        # the pickle rebuilds a dict by calling it, which weights_only=True (torch.load's default) refuses
+        assert torch.load(buffer, weights_only=False).keys() == want.keys()
+    metrics = fresh()
+    assert copy.copy(metrics).keys() == metrics.copy().keys() == want.keys()
+    assert (metrics | {"x": 1.0})["x"] == 1.0 and ({"x": 1.0} | metrics).keys() == {"x", *want}
+    rebuilt = type(metrics)({name: value * 2 for name, value in fresh().items()})
+    assert rebuilt.ready and len(rebuilt) == len(want)
+    assert torch.equal(rebuilt["actor/pg_loss"], want["actor/pg_loss"] * 2)
+
+
 @settings(max_examples=scaled(60), deadline=None)
 @given(batch=batches(dtype=F32, max_seqs=4, max_len=7, max_vocab=23),
        mode=st.sampled_from(("decoupled", "decoupled", "bypass", "on-policy")), data=st.data())
