@@ -10,10 +10,11 @@ which Dynamo warns about whenever it meets one.
 """
 
 import os
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..kernels.stage_options import TokenFactors, option_codes
 from .base import Backend, RowStats, statistics_dtype
 from .torch_backend import TorchBackend
 
@@ -21,7 +22,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Trito
 NAMES = ("auto", "torch", "cpu", "triton", "cuda")
 
 __all__ = ["Backend", "NAMES", "RowStats", "available", "instance", "is_available", "resolve", "select",
-           "statistics_dtype"]
+           "stage_factors", "statistics_dtype"]
 
 
 def _probe_triton():
@@ -151,3 +152,15 @@ def instance(name: str, chunk_rows=None, vocab_shard: bool = False) -> Backend:
 def select(name: str, logits, chunk_rows=None, vocab_shard: bool = False) -> Backend:
     """resolve() and instance() in one call: the backend object for these logits."""
     return instance(resolve(name, logits), chunk_rows, vocab_shard)
+
+
+def stage_factors(name: str, inputs, options: dict, hyper: dict) -> Tuple[TokenFactors, dict]:
+    """(TokenFactors, the option codes): the fused stage's kernels `name` ("triton" or "cpu") in their factors mode,
+    what the gradient formed in the forward forms each token's coefficients from (stage/fused.py forward_factors runs
+    them on placeholder log-probs), as both backends' forward_gradient read them: float32, contiguous."""
+    codes = option_codes(options)
+    factor, _, a, coef_entropy, weights, _ = instance(name).sequence_stage(inputs, options, hyper, True)
+    f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+    proximal = (None, inputs.old, inputs.rollout)[codes["PROXIMAL"]]
+    return TokenFactors(inputs.mask.to(torch.bool).contiguous(), f32(inputs.advantages), f32(proximal),
+                        f32(inputs.ref), a, weights, factor if codes["NORMALIZE"] else None, coef_entropy), codes

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.stage_options import HYPERPARAMETERS, TokenFactors, option_codes
+from ..kernels.stage_options import HYPERPARAMETERS, option_codes
 from .base import DIVERGENCE_STATS, paired_row_groups, row_groups
 from .extension import ExtensionBackend, register_fakes
 from .temperature import Temperature
@@ -187,17 +187,6 @@ class CpuBackend(ExtensionBackend):
             factors)
         return (loss, lp, coef, None if inputs.entropy is None else coef_entropy,
                 weights if codes["WEIGHTED"] else None, kept)
-
-    @classmethod
-    def forward_factors(cls, inputs, options: dict, hyper: dict) -> tuple:
-        """(TokenFactors, the option codes): sequence_stage in its factors mode (stage/fused.py forward_factors runs
-        it on placeholder log-probs)."""
-        codes = option_codes(options)
-        factor, _, a, coef_entropy, weights, _ = cls.sequence_stage(inputs, options, hyper, True)
-        f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
-        proximal = (None, inputs.old, inputs.rollout)[codes["PROXIMAL"]]
-        return TokenFactors(inputs.mask.to(torch.bool).contiguous(), f32(inputs.advantages), f32(proximal),
-                            f32(inputs.ref), a, weights, factor if codes["NORMALIZE"] else None, coef_entropy), codes
 
     @staticmethod
     def forward_gradient_covers(V: int) -> bool:

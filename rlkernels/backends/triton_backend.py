@@ -8,7 +8,6 @@ import os
 
 import torch
 
-from ..kernels.stage_options import TokenFactors, option_codes
 from ..kernels.triton import divergences as divergence_kernels
 from ..kernels.triton import vllm_logprobs as vllm_kernels
 from ..kernels.triton.forward_grad import covers as forward_gradient_covers
@@ -43,16 +42,6 @@ class TritonBackend(TorchBackend):
         """The per-sequence stage of the common PPO family in two launches (stage/fused.py decides when); with
         `factors`, what each token's coefficients are formed from instead (forward_gradient forms them)."""
         return stage_fwd(inputs, options, hyper, factors)
-
-    @staticmethod
-    def forward_factors(inputs, options: dict, hyper: dict) -> tuple:
-        """(TokenFactors, the option codes): the stage's kernels in their factors mode (stage/fused.py
-        forward_factors runs them on placeholder log-probs), in the form forward_gradient reads them."""
-        codes = option_codes(options)
-        factor, _, a, coef_entropy, weights, _ = stage_fwd(inputs, options, hyper, True)
-        proximal = (None, inputs.old, inputs.rollout)[codes["PROXIMAL"]]
-        return TokenFactors(inputs.mask, inputs.advantages, proximal, inputs.ref, a, weights,
-                            factor if codes["NORMALIZE"] else None, coef_entropy), codes
 
     @staticmethod
     def forward_gradient_covers(V: int) -> bool:

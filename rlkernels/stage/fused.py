@@ -136,8 +136,7 @@ def forward_factors(batch, config, entropy: bool):
     placeholder = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device) if proximal is None else \
         torch.where(mask, proximal.to(torch.float32), zero)
     inputs, options, hyper = _launch_arguments(_Proximal(placeholder, placeholder if entropy else None), batch, config)
-    kernels = backends.instance(implementation(config, batch.mask.device))
-    factors, codes = kernels.forward_factors(inputs, options, hyper)
+    factors, codes = backends.stage_factors(implementation(config, batch.mask.device), inputs, options, hyper)
     return factors, codes, hyper
 
 

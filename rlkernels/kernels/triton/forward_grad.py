@@ -25,16 +25,14 @@ from .tl_math import (
     LOG2E,
     TRITON_DTYPES,
     all_vocab_configs,
-    full_block,
     grouped_rows,
     row_block_labels,
     row_inverse_temperature,
     slot_merge,
-    slot_update,
     vocab_config,
 )
 from .token_grad import _dlogit, _grad_block, _row_full_blocks
-from .token_stats import device_guard, grouped_strides, stream_shape
+from .token_stats import device_guard, grouped_strides, row_stream, stream_shape
 
 
 @triton.jit
@@ -85,7 +83,6 @@ def _forward_gradient_kernel(
     # phase the statements of the kernel it replaces (token_stats_fwd, the stage, token_grad_bwd), in their order.
     # Grid (cdiv(N, BLOCK_N),), rows on axis 0. Hazards as in those kernels: -inf is the max identity, p = 0 terms
     # are 0, a row without a finite logit has p = 0, a row outside the loss (label -1) reads nothing and writes zeros.
-    SLOTS: tl.constexpr = BLOCK_V // VECTOR
     CHAIN: tl.constexpr = VECTOR * logits_ptr.dtype.element_ty.primitive_bitwidth == 128
     offs_n, mask_n, labels, valid = row_block_labels(labels_ptr, N, V, BLOCK_N)
     row_ptrs = grouped_rows(logits_ptr, offs_n, rows_per_group, stride_logits_g, stride_logits_n)
@@ -96,21 +93,7 @@ def _forward_gradient_kernel(
     z_y = tl.load(row_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
 
     # -- the statistics (token_stats_fwd's stream and merge)
-    cols = tl.arange(0, SLOTS)[:, None] * VECTOR + tl.arange(0, VECTOR)[None, :]
-    block_ptrs = row_ptrs[:, None, None] + cols[None, :, :]
-    rows_in = valid[:, None, None]
-    m = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
-    sum_e = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    sum_ed = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    v_stop = V * tl.max(valid.to(tl.int32), axis=0)
-    v_full = (v_stop // BLOCK_V) * BLOCK_V
-    for v0 in tl.range(0, v_full, BLOCK_V):
-        z = full_block(block_ptrs + v0, rows_in, BLOCK_N)
-        m, sum_e, sum_ed, _ = slot_update(z, m, sum_e, sum_ed, sum_e, k, HAS_ENTROPY, False, CHAIN)
-    if v_full < v_stop:
-        tail = rows_in & ((v_full + cols)[None, :, :] < V)
-        z = tl.load(block_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
-        m, sum_e, sum_ed, _ = slot_update(z, m, sum_e, sum_ed, sum_e, k, HAS_ENTROPY, False, CHAIN)
+    m, sum_e, sum_ed, _ = row_stream(row_ptrs, valid, V, k, HAS_ENTROPY, False, CHAIN, BLOCK_N, BLOCK_V, VECTOR, 1)
     row_max, row_sum_e, dm, beta = slot_merge(m, sum_e, k)
     has_mass = row_sum_e != 0.0
     log_norm = tl.log(row_sum_e)

@@ -25,6 +25,35 @@ from .tl_math import (
 
 
 @triton.jit
+def row_stream(row_ptrs, rows_in, V, k, HAS_ENTROPY: tl.constexpr, HAS_SUM_PI_SQUARED: tl.constexpr,
+               CHAIN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, VECTOR: tl.constexpr,
+               STAGES: tl.constexpr):
+    """The stream of BLOCK_N rows' logits: each VECTOR-wide slot's running (max, sum e, sum e d, sum e^2)
+    (`tl_math.slot_update`), for `slot_merge` to merge once per row. `rows_in`: [BLOCK_N] the rows that read (a
+    tile with none skips the stream entirely). Full blocks load unmasked but for the row mask, one masked tail
+    follows; STAGES > 1 prefetches blocks through shared memory (cp.async). The forward kernel's and the gradient
+    formed in the forward's (forward_grad.py), which must reproduce its statistics bit for bit."""
+    SLOTS: tl.constexpr = BLOCK_V // VECTOR
+    cols = tl.arange(0, SLOTS)[:, None] * VECTOR + tl.arange(0, VECTOR)[None, :]  # [SLOTS, VECTOR]
+    block_ptrs = row_ptrs[:, None, None] + cols[None, :, :]
+    rows_in_3d = rows_in[:, None, None]
+    m = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
+    sum_e = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    sum_ed = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    sum_e2 = tl.zeros([BLOCK_N, SLOTS], tl.float32)
+    v_stop = V * tl.max(rows_in.to(tl.int32), axis=0)
+    v_full = (v_stop // BLOCK_V) * BLOCK_V
+    for v0 in tl.range(0, v_full, BLOCK_V, num_stages=STAGES):
+        z = full_block(block_ptrs + v0, rows_in_3d, BLOCK_N)
+        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED, CHAIN)
+    if v_full < v_stop:
+        tail = rows_in_3d & ((v_full + cols)[None, :, :] < V)
+        z = tl.load(block_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
+        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED, CHAIN)
+    return m, sum_e, sum_ed, sum_e2
+
+
+@triton.jit
 def _token_stats_fwd_kernel(
     # data ptrs
     logits_ptr, labels_ptr, row_max_ptr, log_norm_ptr, logprobs_ptr, entropy_ptr, sum_pi_squared_ptr,
@@ -47,7 +76,6 @@ def _token_stats_fwd_kernel(
     # masked tail follows; STAGES > 1 prefetches blocks through shared memory (cp.async). Hazards: -inf is the
     # max identity and a -inf max is never subtracted (safe_shift); p*d terms with p = 0 are 0, not 0 * -inf;
     # skipped rows (label outside [0, V)) read no logits when a program holds one row (every LLM vocabulary).
-    SLOTS: tl.constexpr = BLOCK_V // VECTOR
     # a slot of one 16-byte load (one thread's): its sums as FFMA chains (tl_math.lane_dot)
     CHAIN: tl.constexpr = VECTOR * logits_ptr.dtype.element_ty.primitive_bitwidth == 128
     pid_n = tl.program_id(0).to(tl.int64)
@@ -64,23 +92,8 @@ def _token_stats_fwd_kernel(
     # the target logit is read before the stream, so its latency hides behind it
     z_y = tl.load(row_ptrs + labels, mask=has_target, other=0.0).to(tl.float32)
 
-    cols = tl.arange(0, SLOTS)[:, None] * VECTOR + tl.arange(0, VECTOR)[None, :]  # [SLOTS, VECTOR]
-    block_ptrs = row_ptrs[:, None, None] + cols[None, :, :]
-    rows_in = active[:, None, None]
-    m = tl.full([BLOCK_N, SLOTS], float("-inf"), tl.float32)
-    sum_e = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    sum_ed = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    sum_e2 = tl.zeros([BLOCK_N, SLOTS], tl.float32)
-    # a tile with no active row skips the stream entirely
-    v_stop = V * tl.max(active.to(tl.int32), axis=0)
-    v_full = (v_stop // BLOCK_V) * BLOCK_V
-    for v0 in tl.range(0, v_full, BLOCK_V, num_stages=STAGES):
-        z = full_block(block_ptrs + v0, rows_in, BLOCK_N)
-        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED, CHAIN)
-    if v_full < v_stop:
-        tail = rows_in & ((v_full + cols)[None, :, :] < V)
-        z = tl.load(block_ptrs + v_full, mask=tail, other=float("-inf")).to(tl.float32)
-        m, sum_e, sum_ed, sum_e2 = slot_update(z, m, sum_e, sum_ed, sum_e2, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED, CHAIN)
+    m, sum_e, sum_ed, sum_e2 = row_stream(row_ptrs, active, V, k, HAS_ENTROPY, HAS_SUM_PI_SQUARED, CHAIN, BLOCK_N,
+                                          BLOCK_V, VECTOR, STAGES)
 
     # the slots merged, once per row (`slot_merge`)
     row_max, row_sum_e, dm, beta = slot_merge(m, sum_e, k)
