@@ -99,11 +99,12 @@ step numerics 20 $PY -m benchmarks.numerics --device cuda --N 1024 --V 151936 --
 step launches 20 $PY -m benchmarks.launches --device cuda --N 8192 --V 151936 --H 4096 --S 128 --k 128 --dtype bf16 \
   --reps 10 --json "$OUT/launches.json"
 
-# the loss alone (metrics="loss_only") of seq-MIS + KL + entropy at 8192 tokens in 128 sequences: the torch stage
-# eager and replayed from a CUDA graph against the fused stage's two Triton launches (goal <= 0.1 ms); the compiled
-# stage's time is the stage step's (its first call compiles for longer than this step's limit)
-step stage_fused 15 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 50 --fused-only \
-  --no-compiled --case seq_mis+kl+entropy --json "$OUT/stage-fused.json"
+# the loss alone (metrics="loss_only") of seq-MIS + KL + entropy, and of verl's GSPO with seq-MIS, at 8192 tokens in
+# 128 sequences: the torch stage eager and replayed from a CUDA graph against the fused stage's two Triton launches
+# (goal <= 0.1 ms); the compiled stage's time is the stage step's (its first call compiles for longer than this
+# step's limit)
+step stage_fused 15 $PY -m benchmarks.stage --device cuda --tokens 8192 --seqs 128 --reps 30 --fused-only \
+  --no-compiled --case seq_mis+kl+entropy --case gspo_seq_mis --json "$OUT/stage-fused.json"
 
 # the one per-sequence stage: ~100 small ops eager (one launch each) vs torch.compile(dynamic=True), and
 # what a (one-rank, NCCL) dp_group adds to it: packing, merging, two all_gathers, graph breaks

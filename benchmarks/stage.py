@@ -46,6 +46,10 @@ CASES = {
         loss_agg_mode="seq-mean-token-mean", validate=False),
     "geo_rs_token_tis": lambda: PolicyLossConfig(
         rollout_correction=RolloutCorrection.geo_rs_token_tis(bounds=(0.9, 1.1)), validate=False),
+    # verl's GSPO (the token form) with seq-MIS, and TRL's entropy aggregation: the fused stage's sequence ratios
+    "gspo_seq_mis": lambda: PolicyLossConfig(
+        loss_type="gspo", rollout_correction=RolloutCorrection.seq_mis(), entropy_coeff=0.01,
+        entropy_agg_mode="token-mean", loss_agg_mode="seq-mean-token-mean", validate=False),
     # the loss family's sync-free options at once: TRL's sequence-level ratio and bias-corrected k3,
     # DeepSeek-V3.2's off-policy mask, M2PO's batch sort, TRL's sequence means, token IS with a lower bound
     "family": lambda: PolicyLossConfig(

@@ -925,7 +925,7 @@ namespace stage {
 enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
-  kOptionCount
+  kEntropyAggregation, kPolicy, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
@@ -933,8 +933,11 @@ enum HyperCode {
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
-// token weights', or the sequence's one weight: what is_batch_normalize averages), masked length
-constexpr int64_t kRecord = 7;
+// token weights', or the sequence's one weight: what is_batch_normalize averages), masked length, the sum over m' of
+// the weighted policy derivative in the sequence's log-ratio (kPolicy 1: each token's coefficient is its mean)
+constexpr int64_t kRecord = 8;
+// kPolicy: PPO's clip of the token's ratio, of its sequence's mean log-ratio (ratio_level="sequence"), GSPO's token form
+enum PolicyCode { kPpo, kPpoSequence, kGspo };
 
 // torch.clamp: NaN stays NaN
 inline float clamp(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
@@ -968,13 +971,12 @@ inline void kl_and_grad(float lp, float ref, int64_t type, bool straight, float&
 // A per-token input on the mask, 0 off it (padding may hold NaN: it must reach no sum), as the torch stage's are.
 inline float on_mask(const float* x, int64_t t, bool m) { return m ? x[t] : 0.0f; }
 
-// PPO's clip with dual clip of the policy ratio exp(lp - l_old) (clamped to log_ratio_clamp), and its derivative in
-// lp, both times the IS weight w where the options weigh (policy_terms._ppo_clip). Not inlined, nor is
+// PPO's clip with dual clip of the ratio exp(log_r) (log_r clamped to log_ratio_clamp), and its derivative in log_r,
+// both times the IS weight w where the options weigh (policy_terms._ppo_clip). Not inlined, nor are ppo_term and
 // token_coefficient: the stage and the gradient formed in the forward (forward_gradient_rows) run one compiled copy,
 // so a token's coefficient is the same bits in both.
-__attribute__((noinline)) void ppo_term(float lp, float l_old, float adv, float w, const int64_t* o, const float* h,
+__attribute__((noinline)) void ppo_clip(float log_r, float adv, float w, const int64_t* o, const float* h,
                                         float& term_out, float& grad_out) {
-  const float log_r = lp - l_old;
   const float r = std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
   const float neg_adv = -adv, l1 = neg_adv * r, l2 = neg_adv * clamp(r, h[kClipLo], h[kClipHi]);
   const bool clipped = l2 > l1;
@@ -991,6 +993,24 @@ __attribute__((noinline)) void ppo_term(float lp, float l_old, float adv, float 
   term_out = term, grad_out = grad;
 }
 
+// The token's PPO term: ppo_clip of its own log-ratio lp - l_old.
+__attribute__((noinline)) void ppo_term(float lp, float l_old, float adv, float w, const int64_t* o, const float* h,
+                                        float& term_out, float& grad_out) {
+  ppo_clip(lp - l_old, adv, w, o, h, term_out, grad_out);
+}
+
+// GSPO's token form (policy_terms.gspo): s = exp(min(log_s, 10)) of the sequence's mean log-ratio log_s, clipped as
+// PPO, and its derivative in the token's lp (d s / d lp = s), both times w where the options weigh.
+inline void gspo_term(float log_s, float adv, float w, const int64_t* o, const float* h, float& term_out,
+                      float& grad_out) {
+  const float s = std::exp(std::isnan(log_s) ? log_s : std::min(log_s, 10.0f));
+  const float neg_adv = -adv, l1 = neg_adv * s, l2 = neg_adv * clamp(s, h[kClipLo], h[kClipHi]);
+  const bool clipped = l2 > l1;
+  float term = clipped ? l2 : l1, grad = !clipped && log_s <= 10.0f ? l1 : 0.0f;
+  if (o[kWeighted]) term *= w, grad *= w;
+  term_out = term, grad_out = grad;
+}
+
 // c_t = a_t g_t + (beta a_t) dKL_t from the token's weighted policy derivative g_t (over the batch normalisation's
 // factor where it applies), its a_t and its KL derivative (loss.run). One rounding for the sum of products, spelled
 // out: -ffp-contract=fast could contract two copies differently (a gradient that depended on the thread count).
@@ -1000,12 +1020,26 @@ __attribute__((noinline)) float token_coefficient(float grad, float a, float fac
   return has_kl ? std::fma(beta * a, dkl, a * g) : a * g;
 }
 
+// token_coefficient's twin for kPolicy 1: the policy part is the sequence's sum over m' of the weighted derivative in
+// its mean log-ratio (grad_sum), times a_t, over its final length (0 off m'), then the KL's (a_t beta) dKL_t.
+__attribute__((noinline)) float sequence_coefficient(float grad_sum, float a, float final_length, bool kept,
+                                                     float factor, bool normalize, bool has_kl, float beta, float dkl) {
+  const float g = normalize ? grad_sum / factor : grad_sum;
+  const float chained = kept ? (a * g) / std::max(final_length, 1.0f) : 0.0f;
+  return has_kl ? std::fma(beta * a, dkl, chained) : chained;
+}
+
 struct Inputs {
   const float *lp, *entropy, *adv, *old, *rollout, *ref;
   const bool* mask;
   const int64_t* cu;  // nullptr: the padded layout, seq_len tokens each
   int64_t seq_len;
 };
+
+// l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy).
+inline float proximal(const Inputs& in, int64_t t, bool m, float lp, const int64_t* o) {
+  return o[kProximal] == 1 ? on_mask(in.old, t, m) : o[kProximal] == 2 ? on_mask(in.rollout, t, m) : lp;
+}
 
 struct Outputs {
   float *lp, *grad, *dkl, *weights, *record;
@@ -1035,10 +1069,14 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const int64_t start = in.cu ? in.cu[s] : s * in.seq_len, end = in.cu ? in.cu[s + 1] : start + in.seq_len;
   const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean];
   const bool corrects = rejects || o[kIsLevel] != 0;
-  LaneSum length_sum, delta_sum, k1_sum, k3_sum;
+  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];
     length_sum.add(t, m ? 1.0f : 0.0f);
+    if (o[kPolicy] != kPpo) {  // the sequence's policy log-ratio (loss._kept_sums' pg_delta)
+      const float lp = on_mask(in.lp, t, m);
+      pg_delta_sum.add(t, lp - proximal(in, t, m, lp, o));
+    }
     if (corrects) {
       const float delta = on_mask(in.old, t, m) - on_mask(in.rollout, t, m);
       const float delta_hat = clamp(delta, -kClamp, kClamp);
@@ -1058,13 +1096,13 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   if (o[kRsK1Mean]) keep = keep && k1 / count <= h[kK1MeanHi] && k1 / count >= h[kK1MeanLo];
   if (o[kRsK3Sum]) keep = keep && k3 <= h[kK3SumMax];
   if (o[kRsK3Mean]) keep = keep && k3 / count <= h[kK3MeanMax];
-  LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum;
+  // the sequence's mean policy log-ratio over its final mask (over 1 where rejection emptied it)
+  const float log_s = o[kPolicy] != kPpo ? pg_delta_sum.total() / (keep ? count : 1.0f) : 0.0f;
+  LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum, grad_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t], kept = m && keep;
     const float lp = on_mask(in.lp, t, m), adv = on_mask(in.adv, t, m);
-    const float l_old = o[kProximal] == 1   ? on_mask(in.old, t, m)
-                        : o[kProximal] == 2 ? on_mask(in.rollout, t, m)
-                                            : lp;
+    const float l_old = proximal(in, t, m, lp, o);
     float w = 0.0f;
     if (o[kIsLevel] == 1) {
       const float delta_hat = clamp(l_old - on_mask(in.rollout, t, m), -kClamp, kClamp);
@@ -1074,9 +1112,19 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     }
     if (o[kWeighted]) out.weights[t] = w, weight_sum.add(t, w);
     float term, grad;
-    ppo_term(lp, l_old, adv, w, o, h, term, grad);
+    if (o[kPolicy] == kPpo) {
+      ppo_term(lp, l_old, adv, w, o, h, term, grad);
+    } else if (o[kPolicy] == kPpoSequence) {  // d term / d log_s, which the finish chains through the mean
+      ppo_clip(log_s, adv, w, o, h, term, grad);
+    } else {
+      gspo_term(log_s, adv, w, o, h, term, grad);
+    }
     pg.add(t, kept ? term : 0.0f);
-    out.grad[t] = grad;
+    if (o[kPolicy] == kPpoSequence) {
+      grad_sum.add(t, kept ? grad : 0.0f);
+    } else {
+      out.grad[t] = grad;
+    }
     if (o[kKlType] != 0) {
       float kl, dkl;
       kl_and_grad(lp, on_mask(in.ref, t, m), o[kKlType], o[kKlStraight], kl, dkl);
@@ -1090,7 +1138,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   float* row = out.record + s * kRecord;
   row[0] = pg.total(), row[1] = kl_sum.total(), row[2] = entropy_sum.total(), row[3] = kept_count.total();
   row[4] = static_cast<float>(end - start);
-  row[5] = o[kIsLevel] == 1 ? weight_sum.total() : seq_weight, row[6] = length;
+  row[5] = o[kIsLevel] == 1 ? weight_sum.total() : seq_weight, row[6] = length, row[7] = grad_sum.total();
 }
 
 // The offsets, read on the host (free on the CPU): every token in exactly one sequence, or the op refuses.
@@ -1168,15 +1216,20 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
                                     : (o[kSeqMeanOverAll] ? std::max(static_cast<float>(S), 1.0f)
                                                           : std::max(kept_seqs, 1.0f));
   const float K = o[kScaleFactor] ? h[kScaleFactorValue] : std::max(width, 1.0f);
-  const int64_t agg = o[kAggregation];  // 0 token-sum, 1 token-mean, 2 seq-mean-token-mean, 3 -token-sum, 4 -norm
-  const float per_token = agg == 0 ? 1.0f : agg == 1 ? tokens : agg == 3 ? seqs : seqs * K;
-  auto sequence_weight = [&](int64_t s) {  // a_t of the sequence's kept tokens
-    return agg == 2 ? 1.0f / (std::max(rec[s * kRecord + 3], 1.0f) * seqs) : 1.0f / per_token;
+  // a_t = m'_t / its denominator (loss.aggregation_weights) in aggregation mode `agg`: 0 token-sum, 1 token-mean,
+  // 2 seq-mean-token-mean (per sequence), 3 seq-mean-token-sum, 4 seq-mean-token-sum-norm
+  auto per_token = [&](int64_t agg) { return agg == 0 ? 1.0f : agg == 1 ? tokens : agg == 3 ? seqs : seqs * K; };
+  const int64_t agg = o[kAggregation], agg_entropy = o[kEntropyAggregation];
+  const float per_token_loss = per_token(agg), per_token_entropy = per_token(agg_entropy);
+  auto weight = [&](float kept, float final_length, int64_t mode, float denominator) {
+    return mode == 2 ? kept / (std::max(final_length, 1.0f) * seqs) : (mode == 0 ? kept : kept / denominator);
   };
   float pg = 0.0f, kl_total = 0.0f, entropy_total = 0.0f;
   for (int64_t s = 0; s < S; ++s) {
-    const float a = sequence_weight(s);
-    pg += a * rec[s * kRecord], kl_total += a * rec[s * kRecord + 1], entropy_total += a * rec[s * kRecord + 2];
+    const float a = weight(1.0f, rec[s * kRecord + 3], agg, per_token_loss);
+    const float a_entropy = weight(1.0f, rec[s * kRecord + 3], agg_entropy, per_token_entropy);
+    pg += a * rec[s * kRecord], kl_total += a * rec[s * kRecord + 1];
+    entropy_total += a_entropy * rec[s * kRecord + 2];
   }
   // is_batch_normalize: the IS weights over their batch mean (over the masked tokens, or the non-empty sequences)
   float factor = 1.0f;
@@ -1201,16 +1254,20 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   float* w_out = o[kNormalize] != 0 ? weights.data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float kept_t = out.kept[t] ? 1.0f : 0.0f;
-      const float a = agg == 2 ? kept_t / (std::max(rec[sid[t] * kRecord + 3], 1.0f) * seqs)
-                               : (agg == 0 ? kept_t : kept_t / per_token);
+      const float kept_t = out.kept[t] ? 1.0f : 0.0f, final_length = rec[sid[t] * kRecord + 3];
+      const float a = weight(kept_t, final_length, agg, per_token_loss);
       if (factors) {  // what forward_gradient_rows forms the coefficient from: a_t, the unnormalised weights
         c[t] = a;
+      } else if (o[kPolicy] == kPpoSequence) {  // loss._chain_through_ratio: the sequence's mean of a_t g_t over m'
+        if (w_out) w_out[t] = w_out[t] / factor;
+        c[t] = sequence_coefficient(rec[sid[t] * kRecord + 7], a, final_length, out.kept[t], factor,
+                                    w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);
       } else {
         if (w_out) w_out[t] = w_out[t] / factor;
         c[t] = token_coefficient(c[t], a, factor, w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);
       }
-      if (e) e[t] = -entropy_coeff * a;
+      if (e) e[t] = -entropy_coeff * (agg_entropy == agg ? a : weight(kept_t, final_length, agg_entropy,
+                                                                        per_token_entropy));
     }
   });
   // factors: the loss's slot carries the batch normalisation's factor (1 without it)

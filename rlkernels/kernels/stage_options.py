@@ -11,6 +11,10 @@ KL_TYPES = {None: 0, "k1": 1, "k2": 2, "abs": 3, "k3": 4, "k3_unclamped": 5}
 AGGREGATIONS = {"token-sum": 0, "token-mean": 1, "seq-mean-token-mean": 2, "seq-mean-token-sum": 3,
                 "seq-mean-token-sum-norm": 4}
 PROXIMAL = {"current": 0, "old": 1, "rollout": 2}  # l_old of SPEC §1: on-policy, decoupled, bypass
+# the policy term: PPO's clip of each token's ratio; of its sequence's mean log-ratio, the gradient chained through
+# that mean (ratio_level="sequence", TRL's GSPO); GSPO's token form (loss_type="gspo", verl's), exp(sg[mean] + lp -
+# sg[lp])
+POLICY_TERMS = {"ppo": 0, "ppo_sequence": 1, "gspo": 2}
 
 SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean_lo", "k1_mean_hi", "k3_sum_max",
                             "k3_mean_max", "ratio_clamp", "clip_lo", "clip_hi", "clip_c")
@@ -29,7 +33,8 @@ def option_codes(options: dict) -> dict:
         KL_STRAIGHT=options["kl_straight"], AGGREGATION=AGGREGATIONS[options["aggregation"]],
         SEQ_MEAN_OVER_ALL=options["seq_mean_over_all"], GLOBAL_TOKENS=options["global_tokens"],
         GLOBAL_SEQS=options["global_seqs"], SCALE_FACTOR=options["scale_factor"],
-        NORMALIZE=0 if not options["normalize"] else 1 if options["is_level"] == "token" else 2)
+        NORMALIZE=0 if not options["normalize"] else 1 if options["is_level"] == "token" else 2,
+        ENTROPY_AGGREGATION=AGGREGATIONS[options["entropy_aggregation"]], POLICY=POLICY_TERMS[options["policy"]])
 
 
 class TokenFactors(NamedTuple):

@@ -2,11 +2,13 @@
 (kernels/triton/stage.py) on CUDA, one op of the CPU kernels (csrc/cpu/token_passes.cpp sequence_stage) on the CPU.
 `blocker` says why a call is outside, `implementation` which kernels run it, `run` is `loss.run`'s twin.
 
-The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) at the token ratio level, any
-log_ratio_clamp; on-policy, bypass without a correction, or decoupled mode with token / sequence / geometric IS
-weights (truncated or IcePop-masked, batch-normalised or not) and sequence rejection on the sum or mean of k1 or k3
-(seq-MIS, geo-RS, K3-RS and their combinations with IS); the KL penalties k1, k2, abs, k3, k3_unclamped and their
-straight-through forms; the entropy bonus at the loss's aggregation; every aggregation mode, with the global counts.
+The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) of each token's ratio, or of its
+sequence's (ratio_level="sequence", TRL's GSPO: the gradient chained through the sequence's mean log-ratio), any
+log_ratio_clamp; GSPO's token form (loss_type="gspo", verl's); on-policy, bypass without a correction, or decoupled
+mode with token / sequence / geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and sequence
+rejection on the sum or mean of k1 or k3 (seq-MIS, geo-RS, K3-RS and their combinations with IS); the KL penalties
+k1, k2, abs, k3, k3_unclamped and their straight-through forms; the entropy bonus at the loss's aggregation or its
+own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts.
 Everything else keeps the torch stage (`loss.run`): token-level rejection, rs_mode="zero_weight", the other loss
 types, split batches, the sampler's evidence.
 
@@ -55,9 +57,10 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
     compute it. Decided from the inputs alone, before any pass runs."""
     if dtype != torch.float32:
         return f"{dtype} statistics (the kernels compute in float32)"
-    if config.loss_type not in _PPO or config.ratio_level != "token":
-        return f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip per token only)"
-    for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold", "entropy_agg_mode"):
+    if _policy(config) is None:
+        return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip of the token's or the "
+                "sequence's ratio, or GSPO's token form)")
+    for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
     for name in ("seq_mean_advantages", "log_ratio_sq_coef", "kl_score_gradient", "kl_bias_correction"):
@@ -88,6 +91,13 @@ def _correction_blocker(batch, rc) -> Optional[str]:
     if unknown:
         return f"rejection options {unknown} (the kernels decide seq_sum / seq_mean of k1 and k3)"
     return None
+
+
+def _policy(config) -> Optional[str]:
+    """The kernels' policy term of a config (stage_options.POLICY_TERMS), or None outside the family."""
+    if config.loss_type in _PPO:
+        return "ppo" if config.ratio_level == "token" else "ppo_sequence"
+    return "gspo" if config.loss_type == "gspo" and config.ratio_level == "token" else None
 
 
 def implementation(config, device: torch.device) -> Optional[str]:
@@ -179,7 +189,8 @@ def _launch_arguments(stats, batch, config):
         aggregation=config.loss_agg_mode, seq_mean_over_all=config.seq_mean_over == "all",
         global_tokens=config.global_num_tokens is not None, global_seqs=config.global_num_seqs is not None,
         scale_factor=config.loss_scale_factor is not None,
-        normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize)
+        normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize,
+        entropy_aggregation=config.entropy_agg_mode or config.loss_agg_mode, policy=_policy(config))
     return inputs, options, _hyperparameters(config, rc)
 
 

@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.interpret,
 
 FAMILY_KL = ("k1", "k2", "abs", "k3", "k3_unclamped", "low_var_kl", "k1+", "k3+", "abs+")
 FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3")
+FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"))
 IMPLEMENTATIONS = ("triton", "cpu")  # the backend that runs the fused stage on CPU tensors
 STAGE_OP = {"triton": "triton:_sequence_kernel", "cpu": "sequence_stage"}  # one per stage run, as counted
 needs_cpu_kernels = pytest.mark.skipif(not rlkernels.backends.is_available("cpu"),
@@ -61,11 +62,16 @@ def family_corrections(draw):
 
 
 @st.composite
-def family_configs(draw, mode: str):
+def family_configs(draw, mode: str, sequence_ratios: bool = True):
+    """A config inside the family; `sequence_ratios` False: PPO's clip of each token's ratio only (the sequence's
+    ratio makes a token's coefficient wait for its whole sequence)."""
     kl = draw(st.sampled_from((None,) + FAMILY_KL))
     globals_ = draw(st.booleans())
+    # PPO's clip of the token's ratio or of the sequence's (TRL's GSPO), or GSPO's token form (verl's)
+    loss_type, ratio_level = draw(st.sampled_from(FAMILY_POLICY_TERMS if sequence_ratios else FAMILY_POLICY_TERMS[:2]))
     return PolicyLossConfig(
-        loss_type=draw(st.sampled_from(("vanilla", "ppo_clip"))),
+        loss_type=loss_type, ratio_level=ratio_level,
+        entropy_agg_mode=draw(st.sampled_from((None, None) + tuple(LOSS_AGG_MODES))),
         clip_ratio_low=draw(st.sampled_from((0.2, 0.1))), clip_ratio_high=draw(st.sampled_from((0.2, 0.28))),
         clip_ratio_c=draw(st.sampled_from((3.0, None, 1.5))), loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
         entropy_coeff=draw(st.sampled_from((0.0, 0.01, -0.02))), adaptive_entropy=draw(st.booleans()),
@@ -263,11 +269,10 @@ def _policy_call(**overrides):
 
 
 @pytest.mark.parametrize("override, reason", [
-    (dict(loss_type="gspo"), "loss_type='gspo'"),
-    (dict(ratio_level="sequence"), "ratio_level='sequence'"),
+    (dict(loss_type="sapo"), "loss_type='sapo'"),
+    (dict(loss_type="cispo", ratio_level="sequence"), "loss_type='cispo', ratio_level='sequence'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
-    (dict(entropy_agg_mode="token-sum"), "entropy_agg_mode"),
     (dict(kl_score_gradient=True), "kl_score_gradient"),
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_k1": (0.5, 2.0)})), "rejection options"),
     (dict(rollout_correction=RolloutCorrection.seq_tis(rs={"seq_sum_k1": (0.5, 2.0)}, rs_mode="zero_weight")),
@@ -344,6 +349,42 @@ def test_sequences_longer_than_a_block(layout, rc, agg, backend):
         assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
 
 
+@pytest.mark.parametrize("loss_type, ratio_level", [("vanilla", "sequence"), ("gspo", "token")])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@implementations
+def test_the_sequence_ratios_clip_on_both_sides(loss_type, ratio_level, layout, backend):
+    """PPO on each sequence's ratio (its gradient chained through the sequence's mean log-ratio) and GSPO's token
+    form, where the sequences' ratios fall below, inside and above the clip range (0.6 nats of noise per token over
+    1 to 12 tokens), with seq-MIS and batch-normalised weights, a KL penalty and the entropy bonus at another
+    aggregation than the loss's: the draws of the hypothesis test reach these only now and then."""
+    from ..cases import make_batch
+
+    lengths = [3, 7, 1, 0, 12, 5, 9, 2, 4] if layout == "packed" else [6] * 7
+    batch = make_batch(layout, lengths, 2, dtype=F32, seed=11, mismatch=0.05, mask_p=0.85)
+    config = PolicyLossConfig(
+        loss_type=loss_type, ratio_level=ratio_level, clip_ratio_c=None if loss_type == "gspo" else 3.0,
+        rollout_correction=RolloutCorrection.seq_mis(bounds=(0.7, 1.4), is_batch_normalize=True),
+        loss_agg_mode="seq-mean-token-mean", entropy_agg_mode="token-mean", kl_coef=0.1, kl_type="k3",
+        entropy_coeff=0.01, metrics="loss_only", validate=False, backend=backend)
+    gen = torch.Generator().manual_seed(12)
+    logprobs = batch.old_logprobs + 0.6 * torch.randn(batch.labels.shape, generator=gen)
+    entropy = torch.rand(batch.labels.shape, generator=gen)
+    (want, want_lp, want_h), (got, got_lp, got_h) = _both(batch, "decoupled", config, logprobs, entropy)
+    mask = got.mask.reshape(-1)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    delta = torch.where(mask, (logprobs - batch.old_logprobs).reshape(-1), 0.0)
+    ratio = torch.exp(torch.zeros(len(lengths)).index_add(0, ids, delta)
+                      / torch.zeros(len(lengths)).index_add(0, ids, mask.float()).clamp_min(1))
+    kept = torch.zeros(len(lengths)).index_add(0, ids, mask.float()) > 0
+    assert bool((ratio[kept] < 0.8).any()) and bool((ratio[kept] > 1.2).any()), ratio[kept]
+    assert bool(((ratio[kept] > 0.8) & (ratio[kept] < 1.2)).any()), ratio[kept]
+    assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
+    for name, g, w in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
+        assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
+
+
 @implementations
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_the_hidden_state_routes_take_it(one_pass, backend):
@@ -409,8 +450,10 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg):
+@pytest.mark.parametrize("agg, policy", [("token-mean", {}), ("seq-mean-token-mean", {}),
+                                         ("seq-mean-token-mean", dict(loss_type="gspo", entropy_agg_mode="token-mean")),
+                                         ("token-mean", dict(ratio_level="sequence"))])
+def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not
     interpreted) at 8192 tokens in 128 sequences of mixed lengths; loss, weights, mask and gradients as the torch
     stage's. The GPU's exp (ex2.approx) differs from torch's by a few ulps: the "reordered" row still bounds it."""
@@ -428,7 +471,7 @@ def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg):
         leaf, h = lp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
         config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(bounds=(0.9, 1.1)), kl_coef=0.05,
                                   entropy_coeff=0.01, loss_agg_mode=agg, metrics="loss_only", validate=False,
-                                  fused_stage=fused_stage)
+                                  fused_stage=fused_stage, **policy)
         out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old,
                                        rollout_logprobs=rollout, ref_logprobs=old - 0.01, entropy=h, cu_seqlens=cu,
                                        config=config)

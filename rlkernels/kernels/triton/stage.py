@@ -2,9 +2,11 @@
 compiled graph of ~50 generated kernels) compute for the loss and its gradient coefficients.
 
     _sequence_kernel   one program per sequence, two reads of its tokens. The first sums what the sequence's
-                       decisions need (masked length, log-ratio, k1 / k3 statistics); the decisions follow (IS
-                       weight, rejection). The second forms each token's IS weight, final mask, PPO term and its
-                       derivative, the KL penalty's derivative, and the sequence's sums of the loss's terms.
+                       decisions need (masked length, log-ratio, k1 / k3 statistics, and with a sequence-level
+                       policy ratio its log-ratio); the decisions follow (IS weight, rejection). The second forms each
+                       token's IS weight, final mask, policy term and its derivative, the KL penalty's derivative,
+                       and the sequence's sums of the loss's terms (and of the derivatives in its mean log-ratio,
+                       which the finish chains to each of its tokens).
     _finish_kernel     one program per block of tokens. Each first reduces the [S] record to the batch's
                        normalisers and, with is_batch_normalize, the IS weights' mean (a few KB, read from L2 by every
                        program: no atomics, no ticket, the same bits every run). Program 0 writes the loss; every
@@ -27,8 +29,9 @@ from .token_stats import device_guard
 BLOCK = 512  # tokens per step of a sequence's reads and per finish program
 BLOCK_S = 256  # sequences per step of the finish programs' record reduction
 # per-sequence record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
-# token weights', or the sequence's one weight), masked length
-RECORD_WIDTH = 7
+# token weights', or the sequence's one weight), masked length, the sum over m' of the weighted policy derivative in
+# the sequence's log-ratio (ratio_level="sequence": each token's coefficient is the sequence's mean of it)
+RECORD_WIDTH = 8
 RECORD = tl.constexpr(RECORD_WIDTH)
 CLAMP = tl.constexpr(20.0)  # SPEC §4: every importance log-ratio is clamped to [-20, 20] before exp
 
@@ -85,10 +88,16 @@ def kl_and_grad(lp, ref, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
 @triton.jit
 def ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP: tl.constexpr,
              DUAL_CLIP: tl.constexpr):
-    """PPO's clipped term with dual clip (policy_terms._ppo_clip) of the policy ratio exp(lp - l_old) (clamped to
-    log_ratio_clamp), and its derivative in lp, unweighted. Shared with the gradient formed in the forward
-    (forward_grad.py), which must form a token's coefficient in the very operations the stage does."""
-    log_r = lp - l_old
+    """PPO's clipped term with dual clip of the token's policy ratio exp(lp - l_old) and its derivative in lp,
+    unweighted. Shared with the gradient formed in the forward (forward_grad.py), which must form a token's
+    coefficient in the very operations the stage does."""
+    return ppo_clip(lp - l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP, DUAL_CLIP)
+
+
+@triton.jit
+def ppo_clip(log_r, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr):
+    """PPO's clipped term with dual clip (policy_terms._ppo_clip) of the ratio exp(log_r) (log_r clamped to
+    log_ratio_clamp), and its derivative in log_r, unweighted."""
     if RATIO_CLAMP:
         r = tl.exp(_clamp(log_r, -ratio_clamp, ratio_clamp))
     else:
@@ -110,6 +119,30 @@ def ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP:
     return term, grad
 
 
+@triton.jit
+def gspo_term(log_s, adv, clip_lo, clip_hi):
+    """GSPO's token form (policy_terms.gspo): s = exp(min(log_s, 10)) of the sequence's mean log-ratio log_s, clipped
+    as PPO, and its derivative in the token's lp (d s / d lp = s), unweighted."""
+    s = tl.exp(tl.minimum(log_s, 10.0, propagate_nan=tl.PropagateNan.ALL))
+    neg_adv = -adv
+    l1 = neg_adv * s
+    l2 = neg_adv * _clamp(s, clip_lo, clip_hi)
+    clipped = l2 > l1
+    return tl.where(clipped, l2, l1), tl.where(clipped, 0.0, tl.where(log_s <= 10.0, l1, 0.0))
+
+
+@triton.jit
+def _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL: tl.constexpr):
+    """l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy)."""
+    if PROXIMAL == 1:
+        l_old = on_mask(old_ptr, idx, inside, m)
+    elif PROXIMAL == 2:
+        l_old = on_mask(rollout_ptr, idx, inside, m)
+    else:
+        l_old = lp
+    return l_old
+
+
 @triton.jit(do_not_specialize=["seq_len"])
 def _sequence_kernel(
     # inputs [N] (any float dtype; mask bool) and the packed offsets [S + 1]
@@ -125,7 +158,7 @@ def _sequence_kernel(
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
     RS_K3_SUM: tl.constexpr, RS_K3_MEAN: tl.constexpr, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr,
-    KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -145,11 +178,15 @@ def _sequence_kernel(
     delta_acc = tl.zeros([BLOCK], tl.float32)
     k1_acc = tl.zeros([BLOCK], tl.float32)
     k3_acc = tl.zeros([BLOCK], tl.float32)
+    pg_delta_acc = tl.zeros([BLOCK], tl.float32)
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
         length_acc += m.to(tl.float32)
+        if POLICY != 0:  # the sequence's policy log-ratio (loss._kept_sums' pg_delta)
+            lp = on_mask(lp_ptr, idx, inside, m)
+            pg_delta_acc += lp - _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL)
         if HAS_CORRECTION:
             train = on_mask(old_ptr, idx, inside, m)
             behaviour = on_mask(rollout_ptr, idx, inside, m)
@@ -185,6 +222,10 @@ def _sequence_kernel(
         if RS_K3_MEAN:
             keep = tl.where(k3 / count <= k3_mean_max, keep, 0.0)
     keep_block = (tl.zeros([BLOCK], tl.float32) + keep) != 0.0
+    # the sequence's mean policy log-ratio over its final mask (over 1 where rejection emptied it), as a block
+    log_s = tl.zeros([BLOCK], tl.float32)
+    if POLICY != 0:
+        log_s += tl.sum(pg_delta_acc, 0) / tl.where(keep != 0.0, count, 1.0)
 
     # -- second read: each token's weight, final mask, policy term and derivatives, and the sequence's loss sums
     pg_acc = tl.zeros([BLOCK], tl.float32)
@@ -192,6 +233,7 @@ def _sequence_kernel(
     h_acc = tl.zeros([BLOCK], tl.float32)
     kept_acc = tl.zeros([BLOCK], tl.float32)
     w_acc = tl.zeros([BLOCK], tl.float32)
+    g_acc = tl.zeros([BLOCK], tl.float32)
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
@@ -199,12 +241,7 @@ def _sequence_kernel(
         kept = m & keep_block
         lp = on_mask(lp_ptr, idx, inside, m)
         adv = on_mask(adv_ptr, idx, inside, m)
-        if PROXIMAL == 1:
-            l_old = on_mask(old_ptr, idx, inside, m)
-        elif PROXIMAL == 2:
-            l_old = on_mask(rollout_ptr, idx, inside, m)
-        else:
-            l_old = lp
+        l_old = _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL)
         w = tl.zeros([BLOCK], tl.float32)
         if IS_LEVEL == 1:
             behaviour = on_mask(rollout_ptr, idx, inside, m)
@@ -216,12 +253,20 @@ def _sequence_kernel(
             tl.store(weights_ptr + idx, w, mask=inside)
             w_acc += w
 
-        term, grad = ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP, DUAL_CLIP)
+        if POLICY == 0:
+            term, grad = ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP, DUAL_CLIP)
+        elif POLICY == 1:  # d term / d log_s, which the finish chains through the sequence's mean
+            term, grad = ppo_clip(log_s, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP, DUAL_CLIP)
+        else:
+            term, grad = gspo_term(log_s, adv, clip_lo, clip_hi)
         if WEIGHTED:
             term = term * w
             grad = grad * w
         pg_acc += tl.where(kept, term, 0.0)
-        tl.store(grad_ptr + idx, grad, mask=inside)
+        if POLICY == 1:
+            g_acc += tl.where(kept, grad, 0.0)
+        else:
+            tl.store(grad_ptr + idx, grad, mask=inside)
         if KL_TYPE != 0:
             ref = on_mask(ref_ptr, idx, inside, m)
             kl, dkl = kl_and_grad(lp, ref, KL_TYPE, KL_STRAIGHT)
@@ -244,6 +289,7 @@ def _sequence_kernel(
     else:
         tl.store(row + 5, seq_weight)
     tl.store(row + 6, length)
+    tl.store(row + 7, tl.sum(g_acc, 0))
 
 
 @triton.jit
@@ -300,27 +346,10 @@ def _weight_mean(record_ptr, S, NORMALIZE: tl.constexpr, BLOCK_S: tl.constexpr):
     return tl.where(mean > 1e-8, mean, 1.0)
 
 
-@triton.jit(do_not_specialize=["N", "S", "blocks_per_program"])
-def _finish_kernel(
-    record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, weights_ptr, loss_ptr,
-    N, S, blocks_per_program,
-    kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
-    AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
-    GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_KL: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, FACTORS: tl.constexpr = False,
-):
-    # Long on purpose: the batch's scalars, the loss and the tokens' coefficients share the normalisers, which every
-    # program computes itself (no second launch, no atomics). FACTORS: the factors a coefficient is formed from
-    # instead (forward_grad.py forms it): a_t for coef, the IS weights as the sequence kernel wrote them, the
-    # batch normalisation's factor for the loss.
-    pid = tl.program_id(0)
-    offs_s = tl.arange(0, BLOCK_S)
-    tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
-                                             SEQ_MEAN_OVER_ALL, GLOBAL_TOKENS, GLOBAL_SEQS, SCALE_FACTOR, BLOCK_S)
-    factor = 1.0
-    if NORMALIZE != 0:  # is_batch_normalize: the IS weights over their batch mean (correction.weights)
-        factor = _weight_mean(record_ptr, S, NORMALIZE, BLOCK_S)
-    # a_t = m'_t * per_token / per_seq[s]: the division's denominator, as loss.aggregation_weights forms it
+@triton.jit
+def _per_token(tokens, seqs_count, width, AGGREGATION: tl.constexpr):
+    """The denominator a_t = m'_t / per_token has in the aggregation modes that are not per sequence (seq-mean-token-
+    mean divides by each sequence's length and the sequences: _aggregation_weight)."""
     if AGGREGATION == 0:
         per_token = 1.0
     elif AGGREGATION == 1:
@@ -328,7 +357,47 @@ def _finish_kernel(
     elif AGGREGATION == 3:
         per_token = seqs_count
     else:
-        per_token = seqs_count * width  # 4; seq-mean-token-mean divides per sequence
+        per_token = seqs_count * width  # 4
+    return per_token
+
+
+@triton.jit
+def _aggregation_weight(kept, final_length, per_token, seqs_count, AGGREGATION: tl.constexpr):
+    """a_t of loss.aggregation_weights: kept (1.0 / 0.0, m'_t; or 1.0 for a sequence's sum) over its denominator."""
+    if AGGREGATION == 2:
+        a = kept / (tl.maximum(final_length, 1.0) * seqs_count)
+    elif AGGREGATION == 0:
+        a = kept
+    else:
+        a = kept / per_token
+    return a
+
+
+@triton.jit(do_not_specialize=["N", "S", "blocks_per_program"])
+def _finish_kernel(
+    record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, weights_ptr, loss_ptr,
+    N, S, blocks_per_program,
+    kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
+    AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
+    GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_KL: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, ENTROPY_AGGREGATION: tl.constexpr, POLICY: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_S: tl.constexpr, FACTORS: tl.constexpr = False,
+):
+    # Long on purpose: the batch's scalars, the loss and the tokens' coefficients share the normalisers, which every
+    # program computes itself (no second launch, no atomics). FACTORS: the factors a coefficient is formed from
+    # instead (forward_grad.py forms it): a_t for coef, the IS weights as the sequence kernel wrote them, the
+    # batch normalisation's factor for the loss. ENTROPY_AGGREGATION: the entropy bonus's mode (entropy_agg_mode,
+    # else the loss's); POLICY 1: each token's policy coefficient is its sequence's mean over m' (record column 7).
+    pid = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
+                                             SEQ_MEAN_OVER_ALL, GLOBAL_TOKENS, GLOBAL_SEQS, SCALE_FACTOR, BLOCK_S)
+    factor = 1.0
+    if NORMALIZE != 0:  # is_batch_normalize: the IS weights over their batch mean (correction.weights)
+        factor = _weight_mean(record_ptr, S, NORMALIZE, BLOCK_S)
+    per_token = _per_token(tokens, seqs_count, width, AGGREGATION)
+    per_token_entropy = _per_token(tokens, seqs_count, width, ENTROPY_AGGREGATION)
+    PER_SEQUENCE: tl.constexpr = AGGREGATION == 2 or ENTROPY_AGGREGATION == 2 or POLICY == 1
 
     if FACTORS:
         if pid == 0:
@@ -342,13 +411,15 @@ def _finish_kernel(
             seqs = s0 + offs_s
             row = record_ptr + seqs.to(tl.int64) * RECORD
             inside = seqs < S
-            if AGGREGATION == 2:
-                a = 1.0 / (tl.maximum(tl.load(row + 3, mask=inside, other=1.0), 1.0) * seqs_count)
-            else:
-                a = tl.full([BLOCK_S], 1.0, tl.float32) / per_token
+            final_length = tl.load(row + 3, mask=inside, other=0.0)
+            one = tl.full([BLOCK_S], 1.0, tl.float32)
+            a = _aggregation_weight(one, final_length, per_token, seqs_count, AGGREGATION)
             pg_acc += a * tl.load(row, mask=inside, other=0.0)
             kl_acc += a * tl.load(row + 1, mask=inside, other=0.0)
-            h_acc += a * tl.load(row + 2, mask=inside, other=0.0)
+            if HAS_ENTROPY:
+                a_entropy = _aggregation_weight(one, final_length, per_token_entropy, seqs_count,
+                                                ENTROPY_AGGREGATION)
+                h_acc += a_entropy * tl.load(row + 2, mask=inside, other=0.0)
         loss = tl.sum(pg_acc, 0)
         if NORMALIZE != 0:
             loss = loss / factor
@@ -365,27 +436,35 @@ def _finish_kernel(
         idx = first + b * BLOCK + tl.arange(0, BLOCK)
         inside = idx < N
         kept = tl.load(kept_ptr + idx, mask=inside, other=0).to(tl.float32)
-        if AGGREGATION == 2:
+        final_length = tl.zeros([BLOCK], tl.float32)
+        sid = tl.zeros([BLOCK], tl.int64)
+        if PER_SEQUENCE:
             sid = tl.load(seq_id_ptr + idx, mask=inside, other=0)
             final_length = tl.load(record_ptr + sid * RECORD + 3, mask=inside, other=1.0)
-            a = kept / (tl.maximum(final_length, 1.0) * seqs_count)
-        elif AGGREGATION == 0:
-            a = kept
-        else:
-            a = kept / per_token
+        a = _aggregation_weight(kept, final_length, per_token, seqs_count, AGGREGATION)
         if FACTORS:
             tl.store(coef_ptr + idx, a, mask=inside)
         else:
-            grad = tl.load(grad_ptr + idx, mask=inside, other=0.0)
+            if POLICY == 1:  # the sequence's sum of the derivative in its mean log-ratio, over m'
+                grad = tl.load(record_ptr + sid * RECORD + 7, mask=inside, other=0.0)
+            else:
+                grad = tl.load(grad_ptr + idx, mask=inside, other=0.0)
             if NORMALIZE != 0:
                 grad = grad / factor
                 tl.store(weights_ptr + idx, tl.load(weights_ptr + idx, mask=inside, other=0.0) / factor, mask=inside)
-            coef = a * grad
+            if POLICY == 1:  # loss._chain_through_ratio: a sum of a_t g_t over the sequence's final length
+                coef = tl.where(kept != 0.0, (a * grad) / tl.maximum(final_length, 1.0), 0.0)
+            else:
+                coef = a * grad
             if HAS_KL:
                 coef = (kl_coef * a) * tl.load(dkl_ptr + idx, mask=inside, other=0.0) + coef
             tl.store(coef_ptr + idx, coef, mask=inside)
         if HAS_ENTROPY:
-            tl.store(coef_entropy_ptr + idx, -entropy_coeff * a, mask=inside)
+            if ENTROPY_AGGREGATION == AGGREGATION:
+                a_entropy = a
+            else:
+                a_entropy = _aggregation_weight(kept, final_length, per_token_entropy, seqs_count, ENTROPY_AGGREGATION)
+            tl.store(coef_entropy_ptr + idx, -entropy_coeff * a_entropy, mask=inside)
 
 
 def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tuple:
@@ -441,16 +520,19 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
 
 
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
-                     "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT")
-_FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE")
+                     "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY")
+_FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
+                   "ENTROPY_AGGREGATION", "POLICY")
 
 
 def aot_specs():
     """The option sets a launch can take, each flag on and off at least once: the families of stage/fused.py (no
-    correction; seq-MIS; geo-RS with token TIS; IcePop with K3-RS and every other flag), both layouts and every
-    aggregation; the inputs in float32 (bf16 advantages or log-probs load through the same code)."""
+    correction; seq-MIS; geo-RS with token TIS; IcePop with K3-RS and every other flag; both GSPO forms), both
+    layouts and every aggregation, the entropy's own; the inputs in float32 (bf16 advantages or log-probs load
+    through the same code)."""
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
-                RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False)
+                RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
+                POLICY=0)
     sequence_sets = [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -458,6 +540,9 @@ def aot_specs():
         dict(base, WEIGHTED=True, IS_LEVEL=3, IS_MASK=True, RS_K3_SUM=True, RS_K3_MEAN=True, KL_TYPE=5),
         dict(base, PROXIMAL=2, KL_TYPE=2),
         dict(base, KL_TYPE=3),
+        dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4, POLICY=1),  # TRL's GSPO with seq-MIS
+        dict(base, WEIGHTED=True, IS_LEVEL=1, IS_MASK=True, RS_K3_MEAN=True, KL_TYPE=1, POLICY=2),  # verl's GSPO
+        dict(base, PROXIMAL=0, DUAL_CLIP=False, POLICY=2),
     ]
     pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "cu_ptr",
                 "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
@@ -475,6 +560,7 @@ def aot_specs():
         for i, flags in enumerate(((False, False, False, False, False), (True, True, True, True, True))):
             constexprs = dict(zip(("SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "HAS_KL"),
                                   flags), AGGREGATION=aggregation, NORMALIZE=aggregation % 3, HAS_ENTROPY=i == 1,
+                              ENTROPY_AGGREGATION=(aggregation + i) % len(AGGREGATIONS), POLICY=i,
                               BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=False)
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
                          "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32",
@@ -486,6 +572,7 @@ def aot_specs():
                                  signature=signature, constexprs=constexprs, num_warps=4, num_stages=1))
             if i == 1:  # the factors mode (forward_grad.py's decisions), every flag on
                 specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i},FACTORS=1]",
-                                     fn=_finish_kernel, signature=signature, constexprs={**constexprs, "FACTORS": True},
+                                     fn=_finish_kernel, signature=signature,
+                                     constexprs={**constexprs, "POLICY": 0, "FACTORS": True},
                                      num_warps=4, num_stages=1))
     return specs
