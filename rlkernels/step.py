@@ -95,7 +95,7 @@ def _logits_one_pass_blocker(logits: torch.Tensor, batch: PreparedBatch, config:
     if stage.fused.implementation(config, logits.device) != name:
         return "the fused stage's kernels are not the pass's backend's (fused_stage=False, or another backend)"
     return stage.fused.blocker(batch, config, statistics_dtype(logits.dtype)) or \
-        stage.forward_gradient_blocker(batch, config)
+        stage.forward_gradient_blocker(batch, config) or stage.fused.factors_blocker(config)
 
 
 def _logits_one_pass_output(logits: torch.Tensor, batch: PreparedBatch, config: PolicyLossConfig,

@@ -925,7 +925,7 @@ namespace stage {
 enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
-  kEntropyAggregation, kPolicy, kOptionCount
+  kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
@@ -966,6 +966,15 @@ inline void kl_and_grad(float lp, float ref, int64_t type, bool straight, float&
     kl = std::exp(d) - d - 1.0f, dkl = 1.0f - std::exp(d);
   }
   if (straight) dkl = lp - ref;
+}
+
+// kl_score_gradient's derivative (NeMo-RL: k x exp(lp - sg lp)): dkl + k where the estimator's clamps pass a gradient
+// (loss.kl_gradient_passes: everywhere but k3's, |ref - lp| <= 20 and k3 <= 10).
+inline float kl_score(float lp, float ref, float kl, float dkl, int64_t type, bool straight) {
+  if (type != 4 || straight) return dkl + kl;
+  const float d_raw = ref - lp, d = clamp(d_raw, -kClamp, kClamp);
+  const bool passes = d_raw >= -kClamp && d_raw <= kClamp && std::exp(d) - d - 1.0f <= 10.0f;
+  return dkl + (passes ? kl : 0.0f);
 }
 
 // A per-token input on the mask, 0 off it (padding may hold NaN: it must reach no sum), as the torch stage's are.
@@ -1069,7 +1078,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const int64_t start = in.cu ? in.cu[s] : s * in.seq_len, end = in.cu ? in.cu[s + 1] : start + in.seq_len;
   const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean];
   const bool corrects = rejects || o[kIsLevel] != 0;
-  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum;
+  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];
     length_sum.add(t, m ? 1.0f : 0.0f);
@@ -1077,6 +1086,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       const float lp = on_mask(in.lp, t, m);
       pg_delta_sum.add(t, lp - proximal(in, t, m, lp, o));
     }
+    if (o[kSeqMeanAdvantages]) adv_sum.add(t, on_mask(in.adv, t, m));
     if (corrects) {
       const float delta = on_mask(in.old, t, m) - on_mask(in.rollout, t, m);
       const float delta_hat = clamp(delta, -kClamp, kClamp);
@@ -1096,12 +1106,18 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   if (o[kRsK1Mean]) keep = keep && k1 / count <= h[kK1MeanHi] && k1 / count >= h[kK1MeanLo];
   if (o[kRsK3Sum]) keep = keep && k3 <= h[kK3SumMax];
   if (o[kRsK3Mean]) keep = keep && k3 / count <= h[kK3MeanMax];
-  // the sequence's mean policy log-ratio over its final mask (over 1 where rejection emptied it)
-  const float log_s = o[kPolicy] != kPpo ? pg_delta_sum.total() / (keep ? count : 1.0f) : 0.0f;
+  // m' = m & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
+  const bool zero_weight = o[kZeroWeight];
+  if (zero_weight && !keep) seq_weight = 0.0f;
+  const float final_count = zero_weight || keep ? count : 1.0f;  // over 1 where rejection emptied the sequence
+  // the sequence's mean policy log-ratio and advantage over its final mask
+  const float log_s = o[kPolicy] != kPpo ? pg_delta_sum.total() / final_count : 0.0f;
+  const float seq_adv = o[kSeqMeanAdvantages] ? adv_sum.total() / final_count : 0.0f;
   LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum, grad_sum;
   for (int64_t t = start; t < end; ++t) {
-    const bool m = in.mask[t], kept = m && keep;
-    const float lp = on_mask(in.lp, t, m), adv = on_mask(in.adv, t, m);
+    const bool m = in.mask[t], kept = m && (keep || zero_weight);
+    const float lp = on_mask(in.lp, t, m);
+    const float adv = o[kSeqMeanAdvantages] ? (kept ? seq_adv : 0.0f) : on_mask(in.adv, t, m);
     const float l_old = proximal(in, t, m, lp, o);
     float w = 0.0f;
     if (o[kIsLevel] == 1) {
@@ -1110,6 +1126,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     } else if (o[kIsLevel] >= 2) {
       w = m ? seq_weight : 0.0f;
     }
+    if (zero_weight && !keep) w = 0.0f;
     if (o[kWeighted]) out.weights[t] = w, weight_sum.add(t, w);
     float term, grad;
     if (o[kPolicy] == kPpo) {
@@ -1127,7 +1144,9 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     }
     if (o[kKlType] != 0) {
       float kl, dkl;
-      kl_and_grad(lp, on_mask(in.ref, t, m), o[kKlType], o[kKlStraight], kl, dkl);
+      const float ref = on_mask(in.ref, t, m);
+      kl_and_grad(lp, ref, o[kKlType], o[kKlStraight], kl, dkl);
+      if (o[kKlScore]) dkl = kl_score(lp, ref, kl, dkl, o[kKlType], o[kKlStraight]);
       kl_sum.add(t, kept ? kl : 0.0f);
       out.dkl[t] = dkl;
     }

@@ -34,7 +34,9 @@ def option_codes(options: dict) -> dict:
         SEQ_MEAN_OVER_ALL=options["seq_mean_over_all"], GLOBAL_TOKENS=options["global_tokens"],
         GLOBAL_SEQS=options["global_seqs"], SCALE_FACTOR=options["scale_factor"],
         NORMALIZE=0 if not options["normalize"] else 1 if options["is_level"] == "token" else 2,
-        ENTROPY_AGGREGATION=AGGREGATIONS[options["entropy_aggregation"]], POLICY=POLICY_TERMS[options["policy"]])
+        ENTROPY_AGGREGATION=AGGREGATIONS[options["entropy_aggregation"]], POLICY=POLICY_TERMS[options["policy"]],
+        SEQ_MEAN_ADVANTAGES=options["seq_mean_advantages"], ZERO_WEIGHT=options["zero_weight"],
+        KL_SCORE=options["kl_score"])
 
 
 class TokenFactors(NamedTuple):

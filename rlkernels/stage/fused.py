@@ -6,11 +6,13 @@ The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip)
 sequence's (ratio_level="sequence", TRL's GSPO: the gradient chained through the sequence's mean log-ratio), any
 log_ratio_clamp; GSPO's token form (loss_type="gspo", verl's); on-policy, bypass without a correction, or decoupled
 mode with token / sequence / geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and sequence
-rejection on the sum or mean of k1 or k3 (seq-MIS, geo-RS, K3-RS and their combinations with IS); the KL penalties
-k1, k2, abs, k3, k3_unclamped and their straight-through forms; the entropy bonus at the loss's aggregation or its
-own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts.
-Everything else keeps the torch stage (`loss.run`): token-level rejection, rs_mode="zero_weight", the other loss
-types, split batches, the sampler's evidence.
+rejection on the sum or mean of k1 or k3 (seq-MIS, geo-RS, K3-RS and their combinations with IS), leaving m' or
+zeroing the weights (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage
+(seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with
+or without the score term (kl_score_gradient: NeMo-RL's); the entropy bonus at the loss's aggregation or its own
+(entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts.
+Everything else keeps the torch stage (`loss.run`): token-level rejection, the other loss types and terms (the
+bias-corrected KL, the log-ratio square), split batches, a trainer's own IS weights, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
 torch stage's run on the same inputs when they are first read (the values bit for bit), which a trainer does after
@@ -63,7 +65,7 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
     for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
-    for name in ("seq_mean_advantages", "log_ratio_sq_coef", "kl_score_gradient", "kl_bias_correction"):
+    for name in ("log_ratio_sq_coef", "kl_bias_correction"):
         if getattr(config, name):  # False / 0: off
             return f"{name}={getattr(config, name)!r}"
     if batch.ref_logprobs is not None and config.kl_coef and config.kl_type.rstrip("+") not in _KL_TYPES:
@@ -85,8 +87,6 @@ def _correction_blocker(batch, rc) -> Optional[str]:
         return None
     if batch.old_logprobs is None:
         return "bypass mode with a rollout correction (its weights are of the current policy)"
-    if rc.rs_mode != "mask":
-        return "rs_mode='zero_weight'"
     unknown = [option for option, _ in rc.rs if option not in _RS]
     if unknown:
         return f"rejection options {unknown} (the kernels decide seq_sum / seq_mean of k1 and k3)"
@@ -131,6 +131,17 @@ def run(stats, batch, config, corrected=None, metrics: bool = False, evidence=No
         known[ALL_REJECTED] = (kept.any() < batch.mask.any()).to(lp.dtype)  # m' within m: none of m kept
     deferred = DeferredMetrics(lambda: _torch_metrics(stats, batch, config, corrected), known)
     return StageOutput(total, coef, coef_entropy, weights, kept, deferred, None, lp)
+
+
+def factors_blocker(config) -> Optional[str]:
+    """Why forward_factors cannot carry a call inside the family, or None: the one-pass kernel forms PPO's
+    coefficient of the token's own ratio (forward_gradient_blocker holds the sequence ratios back) from the token's
+    own advantage and the KL's plain derivative."""
+    if config.seq_mean_advantages:
+        return "seq_mean_advantages (the factors carry each token's own advantage, not its sequence's mean)"
+    if config.kl_score_gradient and config.kl_coef:
+        return "kl_score_gradient (the one-pass kernel forms the KL's plain derivative)"
+    return None
 
 
 def forward_factors(batch, config, entropy: bool):
@@ -190,7 +201,9 @@ def _launch_arguments(stats, batch, config):
         global_tokens=config.global_num_tokens is not None, global_seqs=config.global_num_seqs is not None,
         scale_factor=config.loss_scale_factor is not None,
         normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize,
-        entropy_aggregation=config.entropy_agg_mode or config.loss_agg_mode, policy=_policy(config))
+        entropy_aggregation=config.entropy_agg_mode or config.loss_agg_mode, policy=_policy(config),
+        seq_mean_advantages=bool(config.seq_mean_advantages),
+        zero_weight=rc is not None and rc.rs_mode == "zero_weight", kl_score=kl and bool(config.kl_score_gradient))
     return inputs, options, _hyperparameters(config, rc)
 
 

@@ -102,7 +102,7 @@ def tier(request):
 @given(batch=batches(dtype=F32, max_seqs=5, max_len=9, max_vocab=23),
        mode=st.sampled_from(("decoupled", "decoupled", "bypass", "on-policy")), data=st.data())
 def test_it_is_the_two_pass_form_bit_for_bit(batch, mode, data):
-    config = data.draw(family_configs(mode, sequence_ratios=False)).with_overrides(validate=False,
+    config = data.draw(family_configs(mode, one_pass=True)).with_overrides(validate=False,
                                                             metrics=data.draw(st.sampled_from(("all", "loss_only"))))
     with implementation(data.draw(st.sampled_from(IMPLEMENTATIONS))) as overrides:
         _both(batch.logits, batch.labels, batch.advantages, batch.response_mask, config.with_overrides(**overrides),
@@ -184,6 +184,8 @@ def test_without_validation_on_cpu_tensors(tier):
     (dict(small_vocabulary=True), "V = 29"),
     (dict(backend="torch"), "the torch backend"),
     (dict(loss_type="gspo"), "loss_type='gspo'"),
+    (dict(ratio_level="sequence"), "ratio_level='sequence'"),
+    (dict(seq_mean_advantages=True), "seq_mean_advantages"),
     (dict(fused_stage=False), "the fused stage's kernels are not the pass's backend's"),
     (dict(numerics="vllm"), "a numerics mode"),
     (dict(inplace_backward=True), "inplace_backward=True"),

@@ -42,7 +42,7 @@ implementations = pytest.mark.parametrize("backend", [
 
 
 @st.composite
-def family_corrections(draw):
+def family_corrections(draw, zero_weight: bool = True):
     """A rollout correction inside the family: an IS level (or none), truncated or masked, batch-normalised or not,
     and sequence rejection on k1 / k3 sums and means."""
     is_level = draw(st.sampled_from((None, "token", "sequence", "geometric")))
@@ -55,20 +55,23 @@ def family_corrections(draw):
             rs[option] = draw(st.sampled_from((0.001, 0.05, 4.0)))
     if is_level is None and not rs:
         return None
+    normalize = is_level is not None and draw(st.booleans())
+    # rejection zeroes the IS weights instead of leaving m' (OpenRLHF's, NeMo-RL's), where there are weights to zero
+    zero_weight = zero_weight and is_level is not None and bool(rs) and not normalize and draw(st.booleans())
     return RolloutCorrection(is_level=is_level, is_threshold=threshold, rs=rs,
-                             is_mode=draw(st.sampled_from((None, "truncate", "mask"))),
-                             is_batch_normalize=is_level is not None and draw(st.booleans()),
+                             is_mode=draw(st.sampled_from((None, "truncate", "mask"))), is_batch_normalize=normalize,
+                             rs_mode="zero_weight" if zero_weight else "mask",
                              seq_tokens=draw(st.sampled_from(("mask", "kept"))))
 
 
 @st.composite
-def family_configs(draw, mode: str, sequence_ratios: bool = True):
-    """A config inside the family; `sequence_ratios` False: PPO's clip of each token's ratio only (the sequence's
-    ratio makes a token's coefficient wait for its whole sequence)."""
+def family_configs(draw, mode: str, one_pass: bool = False):
+    """A config inside the family; `one_pass`: inside the part the logits path's one-pass form takes (PPO's clip of
+    each token's ratio, the token's own advantage, the KL's plain derivative: fused.factors_blocker)."""
     kl = draw(st.sampled_from((None,) + FAMILY_KL))
     globals_ = draw(st.booleans())
     # PPO's clip of the token's ratio or of the sequence's (TRL's GSPO), or GSPO's token form (verl's)
-    loss_type, ratio_level = draw(st.sampled_from(FAMILY_POLICY_TERMS if sequence_ratios else FAMILY_POLICY_TERMS[:2]))
+    loss_type, ratio_level = draw(st.sampled_from(FAMILY_POLICY_TERMS[:2] if one_pass else FAMILY_POLICY_TERMS))
     return PolicyLossConfig(
         loss_type=loss_type, ratio_level=ratio_level,
         entropy_agg_mode=draw(st.sampled_from((None, None) + tuple(LOSS_AGG_MODES))),
@@ -76,7 +79,9 @@ def family_configs(draw, mode: str, sequence_ratios: bool = True):
         clip_ratio_c=draw(st.sampled_from((3.0, None, 1.5))), loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
         entropy_coeff=draw(st.sampled_from((0.0, 0.01, -0.02))), adaptive_entropy=draw(st.booleans()),
         kl_coef=0.0 if kl is None else draw(st.sampled_from((0.05, 1.0))), kl_type=kl or "k3",
-        rollout_correction=draw(family_corrections()) if mode == "decoupled" else None,
+        kl_score_gradient=kl is not None and not one_pass and draw(st.booleans()),
+        seq_mean_advantages=not one_pass and loss_type != "gspo" and draw(st.booleans()),
+        rollout_correction=draw(family_corrections(loss_type != "gspo")) if mode == "decoupled" else None,
         global_num_tokens=13.0 if globals_ else None, global_num_seqs=3.0 if globals_ else None,
         loss_scale_factor=draw(st.sampled_from((None, 4.0))), seq_mean_over=draw(st.sampled_from(("nonempty", "all"))),
         log_ratio_clamp=draw(st.sampled_from((20.0, 5.0, None))), metrics="loss_only", validate=False)
@@ -273,11 +278,10 @@ def _policy_call(**overrides):
     (dict(loss_type="cispo", ratio_level="sequence"), "loss_type='cispo', ratio_level='sequence'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
-    (dict(kl_score_gradient=True), "kl_score_gradient"),
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_k1": (0.5, 2.0)})), "rejection options"),
-    (dict(rollout_correction=RolloutCorrection.seq_tis(rs={"seq_sum_k1": (0.5, 2.0)}, rs_mode="zero_weight")),
-     "zero_weight"),
     (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
+    (dict(log_ratio_sq_coef=0.01), "log_ratio_sq_coef"),
+    (dict(kl_bias_correction=True), "kl_bias_correction"),
 ])
 def test_outside_the_family_the_torch_stage_runs_and_true_is_refused(override, reason):
     call, _, config = _policy_call(**override)
@@ -378,6 +382,42 @@ def test_the_sequence_ratios_clip_on_both_sides(loss_type, ratio_level, layout, 
     kept = torch.zeros(len(lengths)).index_add(0, ids, mask.float()) > 0
     assert bool((ratio[kept] < 0.8).any()) and bool((ratio[kept] > 1.2).any()), ratio[kept]
     assert bool(((ratio[kept] > 0.8) & (ratio[kept] < 1.2)).any()), ratio[kept]
+    assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
+    for name, g, w in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
+        assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
+
+
+TRAINER_OPTIONS = {
+    # NeMo-RL: token IS, a geometric rejection that zeroes the weights (the tokens stay in m'), the KL's score term
+    "zero_weight+kl_score": dict(
+        rollout_correction=RolloutCorrection(is_level="token", is_threshold=2.0, rs={"seq_mean_k1": (0.97, 1.03)},
+                                             rs_mode="zero_weight"),
+        kl_coef=0.1, kl_type="k3", kl_score_gradient=True),
+    # AReaL's GSPO: the sequence's ratio and its mean advantage, with seq-MIS
+    "seq_mean_advantages": dict(ratio_level="sequence", seq_mean_advantages=True,
+                                rollout_correction=RolloutCorrection.seq_mis(bounds=(0.8, 1.25))),
+}
+
+
+@pytest.mark.parametrize("options", sorted(TRAINER_OPTIONS))
+@implementations
+def test_the_trainers_options(options, backend):
+    """Options the trainers' own losses set, where rejection drops some sequences and keeps others (a mismatch of
+    0.1 nats per token): the loss, the gradients, the IS weights and the final mask as the torch stage's."""
+    from ..cases import make_batch
+
+    lengths = [3, 7, 1, 0, 12, 5, 9, 2, 4, 6, 8]
+    batch = make_batch("packed", lengths, 2, dtype=F32, seed=13, mismatch=0.1, mask_p=0.85)
+    config = PolicyLossConfig(**TRAINER_OPTIONS[options], entropy_coeff=0.01, metrics="loss_only", validate=False,
+                              backend=backend)
+    gen = torch.Generator().manual_seed(14)
+    logprobs = batch.old_logprobs + 0.3 * torch.randn(batch.labels.shape, generator=gen)
+    entropy = torch.rand(batch.labels.shape, generator=gen)
+    (want, want_lp, want_h), (got, got_lp, got_h) = _both(batch, "decoupled", config, logprobs, entropy)
+    weights = want.is_weights[batch.response_mask]
+    assert bool((weights == 0).any()) or not bool(want.mask[batch.response_mask].all()), "nothing was rejected"
     assert torch.equal(got.mask, want.mask)
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
     assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")

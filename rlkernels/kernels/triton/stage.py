@@ -86,6 +86,20 @@ def kl_and_grad(lp, ref, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
 
 
 @triton.jit
+def _kl_score(lp, ref, kl, dkl, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr):
+    """kl_score_gradient's derivative (NeMo-RL: k x exp(lp - sg lp)): dkl + k where the estimator's clamps pass a
+    gradient (loss.kl_gradient_passes: everywhere but k3's, |ref - lp| <= 20 and k3 <= 10)."""
+    if KL_TYPE == 4 and not KL_STRAIGHT:
+        d_raw = ref - lp
+        d = _clamp(d_raw, -CLAMP, CLAMP)
+        passes = (d_raw >= -CLAMP) & (d_raw <= CLAMP) & (tl.exp(d) - d - 1.0 <= 10.0)
+        score = dkl + tl.where(passes, kl, 0.0)
+    else:
+        score = dkl + kl
+    return score
+
+
+@triton.jit
 def ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP: tl.constexpr,
              DUAL_CLIP: tl.constexpr):
     """PPO's clipped term with dual clip of the token's policy ratio exp(lp - l_old) and its derivative in lp,
@@ -158,7 +172,8 @@ def _sequence_kernel(
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
     RS_K3_SUM: tl.constexpr, RS_K3_MEAN: tl.constexpr, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr,
-    KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, BLOCK: tl.constexpr,
+    KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, SEQ_MEAN_ADVANTAGES: tl.constexpr,
+    ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -179,6 +194,7 @@ def _sequence_kernel(
     k1_acc = tl.zeros([BLOCK], tl.float32)
     k3_acc = tl.zeros([BLOCK], tl.float32)
     pg_delta_acc = tl.zeros([BLOCK], tl.float32)
+    adv_acc = tl.zeros([BLOCK], tl.float32)
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
@@ -187,6 +203,8 @@ def _sequence_kernel(
         if POLICY != 0:  # the sequence's policy log-ratio (loss._kept_sums' pg_delta)
             lp = on_mask(lp_ptr, idx, inside, m)
             pg_delta_acc += lp - _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL)
+        if SEQ_MEAN_ADVANTAGES:
+            adv_acc += on_mask(adv_ptr, idx, inside, m)
         if HAS_CORRECTION:
             train = on_mask(old_ptr, idx, inside, m)
             behaviour = on_mask(rollout_ptr, idx, inside, m)
@@ -222,10 +240,21 @@ def _sequence_kernel(
         if RS_K3_MEAN:
             keep = tl.where(k3 / count <= k3_mean_max, keep, 0.0)
     keep_block = (tl.zeros([BLOCK], tl.float32) + keep) != 0.0
-    # the sequence's mean policy log-ratio over its final mask (over 1 where rejection emptied it), as a block
+    # m' = m & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
+    if ZERO_WEIGHT:
+        final_block = tl.full([BLOCK], 1, tl.int1)
+        final_count = count
+        seq_weight = tl.where(keep != 0.0, seq_weight, 0.0)
+    else:
+        final_block = keep_block
+        final_count = tl.where(keep != 0.0, count, 1.0)  # over 1 where rejection emptied the sequence
+    # the sequence's mean policy log-ratio and advantage over its final mask, as blocks
     log_s = tl.zeros([BLOCK], tl.float32)
     if POLICY != 0:
-        log_s += tl.sum(pg_delta_acc, 0) / tl.where(keep != 0.0, count, 1.0)
+        log_s += tl.sum(pg_delta_acc, 0) / final_count
+    seq_adv = tl.zeros([BLOCK], tl.float32)
+    if SEQ_MEAN_ADVANTAGES:  # AReaL's: each token of m' takes its sequence's mean advantage
+        seq_adv += tl.sum(adv_acc, 0) / final_count
 
     # -- second read: each token's weight, final mask, policy term and derivatives, and the sequence's loss sums
     pg_acc = tl.zeros([BLOCK], tl.float32)
@@ -238,9 +267,12 @@ def _sequence_kernel(
         idx = off + offs
         inside = idx < end
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
-        kept = m & keep_block
+        kept = m & final_block
         lp = on_mask(lp_ptr, idx, inside, m)
-        adv = on_mask(adv_ptr, idx, inside, m)
+        if SEQ_MEAN_ADVANTAGES:
+            adv = tl.where(kept, seq_adv, 0.0)
+        else:
+            adv = on_mask(adv_ptr, idx, inside, m)
         l_old = _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL)
         w = tl.zeros([BLOCK], tl.float32)
         if IS_LEVEL == 1:
@@ -249,6 +281,8 @@ def _sequence_kernel(
             w = _truncated(tl.exp(delta_hat), m, is_lo, is_hi, IS_MASK)
         elif IS_LEVEL >= 2:
             w = tl.where(m, seq_weight, 0.0)
+        if ZERO_WEIGHT:
+            w = tl.where(keep_block, w, 0.0)
         if WEIGHTED:
             tl.store(weights_ptr + idx, w, mask=inside)
             w_acc += w
@@ -270,6 +304,8 @@ def _sequence_kernel(
         if KL_TYPE != 0:
             ref = on_mask(ref_ptr, idx, inside, m)
             kl, dkl = kl_and_grad(lp, ref, KL_TYPE, KL_STRAIGHT)
+            if KL_SCORE:
+                dkl = _kl_score(lp, ref, kl, dkl, KL_TYPE, KL_STRAIGHT)
             kl_acc += tl.where(kept, kl, 0.0)
             tl.store(dkl_ptr + idx, dkl, mask=inside)
         if HAS_ENTROPY:
@@ -520,7 +556,8 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
 
 
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
-                     "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY")
+                     "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
+                     "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION", "POLICY")
 
@@ -532,7 +569,7 @@ def aot_specs():
     through the same code)."""
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
-                POLICY=0)
+                POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False)
     sequence_sets = [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -543,6 +580,11 @@ def aot_specs():
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4, POLICY=1),  # TRL's GSPO with seq-MIS
         dict(base, WEIGHTED=True, IS_LEVEL=1, IS_MASK=True, RS_K3_MEAN=True, KL_TYPE=1, POLICY=2),  # verl's GSPO
         dict(base, PROXIMAL=0, DUAL_CLIP=False, POLICY=2),
+        # AReaL's GSPO (sequence means of the advantages); NeMo-RL's zero-weight rejection with the KL's score term
+        dict(base, POLICY=1, SEQ_MEAN_ADVANTAGES=True, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, KL_TYPE=4),
+        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_K1_MEAN=True, ZERO_WEIGHT=True, KL_TYPE=4, KL_SCORE=True),
+        dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K3_SUM=True, ZERO_WEIGHT=True, KL_TYPE=1, KL_STRAIGHT=True,
+             KL_SCORE=True),
     ]
     pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "cu_ptr",
                 "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
