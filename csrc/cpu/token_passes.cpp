@@ -925,11 +925,12 @@ namespace stage {
 enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
-  kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kOptionCount
+  kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kRsToken, kRsAll, kSeqTokensKept,
+  kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
-  kClipC, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kHyperCount
+  kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kAllK2Max, kAllK3Max, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
@@ -1045,6 +1046,17 @@ struct Inputs {
   int64_t seq_len;
 };
 
+// The token of m keeps its k-statistics of the set `kinds` (kernels/stage_options.py TOKEN_KINDS bits: 1 k1, 2 k2,
+// 4 k3) inside their bounds, from h[bounds] on (k1's range, k2's and k3's upper bounds: correction._keeps); a NaN
+// statistic fails.
+inline bool token_keeps(bool m, float delta_hat, float k3, int64_t kinds, const float* bounds) {
+  bool keep = m;
+  if (kinds & 1) keep = keep && -delta_hat <= bounds[1] && -delta_hat >= bounds[0];
+  if (kinds & 2) keep = keep && 0.5f * delta_hat * delta_hat <= bounds[2];
+  if (kinds & 4) keep = keep && k3 <= bounds[3];
+  return keep;
+}
+
 // l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy).
 inline float proximal(const Inputs& in, int64_t t, bool m, float lp, const int64_t* o) {
   return o[kProximal] == 1 ? on_mask(in.old, t, m) : o[kProximal] == 2 ? on_mask(in.rollout, t, m) : lp;
@@ -1076,46 +1088,69 @@ struct LaneSum {
 __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o,
                                         const float* h) {
   const int64_t start = in.cu ? in.cu[s] : s * in.seq_len, end = in.cu ? in.cu[s + 1] : start + in.seq_len;
-  const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean];
-  const bool corrects = rejects || o[kIsLevel] != 0;
-  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum;
+  const int64_t token_kinds = o[kRsToken], all_kinds = o[kRsAll];
+  const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean] || token_kinds || all_kinds;
+  const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
+  // the tokens the token_* options keep (kept_length_sum) and those outside a seq_all_* option's bounds
+  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];
     length_sum.add(t, m ? 1.0f : 0.0f);
-    if (o[kPolicy] != kPpo) {  // the sequence's policy log-ratio (loss._kept_sums' pg_delta)
-      const float lp = on_mask(in.lp, t, m);
-      pg_delta_sum.add(t, lp - proximal(in, t, m, lp, o));
-    }
-    if (o[kSeqMeanAdvantages]) adv_sum.add(t, on_mask(in.adv, t, m));
+    bool token_keep = m;
     if (corrects) {
       const float delta = on_mask(in.old, t, m) - on_mask(in.rollout, t, m);
       const float delta_hat = clamp(delta, -kClamp, kClamp);
-      delta_sum.add(t, delta), k1_sum.add(t, -delta_hat);
-      k3_sum.add(t, m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f);
+      const float k3_token = m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f;
+      if (token_kinds) {
+        token_keep = token_keeps(m, delta_hat, k3_token, token_kinds, h + kTokenK1Lo);
+        kept_length_sum.add(t, token_keep ? 1.0f : 0.0f);
+      }
+      if (all_kinds && m && !token_keeps(m, delta_hat, k3_token, all_kinds, h + kAllK1Lo)) rejecting_sum.add(t, 1.0f);
+      // the sequence statistics over m, or over the tokens the token options keep (SkyRL's order)
+      const bool over = !over_kept || token_keep;
+      delta_sum.add(t, over ? delta : 0.0f), k1_sum.add(t, over ? -delta_hat : 0.0f);
+      k3_sum.add(t, over ? k3_token : 0.0f);
     }
+    const bool summed = zero_weight ? m : token_keep;  // what loss._kept_sums sums (every token of m: zero_weight)
+    if (o[kPolicy] != kPpo) {  // the sequence's policy log-ratio (pg_delta)
+      const float lp = on_mask(in.lp, t, m);
+      pg_delta_sum.add(t, summed ? lp - proximal(in, t, m, lp, o) : 0.0f);
+    }
+    if (o[kSeqMeanAdvantages]) adv_sum.add(t, summed ? on_mask(in.adv, t, m) : 0.0f);
   }
   const float length = length_sum.total(), count = std::max(length, 1.0f), k1 = k1_sum.total(), k3 = k3_sum.total();
+  const float kept_length = token_kinds ? kept_length_sum.total() : length;
+  // what a sequence statistic's mean divides by: its tokens in m, or those the token options keep
+  const float stat_count = over_kept ? std::max(kept_length, 1.0f) : count;
   float seq_weight = 0.0f;
   if (o[kIsLevel] >= 2) {
     const float log_sum = delta_sum.total();
-    const float log_ratio = clamp(o[kIsLevel] == 3 ? log_sum / count : log_sum, -kClamp, kClamp);
+    const float log_ratio = clamp(o[kIsLevel] == 3 ? log_sum / stat_count : log_sum, -kClamp, kClamp);
     seq_weight = truncated(std::exp(log_ratio), length > 0.0f, h[kIsLo], h[kIsHi], o[kIsMask]);
   }
   bool keep = true;  // a NaN statistic fails every bound, as the torch comparisons do
   if (o[kRsK1Sum]) keep = keep && k1 <= h[kK1SumHi] && k1 >= h[kK1SumLo];
-  if (o[kRsK1Mean]) keep = keep && k1 / count <= h[kK1MeanHi] && k1 / count >= h[kK1MeanLo];
+  if (o[kRsK1Mean]) keep = keep && k1 / stat_count <= h[kK1MeanHi] && k1 / stat_count >= h[kK1MeanLo];
   if (o[kRsK3Sum]) keep = keep && k3 <= h[kK3SumMax];
-  if (o[kRsK3Mean]) keep = keep && k3 / count <= h[kK3MeanMax];
-  // m' = m & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
-  const bool zero_weight = o[kZeroWeight];
+  if (o[kRsK3Mean]) keep = keep && k3 / stat_count <= h[kK3MeanMax];
+  if (all_kinds) keep = keep && rejecting_sum.total() == 0.0f;  // every token of the sequence inside the bounds
+  // m' = m & token keep & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
   if (zero_weight && !keep) seq_weight = 0.0f;
-  const float final_count = zero_weight || keep ? count : 1.0f;  // over 1 where rejection emptied the sequence
+  // over 1 where rejection emptied the sequence
+  const float final_count = zero_weight ? count : (keep ? std::max(kept_length, 1.0f) : 1.0f);
   // the sequence's mean policy log-ratio and advantage over its final mask
   const float log_s = o[kPolicy] != kPpo ? pg_delta_sum.total() / final_count : 0.0f;
   const float seq_adv = o[kSeqMeanAdvantages] ? adv_sum.total() / final_count : 0.0f;
   LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum, grad_sum;
   for (int64_t t = start; t < end; ++t) {
-    const bool m = in.mask[t], kept = m && (keep || zero_weight);
+    const bool m = in.mask[t];
+    bool token_keep = m;
+    if (token_kinds) {
+      const float delta_hat = clamp(on_mask(in.old, t, m) - on_mask(in.rollout, t, m), -kClamp, kClamp);
+      token_keep = token_keeps(m, delta_hat, m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f, token_kinds,
+                               h + kTokenK1Lo);
+    }
+    const bool kept = zero_weight ? m : token_keep && keep;
     const float lp = on_mask(in.lp, t, m);
     const float adv = o[kSeqMeanAdvantages] ? (kept ? seq_adv : 0.0f) : on_mask(in.adv, t, m);
     const float l_old = proximal(in, t, m, lp, o);
@@ -1126,7 +1161,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     } else if (o[kIsLevel] >= 2) {
       w = m ? seq_weight : 0.0f;
     }
-    if (zero_weight && !keep) w = 0.0f;
+    if (zero_weight && !(token_keep && keep)) w = 0.0f;
     if (o[kWeighted]) out.weights[t] = w, weight_sum.add(t, w);
     float term, grad;
     if (o[kPolicy] == kPpo) {

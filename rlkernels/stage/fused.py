@@ -5,14 +5,17 @@
 The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) of each token's ratio, or of its
 sequence's (ratio_level="sequence", TRL's GSPO: the gradient chained through the sequence's mean log-ratio), any
 log_ratio_clamp; GSPO's token form (loss_type="gspo", verl's); on-policy, bypass without a correction, or decoupled
-mode with token / sequence / geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and sequence
-rejection on the sum or mean of k1 or k3 (seq-MIS, geo-RS, K3-RS and their combinations with IS), leaving m' or
-zeroing the weights (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage
+mode with token / sequence / geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and rejection
+on the sum or mean of k1 or k3 over the sequence (seq-MIS, geo-RS, K3-RS and their combinations with IS), on k1, k2
+or k3 of each token (token_*) or k1 of every token of the sequence (seq_all_k1; SkyRL's, AReaL's), the sequence
+statistics over m or over the tokens the token options keep (seq_tokens), leaving m' or zeroing the weights
+(rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage
 (seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with
 or without the score term (kl_score_gradient: NeMo-RL's); the entropy bonus at the loss's aggregation or its own
 (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts.
-Everything else keeps the torch stage (`loss.run`): token-level rejection, the other loss types and terms (the
-bias-corrected KL, the log-ratio square), split batches, a trainer's own IS weights, the sampler's evidence.
+Everything else keeps the torch stage (`loss.run`): the other rejection statistics (k2 and k3 maxima, k2 sums, the
+binary divergences, the sampler's KL), the other loss types and terms (the bias-corrected KL, the log-ratio square),
+split batches, a trainer's own IS weights, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
 torch stage's run on the same inputs when they are first read (the values bit for bit), which a trainer does after
@@ -34,8 +37,9 @@ from .policy_terms import LOSS_TERMS
 from .segments import _log
 
 _PPO = tuple(name for name, entry in LOSS_TERMS.items() if entry.term is LOSS_TERMS["vanilla"].term)
-# rejection options the sequence kernel decides: k1 / k3 summed or averaged over the sequence's mask
-_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3")
+# rejection options the sequence kernel decides: k1 / k3 summed or averaged over the sequence, k1 / k2 / k3 bounding
+# each token (token_*: the token leaves m'), and k1 bounding every token of the sequence (seq_all_k1)
+_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3", "seq_all_k1")
 _KL_TYPES = ("k1", "k2", "abs", "k3", "k3_unclamped")
 
 
@@ -203,7 +207,8 @@ def _launch_arguments(stats, batch, config):
         normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize,
         entropy_aggregation=config.entropy_agg_mode or config.loss_agg_mode, policy=_policy(config),
         seq_mean_advantages=bool(config.seq_mean_advantages),
-        zero_weight=rc is not None and rc.rs_mode == "zero_weight", kl_score=kl and bool(config.kl_score_gradient))
+        zero_weight=rc is not None and rc.rs_mode == "zero_weight", kl_score=kl and bool(config.kl_score_gradient),
+        seq_tokens_kept=rc is not None and bool(rc.rs) and rc.seq_tokens == "kept")
     return inputs, options, _hyperparameters(config, rc)
 
 
@@ -218,6 +223,9 @@ def _hyperparameters(config, rc) -> dict:
 
     is_lo, is_hi = rc.is_range if rc is not None else (0.0, 1.0)
     (k1_sum_lo, k1_sum_hi), (k1_mean_lo, k1_mean_hi) = k1_range("seq_sum_k1"), k1_range("seq_mean_k1")
+    (token_k1_lo, token_k1_hi), (all_k1_lo, all_k1_hi) = k1_range("token_k1"), k1_range("seq_all_k1")
+    # seq_all_k2 / seq_all_k3 are not options (the kernels' RS_ALL bits would take them): their bounds are 0
+    upper = {option: float(bounds.get(option, 0.0)) for option in ("token_k2", "token_k3", "seq_all_k2", "seq_all_k3")}
     return dict(
         is_lo=float(is_lo), is_hi=float(is_hi), k1_sum_lo=k1_sum_lo, k1_sum_hi=k1_sum_hi, k1_mean_lo=k1_mean_lo,
         k1_mean_hi=k1_mean_hi, k3_sum_max=float(bounds.get("seq_sum_k3", 0.0)),
@@ -225,5 +233,7 @@ def _hyperparameters(config, rc) -> dict:
         clip_lo=1 - config.clip_ratio_low, clip_hi=1 + config.clip_ratio_high, clip_c=float(config.clip_ratio_c or 0.0),
         kl_coef=float(config.kl_coef), entropy_coeff=float(config.entropy_coeff),
         global_tokens=float(config.global_num_tokens or 1.0), global_seqs=float(config.global_num_seqs or 1.0),
-        scale_factor=float(config.loss_scale_factor or 1.0))
+        scale_factor=float(config.loss_scale_factor or 1.0), token_k1_lo=token_k1_lo, token_k1_hi=token_k1_hi,
+        token_k2_max=upper["token_k2"], token_k3_max=upper["token_k3"], all_k1_lo=all_k1_lo, all_k1_hi=all_k1_hi,
+        all_k2_max=upper["seq_all_k2"], all_k3_max=upper["seq_all_k3"])
 

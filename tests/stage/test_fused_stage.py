@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.interpret,
               pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")]
 
 FAMILY_KL = ("k1", "k2", "abs", "k3", "k3_unclamped", "low_var_kl", "k1+", "k3+", "abs+")
-FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3")
+FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3",
+             "seq_all_k1")
 FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"))
 IMPLEMENTATIONS = ("triton", "cpu")  # the backend that runs the fused stage on CPU tensors
 STAGE_OP = {"triton": "triton:_sequence_kernel", "cpu": "sequence_stage"}  # one per stage run, as counted
@@ -44,7 +45,8 @@ implementations = pytest.mark.parametrize("backend", [
 @st.composite
 def family_corrections(draw, zero_weight: bool = True):
     """A rollout correction inside the family: an IS level (or none), truncated or masked, batch-normalised or not,
-    and sequence rejection on k1 / k3 sums and means."""
+    rejection on k1 / k3 sums and means over the sequence and on k1 / k2 / k3 of each token or of every token of the
+    sequence, its statistics over m or over the tokens the token options keep, leaving m' or zeroing weights."""
     is_level = draw(st.sampled_from((None, "token", "sequence", "geometric")))
     threshold = draw(st.sampled_from((2.0, 1.2, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0))))
     rs = {}
@@ -57,7 +59,8 @@ def family_corrections(draw, zero_weight: bool = True):
         return None
     normalize = is_level is not None and draw(st.booleans())
     # rejection zeroes the IS weights instead of leaving m' (OpenRLHF's, NeMo-RL's), where there are weights to zero
-    zero_weight = zero_weight and is_level is not None and bool(rs) and not normalize and draw(st.booleans())
+    zero_weight = zero_weight and is_level is not None and bool(rs) and not normalize and draw(st.booleans()) \
+        and (is_level == "token" or not any(option.startswith("token_") for option in rs))
     return RolloutCorrection(is_level=is_level, is_threshold=threshold, rs=rs,
                              is_mode=draw(st.sampled_from((None, "truncate", "mask"))), is_batch_normalize=normalize,
                              rs_mode="zero_weight" if zero_weight else "mask",
@@ -278,7 +281,7 @@ def _policy_call(**overrides):
     (dict(loss_type="cispo", ratio_level="sequence"), "loss_type='cispo', ratio_level='sequence'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
-    (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_k1": (0.5, 2.0)})), "rejection options"),
+    (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
     (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
     (dict(log_ratio_sq_coef=0.01), "log_ratio_sq_coef"),
     (dict(kl_bias_correction=True), "kl_bias_correction"),
@@ -398,6 +401,19 @@ TRAINER_OPTIONS = {
     # AReaL's GSPO: the sequence's ratio and its mean advantage, with seq-MIS
     "seq_mean_advantages": dict(ratio_level="sequence", seq_mean_advantages=True,
                                 rollout_correction=RolloutCorrection.seq_mis(bounds=(0.8, 1.25))),
+    # SkyRL: token-level k1 rejection, every token of the sequence in a wider band, the geometric rejection over the
+    # tokens the token option keeps
+    "token_k1+seq_all_k1, kept": dict(rollout_correction=RolloutCorrection(
+        is_level="token", is_threshold=2.0, rs={"token_k1": (0.9, 1.1), "seq_all_k1": (0.85, 1.18),
+                                                 "seq_mean_k1": (0.97, 1.03)}, seq_tokens="kept")),
+    # token-level k3 rejection that zeroes the weights (OpenRLHF's order), with AReaL's sequence-mean advantages
+    "token_k3, zero_weight": dict(seq_mean_advantages=True, rollout_correction=RolloutCorrection(
+        is_level="token", is_threshold=(0.0, math.inf), is_mode="mask", rs={"token_k3": 0.002},
+        rs_mode="zero_weight")),
+    # geometric IS over the kept tokens, token-level k2 and a k3 sum, GSPO's sequence ratio
+    "token_k2, geometric, kept": dict(ratio_level="sequence", rollout_correction=RolloutCorrection(
+        is_level="geometric", is_threshold=(0.8, 1.25), rs={"token_k2": 0.002, "seq_sum_k3": 0.05},
+        seq_tokens="kept")),
 }
 
 
@@ -418,6 +434,7 @@ def test_the_trainers_options(options, backend):
     (want, want_lp, want_h), (got, got_lp, got_h) = _both(batch, "decoupled", config, logprobs, entropy)
     weights = want.is_weights[batch.response_mask]
     assert bool((weights == 0).any()) or not bool(want.mask[batch.response_mask].all()), "nothing was rejected"
+    assert bool((weights[want.mask[batch.response_mask]] != 0).any()), "everything was rejected"
     assert torch.equal(got.mask, want.mask)
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
     assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")

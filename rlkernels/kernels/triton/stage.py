@@ -2,7 +2,8 @@
 compiled graph of ~50 generated kernels) compute for the loss and its gradient coefficients.
 
     _sequence_kernel   one program per sequence, two reads of its tokens. The first sums what the sequence's
-                       decisions need (masked length, log-ratio, k1 / k3 statistics, and with a sequence-level
+                       decisions need (masked length, log-ratio, k1 / k3 statistics over m or the tokens the
+                       token-level options keep, the tokens outside seq_all_k1's bounds, and with a sequence-level
                        policy ratio its log-ratio); the decisions follow (IS weight, rejection). The second forms each
                        token's IS weight, final mask, policy term and its derivative, the KL penalty's derivative,
                        and the sequence's sums of the loss's terms (and of the derivatives in its mean log-ratio,
@@ -146,6 +147,20 @@ def gspo_term(log_s, adv, clip_lo, clip_hi):
 
 
 @triton.jit
+def _token_keeps(m, delta_hat, k3, k1_lo, k1_hi, k2_max, k3_max, KINDS: tl.constexpr):
+    """The tokens of m whose k-statistics of the set KINDS (stage_options.TOKEN_KINDS bits) are inside their bounds
+    (correction._keeps: k1 in [k1_lo, k1_hi], k2 <= k2_max, k3 <= k3_max); a NaN statistic fails."""
+    keep = m
+    if KINDS & 1:
+        keep = keep & (-delta_hat <= k1_hi) & (-delta_hat >= k1_lo)
+    if KINDS & 2:
+        keep = keep & (0.5 * delta_hat * delta_hat <= k2_max)
+    if KINDS & 4:
+        keep = keep & (k3 <= k3_max)
+    return keep
+
+
+@triton.jit
 def _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL: tl.constexpr):
     """l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy)."""
     if PROXIMAL == 1:
@@ -167,13 +182,15 @@ def _sequence_kernel(
     seq_len,
     # hyperparameters
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
-    clip_hi, clip_c,
+    clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, all_k2_max,
+    all_k3_max,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
     RS_K3_SUM: tl.constexpr, RS_K3_MEAN: tl.constexpr, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, SEQ_MEAN_ADVANTAGES: tl.constexpr,
-    ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, BLOCK: tl.constexpr,
+    ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, RS_TOKEN: tl.constexpr, RS_ALL: tl.constexpr,
+    SEQ_TOKENS_KEPT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -185,7 +202,7 @@ def _sequence_kernel(
         start = s * seq_len
         end = start + seq_len
     offs = tl.arange(0, BLOCK)
-    HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN
+    HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL != 0
     HAS_CORRECTION: tl.constexpr = HAS_RS or IS_LEVEL != 0
 
     # -- first read: the sums the sequence's decisions read (correction.token_terms); vectors summed once at the end
@@ -195,33 +212,59 @@ def _sequence_kernel(
     k3_acc = tl.zeros([BLOCK], tl.float32)
     pg_delta_acc = tl.zeros([BLOCK], tl.float32)
     adv_acc = tl.zeros([BLOCK], tl.float32)
+    kept_length_acc = tl.zeros([BLOCK], tl.float32)  # the tokens the token_* options keep
+    rejecting_acc = tl.zeros([BLOCK], tl.float32)  # the tokens outside a seq_all_* option's bounds
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
         length_acc += m.to(tl.float32)
-        if POLICY != 0:  # the sequence's policy log-ratio (loss._kept_sums' pg_delta)
-            lp = on_mask(lp_ptr, idx, inside, m)
-            pg_delta_acc += lp - _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL)
-        if SEQ_MEAN_ADVANTAGES:
-            adv_acc += on_mask(adv_ptr, idx, inside, m)
+        token_keep = m
         if HAS_CORRECTION:
             train = on_mask(old_ptr, idx, inside, m)
             behaviour = on_mask(rollout_ptr, idx, inside, m)
             delta = train - behaviour
-            delta_acc += delta
             delta_hat = _clamp(delta, -CLAMP, CLAMP)
-            k1_acc += -delta_hat
-            k3_acc += tl.where(m, tl.exp(delta_hat) - 1.0 - delta_hat, 0.0)
+            k3_token = tl.where(m, tl.exp(delta_hat) - 1.0 - delta_hat, 0.0)
+            if RS_TOKEN != 0:
+                token_keep = _token_keeps(m, delta_hat, k3_token, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max,
+                                          RS_TOKEN)
+                kept_length_acc += token_keep.to(tl.float32)
+            if RS_ALL != 0:
+                inside_all = _token_keeps(m, delta_hat, k3_token, all_k1_lo, all_k1_hi, all_k2_max, all_k3_max, RS_ALL)
+                rejecting_acc += (m & ~inside_all).to(tl.float32)
+            if SEQ_TOKENS_KEPT:  # the sequence statistics over the tokens the token options keep (SkyRL's order)
+                delta_acc += tl.where(token_keep, delta, 0.0)
+                k1_acc += tl.where(token_keep, -delta_hat, 0.0)
+                k3_acc += tl.where(token_keep, k3_token, 0.0)
+            else:
+                delta_acc += delta
+                k1_acc += -delta_hat
+                k3_acc += k3_token
+        # what loss._kept_sums sums: the tokens no token option drops (every token of m with zero_weight)
+        summed = m if ZERO_WEIGHT else token_keep
+        if POLICY != 0:  # the sequence's policy log-ratio (pg_delta)
+            lp = on_mask(lp_ptr, idx, inside, m)
+            pg_delta_acc += tl.where(summed, lp - _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL), 0.0)
+        if SEQ_MEAN_ADVANTAGES:
+            adv_acc += tl.where(summed, on_mask(adv_ptr, idx, inside, m), 0.0)
     length = tl.sum(length_acc, 0)
     count = tl.maximum(length, 1.0)
+    kept_length = length
+    if RS_TOKEN != 0:
+        kept_length = tl.sum(kept_length_acc, 0)
+    # what a sequence statistic's mean divides by: its tokens in m, or those the token options keep
+    if SEQ_TOKENS_KEPT:
+        stat_count = tl.maximum(kept_length, 1.0)
+    else:
+        stat_count = count
 
     # -- the sequence's decisions (correction.decide): its IS weight and whether rejection keeps it
     seq_weight = 0.0
     if IS_LEVEL >= 2:
         log_ratio = tl.sum(delta_acc, 0)
         if IS_LEVEL == 3:
-            log_ratio = log_ratio / count
+            log_ratio = log_ratio / stat_count
         log_ratio = _clamp(log_ratio, -CLAMP, CLAMP)
         seq_weight = _truncated(tl.exp(log_ratio), length > 0, is_lo, is_hi, IS_MASK)
     # whether rejection keeps the sequence, as a 1.0 / 0.0 flag (0-d booleans do not combine with blocks in the
@@ -232,22 +275,22 @@ def _sequence_kernel(
         if RS_K1_SUM:  # k1 in [-log hi, -log lo] (SPEC §5, compared in log space)
             keep = tl.where((k1 <= k1_sum_hi) & (k1 >= k1_sum_lo), keep, 0.0)
         if RS_K1_MEAN:
-            keep = tl.where((k1 / count <= k1_mean_hi) & (k1 / count >= k1_mean_lo), keep, 0.0)
+            keep = tl.where((k1 / stat_count <= k1_mean_hi) & (k1 / stat_count >= k1_mean_lo), keep, 0.0)
     if RS_K3_SUM or RS_K3_MEAN:
         k3 = tl.sum(k3_acc, 0)
         if RS_K3_SUM:
             keep = tl.where(k3 <= k3_sum_max, keep, 0.0)
         if RS_K3_MEAN:
-            keep = tl.where(k3 / count <= k3_mean_max, keep, 0.0)
+            keep = tl.where(k3 / stat_count <= k3_mean_max, keep, 0.0)
+    if RS_ALL != 0:  # every token of the sequence inside the bounds
+        keep = tl.where(tl.sum(rejecting_acc, 0) == 0.0, keep, 0.0)
     keep_block = (tl.zeros([BLOCK], tl.float32) + keep) != 0.0
     # m' = m & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
     if ZERO_WEIGHT:
-        final_block = tl.full([BLOCK], 1, tl.int1)
         final_count = count
         seq_weight = tl.where(keep != 0.0, seq_weight, 0.0)
     else:
-        final_block = keep_block
-        final_count = tl.where(keep != 0.0, count, 1.0)  # over 1 where rejection emptied the sequence
+        final_count = tl.where(keep != 0.0, tl.maximum(kept_length, 1.0), 1.0)  # over 1 where rejection emptied it
     # the sequence's mean policy log-ratio and advantage over its final mask, as blocks
     log_s = tl.zeros([BLOCK], tl.float32)
     if POLICY != 0:
@@ -267,7 +310,16 @@ def _sequence_kernel(
         idx = off + offs
         inside = idx < end
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
-        kept = m & final_block
+        token_keep = m
+        if RS_TOKEN != 0:
+            delta_hat = _clamp(on_mask(old_ptr, idx, inside, m) - on_mask(rollout_ptr, idx, inside, m), -CLAMP, CLAMP)
+            k3_token = tl.where(m, tl.exp(delta_hat) - 1.0 - delta_hat, 0.0)
+            token_keep = _token_keeps(m, delta_hat, k3_token, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max,
+                                      RS_TOKEN)
+        if ZERO_WEIGHT:
+            kept = m
+        else:
+            kept = token_keep & keep_block
         lp = on_mask(lp_ptr, idx, inside, m)
         if SEQ_MEAN_ADVANTAGES:
             adv = tl.where(kept, seq_adv, 0.0)
@@ -282,7 +334,7 @@ def _sequence_kernel(
         elif IS_LEVEL >= 2:
             w = tl.where(m, seq_weight, 0.0)
         if ZERO_WEIGHT:
-            w = tl.where(keep_block, w, 0.0)
+            w = tl.where(token_keep & keep_block, w, 0.0)
         if WEIGHTED:
             tl.store(weights_ptr + idx, w, mask=inside)
             w_acc += w
@@ -557,7 +609,7 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
 
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
-                     "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE")
+                     "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION", "POLICY")
 
@@ -569,7 +621,8 @@ def aot_specs():
     through the same code)."""
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
-                POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False)
+                POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=0,
+                SEQ_TOKENS_KEPT=False)
     sequence_sets = [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -585,6 +638,12 @@ def aot_specs():
         dict(base, WEIGHTED=True, IS_LEVEL=1, RS_K1_MEAN=True, ZERO_WEIGHT=True, KL_TYPE=4, KL_SCORE=True),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K3_SUM=True, ZERO_WEIGHT=True, KL_TYPE=1, KL_STRAIGHT=True,
              KL_SCORE=True),
+        # token-level rejection: SkyRL's (token and every-token k1, the sequence statistics over the kept tokens),
+        # with zero weights (OpenRLHF's order), and every kind at once with geometric IS
+        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_TOKEN=1, RS_ALL=1, RS_K1_MEAN=True, SEQ_TOKENS_KEPT=True),
+        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_TOKEN=5, ZERO_WEIGHT=True, KL_TYPE=4),
+        dict(base, WEIGHTED=True, IS_LEVEL=3, RS_TOKEN=7, RS_ALL=1, RS_K3_SUM=True, SEQ_TOKENS_KEPT=True, POLICY=1,
+             SEQ_MEAN_ADVANTAGES=True),
     ]
     pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "cu_ptr",
                 "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
