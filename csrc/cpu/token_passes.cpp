@@ -926,7 +926,7 @@ enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
   kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kRsToken, kRsAll, kSeqTokensKept,
-  kOptionCount
+  kGivenWeights, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
@@ -1040,7 +1040,7 @@ __attribute__((noinline)) float sequence_coefficient(float grad_sum, float a, fl
 }
 
 struct Inputs {
-  const float *lp, *entropy, *adv, *old, *rollout, *ref;
+  const float *lp, *entropy, *adv, *old, *rollout, *ref, *given;  // given: a trainer's own IS weights, or nullptr
   const bool* mask;
   const int64_t* cu;  // nullptr: the padded layout, seq_len tokens each
   int64_t seq_len;
@@ -1160,6 +1160,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       w = truncated(std::exp(delta_hat), m, h[kIsLo], h[kIsHi], o[kIsMask]);
     } else if (o[kIsLevel] >= 2) {
       w = m ? seq_weight : 0.0f;
+    } else if (o[kGivenWeights]) {  // a trainer's own, on the mask (loss._masked_inputs)
+      w = on_mask(in.given, t, m);
     }
     if (zero_weight && !(token_keep && keep)) w = 0.0f;
     if (o[kWeighted]) out.weights[t] = w, weight_sum.add(t, w);
@@ -1216,6 +1218,7 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
                                        const at::Tensor& advantages, const at::Tensor& mask,
                                        const std::optional<at::Tensor>& old, const std::optional<at::Tensor>& rollout,
                                        const std::optional<at::Tensor>& ref,
+                                       const std::optional<at::Tensor>& is_weights,
                                        const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_id,
                                        int64_t seq_len, int64_t num_seqs, at::IntArrayRef options,
                                        at::ArrayRef<double> hyper, bool factors) {
@@ -1245,7 +1248,8 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   }
   check_layout(op, cu, S, seq_len, N, seq_id.data_ptr<int64_t>());
   const Inputs in{f32(lp, "lp"), f32(entropy, "entropy"), f32(advantages, "advantages"), f32(old, "old"),
-                  f32(rollout, "rollout"), f32(ref, "ref"), mask.data_ptr<bool>(), cu, seq_len};
+                  f32(rollout, "rollout"), f32(ref, "ref"), f32(is_weights, "is_weights"), mask.data_ptr<bool>(), cu,
+                  seq_len};
   const bool weighted = o[kWeighted], has_kl = o[kKlType] != 0, has_entropy = in.entropy != nullptr;
   const auto options_f32 = lp.options().dtype(at::kFloat);
   at::Tensor lp_out = at::empty({N}, options_f32), coef = at::empty({N}, options_f32);
@@ -1454,7 +1458,7 @@ TORCH_LIBRARY(rlkernels_cpu, m) {
         "float reference_temperature, Tensor? inv_temperature=None, Tensor? inv_reference_temperature=None) "
         "-> Tensor");
   m.def("sequence_stage(Tensor lp, Tensor? entropy, Tensor advantages, Tensor mask, Tensor? old, Tensor? rollout, "
-        "Tensor? ref, Tensor? cu_seqlens, Tensor seq_id, int seq_len, int num_seqs, int[] options, float[] hyper, "
+        "Tensor? ref, Tensor? is_weights, Tensor? cu_seqlens, Tensor seq_id, int seq_len, int num_seqs, int[] options, float[] hyper, "
         "bool factors=False) -> Tensor[]");
   m.def("forward_gradient(Tensor logits, Tensor labels, float temperature, Tensor? inv_temperature, "
         "Tensor(a!) out, Tensor mask, Tensor advantages, Tensor? proximal, Tensor? ref, Tensor a, Tensor? weights, "

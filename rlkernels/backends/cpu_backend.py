@@ -182,9 +182,9 @@ class CpuBackend(ExtensionBackend):
         cu = None if inputs.cu_seqlens is None else inputs.cu_seqlens.to(torch.int64).contiguous()
         loss, lp, coef, coef_entropy, weights, kept = torch.ops.rlkernels_cpu.sequence_stage(
             f32(inputs.lp), f32(inputs.entropy), f32(inputs.advantages), inputs.mask.to(torch.bool).contiguous(),
-            f32(inputs.old), f32(inputs.rollout), f32(inputs.ref), cu, inputs.seq_id.contiguous(), inputs.seq_len,
-            inputs.num_seqs, [int(value) for value in codes.values()], [float(hyper[name]) for name in HYPERPARAMETERS],
-            factors)
+            f32(inputs.old), f32(inputs.rollout), f32(inputs.ref), f32(inputs.is_weights), cu,
+            inputs.seq_id.contiguous(), inputs.seq_len, inputs.num_seqs, [int(value) for value in codes.values()],
+            [float(hyper[name]) for name in HYPERPARAMETERS], factors)
         return (loss, lp, coef, None if inputs.entropy is None else coef_entropy,
                 weights if codes["WEIGHTED"] else None, kept)
 

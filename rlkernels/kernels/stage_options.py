@@ -45,7 +45,7 @@ def option_codes(options: dict) -> dict:
         KL_SCORE=options["kl_score"],
         RS_TOKEN=sum(bit for kind, bit in TOKEN_KINDS.items() if f"token_{kind}" in rejection),
         RS_ALL=sum(bit for kind, bit in TOKEN_KINDS.items() if f"seq_all_{kind}" in rejection),
-        SEQ_TOKENS_KEPT=options["seq_tokens_kept"])
+        SEQ_TOKENS_KEPT=options["seq_tokens_kept"], GIVEN_WEIGHTS=options["given_weights"])
 
 
 class TokenFactors(NamedTuple):

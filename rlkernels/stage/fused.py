@@ -12,10 +12,11 @@ statistics over m or over the tokens the token options keep (seq_tokens), leavin
 (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage
 (seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with
 or without the score term (kl_score_gradient: NeMo-RL's); the entropy bonus at the loss's aggregation or its own
-(entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts.
+(entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts; a trainer's own IS weights
+(is_weights: verl's, TRL's, prime-rl's).
 Everything else keeps the torch stage (`loss.run`): the other rejection statistics (k2 and k3 maxima, k2 sums, the
 binary divergences, the sampler's KL), the other loss types and terms (the bias-corrected KL, the log-ratio square),
-split batches, a trainer's own IS weights, the sampler's evidence.
+split batches, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
 torch stage's run on the same inputs when they are first read (the values bit for bit), which a trainer does after
@@ -56,6 +57,7 @@ class KernelInputs(NamedTuple):
     seq_len: int
     seq_id: torch.Tensor  # [N] int64
     num_seqs: int
+    is_weights: Optional[torch.Tensor] = None  # a trainer's own IS weights (the stage applies them as given)
 
 
 def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
@@ -76,8 +78,6 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
         return f"kl_type={config.kl_type!r}"
     if batch.sampler_head is not None:
         return "the sampler's top-k or logits (SPEC §9)"
-    if batch.is_weights is not None:
-        return "a trainer's own is_weights"
     split, seg = batch.split, batch.segments
     if split is not None and (split.dp_group is not None or split.cp_group is not None):
         return "a dp_group / cp_group split"
@@ -194,9 +194,11 @@ def _launch_arguments(stats, batch, config):
     inputs = KernelInputs(stats.logprobs, stats.entropy if entropy_term else None, batch.advantages, batch.mask,
                           batch.old_logprobs, batch.rollout_logprobs if proximal == 2 or rc else None,
                           batch.ref_logprobs if kl else None, seg.cu_seqlens, seg.padded_T or 0, seg.seq_id,
-                          seg.num_seqs)
+                          seg.num_seqs, batch.is_weights)
     options = dict(
-        proximal=("current", "old", "rollout")[proximal], weighted=rc is not None and rc.is_level is not None,
+        proximal=("current", "old", "rollout")[proximal],
+        weighted=rc is not None and rc.is_level is not None or batch.is_weights is not None,
+        given_weights=batch.is_weights is not None,
         is_level=None if rc is None else rc.is_level, is_mask=rc is not None and rc.is_icepop,
         rejection=() if rc is None else tuple(option for option, _ in rc.rs),
         ratio_clamp=config.log_ratio_clamp is not None, dual_clip=config.clip_ratio_c is not None,

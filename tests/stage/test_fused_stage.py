@@ -90,12 +90,13 @@ def family_configs(draw, mode: str, one_pass: bool = False):
         log_ratio_clamp=draw(st.sampled_from((20.0, 5.0, None))), metrics="loss_only", validate=False)
 
 
-def _both(batch, mode, config, logprobs, entropy):
-    """(output, d loss / d logprobs, d loss / d entropy) of the torch stage and of the fused one."""
+def _both(batch, mode, config, logprobs, entropy, is_weights=None):
+    """(output, d loss / d logprobs, d loss / d entropy) of the torch stage and of the fused one; `is_weights`: a
+    trainer's own."""
     results = []
     for fused_stage in (False, True):
         lp, h = logprobs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
-        kwargs = batch.kwargs(mode)
+        kwargs = dict(batch.kwargs(mode), is_weights=is_weights)
         out = rlkernels.policy_loss(lp, batch.advantages, batch.response_mask, entropy=h,
                                     config=config.with_overrides(fused_stage=fused_stage), **kwargs)
         results.append((out, *torch.autograd.grad(out.loss, (lp, h), allow_unused=True)))
@@ -115,7 +116,11 @@ def test_fused_stage_matches_the_torch_stage(batch, mode, data):
     shape = batch.labels.shape
     logprobs = batch.old_logprobs + torch.randn(shape, generator=gen) * data.draw(st.sampled_from((0.0, 0.1, 2.0)))
     entropy = torch.rand(shape, generator=gen) * 3
-    (want, want_lp, want_h), (got, got_lp, got_h) = _both(batch, mode, config, logprobs, entropy)
+    rc = config.rollout_correction
+    # a trainer's own IS weights (verl's, TRL's), where the correction computes none
+    given = (mode != "on-policy" and (rc is None or rc.is_level is None) and data.draw(st.booleans()))
+    is_weights = torch.rand(shape, generator=gen) * 2 if given else None
+    (want, want_lp, want_h), (got, got_lp, got_h) = _both(batch, mode, config, logprobs, entropy, is_weights)
     assert got.metrics == {} and got.path == want.path
     assert torch.equal(got.mask, want.mask), "final mask differs"
     scale = max(1.0, float(want.loss.detach().abs())) if torch.isfinite(want.loss) else 1.0
@@ -440,6 +445,32 @@ def test_the_trainers_options(options, backend):
     assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
     for name, g, w in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
         assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@implementations
+def test_a_trainers_own_is_weights(layout, backend):
+    """verl and TRL compute their IS weights themselves and hand them to the loss (is_weights=): the fused stage
+    applies them as the torch stage does (on the mask, no batch normalisation), with a sequence rejection beside
+    them, and reports them as the call's is_weights."""
+    from ..cases import make_batch
+
+    lengths = [3, 7, 1, 0, 12, 5, 9] if layout == "packed" else [6] * 5
+    batch = make_batch(layout, lengths, 2, dtype=F32, seed=15, mismatch=0.1, mask_p=0.85)
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection(rs={"seq_mean_k1": (0.97, 1.03)}), kl_coef=0.1,
+                              kl_type="k3", loss_agg_mode="seq-mean-token-mean", metrics="loss_only", validate=False,
+                              backend=backend)
+    gen = torch.Generator().manual_seed(16)
+    logprobs = batch.old_logprobs + 0.2 * torch.randn(batch.labels.shape, generator=gen)
+    weights = torch.rand(batch.labels.shape, generator=gen) * 2
+    weights = torch.where(batch.response_mask, weights, torch.nan)  # off the mask: anything
+    (want, want_lp, _), (got, got_lp, _) = _both(batch, "decoupled", config, logprobs, torch.zeros_like(logprobs),
+                                                 weights)
+    assert torch.equal(got.mask, want.mask) and 0 < int(got.mask.sum()) < int(batch.response_mask.sum())
+    assert torch.equal(got.is_weights, torch.where(batch.response_mask, weights, 0.0))
+    assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert_close(got_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())), name="dlogprobs")
 
 
 @implementations

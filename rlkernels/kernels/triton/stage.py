@@ -175,7 +175,7 @@ def _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL: tl.constexpr):
 @triton.jit(do_not_specialize=["seq_len"])
 def _sequence_kernel(
     # inputs [N] (any float dtype; mask bool) and the packed offsets [S + 1]
-    lp_ptr, entropy_ptr, adv_ptr, mask_ptr, old_ptr, rollout_ptr, ref_ptr, cu_ptr,
+    lp_ptr, entropy_ptr, adv_ptr, mask_ptr, old_ptr, rollout_ptr, ref_ptr, given_ptr, cu_ptr,
     # outputs [N] float32 / bool, and the [S, RECORD] record
     lp_out_ptr, grad_ptr, dkl_ptr, weights_ptr, kept_ptr, record_ptr,
     # the padded layout's T (HAS_CU False)
@@ -190,7 +190,7 @@ def _sequence_kernel(
     RS_K3_SUM: tl.constexpr, RS_K3_MEAN: tl.constexpr, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, SEQ_MEAN_ADVANTAGES: tl.constexpr,
     ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, RS_TOKEN: tl.constexpr, RS_ALL: tl.constexpr,
-    SEQ_TOKENS_KEPT: tl.constexpr, BLOCK: tl.constexpr,
+    SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -333,6 +333,8 @@ def _sequence_kernel(
             w = _truncated(tl.exp(delta_hat), m, is_lo, is_hi, IS_MASK)
         elif IS_LEVEL >= 2:
             w = tl.where(m, seq_weight, 0.0)
+        elif GIVEN_WEIGHTS:  # a trainer's own, on the mask (loss._masked_inputs)
+            w = on_mask(given_ptr, idx, inside, m)
         if ZERO_WEIGHT:
             w = tl.where(token_keep & keep_block, w, 0.0)
         if WEIGHTED:
@@ -590,7 +592,7 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
         if S:  # an empty grid is no launch (CUDA refuses it); the finish then reads an empty record: loss 0
             _sequence_kernel[(S,)](
                 lp.contiguous(), given(inputs.entropy), given(inputs.advantages), inputs.mask.contiguous(),
-                given(inputs.old), given(inputs.rollout), given(inputs.ref),
+                given(inputs.old), given(inputs.rollout), given(inputs.ref), given(inputs.is_weights),
                 given(inputs.cu_seqlens if inputs.cu_seqlens is not None else inputs.seq_id),
                 lp_out, grad, dkl, lp_out if weights is None else weights, kept, record, inputs.seq_len,
                 *(h[name] for name in SEQUENCE_HYPERPARAMETERS),
@@ -609,7 +611,8 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
 
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
-                     "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT")
+                     "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
+                     "GIVEN_WEIGHTS")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION", "POLICY")
 
@@ -622,7 +625,7 @@ def aot_specs():
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=0,
-                SEQ_TOKENS_KEPT=False)
+                SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False)
     sequence_sets = [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -644,10 +647,12 @@ def aot_specs():
         dict(base, WEIGHTED=True, IS_LEVEL=1, RS_TOKEN=5, ZERO_WEIGHT=True, KL_TYPE=4),
         dict(base, WEIGHTED=True, IS_LEVEL=3, RS_TOKEN=7, RS_ALL=1, RS_K3_SUM=True, SEQ_TOKENS_KEPT=True, POLICY=1,
              SEQ_MEAN_ADVANTAGES=True),
+        # a trainer's own IS weights (verl's, TRL's), with a sequence rejection
+        dict(base, WEIGHTED=True, GIVEN_WEIGHTS=True, RS_K1_MEAN=True, KL_TYPE=4),
     ]
-    pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "cu_ptr",
-                "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
-    types = dict(zip(pointers, ("*fp32",) * 3 + ("*i1",) + ("*fp32",) * 3 + ("*i64",) + ("*fp32",) * 4
+    pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "given_ptr",
+                "cu_ptr", "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
+    types = dict(zip(pointers, ("*fp32",) * 3 + ("*i1",) + ("*fp32",) * 4 + ("*i64",) + ("*fp32",) * 4
                      + ("*i1", "*fp32")))
     specs = []
     for i, options in enumerate(sequence_sets):
