@@ -52,6 +52,36 @@ def _ppo_inputs(N: int, V: int, S: int, device: str, dtype: torch.dtype):
                 cu_seqlens=torch.linspace(0, N, S + 1, device=device).long())
 
 
+# the trainers' own calls the fused stage took this session (the torch stage's before): verl's GSPO with its own IS
+# weights, TRL's loss (it sets entropy_agg_mode on every call), SkyRL's token-level rejection over the kept tokens,
+# NeMo-RL's zero-weight rejection with the KL's score term; each with every metric, as the trainers log them
+TRAINERS = {
+    "verl_gspo": (dict(loss_type="gspo", loss_agg_mode="seq-mean-token-mean"), True),
+    "trl": (dict(loss_agg_mode="token-mean", entropy_agg_mode="token-mean", rollout_correction=RolloutCorrection(
+        is_level="sequence", is_threshold=3.0, is_mode="mask")), False),
+    "skyrl": (dict(rollout_correction=RolloutCorrection(
+        is_level="token", is_threshold=2.0, rs={"token_k1": (0.5, 2.0), "seq_all_k1": (0.2, 5.0)},
+        seq_tokens="kept")), False),
+    "nemo_rl": (dict(kl_coef=0.01, kl_type="k3", kl_score_gradient=True, rollout_correction=RolloutCorrection(
+        is_level="token", is_threshold=2.0, rs={"seq_mean_k1": (0.99, 1.01)}, rs_mode="zero_weight")), False),
+}
+
+
+def trainer_cases(N: int, V: int, S: int, device: str, dtype: torch.dtype):
+    """trainer[name,torch|fused] -> a forward: each of TRAINERS with the torch stage and with the fused one."""
+    x = _ppo_inputs(N, V, S, device, dtype)
+    logits = x.pop("logits")
+    x["ref_logprobs"] = x["old_logprobs"] - 0.01
+    out = {}
+    for name, (options, own_weights) in TRAINERS.items():
+        kwargs = dict(x, is_weights=torch.rand(N, device=device) + 0.5) if own_weights else x
+        for stage in ("torch", "fused"):
+            config = PolicyLossConfig(**options, validate=False, compile_stage=False, fused_stage=stage == "fused")
+            out[f"trainer[{name},{stage}]"] = lambda c=config, kw=kwargs: rlkernels.decoupled_ppo_loss(
+                logits, config=c, **kw)
+    return out
+
+
 def cases(N: int, V: int, H: int, S: int, k: int, device: str, dtype: torch.dtype):
     """name -> a forward returning a loss to differentiate, or (outputs, their incoming gradients): the two passes
     are compared on their op alone, not on a loss of ours around them."""
@@ -164,12 +194,18 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--trainers", action="store_true",
+                   help="also the TRAINERS' calls with the torch stage and the fused one (launches, and times with "
+                        "--time-ppo)")
     p.add_argument("--time-ppo", action="store_true",
                    help="on the CPU too: the ppo cases' forward + backward time, interleaved (ratios, not absolutes)")
     args = p.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     rows = {}
-    for name, fn in cases(args.N, args.V, args.H, args.S, args.k, args.device, dtype).items():
+    every = cases(args.N, args.V, args.H, args.S, args.k, args.device, dtype)
+    if args.trainers:
+        every.update(trainer_cases(args.N, args.V, args.S, args.device, dtype))
+    for name, fn in every.items():
         step(fn)  # first contact (a compiled stage compiles here), outside the counts
         row = count(fn)
         if args.device == "cuda":
@@ -186,9 +222,8 @@ def main(argv=None) -> None:
         print(f"{name:16} " + "  ".join(f"{key} {value if not isinstance(value, float) else f'{value:.3f}'}"
                                         for key, value in row.items()), flush=True)
     if args.time_ppo and args.device != "cuda":
-        every = cases(args.N, args.V, args.H, args.S, args.k, args.device, dtype)
         ppo = {name: (lambda f=fn: step(f)) for name, fn in every.items()
-               if name.startswith("ppo") or name == "logprobs"}
+               if name.startswith(("ppo", "trainer")) or name == "logprobs"}
         times = time_calls(ppo, args.reps, sync=lambda: None)
         for name, t in times.items():
             rows[name]["eager_ms"] = t

@@ -170,6 +170,20 @@ def test_the_fused_stage_meets_the_hot_path_target(backend, metrics):
 
 
 @pytest.mark.skipif(not backends.is_available("cpu"), reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("trainer", ["verl_gspo", "trl", "skyrl", "nemo_rl"])
+def test_the_trainers_calls_take_the_fused_stage(trainer):
+    """The trainers' own calls of benchmarks/launches.py TRAINERS (verl's GSPO with its IS weights, TRL's entropy
+    aggregation, SkyRL's token rejection, NeMo-RL's zero weights and KL score term), every metric on, on the CPU
+    kernels: the fused stage's hot path (measured 22-26 launches, 35-39 ops), where the torch stage took 163-270
+    launches (`python -m benchmarks.launches --trainers`)."""
+    launches = pytest.importorskip("benchmarks.launches")
+    calls = launches.trainer_cases(256, 512, 8, "cpu", torch.float32)
+    fused, torch_stage = (launches.count(calls[f"trainer[{trainer},{stage}]"]) for stage in ("fused", "torch"))
+    assert fused["aten_ops"] <= 60 and fused["launches"] <= 35 and fused["syncs"] == 0, fused
+    assert torch_stage["launches"] - fused["launches"] >= 100, (torch_stage, fused)
+
+
+@pytest.mark.skipif(not backends.is_available("cpu"), reason="the CPU kernels are not built here")
 def test_the_fused_stages_metrics_cost_the_torch_stages_when_read():
     """The deferred metrics are the torch stage's run, when a logger reads them after the backward: budgeted as
     the torch stage with every metric is (measured 201 launches: the torch stage's 222 less the backward's and the

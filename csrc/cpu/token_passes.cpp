@@ -926,19 +926,21 @@ enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
   kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kRsToken, kRsAll, kSeqTokensKept,
-  kGivenWeights, kOptionCount
+  kGivenWeights, kCispoCap, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
-  kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kAllK2Max, kAllK3Max, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kHyperCount
+  kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kAllK2Max, kAllK3Max, kCispoCapValue,
+  kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
 // token weights', or the sequence's one weight: what is_batch_normalize averages), masked length, the sum over m' of
 // the weighted policy derivative in the sequence's log-ratio (kPolicy 1: each token's coefficient is its mean)
 constexpr int64_t kRecord = 8;
-// kPolicy: PPO's clip of the token's ratio, of its sequence's mean log-ratio (ratio_level="sequence"), GSPO's token form
-enum PolicyCode { kPpo, kPpoSequence, kGspo };
+// kPolicy: PPO's clip of the token's ratio, of its sequence's mean log-ratio (ratio_level="sequence"), GSPO's token
+// form, CISPO of the token's ratio or of its sequence's
+enum PolicyCode { kPpo, kPpoSequence, kGspo, kCispo, kCispoSequence };
 
 // torch.clamp: NaN stays NaN
 inline float clamp(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
@@ -1057,6 +1059,18 @@ inline bool token_keeps(bool m, float delta_hat, float k3, int64_t kinds, const 
   return keep;
 }
 
+// CISPO (policy_terms.cispo): -sg(c) A lp with c = clip(r, lo, hi) or min(r, cap) of the ratio exp(log_r) (log_r
+// clamped to log_ratio_clamp), and its derivative in lp, -c A, both times w where the options weigh.
+inline void cispo_term(float lp, float log_r, float adv, float w, const int64_t* o, const float* h, float& term_out,
+                       float& grad_out) {
+  const float r = std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
+  const float c = o[kCispoCap] ? (std::isnan(r) ? r : std::min(r, h[kCispoCapValue]))
+                                : clamp(r, h[kClipLo], h[kClipHi]);
+  float grad = -c * adv, term = grad * lp;
+  if (o[kWeighted]) term *= w, grad *= w;
+  term_out = term, grad_out = grad;
+}
+
 // l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy).
 inline float proximal(const Inputs& in, int64_t t, bool m, float lp, const int64_t* o) {
   return o[kProximal] == 1 ? on_mask(in.old, t, m) : o[kProximal] == 2 ? on_mask(in.rollout, t, m) : lp;
@@ -1091,6 +1105,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const int64_t token_kinds = o[kRsToken], all_kinds = o[kRsAll];
   const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean] || token_kinds || all_kinds;
   const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
+  const int64_t policy = o[kPolicy];  // the policy ratio is the sequence's:
+  const bool sequence_ratio = policy == kPpoSequence || policy == kGspo || policy == kCispoSequence;
   // the tokens the token_* options keep (kept_length_sum) and those outside a seq_all_* option's bounds
   LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum;
   for (int64_t t = start; t < end; ++t) {
@@ -1112,7 +1128,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       k3_sum.add(t, over ? k3_token : 0.0f);
     }
     const bool summed = zero_weight ? m : token_keep;  // what loss._kept_sums sums (every token of m: zero_weight)
-    if (o[kPolicy] != kPpo) {  // the sequence's policy log-ratio (pg_delta)
+    if (sequence_ratio) {  // the sequence's policy log-ratio (pg_delta)
       const float lp = on_mask(in.lp, t, m);
       pg_delta_sum.add(t, summed ? lp - proximal(in, t, m, lp, o) : 0.0f);
     }
@@ -1139,7 +1155,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   // over 1 where rejection emptied the sequence
   const float final_count = zero_weight ? count : (keep ? std::max(kept_length, 1.0f) : 1.0f);
   // the sequence's mean policy log-ratio and advantage over its final mask
-  const float log_s = o[kPolicy] != kPpo ? pg_delta_sum.total() / final_count : 0.0f;
+  const float log_s = sequence_ratio ? pg_delta_sum.total() / final_count : 0.0f;
   const float seq_adv = o[kSeqMeanAdvantages] ? adv_sum.total() / final_count : 0.0f;
   LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum, grad_sum;
   for (int64_t t = start; t < end; ++t) {
@@ -1170,8 +1186,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       ppo_term(lp, l_old, adv, w, o, h, term, grad);
     } else if (o[kPolicy] == kPpoSequence) {  // d term / d log_s, which the finish chains through the mean
       ppo_clip(log_s, adv, w, o, h, term, grad);
-    } else {
+    } else if (o[kPolicy] == kGspo) {
       gspo_term(log_s, adv, w, o, h, term, grad);
+    } else {  // CISPO of the token's ratio, or of the sequence's (its gradient through lp alone: sg(c))
+      cispo_term(lp, o[kPolicy] == kCispo ? lp - l_old : log_s, adv, w, o, h, term, grad);
     }
     pg.add(t, kept ? term : 0.0f);
     if (o[kPolicy] == kPpoSequence) {

@@ -4,7 +4,8 @@
 
 The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) of each token's ratio, or of its
 sequence's (ratio_level="sequence", TRL's GSPO: the gradient chained through the sequence's mean log-ratio), any
-log_ratio_clamp; GSPO's token form (loss_type="gspo", verl's); on-policy, bypass without a correction, or decoupled
+log_ratio_clamp; GSPO's token form (loss_type="gspo", verl's); CISPO of the token's or the sequence's ratio
+(MiniMax-M1's, clipped as verl's or capped as TRL's); on-policy, bypass without a correction, or decoupled
 mode with token / sequence / geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and rejection
 on the sum or mean of k1 or k3 over the sequence (seq-MIS, geo-RS, K3-RS and their combinations with IS), on k1, k2
 or k3 of each token (token_*) or k1 of every token of the sequence (seq_all_k1; SkyRL's, AReaL's), the sequence
@@ -66,8 +67,8 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
     if dtype != torch.float32:
         return f"{dtype} statistics (the kernels compute in float32)"
     if _policy(config) is None:
-        return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip of the token's or the "
-                "sequence's ratio, or GSPO's token form)")
+        return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip and CISPO of the "
+                "token's or the sequence's ratio, or GSPO's token form)")
     for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
@@ -101,6 +102,8 @@ def _policy(config) -> Optional[str]:
     """The kernels' policy term of a config (stage_options.POLICY_TERMS), or None outside the family."""
     if config.loss_type in _PPO:
         return "ppo" if config.ratio_level == "token" else "ppo_sequence"
+    if config.loss_type == "cispo":
+        return "cispo" if config.ratio_level == "token" else "cispo_sequence"
     return "gspo" if config.loss_type == "gspo" and config.ratio_level == "token" else None
 
 
@@ -141,6 +144,8 @@ def factors_blocker(config) -> Optional[str]:
     """Why forward_factors cannot carry a call inside the family, or None: the one-pass kernel forms PPO's
     coefficient of the token's own ratio (forward_gradient_blocker holds the sequence ratios back) from the token's
     own advantage and the KL's plain derivative."""
+    if _policy(config) != "ppo":
+        return f"loss_type={config.loss_type!r} (the one-pass kernel forms PPO's clip)"
     if config.seq_mean_advantages:
         return "seq_mean_advantages (the factors carry each token's own advantage, not its sequence's mean)"
     if config.kl_score_gradient and config.kl_coef:
@@ -210,7 +215,8 @@ def _launch_arguments(stats, batch, config):
         entropy_aggregation=config.entropy_agg_mode or config.loss_agg_mode, policy=_policy(config),
         seq_mean_advantages=bool(config.seq_mean_advantages),
         zero_weight=rc is not None and rc.rs_mode == "zero_weight", kl_score=kl and bool(config.kl_score_gradient),
-        seq_tokens_kept=rc is not None and bool(rc.rs) and rc.seq_tokens == "kept")
+        seq_tokens_kept=rc is not None and bool(rc.rs) and rc.seq_tokens == "kept",
+        cispo_cap=config.loss_type == "cispo" and config.cispo_cap is not None)
     return inputs, options, _hyperparameters(config, rc)
 
 
@@ -237,5 +243,5 @@ def _hyperparameters(config, rc) -> dict:
         global_tokens=float(config.global_num_tokens or 1.0), global_seqs=float(config.global_num_seqs or 1.0),
         scale_factor=float(config.loss_scale_factor or 1.0), token_k1_lo=token_k1_lo, token_k1_hi=token_k1_hi,
         token_k2_max=upper["token_k2"], token_k3_max=upper["token_k3"], all_k1_lo=all_k1_lo, all_k1_hi=all_k1_hi,
-        all_k2_max=upper["seq_all_k2"], all_k3_max=upper["seq_all_k3"])
+        all_k2_max=upper["seq_all_k2"], all_k3_max=upper["seq_all_k3"], cispo_cap=float(config.cispo_cap or 0.0))
 

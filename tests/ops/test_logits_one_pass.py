@@ -186,6 +186,7 @@ def test_without_validation_on_cpu_tensors(tier):
     (dict(loss_type="gspo"), "loss_type='gspo'"),
     (dict(ratio_level="sequence"), "ratio_level='sequence'"),
     (dict(seq_mean_advantages=True), "seq_mean_advantages"),
+    (dict(loss_type="cispo"), "loss_type='cispo' (the one-pass kernel forms PPO's clip)"),
     (dict(fused_stage=False), "the fused stage's kernels are not the pass's backend's"),
     (dict(numerics="vllm"), "a numerics mode"),
     (dict(inplace_backward=True), "inplace_backward=True"),

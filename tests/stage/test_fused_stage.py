@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.interpret,
 FAMILY_KL = ("k1", "k2", "abs", "k3", "k3_unclamped", "low_var_kl", "k1+", "k3+", "abs+")
 FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3",
              "seq_all_k1")
-FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"))
+FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"),
+                       ("cispo", "token"), ("cispo", "sequence"))
 IMPLEMENTATIONS = ("triton", "cpu")  # the backend that runs the fused stage on CPU tensors
 STAGE_OP = {"triton": "triton:_sequence_kernel", "cpu": "sequence_stage"}  # one per stage run, as counted
 needs_cpu_kernels = pytest.mark.skipif(not rlkernels.backends.is_available("cpu"),
@@ -73,10 +74,11 @@ def family_configs(draw, mode: str, one_pass: bool = False):
     each token's ratio, the token's own advantage, the KL's plain derivative: fused.factors_blocker)."""
     kl = draw(st.sampled_from((None,) + FAMILY_KL))
     globals_ = draw(st.booleans())
-    # PPO's clip of the token's ratio or of the sequence's (TRL's GSPO), or GSPO's token form (verl's)
+    # PPO's clip of the token's ratio or of the sequence's (TRL's GSPO), GSPO's token form (verl's), CISPO
     loss_type, ratio_level = draw(st.sampled_from(FAMILY_POLICY_TERMS[:2] if one_pass else FAMILY_POLICY_TERMS))
     return PolicyLossConfig(
         loss_type=loss_type, ratio_level=ratio_level,
+        cispo_cap=draw(st.sampled_from((None, 5.0, 1.1))) if loss_type == "cispo" else None,
         entropy_agg_mode=draw(st.sampled_from((None, None) + tuple(LOSS_AGG_MODES))),
         clip_ratio_low=draw(st.sampled_from((0.2, 0.1))), clip_ratio_high=draw(st.sampled_from((0.2, 0.28))),
         clip_ratio_c=draw(st.sampled_from((3.0, None, 1.5))), loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
@@ -283,7 +285,7 @@ def _policy_call(**overrides):
 
 @pytest.mark.parametrize("override, reason", [
     (dict(loss_type="sapo"), "loss_type='sapo'"),
-    (dict(loss_type="cispo", ratio_level="sequence"), "loss_type='cispo', ratio_level='sequence'"),
+    (dict(loss_type="sapo", ratio_level="sequence"), "loss_type='sapo', ratio_level='sequence'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
@@ -361,20 +363,23 @@ def test_sequences_longer_than_a_block(layout, rc, agg, backend):
         assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
 
 
-@pytest.mark.parametrize("loss_type, ratio_level", [("vanilla", "sequence"), ("gspo", "token")])
+@pytest.mark.parametrize("loss_type, ratio_level, cispo_cap", [
+    ("vanilla", "sequence", None), ("gspo", "token", None), ("cispo", "token", None), ("cispo", "sequence", 1.1)])
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 @implementations
-def test_the_sequence_ratios_clip_on_both_sides(loss_type, ratio_level, layout, backend):
-    """PPO on each sequence's ratio (its gradient chained through the sequence's mean log-ratio) and GSPO's token
-    form, where the sequences' ratios fall below, inside and above the clip range (0.6 nats of noise per token over
-    1 to 12 tokens), with seq-MIS and batch-normalised weights, a KL penalty and the entropy bonus at another
-    aggregation than the loss's: the draws of the hypothesis test reach these only now and then."""
+def test_the_sequence_ratios_clip_on_both_sides(loss_type, ratio_level, cispo_cap, layout, backend):
+    """PPO on each sequence's ratio (its gradient chained through the sequence's mean log-ratio), GSPO's token
+    form and CISPO (clipped per token, capped per sequence), where the sequences' ratios fall below, inside and
+    above the clip range (0.6 nats of noise per token over 1 to 12 tokens), with seq-MIS and batch-normalised
+    weights, a KL penalty and the entropy bonus at another aggregation than the loss's: the draws of the hypothesis
+    test reach these only now and then."""
     from ..cases import make_batch
 
     lengths = [3, 7, 1, 0, 12, 5, 9, 2, 4] if layout == "packed" else [6] * 7
     batch = make_batch(layout, lengths, 2, dtype=F32, seed=11, mismatch=0.05, mask_p=0.85)
     config = PolicyLossConfig(
         loss_type=loss_type, ratio_level=ratio_level, clip_ratio_c=None if loss_type == "gspo" else 3.0,
+        cispo_cap=cispo_cap,
         rollout_correction=RolloutCorrection.seq_mis(bounds=(0.7, 1.4), is_batch_normalize=True),
         loss_agg_mode="seq-mean-token-mean", entropy_agg_mode="token-mean", kl_coef=0.1, kl_type="k3",
         entropy_coeff=0.01, metrics="loss_only", validate=False, backend=backend)

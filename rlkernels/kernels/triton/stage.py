@@ -147,6 +147,23 @@ def gspo_term(log_s, adv, clip_lo, clip_hi):
 
 
 @triton.jit
+def cispo_term(lp, log_r, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_CLAMP: tl.constexpr,
+               CISPO_CAP: tl.constexpr):
+    """CISPO (policy_terms.cispo): -sg(c) A lp with c = clip(r, lo, hi) or min(r, cap) of the ratio exp(log_r)
+    (log_r clamped to log_ratio_clamp), and its derivative in lp, -c A, unweighted."""
+    if RATIO_CLAMP:
+        r = tl.exp(_clamp(log_r, -ratio_clamp, ratio_clamp))
+    else:
+        r = tl.exp(log_r)
+    if CISPO_CAP:
+        c = tl.minimum(r, cispo_cap, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        c = _clamp(r, clip_lo, clip_hi)
+    grad = -c * adv
+    return grad * lp, grad
+
+
+@triton.jit
 def _token_keeps(m, delta_hat, k3, k1_lo, k1_hi, k2_max, k3_max, KINDS: tl.constexpr):
     """The tokens of m whose k-statistics of the set KINDS (stage_options.TOKEN_KINDS bits) are inside their bounds
     (correction._keeps: k1 in [k1_lo, k1_hi], k2 <= k2_max, k3 <= k3_max); a NaN statistic fails."""
@@ -183,14 +200,14 @@ def _sequence_kernel(
     # hyperparameters
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
     clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, all_k2_max,
-    all_k3_max,
+    all_k3_max, cispo_cap,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
     RS_K3_SUM: tl.constexpr, RS_K3_MEAN: tl.constexpr, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, SEQ_MEAN_ADVANTAGES: tl.constexpr,
     ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, RS_TOKEN: tl.constexpr, RS_ALL: tl.constexpr,
-    SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr,
+    SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, CISPO_CAP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -204,6 +221,7 @@ def _sequence_kernel(
     offs = tl.arange(0, BLOCK)
     HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL != 0
     HAS_CORRECTION: tl.constexpr = HAS_RS or IS_LEVEL != 0
+    SEQUENCE_RATIO: tl.constexpr = POLICY == 1 or POLICY == 2 or POLICY == 4  # the policy ratio is the sequence's
 
     # -- first read: the sums the sequence's decisions read (correction.token_terms); vectors summed once at the end
     length_acc = tl.zeros([BLOCK], tl.float32)
@@ -243,7 +261,7 @@ def _sequence_kernel(
                 k3_acc += k3_token
         # what loss._kept_sums sums: the tokens no token option drops (every token of m with zero_weight)
         summed = m if ZERO_WEIGHT else token_keep
-        if POLICY != 0:  # the sequence's policy log-ratio (pg_delta)
+        if SEQUENCE_RATIO:  # the sequence's policy log-ratio (pg_delta)
             lp = on_mask(lp_ptr, idx, inside, m)
             pg_delta_acc += tl.where(summed, lp - _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL), 0.0)
         if SEQ_MEAN_ADVANTAGES:
@@ -293,7 +311,7 @@ def _sequence_kernel(
         final_count = tl.where(keep != 0.0, tl.maximum(kept_length, 1.0), 1.0)  # over 1 where rejection emptied it
     # the sequence's mean policy log-ratio and advantage over its final mask, as blocks
     log_s = tl.zeros([BLOCK], tl.float32)
-    if POLICY != 0:
+    if SEQUENCE_RATIO:
         log_s += tl.sum(pg_delta_acc, 0) / final_count
     seq_adv = tl.zeros([BLOCK], tl.float32)
     if SEQ_MEAN_ADVANTAGES:  # AReaL's: each token of m' takes its sequence's mean advantage
@@ -345,8 +363,13 @@ def _sequence_kernel(
             term, grad = ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP, DUAL_CLIP)
         elif POLICY == 1:  # d term / d log_s, which the finish chains through the sequence's mean
             term, grad = ppo_clip(log_s, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP, DUAL_CLIP)
-        else:
+        elif POLICY == 2:
             term, grad = gspo_term(log_s, adv, clip_lo, clip_hi)
+        elif POLICY == 3:
+            term, grad = cispo_term(lp, lp - l_old, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_CLAMP,
+                                    CISPO_CAP)
+        else:  # the sequence's ratio, its gradient through lp alone (sg(c))
+            term, grad = cispo_term(lp, log_s, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_CLAMP, CISPO_CAP)
         if WEIGHTED:
             term = term * w
             grad = grad * w
@@ -612,7 +635,7 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
                      "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
-                     "GIVEN_WEIGHTS")
+                     "GIVEN_WEIGHTS", "CISPO_CAP")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION", "POLICY")
 
@@ -625,7 +648,7 @@ def aot_specs():
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=0,
-                SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False)
+                SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False)
     sequence_sets = [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -649,6 +672,9 @@ def aot_specs():
              SEQ_MEAN_ADVANTAGES=True),
         # a trainer's own IS weights (verl's, TRL's), with a sequence rejection
         dict(base, WEIGHTED=True, GIVEN_WEIGHTS=True, RS_K1_MEAN=True, KL_TYPE=4),
+        # CISPO: verl's clip of the token's ratio, TRL's cap of the sequence's
+        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, POLICY=3),
+        dict(base, POLICY=4, CISPO_CAP=True, RATIO_CLAMP=False, KL_TYPE=5),
     ]
     pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "given_ptr",
                 "cu_ptr", "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
