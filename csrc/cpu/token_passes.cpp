@@ -930,7 +930,7 @@ enum OptionCode {
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
-  kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kAllK2Max, kAllK3Max, kCispoCapValue,
+  kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kCispoCapValue,
   kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
@@ -1049,13 +1049,14 @@ struct Inputs {
 };
 
 // The token of m keeps its k-statistics of the set `kinds` (kernels/stage_options.py TOKEN_KINDS bits: 1 k1, 2 k2,
-// 4 k3) inside their bounds, from h[bounds] on (k1's range, k2's and k3's upper bounds: correction._keeps); a NaN
-// statistic fails.
-inline bool token_keeps(bool m, float delta_hat, float k3, int64_t kinds, const float* bounds) {
+// 4 k3) inside their bounds (k1 in [k1_lo, k1_hi], k2 <= k2_max, k3 <= k3_max: correction._keeps); a NaN statistic
+// fails.
+inline bool token_keeps(bool m, float delta_hat, float k3, int64_t kinds, float k1_lo, float k1_hi, float k2_max,
+                        float k3_max) {
   bool keep = m;
-  if (kinds & 1) keep = keep && -delta_hat <= bounds[1] && -delta_hat >= bounds[0];
-  if (kinds & 2) keep = keep && 0.5f * delta_hat * delta_hat <= bounds[2];
-  if (kinds & 4) keep = keep && k3 <= bounds[3];
+  if (kinds & 1) keep = keep && -delta_hat <= k1_hi && -delta_hat >= k1_lo;
+  if (kinds & 2) keep = keep && 0.5f * delta_hat * delta_hat <= k2_max;
+  if (kinds & 4) keep = keep && k3 <= k3_max;
   return keep;
 }
 
@@ -1102,8 +1103,9 @@ struct LaneSum {
 __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outputs& out, const int64_t* o,
                                         const float* h) {
   const int64_t start = in.cu ? in.cu[s] : s * in.seq_len, end = in.cu ? in.cu[s + 1] : start + in.seq_len;
-  const int64_t token_kinds = o[kRsToken], all_kinds = o[kRsAll];
-  const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean] || token_kinds || all_kinds;
+  const int64_t token_kinds = o[kRsToken];
+  const bool all_k1 = o[kRsAll];  // seq_all_k1
+  const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean] || token_kinds || all_k1;
   const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
   const int64_t policy = o[kPolicy];  // the policy ratio is the sequence's:
   const bool sequence_ratio = policy == kPpoSequence || policy == kGspo || policy == kCispoSequence;
@@ -1118,10 +1120,13 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       const float delta_hat = clamp(delta, -kClamp, kClamp);
       const float k3_token = m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f;
       if (token_kinds) {
-        token_keep = token_keeps(m, delta_hat, k3_token, token_kinds, h + kTokenK1Lo);
+        token_keep = token_keeps(m, delta_hat, k3_token, token_kinds, h[kTokenK1Lo], h[kTokenK1Hi], h[kTokenK2Max],
+                                 h[kTokenK3Max]);
         kept_length_sum.add(t, token_keep ? 1.0f : 0.0f);
       }
-      if (all_kinds && m && !token_keeps(m, delta_hat, k3_token, all_kinds, h + kAllK1Lo)) rejecting_sum.add(t, 1.0f);
+      if (all_k1 && m && !token_keeps(m, delta_hat, k3_token, 1, h[kAllK1Lo], h[kAllK1Hi], 0.0f, 0.0f)) {
+        rejecting_sum.add(t, 1.0f);
+      }
       // the sequence statistics over m, or over the tokens the token options keep (SkyRL's order)
       const bool over = !over_kept || token_keep;
       delta_sum.add(t, over ? delta : 0.0f), k1_sum.add(t, over ? -delta_hat : 0.0f);
@@ -1149,7 +1154,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   if (o[kRsK1Mean]) keep = keep && k1 / stat_count <= h[kK1MeanHi] && k1 / stat_count >= h[kK1MeanLo];
   if (o[kRsK3Sum]) keep = keep && k3 <= h[kK3SumMax];
   if (o[kRsK3Mean]) keep = keep && k3 / stat_count <= h[kK3MeanMax];
-  if (all_kinds) keep = keep && rejecting_sum.total() == 0.0f;  // every token of the sequence inside the bounds
+  if (all_k1) keep = keep && rejecting_sum.total() == 0.0f;  // every token of the sequence inside the band
   // m' = m & token keep & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
   if (zero_weight && !keep) seq_weight = 0.0f;
   // over 1 where rejection emptied the sequence
@@ -1164,7 +1169,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     if (token_kinds) {
       const float delta_hat = clamp(on_mask(in.old, t, m) - on_mask(in.rollout, t, m), -kClamp, kClamp);
       token_keep = token_keeps(m, delta_hat, m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f, token_kinds,
-                               h + kTokenK1Lo);
+                               h[kTokenK1Lo], h[kTokenK1Hi], h[kTokenK2Max], h[kTokenK3Max]);
     }
     const bool kept = zero_weight ? m : token_keep && keep;
     const float lp = on_mask(in.lp, t, m);

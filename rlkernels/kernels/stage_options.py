@@ -18,11 +18,11 @@ POLICY_TERMS = {"ppo": 0, "ppo_sequence": 1, "gspo": 2, "cispo": 3, "cispo_seque
 
 SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean_lo", "k1_mean_hi", "k3_sum_max",
                             "k3_mean_max", "ratio_clamp", "clip_lo", "clip_hi", "clip_c",
-                            # the token-level options' bounds: token_* (each token) and seq_all_* (every token of the
-                            # sequence); k1's as a k1 range, k2's and k3's upper bounds
+                            # the token-level options' bounds: token_* (each token) and seq_all_k1 (every token of
+                            # the sequence); k1's as a k1 range, k2's and k3's upper bounds
                             "token_k1_lo", "token_k1_hi", "token_k2_max", "token_k3_max", "all_k1_lo", "all_k1_hi",
-                            "all_k2_max", "all_k3_max", "cispo_cap")
-# the k-statistics a token-level option set bounds, as bits of RS_TOKEN / RS_ALL
+                            "cispo_cap")
+# the k-statistics the token_* options bound, as bits of RS_TOKEN
 TOKEN_KINDS = {"k1": 1, "k2": 2, "k3": 4}
 FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor")
 HYPERPARAMETERS = SEQUENCE_HYPERPARAMETERS + FINISH_HYPERPARAMETERS
@@ -44,7 +44,7 @@ def option_codes(options: dict) -> dict:
         SEQ_MEAN_ADVANTAGES=options["seq_mean_advantages"], ZERO_WEIGHT=options["zero_weight"],
         KL_SCORE=options["kl_score"],
         RS_TOKEN=sum(bit for kind, bit in TOKEN_KINDS.items() if f"token_{kind}" in rejection),
-        RS_ALL=sum(bit for kind, bit in TOKEN_KINDS.items() if f"seq_all_{kind}" in rejection),
+        RS_ALL="seq_all_k1" in rejection,
         SEQ_TOKENS_KEPT=options["seq_tokens_kept"], GIVEN_WEIGHTS=options["given_weights"],
         CISPO_CAP=options["cispo_cap"])
 

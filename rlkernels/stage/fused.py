@@ -232,8 +232,7 @@ def _hyperparameters(config, rc) -> dict:
     is_lo, is_hi = rc.is_range if rc is not None else (0.0, 1.0)
     (k1_sum_lo, k1_sum_hi), (k1_mean_lo, k1_mean_hi) = k1_range("seq_sum_k1"), k1_range("seq_mean_k1")
     (token_k1_lo, token_k1_hi), (all_k1_lo, all_k1_hi) = k1_range("token_k1"), k1_range("seq_all_k1")
-    # seq_all_k2 / seq_all_k3 are not options (the kernels' RS_ALL bits would take them): their bounds are 0
-    upper = {option: float(bounds.get(option, 0.0)) for option in ("token_k2", "token_k3", "seq_all_k2", "seq_all_k3")}
+    upper = {option: float(bounds.get(option, 0.0)) for option in ("token_k2", "token_k3")}
     return dict(
         is_lo=float(is_lo), is_hi=float(is_hi), k1_sum_lo=k1_sum_lo, k1_sum_hi=k1_sum_hi, k1_mean_lo=k1_mean_lo,
         k1_mean_hi=k1_mean_hi, k3_sum_max=float(bounds.get("seq_sum_k3", 0.0)),
@@ -243,5 +242,5 @@ def _hyperparameters(config, rc) -> dict:
         global_tokens=float(config.global_num_tokens or 1.0), global_seqs=float(config.global_num_seqs or 1.0),
         scale_factor=float(config.loss_scale_factor or 1.0), token_k1_lo=token_k1_lo, token_k1_hi=token_k1_hi,
         token_k2_max=upper["token_k2"], token_k3_max=upper["token_k3"], all_k1_lo=all_k1_lo, all_k1_hi=all_k1_hi,
-        all_k2_max=upper["seq_all_k2"], all_k3_max=upper["seq_all_k3"], cispo_cap=float(config.cispo_cap or 0.0))
+        cispo_cap=float(config.cispo_cap or 0.0))
 

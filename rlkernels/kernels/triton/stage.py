@@ -199,8 +199,7 @@ def _sequence_kernel(
     seq_len,
     # hyperparameters
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
-    clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, all_k2_max,
-    all_k3_max, cispo_cap,
+    clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, cispo_cap,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
@@ -219,7 +218,7 @@ def _sequence_kernel(
         start = s * seq_len
         end = start + seq_len
     offs = tl.arange(0, BLOCK)
-    HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL != 0
+    HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL
     HAS_CORRECTION: tl.constexpr = HAS_RS or IS_LEVEL != 0
     SEQUENCE_RATIO: tl.constexpr = POLICY == 1 or POLICY == 2 or POLICY == 4  # the policy ratio is the sequence's
 
@@ -248,8 +247,8 @@ def _sequence_kernel(
                 token_keep = _token_keeps(m, delta_hat, k3_token, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max,
                                           RS_TOKEN)
                 kept_length_acc += token_keep.to(tl.float32)
-            if RS_ALL != 0:
-                inside_all = _token_keeps(m, delta_hat, k3_token, all_k1_lo, all_k1_hi, all_k2_max, all_k3_max, RS_ALL)
+            if RS_ALL:  # seq_all_k1's band
+                inside_all = _token_keeps(m, delta_hat, k3_token, all_k1_lo, all_k1_hi, 0.0, 0.0, 1)
                 rejecting_acc += (m & ~inside_all).to(tl.float32)
             if SEQ_TOKENS_KEPT:  # the sequence statistics over the tokens the token options keep (SkyRL's order)
                 delta_acc += tl.where(token_keep, delta, 0.0)
@@ -300,7 +299,7 @@ def _sequence_kernel(
             keep = tl.where(k3 <= k3_sum_max, keep, 0.0)
         if RS_K3_MEAN:
             keep = tl.where(k3 / stat_count <= k3_mean_max, keep, 0.0)
-    if RS_ALL != 0:  # every token of the sequence inside the bounds
+    if RS_ALL:  # every token of the sequence inside seq_all_k1's band
         keep = tl.where(tl.sum(rejecting_acc, 0) == 0.0, keep, 0.0)
     keep_block = (tl.zeros([BLOCK], tl.float32) + keep) != 0.0
     # m' = m & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
@@ -647,7 +646,7 @@ def aot_specs():
     through the same code)."""
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
-                POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=0,
+                POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=False,
                 SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False)
     sequence_sets = [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
@@ -666,9 +665,9 @@ def aot_specs():
              KL_SCORE=True),
         # token-level rejection: SkyRL's (token and every-token k1, the sequence statistics over the kept tokens),
         # with zero weights (OpenRLHF's order), and every kind at once with geometric IS
-        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_TOKEN=1, RS_ALL=1, RS_K1_MEAN=True, SEQ_TOKENS_KEPT=True),
+        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_TOKEN=1, RS_ALL=True, RS_K1_MEAN=True, SEQ_TOKENS_KEPT=True),
         dict(base, WEIGHTED=True, IS_LEVEL=1, RS_TOKEN=5, ZERO_WEIGHT=True, KL_TYPE=4),
-        dict(base, WEIGHTED=True, IS_LEVEL=3, RS_TOKEN=7, RS_ALL=1, RS_K3_SUM=True, SEQ_TOKENS_KEPT=True, POLICY=1,
+        dict(base, WEIGHTED=True, IS_LEVEL=3, RS_TOKEN=7, RS_ALL=True, RS_K3_SUM=True, SEQ_TOKENS_KEPT=True, POLICY=1,
              SEQ_MEAN_ADVANTAGES=True),
         # a trainer's own IS weights (verl's, TRL's), with a sequence rejection
         dict(base, WEIGHTED=True, GIVEN_WEIGHTS=True, RS_K1_MEAN=True, KL_TYPE=4),
