@@ -94,7 +94,7 @@ def _correction_blocker(batch, rc) -> Optional[str]:
         return "bypass mode with a rollout correction (its weights are of the current policy)"
     unknown = [option for option, _ in rc.rs if option not in _RS]
     if unknown:
-        return f"rejection options {unknown} (the kernels decide seq_sum / seq_mean of k1 and k3)"
+        return f"rejection options {unknown} (the kernels decide {', '.join(_RS)})"
     return None
 
 
