@@ -1109,7 +1109,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
   const int64_t policy = o[kPolicy];  // the policy ratio is the sequence's:
   const bool sequence_ratio = policy == kPpoSequence || policy == kGspo || policy == kCispoSequence;
-  // the tokens the token_* options keep (kept_length_sum) and those outside a seq_all_* option's bounds
+  // the tokens the token_* options keep (kept_length_sum) and those outside seq_all_k1's band
   LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];

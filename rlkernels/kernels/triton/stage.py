@@ -230,7 +230,7 @@ def _sequence_kernel(
     pg_delta_acc = tl.zeros([BLOCK], tl.float32)
     adv_acc = tl.zeros([BLOCK], tl.float32)
     kept_length_acc = tl.zeros([BLOCK], tl.float32)  # the tokens the token_* options keep
-    rejecting_acc = tl.zeros([BLOCK], tl.float32)  # the tokens outside a seq_all_* option's bounds
+    rejecting_acc = tl.zeros([BLOCK], tl.float32)  # the tokens outside seq_all_k1's band
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
