@@ -52,7 +52,7 @@ def _ppo_inputs(N: int, V: int, S: int, device: str, dtype: torch.dtype):
                 cu_seqlens=torch.linspace(0, N, S + 1, device=device).long())
 
 
-# the trainers' own calls the fused stage took this session (the torch stage's before): verl's GSPO with its own IS
+# the trainers' own calls, each outside the fused stage's family until it took them: verl's GSPO with its own IS
 # weights, TRL's loss (it sets entropy_agg_mode on every call), SkyRL's token-level rejection over the kept tokens,
 # NeMo-RL's zero-weight rejection with the KL's score term; each with every metric, as the trainers log them
 TRAINERS = {

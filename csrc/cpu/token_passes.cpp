@@ -987,9 +987,15 @@ inline float on_mask(const float* x, int64_t t, bool m) { return m ? x[t] : 0.0f
 // both times the IS weight w where the options weigh (policy_terms._ppo_clip). Not inlined, nor are ppo_term and
 // token_coefficient: the stage and the gradient formed in the forward (forward_gradient_rows) run one compiled copy,
 // so a token's coefficient is the same bits in both.
+// r = exp(log_r), log_r clamped to [-log_ratio_clamp, log_ratio_clamp] where the options clamp it
+// (policy_terms.clamped_ratio).
+inline float policy_ratio(float log_r, const int64_t* o, const float* h) {
+  return std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
+}
+
 __attribute__((noinline)) void ppo_clip(float log_r, float adv, float w, const int64_t* o, const float* h,
                                         float& term_out, float& grad_out) {
-  const float r = std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
+  const float r = policy_ratio(log_r, o, h);
   const float neg_adv = -adv, l1 = neg_adv * r, l2 = neg_adv * clamp(r, h[kClipLo], h[kClipHi]);
   const bool clipped = l2 > l1;
   float term = clipped ? l2 : l1;
@@ -1048,6 +1054,18 @@ struct Inputs {
   int64_t seq_len;
 };
 
+// A token's trainer-sampler mismatch (correction.token_terms): delta = log π_old - log μ on the mask, delta clamped
+// to [-20, 20] (SPEC §4), and k3 of the clamped delta (0 off the mask).
+struct Mismatch {
+  float delta, delta_hat, k3;
+};
+
+inline Mismatch mismatch(const Inputs& in, int64_t t, bool m) {
+  const float delta = on_mask(in.old, t, m) - on_mask(in.rollout, t, m);
+  const float delta_hat = clamp(delta, -kClamp, kClamp);
+  return {delta, delta_hat, m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f};
+}
+
 // The token of m keeps its k-statistics of the set `kinds` (kernels/stage_options.py TOKEN_KINDS bits: 1 k1, 2 k2,
 // 4 k3) inside their bounds (k1 in [k1_lo, k1_hi], k2 <= k2_max, k3 <= k3_max: correction._keeps); a NaN statistic
 // fails.
@@ -1064,7 +1082,7 @@ inline bool token_keeps(bool m, float delta_hat, float k3, int64_t kinds, float 
 // clamped to log_ratio_clamp), and its derivative in lp, -c A, both times w where the options weigh.
 inline void cispo_term(float lp, float log_r, float adv, float w, const int64_t* o, const float* h, float& term_out,
                        float& grad_out) {
-  const float r = std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
+  const float r = policy_ratio(log_r, o, h);
   const float c = o[kCispoCap] ? (std::isnan(r) ? r : std::min(r, h[kCispoCapValue]))
                                 : clamp(r, h[kClipLo], h[kClipHi]);
   float grad = -c * adv, term = grad * lp;
@@ -1116,9 +1134,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     length_sum.add(t, m ? 1.0f : 0.0f);
     bool token_keep = m;
     if (corrects) {
-      const float delta = on_mask(in.old, t, m) - on_mask(in.rollout, t, m);
-      const float delta_hat = clamp(delta, -kClamp, kClamp);
-      const float k3_token = m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f;
+      const auto [delta, delta_hat, k3_token] = mismatch(in, t, m);
       if (token_kinds) {
         token_keep = token_keeps(m, delta_hat, k3_token, token_kinds, h[kTokenK1Lo], h[kTokenK1Hi], h[kTokenK2Max],
                                  h[kTokenK3Max]);
@@ -1166,10 +1182,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];
     bool token_keep = m;
-    if (token_kinds) {
-      const float delta_hat = clamp(on_mask(in.old, t, m) - on_mask(in.rollout, t, m), -kClamp, kClamp);
-      token_keep = token_keeps(m, delta_hat, m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f, token_kinds,
-                               h[kTokenK1Lo], h[kTokenK1Hi], h[kTokenK2Max], h[kTokenK3Max]);
+    if (token_kinds) {  // the first read's decision again, from π_old and μ (cheaper than storing it)
+      const Mismatch x = mismatch(in, t, m);
+      token_keep = token_keeps(m, x.delta_hat, x.k3, token_kinds, h[kTokenK1Lo], h[kTokenK1Hi], h[kTokenK2Max],
+                               h[kTokenK3Max]);
     }
     const bool kept = zero_weight ? m : token_keep && keep;
     const float lp = on_mask(in.lp, t, m);
@@ -1339,13 +1355,13 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
       const float a = weight(kept_t, final_length, agg, per_token_loss);
       if (factors) {  // what forward_gradient_rows forms the coefficient from: a_t, the unnormalised weights
         c[t] = a;
-      } else if (o[kPolicy] == kPpoSequence) {  // loss._chain_through_ratio: the sequence's mean of a_t g_t over m'
-        if (w_out) w_out[t] = w_out[t] / factor;
-        c[t] = sequence_coefficient(rec[sid[t] * kRecord + 7], a, final_length, out.kept[t], factor,
-                                    w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);
       } else {
         if (w_out) w_out[t] = w_out[t] / factor;
-        c[t] = token_coefficient(c[t], a, factor, w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);
+        // loss._chain_through_ratio for PPO on the sequence's ratio: the sequence's mean of a_t g_t over m'
+        c[t] = o[kPolicy] == kPpoSequence
+                   ? sequence_coefficient(rec[sid[t] * kRecord + 7], a, final_length, out.kept[t], factor,
+                                          w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f)
+                   : token_coefficient(c[t], a, factor, w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);
       }
       if (e) e[t] = -entropy_coeff * (agg_entropy == agg ? a : weight(kept_t, final_length, agg_entropy,
                                                                         per_token_entropy));
@@ -1481,8 +1497,8 @@ TORCH_LIBRARY(rlkernels_cpu, m) {
         "float reference_temperature, Tensor? inv_temperature=None, Tensor? inv_reference_temperature=None) "
         "-> Tensor");
   m.def("sequence_stage(Tensor lp, Tensor? entropy, Tensor advantages, Tensor mask, Tensor? old, Tensor? rollout, "
-        "Tensor? ref, Tensor? is_weights, Tensor? cu_seqlens, Tensor seq_id, int seq_len, int num_seqs, int[] options, float[] hyper, "
-        "bool factors=False) -> Tensor[]");
+        "Tensor? ref, Tensor? is_weights, Tensor? cu_seqlens, Tensor seq_id, int seq_len, int num_seqs, "
+        "int[] options, float[] hyper, bool factors=False) -> Tensor[]");
   m.def("forward_gradient(Tensor logits, Tensor labels, float temperature, Tensor? inv_temperature, "
         "Tensor(a!) out, Tensor mask, Tensor advantages, Tensor? proximal, Tensor? ref, Tensor a, Tensor? weights, "
         "float factor, Tensor? coef_entropy, int[] options, float[] hyper, bool compute_entropy) -> Tensor[]");

@@ -23,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..stage_options import AGGREGATIONS, FINISH_HYPERPARAMETERS, SEQUENCE_HYPERPARAMETERS, option_codes
+from ..stage_options import (
+    AGGREGATIONS,
+    FINISH_HYPERPARAMETERS,
+    POLICY_TERMS,
+    SEQUENCE_HYPERPARAMETERS,
+    option_codes,
+)
 from .aot_spec import AotSpec
 from .token_stats import device_guard
 
@@ -101,6 +107,16 @@ def _kl_score(lp, ref, kl, dkl, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr
 
 
 @triton.jit
+def _policy_ratio(log_r, ratio_clamp, RATIO_CLAMP: tl.constexpr):
+    """r = exp(log_r), log_r clamped to [-log_ratio_clamp, log_ratio_clamp] (policy_terms.clamped_ratio)."""
+    if RATIO_CLAMP:
+        r = tl.exp(_clamp(log_r, -ratio_clamp, ratio_clamp))
+    else:
+        r = tl.exp(log_r)
+    return r
+
+
+@triton.jit
 def ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP: tl.constexpr,
              DUAL_CLIP: tl.constexpr):
     """PPO's clipped term with dual clip of the token's policy ratio exp(lp - l_old) and its derivative in lp,
@@ -113,10 +129,7 @@ def ppo_term(lp, l_old, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP:
 def ppo_clip(log_r, adv, ratio_clamp, clip_lo, clip_hi, clip_c, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr):
     """PPO's clipped term with dual clip (policy_terms._ppo_clip) of the ratio exp(log_r) (log_r clamped to
     log_ratio_clamp), and its derivative in log_r, unweighted."""
-    if RATIO_CLAMP:
-        r = tl.exp(_clamp(log_r, -ratio_clamp, ratio_clamp))
-    else:
-        r = tl.exp(log_r)
+    r = _policy_ratio(log_r, ratio_clamp, RATIO_CLAMP)
     neg_adv = -adv
     l1 = neg_adv * r
     l2 = neg_adv * _clamp(r, clip_lo, clip_hi)
@@ -151,16 +164,22 @@ def cispo_term(lp, log_r, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_C
                CISPO_CAP: tl.constexpr):
     """CISPO (policy_terms.cispo): -sg(c) A lp with c = clip(r, lo, hi) or min(r, cap) of the ratio exp(log_r)
     (log_r clamped to log_ratio_clamp), and its derivative in lp, -c A, unweighted."""
-    if RATIO_CLAMP:
-        r = tl.exp(_clamp(log_r, -ratio_clamp, ratio_clamp))
-    else:
-        r = tl.exp(log_r)
+    r = _policy_ratio(log_r, ratio_clamp, RATIO_CLAMP)
     if CISPO_CAP:
         c = tl.minimum(r, cispo_cap, propagate_nan=tl.PropagateNan.ALL)
     else:
         c = _clamp(r, clip_lo, clip_hi)
     grad = -c * adv
     return grad * lp, grad
+
+
+@triton.jit
+def _mismatch(old_ptr, rollout_ptr, idx, inside, m):
+    """A token's trainer-sampler mismatch (correction.token_terms): delta = log π_old - log μ on the mask, delta
+    clamped to [-20, 20] (SPEC §4), and k3 of the clamped delta (0 off the mask)."""
+    delta = on_mask(old_ptr, idx, inside, m) - on_mask(rollout_ptr, idx, inside, m)
+    delta_hat = _clamp(delta, -CLAMP, CLAMP)
+    return delta, delta_hat, tl.where(m, tl.exp(delta_hat) - 1.0 - delta_hat, 0.0)
 
 
 @triton.jit
@@ -238,11 +257,7 @@ def _sequence_kernel(
         length_acc += m.to(tl.float32)
         token_keep = m
         if HAS_CORRECTION:
-            train = on_mask(old_ptr, idx, inside, m)
-            behaviour = on_mask(rollout_ptr, idx, inside, m)
-            delta = train - behaviour
-            delta_hat = _clamp(delta, -CLAMP, CLAMP)
-            k3_token = tl.where(m, tl.exp(delta_hat) - 1.0 - delta_hat, 0.0)
+            delta, delta_hat, k3_token = _mismatch(old_ptr, rollout_ptr, idx, inside, m)
             if RS_TOKEN != 0:
                 token_keep = _token_keeps(m, delta_hat, k3_token, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max,
                                           RS_TOKEN)
@@ -328,9 +343,8 @@ def _sequence_kernel(
         inside = idx < end
         m = tl.load(mask_ptr + idx, mask=inside, other=0) != 0
         token_keep = m
-        if RS_TOKEN != 0:
-            delta_hat = _clamp(on_mask(old_ptr, idx, inside, m) - on_mask(rollout_ptr, idx, inside, m), -CLAMP, CLAMP)
-            k3_token = tl.where(m, tl.exp(delta_hat) - 1.0 - delta_hat, 0.0)
+        if RS_TOKEN != 0:  # the first read's decision again, from π_old and μ (cheaper than storing it)
+            _, delta_hat, k3_token = _mismatch(old_ptr, rollout_ptr, idx, inside, m)
             token_keep = _token_keeps(m, delta_hat, k3_token, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max,
                                       RS_TOKEN)
         if ZERO_WEIGHT:
@@ -492,14 +506,15 @@ def _finish_kernel(
     kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
     AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
     GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_KL: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, ENTROPY_AGGREGATION: tl.constexpr, POLICY: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, ENTROPY_AGGREGATION: tl.constexpr, CHAINED: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_S: tl.constexpr, FACTORS: tl.constexpr = False,
 ):
     # Long on purpose: the batch's scalars, the loss and the tokens' coefficients share the normalisers, which every
     # program computes itself (no second launch, no atomics). FACTORS: the factors a coefficient is formed from
     # instead (forward_grad.py forms it): a_t for coef, the IS weights as the sequence kernel wrote them, the
     # batch normalisation's factor for the loss. ENTROPY_AGGREGATION: the entropy bonus's mode (entropy_agg_mode,
-    # else the loss's); POLICY 1: each token's policy coefficient is its sequence's mean over m' (record column 7).
+    # else the loss's); CHAINED: each token's policy coefficient is its sequence's mean over m' (record column 7: PPO
+    # on the sequence's ratio).
     pid = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
@@ -509,7 +524,7 @@ def _finish_kernel(
         factor = _weight_mean(record_ptr, S, NORMALIZE, BLOCK_S)
     per_token = _per_token(tokens, seqs_count, width, AGGREGATION)
     per_token_entropy = _per_token(tokens, seqs_count, width, ENTROPY_AGGREGATION)
-    PER_SEQUENCE: tl.constexpr = AGGREGATION == 2 or ENTROPY_AGGREGATION == 2 or POLICY == 1
+    PER_SEQUENCE: tl.constexpr = AGGREGATION == 2 or ENTROPY_AGGREGATION == 2 or CHAINED
 
     if FACTORS:
         if pid == 0:
@@ -557,14 +572,14 @@ def _finish_kernel(
         if FACTORS:
             tl.store(coef_ptr + idx, a, mask=inside)
         else:
-            if POLICY == 1:  # the sequence's sum of the derivative in its mean log-ratio, over m'
+            if CHAINED:  # the sequence's sum of the derivative in its mean log-ratio, over m'
                 grad = tl.load(record_ptr + sid * RECORD + 7, mask=inside, other=0.0)
             else:
                 grad = tl.load(grad_ptr + idx, mask=inside, other=0.0)
             if NORMALIZE != 0:
                 grad = grad / factor
                 tl.store(weights_ptr + idx, tl.load(weights_ptr + idx, mask=inside, other=0.0) / factor, mask=inside)
-            if POLICY == 1:  # loss._chain_through_ratio: a sum of a_t g_t over the sequence's final length
+            if CHAINED:  # loss._chain_through_ratio: a sum of a_t g_t over the sequence's final length
                 coef = tl.where(kept != 0.0, (a * grad) / tl.maximum(final_length, 1.0), 0.0)
             else:
                 coef = a * grad
@@ -626,7 +641,8 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
             coef if weights is None else weights, loss, N, S, blocks_per_program,
             *(h[name] for name in FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
-            HAS_ENTROPY=coef_entropy is not None, BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=factors,
+            HAS_ENTROPY=coef_entropy is not None, CHAINED=codes["POLICY"] == POLICY_TERMS["ppo_sequence"],
+            BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=factors,
         )
     return loss, lp_out, coef, coef_entropy, weights, kept
 
@@ -636,14 +652,13 @@ _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM",
                      "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
                      "GIVEN_WEIGHTS", "CISPO_CAP")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
-                   "ENTROPY_AGGREGATION", "POLICY")
+                   "ENTROPY_AGGREGATION")
 
 
 def aot_specs():
-    """The option sets a launch can take, each flag on and off at least once: the families of stage/fused.py (no
-    correction; seq-MIS; geo-RS with token TIS; IcePop with K3-RS and every other flag; both GSPO forms), both
-    layouts and every aggregation, the entropy's own; the inputs in float32 (bf16 advantages or log-probs load
-    through the same code)."""
+    """The option sets a launch can take, each flag on and off at least once: the families of stage/fused.py and the
+    trainers' sets named beside them, both layouts and every aggregation, the entropy's own; the inputs in float32
+    (bf16 advantages or log-probs load through the same code)."""
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=False,
@@ -691,7 +706,7 @@ def aot_specs():
         for i, flags in enumerate(((False, False, False, False, False), (True, True, True, True, True))):
             constexprs = dict(zip(("SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "HAS_KL"),
                                   flags), AGGREGATION=aggregation, NORMALIZE=aggregation % 3, HAS_ENTROPY=i == 1,
-                              ENTROPY_AGGREGATION=(aggregation + i) % len(AGGREGATIONS), POLICY=i,
+                              ENTROPY_AGGREGATION=(aggregation + i) % len(AGGREGATIONS), CHAINED=i == 1,
                               BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=False)
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
                          "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32",
@@ -704,6 +719,6 @@ def aot_specs():
             if i == 1:  # the factors mode (forward_grad.py's decisions), every flag on
                 specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i},FACTORS=1]",
                                      fn=_finish_kernel, signature=signature,
-                                     constexprs={**constexprs, "POLICY": 0, "FACTORS": True},
+                                     constexprs={**constexprs, "CHAINED": False, "FACTORS": True},
                                      num_warps=4, num_stages=1))
     return specs
