@@ -543,13 +543,25 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("agg, policy", [("token-mean", {}), ("seq-mean-token-mean", {}),
-                                         ("seq-mean-token-mean", dict(loss_type="gspo", entropy_agg_mode="token-mean")),
-                                         ("token-mean", dict(ratio_level="sequence"))])
+@pytest.mark.parametrize("agg, policy", [
+    ("token-mean", {}), ("seq-mean-token-mean", {}),
+    ("seq-mean-token-mean", dict(loss_type="gspo", entropy_agg_mode="token-mean")),
+    ("token-mean", dict(ratio_level="sequence")),
+    # SkyRL's token rejection over the kept tokens with CISPO; NeMo-RL's zero weights and KL score term; verl's weights
+    ("token-mean", dict(loss_type="cispo", rollout_correction=RolloutCorrection(
+        is_level="token", is_threshold=2.0, rs={"token_k1": (0.97, 1.03), "seq_all_k1": (0.9, 1.1)},
+        seq_tokens="kept"))),
+    ("seq-mean-token-mean", dict(kl_type="k3", kl_score_gradient=True, rollout_correction=RolloutCorrection(
+        is_level="token", is_threshold=2.0, rs={"seq_mean_k1": (0.998, 1.002)}, rs_mode="zero_weight"))),
+    ("token-mean", dict(rollout_correction=RolloutCorrection(rs={"seq_mean_k1": (0.998, 1.002)}), is_weights=True)),
+])
 def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not
-    interpreted) at 8192 tokens in 128 sequences of mixed lengths; loss, weights, mask and gradients as the torch
-    stage's. The GPU's exp (ex2.approx) differs from torch's by a few ulps: the "reordered" row still bounds it."""
+    interpreted) at 8192 tokens in 128 sequences of mixed lengths, with the trainers' options; loss, weights, mask
+    and gradients as the torch stage's. The GPU's exp (ex2.approx) differs from torch's by a few ulps: the
+    "reordered" row still bounds it."""
+    policy = dict(policy)
+    own_weights = policy.pop("is_weights", False)
     g = torch.Generator().manual_seed(9)
     N, S = 8192, 128
     cuts = torch.sort(torch.randperm(N - 1, generator=g)[:S - 1] + 1).values
@@ -559,15 +571,16 @@ def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     adv, entropy = torch.randn(N, generator=g).cuda(), torch.rand(N, generator=g).cuda()
     mask = (torch.rand(N, generator=g) > 0.05).cuda()
     rollout = old + 0.02 * torch.randn(N, generator=g).cuda()
+    weights = (torch.rand(N, generator=g) + 0.5).cuda() if own_weights else None
     results = []
     for fused_stage in (False, None):
         leaf, h = lp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
-        config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(bounds=(0.9, 1.1)), kl_coef=0.05,
-                                  entropy_coeff=0.01, loss_agg_mode=agg, metrics="loss_only", validate=False,
-                                  fused_stage=fused_stage, **policy)
+        config = PolicyLossConfig(**{
+            "rollout_correction": RolloutCorrection.seq_mis(bounds=(0.9, 1.1)), "kl_coef": 0.05, "entropy_coeff": 0.01,
+            "loss_agg_mode": agg, "metrics": "loss_only", "validate": False, "fused_stage": fused_stage, **policy})
         out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old,
                                        rollout_logprobs=rollout, ref_logprobs=old - 0.01, entropy=h, cu_seqlens=cu,
-                                       config=config)
+                                       is_weights=weights, config=config)
         assert launched.ops["triton:_sequence_kernel"] == (1 if fused_stage is None else 0)
         results.append((out, *torch.autograd.grad(out.loss, (leaf, h))))
     (want, want_lp, want_h), (got, got_lp, got_h) = results
