@@ -59,6 +59,11 @@ TRAINERS = {
     "verl_gspo": (dict(loss_type="gspo", loss_agg_mode="seq-mean-token-mean"), True),
     "trl": (dict(loss_agg_mode="token-mean", entropy_agg_mode="token-mean", rollout_correction=RolloutCorrection(
         is_level="sequence", is_threshold=3.0, is_mode="mask")), False),
+    # TRL's GSPO with beta > 0 and use_bias_correction_kl: the KL times the sequence's ratio, chained through it
+    "trl_gspo_kl": (dict(ratio_level="sequence", log_ratio_clamp=None, loss_agg_mode="token-mean",
+                         entropy_agg_mode="token-mean", kl_coef=0.04, kl_type="k3_unclamped", kl_bias_correction=True,
+                         rollout_correction=RolloutCorrection(is_level="sequence", is_threshold=3.0, is_mode="mask")),
+                    False),
     "skyrl": (dict(rollout_correction=RolloutCorrection(
         is_level="token", is_threshold=2.0, rs={"token_k1": (0.5, 2.0), "seq_all_k1": (0.2, 5.0)},
         seq_tokens="kept")), False),

@@ -926,7 +926,7 @@ enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
   kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kRsToken, kRsAll, kSeqTokensKept,
-  kGivenWeights, kCispoCap, kOptionCount
+  kGivenWeights, kCispoCap, kKlBiasCorrection, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
@@ -936,8 +936,9 @@ enum HyperCode {
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
 // token weights', or the sequence's one weight: what is_batch_normalize averages), masked length, the sum over m' of
-// the weighted policy derivative in the sequence's log-ratio (kPolicy 1: each token's coefficient is its mean)
-constexpr int64_t kRecord = 8;
+// the weighted policy derivative in the sequence's log-ratio (kPolicy 1: each token's coefficient is its mean), and
+// the KL sum over m' where the bias-corrected KL's ratio is the sequence's and its clamp passes the gradient (0 else)
+constexpr int64_t kRecord = 9;
 // kPolicy: PPO's clip of the token's ratio, of its sequence's mean log-ratio (ratio_level="sequence"), GSPO's token
 // form, CISPO of the token's ratio or of its sequence's
 enum PolicyCode { kPpo, kPpoSequence, kGspo, kCispo, kCispoSequence };
@@ -983,16 +984,38 @@ inline float kl_score(float lp, float ref, float kl, float dkl, int64_t type, bo
 // A per-token input on the mask, 0 off it (padding may hold NaN: it must reach no sum), as the torch stage's are.
 inline float on_mask(const float* x, int64_t t, bool m) { return m ? x[t] : 0.0f; }
 
-// PPO's clip with dual clip of the ratio exp(log_r) (log_r clamped to log_ratio_clamp), and its derivative in log_r,
-// both times the IS weight w where the options weigh (policy_terms._ppo_clip). Not inlined, nor are ppo_term and
-// token_coefficient: the stage and the gradient formed in the forward (forward_gradient_rows) run one compiled copy,
-// so a token's coefficient is the same bits in both.
 // r = exp(log_r), log_r clamped to [-log_ratio_clamp, log_ratio_clamp] where the options clamp it
 // (policy_terms.clamped_ratio).
 inline float policy_ratio(float log_r, const int64_t* o, const float* h) {
   return std::exp(o[kRatioClamp] ? clamp(log_r, -h[kRatioClampValue], h[kRatioClampValue]) : log_r);
 }
 
+// kl_bias_correction (DeepSeek-V3.2's, TRL's use_bias_correction_kl; loss._bias_corrected_kl): the penalty times the
+// policy ratio r = exp(log_r) (log_r clamped where the options clamp it), and its derivative in lp. The token's ratio
+// (token_ratio) adds r's own derivative r k where the clamp passes it; the sequence's goes through its mean log-ratio,
+// which the finish chains. The unclamped k3 is e^(d + log r) - (d + 1) r, d = ref - lp, with -d r its token-level
+// derivative (two e^d terms of ~1e17 would cancel otherwise).
+inline void bias_corrected_kl(float lp, float ref, float log_r, bool token_ratio, const int64_t* o, const float* h,
+                              float& kl, float& dkl) {
+  const bool clamped = o[kRatioClamp];
+  const float bound = h[kRatioClampValue], log_r_hat = clamped ? clamp(log_r, -bound, bound) : log_r;
+  const float r = policy_ratio(log_r, o, h);
+  const bool unclamped_k3 = o[kKlType] == 5 && !o[kKlStraight];
+  float value = kl * r, corrected = dkl * r;
+  if (unclamped_k3) {
+    const float d = ref - lp;
+    value = std::exp(d + log_r_hat) - (d + 1.0f) * r;
+  }
+  if (token_ratio && (!clamped || std::fabs(log_r) <= bound)) {  // r's own derivative, where the clamp passes it
+    corrected = unclamped_k3 ? (lp - ref) * r : corrected + value;
+  }
+  kl = value, dkl = corrected;
+}
+
+// PPO's clip with dual clip of the ratio exp(log_r) (log_r clamped to log_ratio_clamp), and its derivative in log_r,
+// both times the IS weight w where the options weigh (policy_terms._ppo_clip). Not inlined, nor are ppo_term and
+// token_coefficient: the stage and the gradient formed in the forward (forward_gradient_rows) run one compiled copy,
+// so a token's coefficient is the same bits in both.
 __attribute__((noinline)) void ppo_clip(float log_r, float adv, float w, const int64_t* o, const float* h,
                                         float& term_out, float& grad_out) {
   const float r = policy_ratio(log_r, o, h);
@@ -1127,6 +1150,9 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
   const int64_t policy = o[kPolicy];  // the policy ratio is the sequence's:
   const bool sequence_ratio = policy == kPpoSequence || policy == kGspo || policy == kCispoSequence;
+  // ratio_level="sequence": the ratio the bias-corrected KL multiplies is the sequence's too (GSPO's token form has
+  // the token's)
+  const bool sequence_level = policy == kPpoSequence || policy == kCispoSequence;
   // the tokens the token_* options keep (kept_length_sum) and those outside seq_all_k1's band
   LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum;
   for (int64_t t = start; t < end; ++t) {
@@ -1223,6 +1249,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       const float ref = on_mask(in.ref, t, m);
       kl_and_grad(lp, ref, o[kKlType], o[kKlStraight], kl, dkl);
       if (o[kKlScore]) dkl = kl_score(lp, ref, kl, dkl, o[kKlType], o[kKlStraight]);
+      if (o[kKlBiasCorrection]) bias_corrected_kl(lp, ref, sequence_level ? log_s : lp - l_old, !sequence_level, o, h,
+                                                  kl, dkl);
       kl_sum.add(t, kept ? kl : 0.0f);
       out.dkl[t] = dkl;
     }
@@ -1234,6 +1262,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   row[0] = pg.total(), row[1] = kl_sum.total(), row[2] = entropy_sum.total(), row[3] = kept_count.total();
   row[4] = static_cast<float>(end - start);
   row[5] = o[kIsLevel] == 1 ? weight_sum.total() : seq_weight, row[6] = length, row[7] = grad_sum.total();
+  // the bias-corrected KL's sum where it goes through the sequence's ratio: the finish chains it to each token
+  const bool kl_chained = o[kKlBiasCorrection] && sequence_level && o[kKlType] != 0 &&
+                          (!o[kRatioClamp] || std::fabs(log_s) <= h[kRatioClampValue]);
+  row[8] = kl_chained ? row[1] : 0.0f;
 }
 
 // The offsets, read on the host (free on the CPU): every token in exactly one sequence, or the op refuses.
@@ -1348,6 +1380,9 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   float* e = has_entropy ? coef_entropy.data_ptr<float>() : nullptr;
   const float* d = has_kl ? dkl.data_ptr<float>() : nullptr;
   const float beta = h[kKlCoef], entropy_coeff = h[kEntropyCoeff];
+  // the bias-corrected KL's part through the sequence's ratio (record column 8), chained as the policy's
+  const bool kl_chained =
+      has_kl && o[kKlBiasCorrection] && (o[kPolicy] == kPpoSequence || o[kPolicy] == kCispoSequence);
   float* w_out = o[kNormalize] != 0 ? weights.data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -1362,6 +1397,7 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
                    ? sequence_coefficient(rec[sid[t] * kRecord + 7], a, final_length, out.kept[t], factor,
                                           w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f)
                    : token_coefficient(c[t], a, factor, w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);
+        if (kl_chained && out.kept[t]) c[t] += (beta * a) * rec[sid[t] * kRecord + 8] / std::max(final_length, 1.0f);
       }
       if (e) e[t] = -entropy_coeff * (agg_entropy == agg ? a : weight(kept_t, final_length, agg_entropy,
                                                                         per_token_entropy));

@@ -46,7 +46,7 @@ def option_codes(options: dict) -> dict:
         RS_TOKEN=sum(bit for kind, bit in TOKEN_KINDS.items() if f"token_{kind}" in rejection),
         RS_ALL="seq_all_k1" in rejection,
         SEQ_TOKENS_KEPT=options["seq_tokens_kept"], GIVEN_WEIGHTS=options["given_weights"],
-        CISPO_CAP=options["cispo_cap"])
+        CISPO_CAP=options["cispo_cap"], KL_BIAS_CORRECTION=options["kl_bias_correction"])
 
 
 class TokenFactors(NamedTuple):

@@ -12,11 +12,12 @@ or k3 of each token (token_*) or k1 of every token of the sequence (seq_all_k1; 
 statistics over m or over the tokens the token options keep (seq_tokens), leaving m' or zeroing the weights
 (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage
 (seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with
-or without the score term (kl_score_gradient: NeMo-RL's); the entropy bonus at the loss's aggregation or its own
-(entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts; a trainer's own IS weights
-(is_weights: verl's, TRL's, prime-rl's).
+or without the score term (kl_score_gradient: NeMo-RL's) or times the policy ratio (kl_bias_correction: TRL's,
+DeepSeek-V3.2's; through the sequence's ratio at ratio_level="sequence"); the entropy bonus at the loss's
+aggregation or its own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts; a
+trainer's own IS weights (is_weights: verl's, TRL's, prime-rl's).
 Everything else keeps the torch stage (`loss.run`): the other rejection statistics (k2 and k3 maxima, k2 sums, the
-binary divergences, the sampler's KL), the other loss types and terms (the bias-corrected KL, the log-ratio square),
+binary divergences, the sampler's KL), the other loss types and terms (the log-ratio square),
 split batches, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
@@ -72,9 +73,8 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
     for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
-    for name in ("log_ratio_sq_coef", "kl_bias_correction"):
-        if getattr(config, name):  # False / 0: off
-            return f"{name}={getattr(config, name)!r}"
+    if config.log_ratio_sq_coef:  # 0: off
+        return f"log_ratio_sq_coef={config.log_ratio_sq_coef!r}"
     if batch.ref_logprobs is not None and config.kl_coef and config.kl_type.rstrip("+") not in _KL_TYPES:
         return f"kl_type={config.kl_type!r}"
     if batch.sampler_head is not None:
@@ -148,8 +148,9 @@ def factors_blocker(config) -> Optional[str]:
         return f"loss_type={config.loss_type!r} (the one-pass kernel forms PPO's clip)"
     if config.seq_mean_advantages:
         return "seq_mean_advantages (the factors carry each token's own advantage, not its sequence's mean)"
-    if config.kl_score_gradient and config.kl_coef:
-        return "kl_score_gradient (the one-pass kernel forms the KL's plain derivative)"
+    if config.kl_coef and (config.kl_score_gradient or config.kl_bias_correction):
+        name = "kl_score_gradient" if config.kl_score_gradient else "kl_bias_correction"
+        return f"{name} (the one-pass kernel forms the KL's plain derivative)"
     return None
 
 
@@ -215,6 +216,7 @@ def _launch_arguments(stats, batch, config):
         entropy_aggregation=config.entropy_agg_mode or config.loss_agg_mode, policy=_policy(config),
         seq_mean_advantages=bool(config.seq_mean_advantages),
         zero_weight=rc is not None and rc.rs_mode == "zero_weight", kl_score=kl and bool(config.kl_score_gradient),
+        kl_bias_correction=kl and bool(config.kl_bias_correction),
         seq_tokens_kept=rc is not None and bool(rc.rs) and rc.seq_tokens == "kept",
         cispo_cap=config.loss_type == "cispo" and config.cispo_cap is not None)
     return inputs, options, _hyperparameters(config, rc)

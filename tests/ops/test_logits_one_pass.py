@@ -186,6 +186,8 @@ def test_without_validation_on_cpu_tensors(tier):
     (dict(loss_type="gspo"), "loss_type='gspo'"),
     (dict(ratio_level="sequence"), "ratio_level='sequence'"),
     (dict(seq_mean_advantages=True), "seq_mean_advantages"),
+    (dict(kl_coef=0.1, kl_score_gradient=True), "kl_score_gradient"),
+    (dict(kl_coef=0.1, kl_bias_correction=True), "kl_bias_correction"),
     (dict(loss_type="cispo"), "loss_type='cispo' (the one-pass kernel forms PPO's clip)"),
     (dict(fused_stage=False), "the fused stage's kernels are not the pass's backend's"),
     (dict(numerics="vllm"), "a numerics mode"),
@@ -205,13 +207,14 @@ def _outside(override, reason):
     logits, labels, adv, mask, old = _tokens()
     config = PolicyLossConfig(**{"rollout_correction": RolloutCorrection.seq_mis(), "backend": "triton", **override})
     leaf = logits[:, :-1].clone().requires_grad_(True)
-    out = rlkernels.decoupled_ppo_loss(leaf, labels, adv, mask, old_logprobs=old, rollout_logprobs=old + 0.05,
-                                       config=config)
+    kwargs = dict(old_logprobs=old, rollout_logprobs=old + 0.05)
+    if config.kl_coef:
+        kwargs["ref_logprobs"] = old - 0.1
+    out = rlkernels.decoupled_ppo_loss(leaf, labels, adv, mask, config=config, **kwargs)
     assert out.path == "logits"
-    args = Arguments(labels=labels, advantages=adv, response_mask=mask, old_logprobs=old, rollout_logprobs=old + 0.05)
+    args = Arguments(labels=labels, advantages=adv, response_mask=mask, **kwargs)
     batch = prepare_logits_loss(leaf, args, config, {})[1]
     assert reason in step._logits_one_pass_blocker(leaf, batch, config, step.pass_options(config))
-    kwargs = dict(old_logprobs=old, rollout_logprobs=old + 0.05)
     with torch.no_grad():
         assert rlkernels.decoupled_ppo_loss(leaf, labels, adv, mask, config=config, **kwargs).path == "logits"
     half = leaf.detach().half().requires_grad_(True)

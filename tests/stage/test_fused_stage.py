@@ -76,6 +76,9 @@ def family_configs(draw, mode: str, one_pass: bool = False):
     globals_ = draw(st.booleans())
     # PPO's clip of the token's ratio or of the sequence's (TRL's GSPO), GSPO's token form (verl's), CISPO
     loss_type, ratio_level = draw(st.sampled_from(FAMILY_POLICY_TERMS[:2] if one_pass else FAMILY_POLICY_TERMS))
+    # the KL's score term (NeMo-RL's) or the KL times the policy ratio (TRL's, DeepSeek-V3.2's), never both
+    kl_form = draw(st.sampled_from((None, "kl_score_gradient", "kl_bias_correction"))) if kl and not one_pass \
+        else None
     return PolicyLossConfig(
         loss_type=loss_type, ratio_level=ratio_level,
         cispo_cap=draw(st.sampled_from((None, 5.0, 1.1))) if loss_type == "cispo" else None,
@@ -84,7 +87,7 @@ def family_configs(draw, mode: str, one_pass: bool = False):
         clip_ratio_c=draw(st.sampled_from((3.0, None, 1.5))), loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
         entropy_coeff=draw(st.sampled_from((0.0, 0.01, -0.02))), adaptive_entropy=draw(st.booleans()),
         kl_coef=0.0 if kl is None else draw(st.sampled_from((0.05, 1.0))), kl_type=kl or "k3",
-        kl_score_gradient=kl is not None and not one_pass and draw(st.booleans()),
+        kl_score_gradient=kl_form == "kl_score_gradient", kl_bias_correction=kl_form == "kl_bias_correction",
         seq_mean_advantages=not one_pass and loss_type != "gspo" and draw(st.booleans()),
         rollout_correction=draw(family_corrections(loss_type != "gspo")) if mode == "decoupled" else None,
         global_num_tokens=13.0 if globals_ else None, global_num_seqs=3.0 if globals_ else None,
@@ -291,7 +294,7 @@ def _policy_call(**overrides):
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
     (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
     (dict(log_ratio_sq_coef=0.01), "log_ratio_sq_coef"),
-    (dict(kl_bias_correction=True), "kl_bias_correction"),
+    (dict(loss_type="gpg"), "loss_type='gpg'"),
 ])
 def test_outside_the_family_the_torch_stage_runs_and_true_is_refused(override, reason):
     call, _, config = _policy_call(**override)
@@ -400,6 +403,46 @@ def test_the_sequence_ratios_clip_on_both_sides(loss_type, ratio_level, cispo_ca
     assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
     for name, g, w in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
         assert_close(g, w, **tol("reordered", F32, scale=float(w.abs().amax())), name=name)
+
+
+@pytest.mark.parametrize("loss_type, ratio_level", [("vanilla", "token"), ("gspo", "token"), ("vanilla", "sequence"),
+                                                     ("cispo", "sequence")])
+@pytest.mark.parametrize("kl_type", ["k3", "k3_unclamped", "abs+"])
+@implementations
+def test_the_bias_corrected_kl(loss_type, ratio_level, kl_type, backend):
+    """kl_bias_correction (TRL's use_bias_correction_kl, DeepSeek-V3.2's): the KL times the policy ratio, the token's
+    (its own derivative r k added where log_ratio_clamp passes it) or the sequence's (that part chained through the
+    sequence's mean log-ratio), where the log-ratios (0.6 nats of noise per token) fall on both sides of a clamp of
+    0.4, with token IS and batch-normalised weights (which the KL's chained part must not be divided by)."""
+    from ..cases import make_batch
+
+    lengths = [3, 7, 1, 0, 12, 5, 9, 2, 4]
+    batch = make_batch("packed", lengths, 2, dtype=F32, seed=11, mismatch=0.05, mask_p=0.85)
+    config = PolicyLossConfig(
+        loss_type=loss_type, ratio_level=ratio_level, log_ratio_clamp=0.4, kl_coef=0.5, kl_type=kl_type,
+        kl_bias_correction=True, loss_agg_mode="seq-mean-token-mean",
+        rollout_correction=RolloutCorrection(is_level="token", is_threshold=2.0, is_batch_normalize=True),
+        metrics="loss_only", validate=False, backend=backend)
+    gen = torch.Generator().manual_seed(12)
+    logprobs = batch.old_logprobs + 0.6 * torch.randn(batch.labels.shape, generator=gen)
+    entropy = torch.rand(batch.labels.shape, generator=gen)
+    (want, want_lp, _), (got, got_lp, _) = _both(batch, "decoupled", config, logprobs, entropy)
+    mask = got.mask.reshape(-1)
+    delta = torch.where(mask, (logprobs - batch.old_logprobs).reshape(-1), 0.0)
+    if ratio_level == "sequence":
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        counts = torch.zeros(len(lengths)).index_add(0, ids, mask.float())
+        log_r = (torch.zeros(len(lengths)).index_add(0, ids, delta) / counts.clamp_min(1))[counts > 0]
+    else:
+        log_r = delta[mask]
+    assert bool((log_r.abs() > 0.4).any()) and bool((log_r.abs() < 0.4).any()), log_r
+    assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert_close(got_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())), name="dlogprobs")
+    # the correction is not a no-op here: without it the loss and its gradient differ
+    (plain, plain_lp, _), _ = _both(batch, "decoupled", config.with_overrides(kl_bias_correction=False), logprobs,
+                                    entropy)
+    assert not torch.allclose(plain_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())))
 
 
 TRAINER_OPTIONS = {
@@ -554,6 +597,10 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
     ("seq-mean-token-mean", dict(kl_type="k3", kl_score_gradient=True, rollout_correction=RolloutCorrection(
         is_level="token", is_threshold=2.0, rs={"seq_mean_k1": (0.998, 1.002)}, rs_mode="zero_weight"))),
     ("token-mean", dict(rollout_correction=RolloutCorrection(rs={"seq_mean_k1": (0.998, 1.002)}), is_weights=True)),
+    # TRL's bias-corrected k3, of the token's ratio and of the sequence's (its GSPO)
+    ("token-mean", dict(kl_type="k3", kl_bias_correction=True)),
+    ("seq-mean-token-mean", dict(kl_type="k3_unclamped", kl_bias_correction=True, ratio_level="sequence",
+                                 log_ratio_clamp=0.02)),
 ])
 def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not

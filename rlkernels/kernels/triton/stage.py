@@ -7,7 +7,7 @@ compiled graph of ~50 generated kernels) compute for the loss and its gradient c
                        policy ratio its log-ratio); the decisions follow (IS weight, rejection). The second forms each
                        token's IS weight, final mask, policy term and its derivative, the KL penalty's derivative,
                        and the sequence's sums of the loss's terms (and of the derivatives in its mean log-ratio,
-                       which the finish chains to each of its tokens).
+                       the policy term's and the bias-corrected KL's, which the finish chains to each of its tokens).
     _finish_kernel     one program per block of tokens. Each first reduces the [S] record to the batch's
                        normalisers and, with is_batch_normalize, the IS weights' mean (a few KB, read from L2 by every
                        program: no atomics, no ticket, the same bits every run). Program 0 writes the loss; every
@@ -37,8 +37,9 @@ BLOCK = 512  # tokens per step of a sequence's reads and per finish program
 BLOCK_S = 256  # sequences per step of the finish programs' record reduction
 # per-sequence record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
 # token weights', or the sequence's one weight), masked length, the sum over m' of the weighted policy derivative in
-# the sequence's log-ratio (ratio_level="sequence": each token's coefficient is the sequence's mean of it)
-RECORD_WIDTH = 8
+# the sequence's log-ratio (ratio_level="sequence": each token's coefficient is the sequence's mean of it), and the KL
+# sum over m' where the bias-corrected KL's ratio is the sequence's and its clamp passes the gradient (0 elsewhere)
+RECORD_WIDTH = 9
 RECORD = tl.constexpr(RECORD_WIDTH)
 CLAMP = tl.constexpr(20.0)  # SPEC §4: every importance log-ratio is clamped to [-20, 20] before exp
 
@@ -104,6 +105,36 @@ def _kl_score(lp, ref, kl, dkl, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr
     else:
         score = dkl + kl
     return score
+
+
+@triton.jit
+def _bias_corrected_kl(lp, ref, log_r, kl, dkl, ratio_clamp, RATIO_CLAMP: tl.constexpr, KL_TYPE: tl.constexpr,
+                       KL_STRAIGHT: tl.constexpr, TOKEN_RATIO: tl.constexpr):
+    """kl_bias_correction (DeepSeek-V3.2's, TRL's use_bias_correction_kl; loss._bias_corrected_kl): the penalty
+    times the policy ratio r = exp(log_r) and its derivative in lp. The token's ratio (TOKEN_RATIO) adds its own
+    derivative r k where the clamp passes it; the sequence's goes through its mean log-ratio, which the finish chains.
+    The unclamped k3 is e^(d + log r) - (d + 1) r, d = ref - lp, with -d r its token-level derivative (two e^d terms
+    of ~1e17 would cancel otherwise)."""
+    r = _policy_ratio(log_r, ratio_clamp, RATIO_CLAMP)
+    value = kl * r
+    corrected = dkl * r
+    UNCLAMPED_K3: tl.constexpr = KL_TYPE == 5 and not KL_STRAIGHT
+    if UNCLAMPED_K3:
+        d = ref - lp
+        if RATIO_CLAMP:
+            value = tl.exp(d + _clamp(log_r, -ratio_clamp, ratio_clamp)) - (d + 1.0) * r
+        else:
+            value = tl.exp(d + log_r) - (d + 1.0) * r
+    if TOKEN_RATIO:  # r's own derivative joins where the clamp passes it (everywhere without one)
+        if UNCLAMPED_K3:
+            passed = (lp - ref) * r
+        else:
+            passed = corrected + value
+        if RATIO_CLAMP:
+            corrected = tl.where(tl.abs(log_r) <= ratio_clamp, passed, corrected)
+        else:
+            corrected = passed
+    return value, corrected
 
 
 @triton.jit
@@ -225,7 +256,8 @@ def _sequence_kernel(
     RS_K3_SUM: tl.constexpr, RS_K3_MEAN: tl.constexpr, RATIO_CLAMP: tl.constexpr, DUAL_CLIP: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, SEQ_MEAN_ADVANTAGES: tl.constexpr,
     ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, RS_TOKEN: tl.constexpr, RS_ALL: tl.constexpr,
-    SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, CISPO_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, CISPO_CAP: tl.constexpr,
+    KL_BIAS_CORRECTION: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -240,6 +272,9 @@ def _sequence_kernel(
     HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL
     HAS_CORRECTION: tl.constexpr = HAS_RS or IS_LEVEL != 0
     SEQUENCE_RATIO: tl.constexpr = POLICY == 1 or POLICY == 2 or POLICY == 4  # the policy ratio is the sequence's
+    # ratio_level="sequence": the ratio the bias-corrected KL multiplies is the sequence's too (GSPO's token form
+    # has the token's)
+    SEQUENCE_LEVEL: tl.constexpr = POLICY == 1 or POLICY == 4
 
     # -- first read: the sums the sequence's decisions read (correction.token_terms); vectors summed once at the end
     length_acc = tl.zeros([BLOCK], tl.float32)
@@ -325,8 +360,10 @@ def _sequence_kernel(
         final_count = tl.where(keep != 0.0, tl.maximum(kept_length, 1.0), 1.0)  # over 1 where rejection emptied it
     # the sequence's mean policy log-ratio and advantage over its final mask, as blocks
     log_s = tl.zeros([BLOCK], tl.float32)
+    seq_log_ratio = 0.0
     if SEQUENCE_RATIO:
-        log_s += tl.sum(pg_delta_acc, 0) / final_count
+        seq_log_ratio = tl.sum(pg_delta_acc, 0) / final_count
+        log_s += seq_log_ratio
     seq_adv = tl.zeros([BLOCK], tl.float32)
     if SEQ_MEAN_ADVANTAGES:  # AReaL's: each token of m' takes its sequence's mean advantage
         seq_adv += tl.sum(adv_acc, 0) / final_count
@@ -396,6 +433,13 @@ def _sequence_kernel(
             kl, dkl = kl_and_grad(lp, ref, KL_TYPE, KL_STRAIGHT)
             if KL_SCORE:
                 dkl = _kl_score(lp, ref, kl, dkl, KL_TYPE, KL_STRAIGHT)
+            if KL_BIAS_CORRECTION:
+                if SEQUENCE_LEVEL:
+                    kl, dkl = _bias_corrected_kl(lp, ref, log_s, kl, dkl, ratio_clamp, RATIO_CLAMP, KL_TYPE,
+                                                 KL_STRAIGHT, False)
+                else:
+                    kl, dkl = _bias_corrected_kl(lp, ref, lp - l_old, kl, dkl, ratio_clamp, RATIO_CLAMP, KL_TYPE,
+                                                 KL_STRAIGHT, True)
             kl_acc += tl.where(kept, kl, 0.0)
             tl.store(dkl_ptr + idx, dkl, mask=inside)
         if HAS_ENTROPY:
@@ -416,6 +460,13 @@ def _sequence_kernel(
         tl.store(row + 5, seq_weight)
     tl.store(row + 6, length)
     tl.store(row + 7, tl.sum(g_acc, 0))
+    # the bias-corrected KL's sum where it goes through the sequence's ratio: the finish chains it to each token
+    kl_chained = 0.0
+    if KL_BIAS_CORRECTION and SEQUENCE_LEVEL and KL_TYPE != 0:
+        kl_chained = tl.sum(kl_acc, 0)
+        if RATIO_CLAMP:
+            kl_chained = tl.where(tl.abs(seq_log_ratio) <= ratio_clamp, kl_chained, 0.0)
+    tl.store(row + 8, kl_chained)
 
 
 @triton.jit
@@ -506,15 +557,16 @@ def _finish_kernel(
     kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
     AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
     GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_KL: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, ENTROPY_AGGREGATION: tl.constexpr, CHAINED: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_S: tl.constexpr, FACTORS: tl.constexpr = False,
+    HAS_ENTROPY: tl.constexpr, ENTROPY_AGGREGATION: tl.constexpr, CHAINED: tl.constexpr, KL_CHAINED: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, FACTORS: tl.constexpr = False,
 ):
     # Long on purpose: the batch's scalars, the loss and the tokens' coefficients share the normalisers, which every
     # program computes itself (no second launch, no atomics). FACTORS: the factors a coefficient is formed from
     # instead (forward_grad.py forms it): a_t for coef, the IS weights as the sequence kernel wrote them, the
     # batch normalisation's factor for the loss. ENTROPY_AGGREGATION: the entropy bonus's mode (entropy_agg_mode,
     # else the loss's); CHAINED: each token's policy coefficient is its sequence's mean over m' (record column 7: PPO
-    # on the sequence's ratio).
+    # on the sequence's ratio); KL_CHAINED: the bias-corrected KL's part through the sequence's ratio too, its sum
+    # over m' (record column 8) chained as kl_coef a_t times its mean.
     pid = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
@@ -524,7 +576,7 @@ def _finish_kernel(
         factor = _weight_mean(record_ptr, S, NORMALIZE, BLOCK_S)
     per_token = _per_token(tokens, seqs_count, width, AGGREGATION)
     per_token_entropy = _per_token(tokens, seqs_count, width, ENTROPY_AGGREGATION)
-    PER_SEQUENCE: tl.constexpr = AGGREGATION == 2 or ENTROPY_AGGREGATION == 2 or CHAINED
+    PER_SEQUENCE: tl.constexpr = AGGREGATION == 2 or ENTROPY_AGGREGATION == 2 or CHAINED or KL_CHAINED
 
     if FACTORS:
         if pid == 0:
@@ -585,6 +637,9 @@ def _finish_kernel(
                 coef = a * grad
             if HAS_KL:
                 coef = (kl_coef * a) * tl.load(dkl_ptr + idx, mask=inside, other=0.0) + coef
+                if KL_CHAINED:  # loss._add_kl's part through the sequence's ratio, chained as the policy's
+                    kl_sum = tl.load(record_ptr + sid * RECORD + 8, mask=inside, other=0.0)
+                    coef += tl.where(kept != 0.0, ((kl_coef * a) * kl_sum) / tl.maximum(final_length, 1.0), 0.0)
             tl.store(coef_ptr + idx, coef, mask=inside)
         if HAS_ENTROPY:
             if ENTROPY_AGGREGATION == AGGREGATION:
@@ -642,6 +697,7 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
             *(h[name] for name in FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
             HAS_ENTROPY=coef_entropy is not None, CHAINED=codes["POLICY"] == POLICY_TERMS["ppo_sequence"],
+            KL_CHAINED=codes["KL_TYPE"] != 0 and codes["KL_BIAS_CORRECTION"] and codes["POLICY"] in _SEQUENCE_LEVEL,
             BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=factors,
         )
     return loss, lp_out, coef, coef_entropy, weights, kept
@@ -650,7 +706,9 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
                      "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
-                     "GIVEN_WEIGHTS", "CISPO_CAP")
+                     "GIVEN_WEIGHTS", "CISPO_CAP", "KL_BIAS_CORRECTION")
+# the policy codes of ratio_level="sequence"
+_SEQUENCE_LEVEL = (POLICY_TERMS["ppo_sequence"], POLICY_TERMS["cispo_sequence"])
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION")
 
@@ -662,7 +720,7 @@ def aot_specs():
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=False,
-                SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False)
+                SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False, KL_BIAS_CORRECTION=False)
     sequence_sets = [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -689,6 +747,9 @@ def aot_specs():
         # CISPO: verl's clip of the token's ratio, TRL's cap of the sequence's
         dict(base, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, POLICY=3),
         dict(base, POLICY=4, CISPO_CAP=True, RATIO_CLAMP=False, KL_TYPE=5),
+        # the bias-corrected KL (TRL's, DeepSeek-V3.2's): of the token's ratio, and through the sequence's (TRL's GSPO)
+        dict(base, WEIGHTED=True, IS_LEVEL=1, KL_TYPE=4, KL_BIAS_CORRECTION=True),
+        dict(base, POLICY=1, RATIO_CLAMP=False, KL_TYPE=5, KL_BIAS_CORRECTION=True),
     ]
     pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "given_ptr",
                 "cu_ptr", "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
@@ -707,6 +768,7 @@ def aot_specs():
             constexprs = dict(zip(("SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "HAS_KL"),
                                   flags), AGGREGATION=aggregation, NORMALIZE=aggregation % 3, HAS_ENTROPY=i == 1,
                               ENTROPY_AGGREGATION=(aggregation + i) % len(AGGREGATIONS), CHAINED=i == 1,
+                              KL_CHAINED=i == 1,
                               BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=False)
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
                          "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32",
@@ -719,6 +781,7 @@ def aot_specs():
             if i == 1:  # the factors mode (forward_grad.py's decisions), every flag on
                 specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i},FACTORS=1]",
                                      fn=_finish_kernel, signature=signature,
-                                     constexprs={**constexprs, "CHAINED": False, "FACTORS": True},
+                                     constexprs={**constexprs, "CHAINED": False, "KL_CHAINED": False,
+                                                 "FACTORS": True},
                                      num_warps=4, num_stages=1))
     return specs
