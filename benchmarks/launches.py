@@ -53,22 +53,30 @@ def _ppo_inputs(N: int, V: int, S: int, device: str, dtype: torch.dtype):
 
 
 # the trainers' own calls, each outside the fused stage's family until it took them: verl's GSPO with its own IS
-# weights, TRL's loss (it sets entropy_agg_mode on every call), SkyRL's token-level rejection over the kept tokens,
-# NeMo-RL's zero-weight rejection with the KL's score term; each with every metric, as the trainers log them
+# weights, TRL's loss (it sets entropy_agg_mode on every call) and its GSPO with the bias-corrected KL, SkyRL's
+# token-level rejection over the kept tokens, NeMo-RL's zero-weight rejection with the KL's score term, prime-rl's
+# default loss; each with every metric, as the trainers log them. (options, the trainer's own IS weights, bypass mode)
 TRAINERS = {
-    "verl_gspo": (dict(loss_type="gspo", loss_agg_mode="seq-mean-token-mean"), True),
+    "verl_gspo": (dict(loss_type="gspo", loss_agg_mode="seq-mean-token-mean"), True, False),
     "trl": (dict(loss_agg_mode="token-mean", entropy_agg_mode="token-mean", rollout_correction=RolloutCorrection(
-        is_level="sequence", is_threshold=3.0, is_mode="mask")), False),
+        is_level="sequence", is_threshold=3.0, is_mode="mask")), False, False),
     # TRL's GSPO with beta > 0 and use_bias_correction_kl: the KL times the sequence's ratio, chained through it
     "trl_gspo_kl": (dict(ratio_level="sequence", log_ratio_clamp=None, loss_agg_mode="token-mean",
                          entropy_agg_mode="token-mean", kl_coef=0.04, kl_type="k3_unclamped", kl_bias_correction=True,
                          rollout_correction=RolloutCorrection(is_level="sequence", is_threshold=3.0, is_mode="mask")),
-                    False),
+                    False, False),
     "skyrl": (dict(rollout_correction=RolloutCorrection(
         is_level="token", is_threshold=2.0, rs={"token_k1": (0.5, 2.0), "seq_all_k1": (0.2, 5.0)},
-        seq_tokens="kept")), False),
+        seq_tokens="kept")), False, False),
     "nemo_rl": (dict(kl_coef=0.01, kl_type="k3", kl_score_gradient=True, rollout_correction=RolloutCorrection(
-        is_level="token", is_threshold=2.0, rs={"seq_mean_k1": (0.99, 1.01)}, rs_mode="zero_weight")), False),
+        is_level="token", is_threshold=2.0, rs={"seq_mean_k1": (0.99, 1.01)}, rs_mode="zero_weight")), False, False),
+    # prime-rl's default loss (rlkernels.integrations.prime_rl.default_loss_fn): bypass mode, DPPO binary-TV on the
+    # advantage's side, token-sum, its kl_tau as the log-ratio square
+    "prime_rl": (dict(loss_type="dppo_binary_tv_signed", loss_agg_mode="token-sum", log_ratio_clamp=None,
+                      log_ratio_sq_coef=1e-3), False, True),
+    # and its default since PR #3418 (2026-08-27): IPO, |p - q| <= 0.3, no KL term
+    "prime_rl_ipo": (dict(loss_type="ipo", ipo_eps=0.3, loss_agg_mode="token-sum", log_ratio_clamp=None), False,
+                     True),
 }
 
 
@@ -78,8 +86,10 @@ def trainer_cases(N: int, V: int, S: int, device: str, dtype: torch.dtype):
     logits = x.pop("logits")
     x["ref_logprobs"] = x["old_logprobs"] - 0.01
     out = {}
-    for name, (options, own_weights) in TRAINERS.items():
+    for name, (options, own_weights, bypass) in TRAINERS.items():
         kwargs = dict(x, is_weights=torch.rand(N, device=device) + 0.5) if own_weights else x
+        if bypass:  # the sampler's log-probs alone: it is the proximal policy
+            kwargs = {k: v for k, v in kwargs.items() if k != "old_logprobs"}
         for stage in ("torch", "fused"):
             config = PolicyLossConfig(**options, validate=False, compile_stage=False, fused_stage=stage == "fused")
             out[f"trainer[{name},{stage}]"] = lambda c=config, kw=kwargs: rlkernels.decoupled_ppo_loss(

@@ -926,22 +926,25 @@ enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
   kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kRsToken, kRsAll, kSeqTokensKept,
-  kGivenWeights, kCispoCap, kKlBiasCorrection, kOptionCount
+  kGivenWeights, kCispoCap, kKlBiasCorrection, kSampler, kLogRatioSq, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
-  kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kCispoCapValue,
-  kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kHyperCount
+  kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kCispoCapValue, kBinaryTvLow,
+  kBinaryTvHigh, kIpoKlTau, kIpoEps, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue,
+  kLogRatioSqCoef, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
 // token weights', or the sequence's one weight: what is_batch_normalize averages), masked length, the sum over m' of
 // the weighted policy derivative in the sequence's log-ratio (kPolicy 1: each token's coefficient is its mean), and
-// the KL sum over m' where the bias-corrected KL's ratio is the sequence's and its clamp passes the gradient (0 else)
-constexpr int64_t kRecord = 9;
+// the KL sum over m' where the bias-corrected KL's ratio is the sequence's and its clamp passes the gradient (0 else),
+// the sum over m' of (log p/q)^2 against the sampler (log_ratio_sq_coef's term)
+constexpr int64_t kRecord = 10;
 // kPolicy: PPO's clip of the token's ratio, of its sequence's mean log-ratio (ratio_level="sequence"), GSPO's token
-// form, CISPO of the token's ratio or of its sequence's
-enum PolicyCode { kPpo, kPpoSequence, kGspo, kCispo, kCispoSequence };
+// form, CISPO of the token's ratio or of its sequence's, prime-rl's trust regions on the sampler (dppo_binary_tv,
+// dppo_binary_tv_signed, IPO)
+enum PolicyCode { kPpo, kPpoSequence, kGspo, kCispo, kCispoSequence, kBinaryTv, kBinaryTvSigned, kIpo };
 
 // torch.clamp: NaN stays NaN
 inline float clamp(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
@@ -975,6 +978,7 @@ inline void kl_and_grad(float lp, float ref, int64_t type, bool straight, float&
 // kl_score_gradient's derivative (NeMo-RL: k x exp(lp - sg lp)): dkl + k where the estimator's clamps pass a gradient
 // (loss.kl_gradient_passes: everywhere but k3's, |ref - lp| <= 20 and k3 <= 10).
 inline float kl_score(float lp, float ref, float kl, float dkl, int64_t type, bool straight) {
+  if (type == 5 && !straight) return lp - ref;  // (1 - e^d) + (e^d - d - 1) = -d: the e^d terms cancel exactly
   if (type != 4 || straight) return dkl + kl;
   const float d_raw = ref - lp, d = clamp(d_raw, -kClamp, kClamp);
   const bool passes = d_raw >= -kClamp && d_raw <= kClamp && std::exp(d) - d - 1.0f <= 10.0f;
@@ -1113,13 +1117,37 @@ inline void cispo_term(float lp, float log_r, float adv, float w, const int64_t*
   term_out = term, grad_out = grad;
 }
 
+// prime-rl's trust regions on the sampler (policy_terms._rollout_trust_region): -A r + tau d^2 on the kept tokens, 0
+// elsewhere, and its derivative in lp, (-A r where the clamp passes it) + 2 tau d there, both times w where the
+// options weigh; d = lp - log q, r = exp(d). Kept: p - q inside [-low, high] (dppo_binary_tv), or not past the bound on
+// the advantage's side (dppo_binary_tv_signed: p - q > high drops a token where A > 0, p - q < -low elsewhere), or
+// |p - q| <= ipo_eps (IPO; e^high (1 - e^(low - high)), no cancellation of two small probabilities); selected, never
+// multiplied, so an overflowing r off the region makes no NaN.
+inline void trust_region_term(float lp, float behaviour, float adv, float w, const int64_t* o, const float* h,
+                              float& term_out, float& grad_out) {
+  const float d = lp - behaviour, r = policy_ratio(d, o, h), gap = std::exp(lp) - std::exp(behaviour);
+  const float lo = h[kBinaryTvLow], hi = h[kBinaryTvHigh], tau = h[kIpoKlTau];
+  bool keep;
+  if (o[kPolicy] == kIpo) {
+    const float high = std::max(lp, behaviour);
+    keep = std::exp(high) * -std::expm1(std::min(lp, behaviour) - high) <= h[kIpoEps];
+  } else {
+    keep = o[kPolicy] == kBinaryTv ? gap >= -lo && gap <= hi : !(adv > 0.0f ? gap > hi : gap < -lo);
+  }
+  const float scaled = -adv * r;
+  const float direct = o[kRatioClamp] && !(std::fabs(d) <= h[kRatioClampValue]) ? 0.0f : scaled;
+  float term = keep ? scaled + tau * d * d : 0.0f, grad = keep ? direct + 2.0f * tau * d : 0.0f;
+  if (o[kWeighted]) term *= w, grad *= w;
+  term_out = term, grad_out = grad;
+}
+
 // l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy).
 inline float proximal(const Inputs& in, int64_t t, bool m, float lp, const int64_t* o) {
   return o[kProximal] == 1 ? on_mask(in.old, t, m) : o[kProximal] == 2 ? on_mask(in.rollout, t, m) : lp;
 }
 
 struct Outputs {
-  float *lp, *grad, *dkl, *weights, *record;
+  float *lp, *grad, *dkl, *sq, *weights, *record;
   bool* kept;
 };
 
@@ -1204,7 +1232,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   // the sequence's mean policy log-ratio and advantage over its final mask
   const float log_s = sequence_ratio ? pg_delta_sum.total() / final_count : 0.0f;
   const float seq_adv = o[kSeqMeanAdvantages] ? adv_sum.total() / final_count : 0.0f;
-  LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum, grad_sum;
+  LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum, grad_sum, sq_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];
     bool token_keep = m;
@@ -1217,6 +1245,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     const float lp = on_mask(in.lp, t, m);
     const float adv = o[kSeqMeanAdvantages] ? (kept ? seq_adv : 0.0f) : on_mask(in.adv, t, m);
     const float l_old = proximal(in, t, m, lp, o);
+    // the sampler's log-probs where given, else l_old (loss._Inputs.behaviour)
+    const float behaviour = o[kSampler] ? on_mask(in.rollout, t, m) : l_old;
     float w = 0.0f;
     if (o[kIsLevel] == 1) {
       const float delta_hat = clamp(l_old - on_mask(in.rollout, t, m), -kClamp, kClamp);
@@ -1235,8 +1265,11 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       ppo_clip(log_s, adv, w, o, h, term, grad);
     } else if (o[kPolicy] == kGspo) {
       gspo_term(log_s, adv, w, o, h, term, grad);
-    } else {  // CISPO of the token's ratio, or of the sequence's (its gradient through lp alone: sg(c))
+    } else if (o[kPolicy] == kCispo || o[kPolicy] == kCispoSequence) {
+      // CISPO of the token's ratio, or of the sequence's (its gradient through lp alone: sg(c))
       cispo_term(lp, o[kPolicy] == kCispo ? lp - l_old : log_s, adv, w, o, h, term, grad);
+    } else {
+      trust_region_term(lp, behaviour, adv, w, o, h, term, grad);
     }
     pg.add(t, kept ? term : 0.0f);
     if (o[kPolicy] == kPpoSequence) {
@@ -1254,6 +1287,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       kl_sum.add(t, kept ? kl : 0.0f);
       out.dkl[t] = dkl;
     }
+    if (o[kLogRatioSq]) {  // the log-ratio against the sampler on m' (loss._add_log_ratio_sq)
+      const float d = kept ? lp - behaviour : 0.0f;
+      sq_sum.add(t, d * d), out.sq[t] = d;
+    }
     if (in.entropy) entropy_sum.add(t, kept ? on_mask(in.entropy, t, m) : 0.0f);
     kept_count.add(t, kept ? 1.0f : 0.0f);
     out.lp[t] = lp, out.kept[t] = kept;
@@ -1265,7 +1302,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   // the bias-corrected KL's sum where it goes through the sequence's ratio: the finish chains it to each token
   const bool kl_chained = o[kKlBiasCorrection] && sequence_level && o[kKlType] != 0 &&
                           (!o[kRatioClamp] || std::fabs(log_s) <= h[kRatioClampValue]);
-  row[8] = kl_chained ? row[1] : 0.0f;
+  row[8] = kl_chained ? row[1] : 0.0f, row[9] = sq_sum.total();
 }
 
 // The offsets, read on the host (free on the CPU): every token in exactly one sequence, or the op refuses.
@@ -1327,8 +1364,9 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   at::Tensor weights = at::empty({weighted ? N : 0}, options_f32);
   at::Tensor coef_entropy = at::empty({has_entropy ? N : 0}, options_f32);
   at::Tensor dkl = at::empty({has_kl ? N : 0}, options_f32), record = at::empty({S, kRecord}, options_f32);
+  at::Tensor sq = at::empty({o[kLogRatioSq] ? N : 0}, options_f32);
   at::Tensor kept = at::empty({N}, mask.options());
-  const Outputs out{lp_out.data_ptr<float>(), coef.data_ptr<float>(), dkl.data_ptr<float>(),
+  const Outputs out{lp_out.data_ptr<float>(), coef.data_ptr<float>(), dkl.data_ptr<float>(), sq.data_ptr<float>(),
                     weights.data_ptr<float>(), record.data_ptr<float>(), kept.data_ptr<bool>()};
   at::parallel_for(0, S, 16, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) sequence(s, in, out, o, h);
@@ -1353,11 +1391,11 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   auto weight = [&](float kept, float final_length, int64_t mode, float denominator) {
     return mode == 2 ? kept / (std::max(final_length, 1.0f) * seqs) : (mode == 0 ? kept : kept / denominator);
   };
-  float pg = 0.0f, kl_total = 0.0f, entropy_total = 0.0f;
+  float pg = 0.0f, kl_total = 0.0f, sq_total = 0.0f, entropy_total = 0.0f;
   for (int64_t s = 0; s < S; ++s) {
     const float a = weight(1.0f, rec[s * kRecord + 3], agg, per_token_loss);
     const float a_entropy = weight(1.0f, rec[s * kRecord + 3], agg_entropy, per_token_entropy);
-    pg += a * rec[s * kRecord], kl_total += a * rec[s * kRecord + 1];
+    pg += a * rec[s * kRecord], kl_total += a * rec[s * kRecord + 1], sq_total += a * rec[s * kRecord + 9];
     entropy_total += a_entropy * rec[s * kRecord + 2];
   }
   // is_batch_normalize: the IS weights over their batch mean (over the masked tokens, or the non-empty sequences)
@@ -1373,12 +1411,14 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   }
   float loss = o[kNormalize] != 0 ? pg / factor : pg;
   if (has_kl) loss = loss + h[kKlCoef] * kl_total;
+  if (o[kLogRatioSq]) loss = loss + h[kLogRatioSqCoef] * sq_total;
   if (has_entropy) loss = loss + -h[kEntropyCoeff] * entropy_total;
   // each token's coefficients: c_t = a_t g_t + (beta a_t) dKL_t, e_t = -entropy_coeff a_t (loss.run)
   const int64_t* sid = seq_id.data_ptr<int64_t>();
   float* c = coef.data_ptr<float>();
   float* e = has_entropy ? coef_entropy.data_ptr<float>() : nullptr;
   const float* d = has_kl ? dkl.data_ptr<float>() : nullptr;
+  const float* sq_d = o[kLogRatioSq] ? sq.data_ptr<float>() : nullptr;
   const float beta = h[kKlCoef], entropy_coeff = h[kEntropyCoeff];
   // the bias-corrected KL's part through the sequence's ratio (record column 8), chained as the policy's
   const bool kl_chained =
@@ -1398,6 +1438,7 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
                                           w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f)
                    : token_coefficient(c[t], a, factor, w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);
         if (kl_chained && out.kept[t]) c[t] += (beta * a) * rec[sid[t] * kRecord + 8] / std::max(final_length, 1.0f);
+        if (sq_d) c[t] += (2.0f * h[kLogRatioSqCoef] * a) * sq_d[t];  // 2 tau a_t d_t
       }
       if (e) e[t] = -entropy_coeff * (agg_entropy == agg ? a : weight(kept_t, final_length, agg_entropy,
                                                                         per_token_entropy));

@@ -13,18 +13,24 @@ AGGREGATIONS = {"token-sum": 0, "token-mean": 1, "seq-mean-token-mean": 2, "seq-
 PROXIMAL = {"current": 0, "old": 1, "rollout": 2}  # l_old of SPEC §1: on-policy, decoupled, bypass
 # the policy term: PPO's clip of each token's ratio; of its sequence's mean log-ratio, the gradient chained through
 # that mean (ratio_level="sequence", TRL's GSPO); GSPO's token form (loss_type="gspo", verl's), exp(sg[mean] + lp -
-# sg[lp]); CISPO's -sg(c) A lp of the token's ratio or of its sequence's (MiniMax-M1's; c clipped, or capped)
-POLICY_TERMS = {"ppo": 0, "ppo_sequence": 1, "gspo": 2, "cispo": 3, "cispo_sequence": 4}
+# sg[lp]); CISPO's -sg(c) A lp of the token's ratio or of its sequence's (MiniMax-M1's; c clipped, or capped);
+# prime-rl's trust regions on the sampler, -A p/q (+ tau (log p/q)^2) on the tokens whose p - q stays inside a band
+# (dppo_binary_tv), inside it on the advantage's side (dppo_binary_tv_signed, its default until 2026-08), or whose
+# |p - q| is at most ipo_eps (IPO, its default since)
+POLICY_TERMS = {"ppo": 0, "ppo_sequence": 1, "gspo": 2, "cispo": 3, "cispo_sequence": 4, "binary_tv": 5,
+                "binary_tv_signed": 6, "ipo": 7}
 
 SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean_lo", "k1_mean_hi", "k3_sum_max",
                             "k3_mean_max", "ratio_clamp", "clip_lo", "clip_hi", "clip_c",
                             # the token-level options' bounds: token_* (each token) and seq_all_k1 (every token of
                             # the sequence); k1's as a k1 range, k2's and k3's upper bounds
                             "token_k1_lo", "token_k1_hi", "token_k2_max", "token_k3_max", "all_k1_lo", "all_k1_hi",
-                            "cispo_cap")
+                            "cispo_cap", "binary_tv_low", "binary_tv_high", "ipo_kl_tau",
+                            "ipo_eps")
 # the k-statistics the token_* options bound, as bits of RS_TOKEN
 TOKEN_KINDS = {"k1": 1, "k2": 2, "k3": 4}
-FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor")
+FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor",
+                          "log_ratio_sq_coef")
 HYPERPARAMETERS = SEQUENCE_HYPERPARAMETERS + FINISH_HYPERPARAMETERS
 
 
@@ -46,7 +52,8 @@ def option_codes(options: dict) -> dict:
         RS_TOKEN=sum(bit for kind, bit in TOKEN_KINDS.items() if f"token_{kind}" in rejection),
         RS_ALL="seq_all_k1" in rejection,
         SEQ_TOKENS_KEPT=options["seq_tokens_kept"], GIVEN_WEIGHTS=options["given_weights"],
-        CISPO_CAP=options["cispo_cap"], KL_BIAS_CORRECTION=options["kl_bias_correction"])
+        CISPO_CAP=options["cispo_cap"], KL_BIAS_CORRECTION=options["kl_bias_correction"],
+        SAMPLER=options["sampler"], LOG_RATIO_SQ=options["log_ratio_sq"])
 
 
 class TokenFactors(NamedTuple):

@@ -226,7 +226,12 @@ def policy_loss(
             d = ref - lp.detach()
             passes = ((d.abs() <= CLAMP) & (torch.exp(d.clamp(-CLAMP, CLAMP)) - d.clamp(-CLAMP, CLAMP) - 1 <= 10)
                       if config.kl_type == "k3" else torch.ones_like(m))
-            per_token = per_token + torch.where(passes, per_token.detach() * (lp - lp.detach()), 0.0)
+            if config.kl_type == "k3_unclamped":
+                # its gradient dk + k is (1 - e^d) + (e^d - d - 1) = -d exactly: the value k with the gradient -d,
+                # since the two e^d terms (1e17 at 40 nats) cancel to ±32 even in float64
+                per_token = per_token.detach() + (lp.detach() - ref) * (lp - lp.detach())
+            else:
+                per_token = per_token + torch.where(passes, per_token.detach() * (lp - lp.detach()), 0.0)
         if config.kl_bias_correction:  # TRL use_bias_correction_kl: k x r, r with its gradient
             per_token = per_token * r
             if config.kl_type == "k3_unclamped":

@@ -5,19 +5,21 @@
 The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) of each token's ratio, or of its
 sequence's (ratio_level="sequence", TRL's GSPO: the gradient chained through the sequence's mean log-ratio), any
 log_ratio_clamp; GSPO's token form (loss_type="gspo", verl's); CISPO of the token's or the sequence's ratio
-(MiniMax-M1's, clipped as verl's or capped as TRL's); on-policy, bypass without a correction, or decoupled
-mode with token / sequence / geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and rejection
-on the sum or mean of k1 or k3 over the sequence (seq-MIS, geo-RS, K3-RS and their combinations with IS), on k1, k2
-or k3 of each token (token_*) or k1 of every token of the sequence (seq_all_k1; SkyRL's, AReaL's), the sequence
-statistics over m or over the tokens the token options keep (seq_tokens), leaving m' or zeroing the weights
-(rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage
-(seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with
-or without the score term (kl_score_gradient: NeMo-RL's) or times the policy ratio (kl_bias_correction: TRL's,
-DeepSeek-V3.2's; through the sequence's ratio at ratio_level="sequence"); the entropy bonus at the loss's
-aggregation or its own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global counts; a
-trainer's own IS weights (is_weights: verl's, TRL's, prime-rl's).
+(MiniMax-M1's, clipped as verl's or capped as TRL's); prime-rl's trust regions on the sampler (dppo_binary_tv,
+dppo_binary_tv_signed and IPO, its defaults before and since 2026-08, with their ipo_kl_tau square on the kept
+tokens); the log-ratio square against the sampler (log_ratio_sq_coef: the Kimi-K2.5 term, prime-rl's kl_tau) beside
+any of these; on-policy, bypass without a correction, or decoupled mode with token / sequence / geometric IS weights
+(truncated or IcePop-masked, batch-normalised or not) and rejection on the sum or mean of k1 or k3 over the sequence
+(seq-MIS, geo-RS, K3-RS and their combinations with IS), on k1, k2 or k3 of each token (token_*) or k1 of every token
+of the sequence (seq_all_k1; SkyRL's, AReaL's), the sequence statistics over m or over the tokens the token options
+keep (seq_tokens), leaving m' or zeroing the weights (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's
+mean advantage (seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their
+straight-through forms, with or without the score term (kl_score_gradient: NeMo-RL's) or times the policy ratio
+(kl_bias_correction: TRL's, DeepSeek-V3.2's; through the sequence's ratio at ratio_level="sequence"); the entropy
+bonus at the loss's aggregation or its own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the
+global counts; a trainer's own IS weights (is_weights: verl's, TRL's, prime-rl's).
 Everything else keeps the torch stage (`loss.run`): the other rejection statistics (k2 and k3 maxima, k2 sums, the
-binary divergences, the sampler's KL), the other loss types and terms (the log-ratio square),
+binary divergences, the sampler's KL), the other loss types (KPop's trust region among them),
 split batches, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
@@ -69,12 +71,10 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
         return f"{dtype} statistics (the kernels compute in float32)"
     if _policy(config) is None:
         return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip and CISPO of the "
-                "token's or the sequence's ratio, or GSPO's token form)")
+                "token's or the sequence's ratio, GSPO's token form, or the binary-TV trust regions)")
     for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
-    if config.log_ratio_sq_coef:  # 0: off
-        return f"log_ratio_sq_coef={config.log_ratio_sq_coef!r}"
     if batch.ref_logprobs is not None and config.kl_coef and config.kl_type.rstrip("+") not in _KL_TYPES:
         return f"kl_type={config.kl_type!r}"
     if batch.sampler_head is not None:
@@ -104,7 +104,10 @@ def _policy(config) -> Optional[str]:
         return "ppo" if config.ratio_level == "token" else "ppo_sequence"
     if config.loss_type == "cispo":
         return "cispo" if config.ratio_level == "token" else "cispo_sequence"
-    return "gspo" if config.loss_type == "gspo" and config.ratio_level == "token" else None
+    if config.ratio_level != "token":
+        return None
+    return {"gspo": "gspo", "dppo_binary_tv": "binary_tv", "dppo_binary_tv_signed": "binary_tv_signed",
+            "ipo": "ipo"}.get(config.loss_type)
 
 
 def implementation(config, device: torch.device) -> Optional[str]:
@@ -151,6 +154,8 @@ def factors_blocker(config) -> Optional[str]:
     if config.kl_coef and (config.kl_score_gradient or config.kl_bias_correction):
         name = "kl_score_gradient" if config.kl_score_gradient else "kl_bias_correction"
         return f"{name} (the one-pass kernel forms the KL's plain derivative)"
+    if config.log_ratio_sq_coef:
+        return "log_ratio_sq_coef (the one-pass kernel forms no term of the sampler's log-ratio)"
     return None
 
 
@@ -198,7 +203,7 @@ def _launch_arguments(stats, batch, config):
     entropy_term = stats.entropy is not None and (config.adaptive_entropy or bool(config.entropy_coeff))
     proximal = 1 if batch.old_logprobs is not None else 2 if batch.rollout_logprobs is not None else 0
     inputs = KernelInputs(stats.logprobs, stats.entropy if entropy_term else None, batch.advantages, batch.mask,
-                          batch.old_logprobs, batch.rollout_logprobs if proximal == 2 or rc else None,
+                          batch.old_logprobs, batch.rollout_logprobs,
                           batch.ref_logprobs if kl else None, seg.cu_seqlens, seg.padded_T or 0, seg.seq_id,
                           seg.num_seqs, batch.is_weights)
     options = dict(
@@ -217,6 +222,8 @@ def _launch_arguments(stats, batch, config):
         seq_mean_advantages=bool(config.seq_mean_advantages),
         zero_weight=rc is not None and rc.rs_mode == "zero_weight", kl_score=kl and bool(config.kl_score_gradient),
         kl_bias_correction=kl and bool(config.kl_bias_correction),
+        # the sampler's log-probs are given: what the trust regions and the log-ratio square are taken against
+        sampler=batch.rollout_logprobs is not None, log_ratio_sq=bool(config.log_ratio_sq_coef),
         seq_tokens_kept=rc is not None and bool(rc.rs) and rc.seq_tokens == "kept",
         cispo_cap=config.loss_type == "cispo" and config.cispo_cap is not None)
     return inputs, options, _hyperparameters(config, rc)
@@ -244,5 +251,7 @@ def _hyperparameters(config, rc) -> dict:
         global_tokens=float(config.global_num_tokens or 1.0), global_seqs=float(config.global_num_seqs or 1.0),
         scale_factor=float(config.loss_scale_factor or 1.0), token_k1_lo=token_k1_lo, token_k1_hi=token_k1_hi,
         token_k2_max=upper["token_k2"], token_k3_max=upper["token_k3"], all_k1_lo=all_k1_lo, all_k1_hi=all_k1_hi,
-        cispo_cap=float(config.cispo_cap or 0.0))
+        cispo_cap=float(config.cispo_cap or 0.0), binary_tv_low=float(config.binary_tv_low),
+        binary_tv_high=float(config.binary_tv_high), ipo_kl_tau=float(config.ipo_kl_tau), ipo_eps=float(config.ipo_eps),
+        log_ratio_sq_coef=float(config.log_ratio_sq_coef))
 

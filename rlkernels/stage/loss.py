@@ -394,7 +394,11 @@ def _add_kl(total: _Total, x: _Inputs, c: _Corrected, ratio: _Ratio, a: Tensor, 
     zero = x.zero
     kl, dkl = kl_and_grad(x.lp, x.ref, config.kl_type)
     g_total = total.through_ratio
-    if config.kl_score_gradient:  # k x exp(lp - sg lp) (NeMo-RL): the value k, the gradient dk + k where k's passes
+    if config.kl_score_gradient and config.kl_type == "k3_unclamped":
+        # dk + k = (1 - e^d) + (e^d - d - 1) = -d, d = ref - lp: formed so, since the two e^d terms (1e17 at 40 nats)
+        # cancel to 0 or to 1e10 in float32
+        dkl = x.lp - x.ref
+    elif config.kl_score_gradient:  # k x exp(lp - sg lp) (NeMo-RL): the value k, the gradient dk + k where k's passes
         dkl = dkl + torch.where(kl_gradient_passes(x.lp, x.ref, config.kl_type), kl, zero)
     if config.kl_bias_correction:  # k x r (DeepSeek-V3.2, TRL's use_bias_correction_kl); r carries gradient
         kl, dkl = _bias_corrected_kl(kl, dkl, x, ratio, config)

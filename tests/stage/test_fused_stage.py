@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlkernels
-from rlkernels import PolicyLossConfig, RolloutCorrection, stage
+from rlkernels import PolicyLossConfig, RolloutCorrection, reference, stage
 from rlkernels.config import LOSS_AGG_MODES
 from rlkernels.stage import fused
 from rlkernels.stage.metrics import DeferredMetrics
@@ -34,7 +34,9 @@ FAMILY_KL = ("k1", "k2", "abs", "k3", "k3_unclamped", "low_var_kl", "k1+", "k3+"
 FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3",
              "seq_all_k1")
 FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"),
-                       ("cispo", "token"), ("cispo", "sequence"))
+                       ("cispo", "token"), ("cispo", "sequence"), ("dppo_binary_tv", "token"),
+                       ("dppo_binary_tv_signed", "token"), ("ipo", "token"))
+TRUST_REGIONS = ("dppo_binary_tv", "dppo_binary_tv_signed", "ipo")  # weigh by p/q themselves: no IS level
 IMPLEMENTATIONS = ("triton", "cpu")  # the backend that runs the fused stage on CPU tensors
 STAGE_OP = {"triton": "triton:_sequence_kernel", "cpu": "sequence_stage"}  # one per stage run, as counted
 needs_cpu_kernels = pytest.mark.skipif(not rlkernels.backends.is_available("cpu"),
@@ -44,11 +46,12 @@ implementations = pytest.mark.parametrize("backend", [
 
 
 @st.composite
-def family_corrections(draw, zero_weight: bool = True):
-    """A rollout correction inside the family: an IS level (or none), truncated or masked, batch-normalised or not,
-    rejection on k1 / k3 sums and means over the sequence and on k1 / k2 / k3 of each token or of every token of the
-    sequence, its statistics over m or over the tokens the token options keep, leaving m' or zeroing weights."""
-    is_level = draw(st.sampled_from((None, "token", "sequence", "geometric")))
+def family_corrections(draw, zero_weight: bool = True, is_weights: bool = True):
+    """A rollout correction inside the family: an IS level (or none; `is_weights` False: none), truncated or masked,
+    batch-normalised or not, rejection on k1 / k3 sums and means over the sequence and on k1 / k2 / k3 of each token or
+    of every token of the sequence, its statistics over m or over the tokens the token options keep, leaving m' or
+    zeroing weights."""
+    is_level = draw(st.sampled_from((None, "token", "sequence", "geometric") if is_weights else (None,)))
     threshold = draw(st.sampled_from((2.0, 1.2, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0))))
     rs = {}
     for option in draw(st.lists(st.sampled_from(FAMILY_RS), max_size=3, unique=True)):
@@ -89,7 +92,12 @@ def family_configs(draw, mode: str, one_pass: bool = False):
         kl_coef=0.0 if kl is None else draw(st.sampled_from((0.05, 1.0))), kl_type=kl or "k3",
         kl_score_gradient=kl_form == "kl_score_gradient", kl_bias_correction=kl_form == "kl_bias_correction",
         seq_mean_advantages=not one_pass and loss_type != "gspo" and draw(st.booleans()),
-        rollout_correction=draw(family_corrections(loss_type != "gspo")) if mode == "decoupled" else None,
+        rollout_correction=draw(family_corrections(loss_type != "gspo", loss_type not in TRUST_REGIONS))
+        if mode == "decoupled" else None,
+        # prime-rl's bands on p - q and their square on the kept tokens; the log-ratio square beside any loss
+        binary_tv_low=draw(st.sampled_from((0.2, 0.02))), binary_tv_high=draw(st.sampled_from((0.2, 0.05))),
+        ipo_kl_tau=draw(st.sampled_from((0.0, 0.01))), ipo_eps=draw(st.sampled_from((0.3, 0.05))),
+        log_ratio_sq_coef=0.0 if one_pass else draw(st.sampled_from((0.0, 0.0, 1e-3, 0.1))),
         global_num_tokens=13.0 if globals_ else None, global_num_seqs=3.0 if globals_ else None,
         loss_scale_factor=draw(st.sampled_from((None, 4.0))), seq_mean_over=draw(st.sampled_from(("nonempty", "all"))),
         log_ratio_clamp=draw(st.sampled_from((20.0, 5.0, None))), metrics="loss_only", validate=False)
@@ -129,6 +137,8 @@ def test_fused_stage_matches_the_torch_stage(batch, mode, data):
     assert got.metrics == {} and got.path == want.path
     assert torch.equal(got.mask, want.mask), "final mask differs"
     scale = max(1.0, float(want.loss.detach().abs())) if torch.isfinite(want.loss) else 1.0
+    if config.kl_bias_correction and config.kl_coef:
+        scale *= _largest_ratio(batch, mode, config, logprobs)
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=scale), name="loss")
     assert_close(got.logprobs, want.logprobs, **tol("reordered", F32), name="logprobs")
     assert (got.is_weights is None) == (want.is_weights is None)
@@ -148,6 +158,17 @@ def _assert_same_metrics(got, want):
         assert got[name].dtype == value.dtype, name
         assert torch.equal(got[name], value) or bool(torch.isnan(got[name]) & torch.isnan(value)), \
             (name, got[name], value)
+
+
+def _largest_ratio(batch, mode: str, config, logprobs) -> float:
+    """The largest policy ratio r on the mask (1 at least). The bias-corrected KL is k r: k3 = e^d - d - 1 cancels
+    to ~1e-3 from parts of ~1, so an ulp of e^d in either implementation's exp (1e-7) is a relative error of 1e-4 in
+    k, which r carries into the loss at r times its size (bypass draws sampler log-ratios of tens of nats)."""
+    l_old = batch.old_logprobs if mode == "decoupled" else batch.rollout_logprobs if mode == "bypass" else logprobs
+    log_r = torch.where(batch.response_mask, logprobs - l_old, 0.0)
+    if config.log_ratio_clamp is not None:
+        log_r = log_r.clamp(-config.log_ratio_clamp, config.log_ratio_clamp)
+    return max([1.0] + torch.exp(log_r).flatten().tolist())
 
 
 @settings(max_examples=scaled(120), deadline=None)
@@ -293,7 +314,7 @@ def _policy_call(**overrides):
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
     (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
-    (dict(log_ratio_sq_coef=0.01), "log_ratio_sq_coef"),
+    (dict(loss_type="ipo", rollout_correction=None), "loss_type='ipo'"),
     (dict(loss_type="gpg"), "loss_type='gpg'"),
 ])
 def test_outside_the_family_the_torch_stage_runs_and_true_is_refused(override, reason):
@@ -443,6 +464,78 @@ def test_the_bias_corrected_kl(loss_type, ratio_level, kl_type, backend):
     (plain, plain_lp, _), _ = _both(batch, "decoupled", config.with_overrides(kl_bias_correction=False), logprobs,
                                     entropy)
     assert not torch.allclose(plain_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())))
+
+
+@pytest.mark.parametrize("loss_type", TRUST_REGIONS)
+@pytest.mark.parametrize("own_weights, clamp", [(False, None), (True, None), (False, 0.3)])
+@implementations
+def test_prime_rls_trust_regions(loss_type, own_weights, clamp, backend):
+    """prime-rl's default calls, DPPO binary-TV on the advantage's side at 559b4477 and IPO since
+    (rlkernels.integrations.prime_rl: bypass mode, token-sum, unclamped ratio, its kl_tau as log_ratio_sq_coef, or
+    its loss_weights as is_weights) on one sample of 300 tokens, where p - q falls past the band on each side for
+    each sign of the advantage and for A = 0 (the signed form drops only the side the update would widen), with the
+    trust region's own square (ipo_kl_tau) on: a kept token with A = 0 keeps its gradient 2 tau d. With a
+    log_ratio_clamp (not prime-rl's), -A r passes no gradient past it."""
+    from rlkernels.integrations.prime_rl import _config
+
+    g = torch.Generator().manual_seed(5)
+    N = 300
+    q = torch.log(torch.rand(N, generator=g) * 0.9 + 0.05)
+    lp = (q + 0.4 * torch.randn(N, generator=g)).clamp_max(-1e-3)
+    lp[3::13] = q[3::13] - 1.5  # p / q < 1 / e: IPO's |p - q| no longer from a near-cancelling difference
+    adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
+    adv[::7] = 0.0  # a group whose rewards were all equal: A = 0 takes the low side (prime-rl's A > 0 test)
+    weights = torch.rand(N, generator=g) + 0.5 if own_weights else None
+    config = _config(loss_type, binary_tv_low=0.1, binary_tv_high=0.05, ipo_eps=0.08, backend=backend,
+                     log_ratio_sq_coef=0.0 if own_weights else 1e-3, metrics="loss_only", validate=False)
+    config = config.with_overrides(ipo_kl_tau=0.01, log_ratio_clamp=clamp)
+    gap = torch.exp(lp) - torch.exp(q)
+    assert clamp is None or bool((mask & ((lp - q).abs() > clamp) & (gap.abs() < 0.05)).any())
+    for side in (adv > 0, adv < 0, adv == 0):
+        assert bool((mask & side & (gap > 0.05)).any()) and bool((mask & side & (gap < -0.1)).any())
+        assert bool((mask & side & (gap.abs() < 0.05)).any())
+    results = []
+    for fused_stage in (False, True):
+        leaf = lp.clone().requires_grad_(True)
+        out = rlkernels.policy_loss(leaf, adv, mask, rollout_logprobs=q, is_weights=weights,
+                                    config=config.with_overrides(fused_stage=fused_stage))
+        results.append((out, *torch.autograd.grad(out.loss, leaf)))
+    (want, want_lp), (got, got_lp) = results
+    assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert_close(got_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())), name="dlogprobs")
+    # the band holds the gradient of the tokens past it (dropped: 0), and keeps the others'
+    if loss_type == "ipo":
+        dropped = mask & (gap.abs() > 0.08)
+    elif loss_type == "dppo_binary_tv":
+        dropped = mask & ((gap > 0.05) | (gap < -0.1))
+    else:
+        dropped = mask & torch.where(adv > 0, gap > 0.05, gap < -0.1)
+    if own_weights:  # no other term: a dropped token's gradient is 0
+        assert bool((got_lp[dropped] == 0).all()) and bool((got_lp[mask & ~dropped] != 0).all())
+
+
+@pytest.mark.parametrize("fused_stage", [False, True])
+@implementations
+def test_the_unclamped_k3s_score_term_far_from_the_reference(fused_stage, backend):
+    """kl_score_gradient with k3_unclamped, 40 nats from the reference (found by a hypothesis run at 4x examples):
+    its derivative dk + k = (1 - e^d) + (e^d - d - 1) is -d, where the e^d terms (1e17) cancelled to 0 in float32
+    and to within 32 of -d in the float64 oracle. The torch stage, the fused one and the oracle now give -d."""
+    lp = torch.tensor([-40.0, -1.0, -0.2, -25.0])
+    ref = torch.tensor([-0.5, -1.2, -30.0, -0.1])
+    config = PolicyLossConfig(kl_type="k3_unclamped", kl_coef=0.05, kl_score_gradient=True, loss_agg_mode="token-sum",
+                              metrics="loss_only", validate=False, backend=backend, fused_stage=fused_stage)
+    leaf = lp.clone().requires_grad_(True)
+    out = rlkernels.policy_loss(leaf, torch.zeros(4), torch.ones(4, dtype=torch.bool), ref_logprobs=ref,
+                                config=config)
+    grad, = torch.autograd.grad(out.loss, leaf)
+    want = 0.05 * (lp.double() - ref.double())
+    assert_close(grad, want, **tol("value", F32, scale=float(want.abs().amax())), name="dlogprobs")
+    oracle_lp = lp.double().requires_grad_(True)
+    expected = reference.policy_loss(oracle_lp, torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.bool),
+                                     ref_logprobs=ref.double(), config=config)
+    assert_close(torch.autograd.grad(expected.loss, oracle_lp)[0], want, **tol("value", torch.float64,
+                 scale=float(want.abs().amax())), name="the oracle's dlogprobs")
 
 
 TRAINER_OPTIONS = {
@@ -601,6 +694,10 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
     ("token-mean", dict(kl_type="k3", kl_bias_correction=True)),
     ("seq-mean-token-mean", dict(kl_type="k3_unclamped", kl_bias_correction=True, ratio_level="sequence",
                                  log_ratio_clamp=0.02)),
+    # prime-rl's trust regions on the sampler, with the log-ratio square
+    ("token-sum", dict(loss_type="dppo_binary_tv_signed", rollout_correction=None, log_ratio_clamp=None,
+                       binary_tv_low=0.002, binary_tv_high=0.002, log_ratio_sq_coef=1e-3)),
+    ("token-sum", dict(loss_type="ipo", ipo_eps=0.002, rollout_correction=None, log_ratio_clamp=None)),
 ])
 def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not

@@ -38,8 +38,9 @@ BLOCK_S = 256  # sequences per step of the finish programs' record reduction
 # per-sequence record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
 # token weights', or the sequence's one weight), masked length, the sum over m' of the weighted policy derivative in
 # the sequence's log-ratio (ratio_level="sequence": each token's coefficient is the sequence's mean of it), and the KL
-# sum over m' where the bias-corrected KL's ratio is the sequence's and its clamp passes the gradient (0 elsewhere)
-RECORD_WIDTH = 9
+# sum over m' where the bias-corrected KL's ratio is the sequence's and its clamp passes the gradient (0 elsewhere),
+# the sum over m' of (log p/q)^2 against the sampler (log_ratio_sq_coef's term)
+RECORD_WIDTH = 10
 RECORD = tl.constexpr(RECORD_WIDTH)
 CLAMP = tl.constexpr(20.0)  # SPEC §4: every importance log-ratio is clamped to [-20, 20] before exp
 
@@ -102,6 +103,8 @@ def _kl_score(lp, ref, kl, dkl, KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr
         d = _clamp(d_raw, -CLAMP, CLAMP)
         passes = (d_raw >= -CLAMP) & (d_raw <= CLAMP) & (tl.exp(d) - d - 1.0 <= 10.0)
         score = dkl + tl.where(passes, kl, 0.0)
+    elif KL_TYPE == 5 and not KL_STRAIGHT:  # (1 - e^d) + (e^d - d - 1) = -d: the e^d terms cancel exactly
+        score = lp - ref
     else:
         score = dkl + kl
     return score
@@ -205,6 +208,42 @@ def cispo_term(lp, log_r, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_C
 
 
 @triton.jit
+def _one_minus_exp(x):
+    """1 - e^x = -expm1(x) for x <= 0, to a few ulps where x is near 0 (Kahan's: (1 - u) x / log u, u = e^x), which
+    1 - e^x would lose to cancellation; Triton has no expm1 outside libdevice."""
+    u = tl.exp(x)
+    near = tl.where(u == 1.0, -x, (1.0 - u) * x / tl.log(u))
+    return tl.where(x > -1.0, near, 1.0 - u)  # below -1, 1 - u cancels nothing (and log u of a denormal is coarse)
+
+
+@triton.jit
+def trust_region_term(lp, behaviour, adv, gap_lo, gap_hi, ipo_eps, ratio_clamp, tau, POLICY: tl.constexpr,
+                      RATIO_CLAMP: tl.constexpr):
+    """prime-rl's trust regions on the sampler (policy_terms._rollout_trust_region): -A r + tau d^2 on the kept
+    tokens, 0 elsewhere, and its derivative in lp, (-A r where the clamp passes it) + 2 tau d there, unweighted; d =
+    lp - log q, r = exp(d). Kept: p - q inside [-gap_lo, gap_hi] (POLICY 5, dppo_binary_tv), not past the bound on
+    the advantage's side (6, dppo_binary_tv_signed: p - q > gap_hi drops a token where A > 0, p - q < -gap_lo
+    elsewhere), or |p - q| <= ipo_eps (7, IPO); selected, never multiplied, so an overflowing r off the region makes
+    no NaN."""
+    d = lp - behaviour
+    r = _policy_ratio(d, ratio_clamp, RATIO_CLAMP)
+    if POLICY == 7:  # |p - q| = e^high (1 - e^(low - high)): no cancellation of two small probabilities
+        high = tl.maximum(lp, behaviour)
+        keep = tl.exp(high) * _one_minus_exp(tl.minimum(lp, behaviour) - high) <= ipo_eps
+    else:
+        gap = tl.exp(lp) - tl.exp(behaviour)
+        if POLICY == 5:
+            keep = (gap >= -gap_lo) & (gap <= gap_hi)
+        else:
+            keep = ~tl.where(adv > 0, gap > gap_hi, gap < -gap_lo)
+    scaled = -adv * r
+    direct = scaled
+    if RATIO_CLAMP:
+        direct = tl.where(tl.abs(d) <= ratio_clamp, direct, 0.0)
+    return tl.where(keep, scaled + tau * d * d, 0.0), tl.where(keep, direct + 2.0 * tau * d, 0.0)
+
+
+@triton.jit
 def _mismatch(old_ptr, rollout_ptr, idx, inside, m):
     """A token's trainer-sampler mismatch (correction.token_terms): delta = log π_old - log μ on the mask, delta
     clamped to [-20, 20] (SPEC §4), and k3 of the clamped delta (0 off the mask)."""
@@ -244,12 +283,13 @@ def _sequence_kernel(
     # inputs [N] (any float dtype; mask bool) and the packed offsets [S + 1]
     lp_ptr, entropy_ptr, adv_ptr, mask_ptr, old_ptr, rollout_ptr, ref_ptr, given_ptr, cu_ptr,
     # outputs [N] float32 / bool, and the [S, RECORD] record
-    lp_out_ptr, grad_ptr, dkl_ptr, weights_ptr, kept_ptr, record_ptr,
+    lp_out_ptr, grad_ptr, dkl_ptr, sq_ptr, weights_ptr, kept_ptr, record_ptr,
     # the padded layout's T (HAS_CU False)
     seq_len,
     # hyperparameters
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
     clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, cispo_cap,
+    binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
@@ -257,7 +297,7 @@ def _sequence_kernel(
     KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, SEQ_MEAN_ADVANTAGES: tl.constexpr,
     ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, RS_TOKEN: tl.constexpr, RS_ALL: tl.constexpr,
     SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, CISPO_CAP: tl.constexpr,
-    KL_BIAS_CORRECTION: tl.constexpr, BLOCK: tl.constexpr,
+    KL_BIAS_CORRECTION: tl.constexpr, SAMPLER: tl.constexpr, LOG_RATIO_SQ: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -375,6 +415,7 @@ def _sequence_kernel(
     kept_acc = tl.zeros([BLOCK], tl.float32)
     w_acc = tl.zeros([BLOCK], tl.float32)
     g_acc = tl.zeros([BLOCK], tl.float32)
+    sq_acc = tl.zeros([BLOCK], tl.float32)
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
@@ -394,6 +435,11 @@ def _sequence_kernel(
         else:
             adv = on_mask(adv_ptr, idx, inside, m)
         l_old = _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL)
+        if POLICY >= 5 or LOG_RATIO_SQ:  # the sampler's log-probs where given, else l_old (loss._Inputs.behaviour)
+            if SAMPLER:
+                behaviour = on_mask(rollout_ptr, idx, inside, m)
+            else:
+                behaviour = l_old
         w = tl.zeros([BLOCK], tl.float32)
         if IS_LEVEL == 1:
             behaviour = on_mask(rollout_ptr, idx, inside, m)
@@ -418,8 +464,11 @@ def _sequence_kernel(
         elif POLICY == 3:
             term, grad = cispo_term(lp, lp - l_old, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_CLAMP,
                                     CISPO_CAP)
-        else:  # the sequence's ratio, its gradient through lp alone (sg(c))
+        elif POLICY == 4:  # the sequence's ratio, its gradient through lp alone (sg(c))
             term, grad = cispo_term(lp, log_s, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_CLAMP, CISPO_CAP)
+        else:
+            term, grad = trust_region_term(lp, behaviour, adv, binary_tv_low, binary_tv_high, ipo_eps, ratio_clamp,
+                                           ipo_kl_tau, POLICY, RATIO_CLAMP)
         if WEIGHTED:
             term = term * w
             grad = grad * w
@@ -442,6 +491,10 @@ def _sequence_kernel(
                                                  KL_STRAIGHT, True)
             kl_acc += tl.where(kept, kl, 0.0)
             tl.store(dkl_ptr + idx, dkl, mask=inside)
+        if LOG_RATIO_SQ:  # the log-ratio against the sampler on m' (loss._add_log_ratio_sq)
+            d_sq = tl.where(kept, lp - behaviour, 0.0)
+            sq_acc += d_sq * d_sq
+            tl.store(sq_ptr + idx, d_sq, mask=inside)
         if HAS_ENTROPY:
             h = on_mask(entropy_ptr, idx, inside, m)
             h_acc += tl.where(kept, h, 0.0)
@@ -467,6 +520,7 @@ def _sequence_kernel(
         if RATIO_CLAMP:
             kl_chained = tl.where(tl.abs(seq_log_ratio) <= ratio_clamp, kl_chained, 0.0)
     tl.store(row + 8, kl_chained)
+    tl.store(row + 9, tl.sum(sq_acc, 0))
 
 
 @triton.jit
@@ -552,13 +606,13 @@ def _aggregation_weight(kept, final_length, per_token, seqs_count, AGGREGATION: 
 
 @triton.jit(do_not_specialize=["N", "S", "blocks_per_program"])
 def _finish_kernel(
-    record_ptr, kept_ptr, grad_ptr, dkl_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, weights_ptr, loss_ptr,
+    record_ptr, kept_ptr, grad_ptr, dkl_ptr, sq_ptr, seq_id_ptr, coef_ptr, coef_entropy_ptr, weights_ptr, loss_ptr,
     N, S, blocks_per_program,
-    kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor,
+    kl_coef, entropy_coeff, global_tokens, global_seqs, scale_factor, log_ratio_sq_coef,
     AGGREGATION: tl.constexpr, SEQ_MEAN_OVER_ALL: tl.constexpr, GLOBAL_TOKENS: tl.constexpr,
     GLOBAL_SEQS: tl.constexpr, SCALE_FACTOR: tl.constexpr, NORMALIZE: tl.constexpr, HAS_KL: tl.constexpr,
     HAS_ENTROPY: tl.constexpr, ENTROPY_AGGREGATION: tl.constexpr, CHAINED: tl.constexpr, KL_CHAINED: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, FACTORS: tl.constexpr = False,
+    LOG_RATIO_SQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, FACTORS: tl.constexpr = False,
 ):
     # Long on purpose: the batch's scalars, the loss and the tokens' coefficients share the normalisers, which every
     # program computes itself (no second launch, no atomics). FACTORS: the factors a coefficient is formed from
@@ -566,7 +620,8 @@ def _finish_kernel(
     # batch normalisation's factor for the loss. ENTROPY_AGGREGATION: the entropy bonus's mode (entropy_agg_mode,
     # else the loss's); CHAINED: each token's policy coefficient is its sequence's mean over m' (record column 7: PPO
     # on the sequence's ratio); KL_CHAINED: the bias-corrected KL's part through the sequence's ratio too, its sum
-    # over m' (record column 8) chained as kl_coef a_t times its mean.
+    # over m' (record column 8) chained as kl_coef a_t times its mean. LOG_RATIO_SQ: log_ratio_sq_coef's term, its
+    # sums in record column 9 and each token's log-ratio against the sampler in sq.
     pid = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
@@ -585,6 +640,7 @@ def _finish_kernel(
     elif pid == 0:
         pg_acc = tl.zeros([BLOCK_S], tl.float32)
         kl_acc = tl.zeros([BLOCK_S], tl.float32)
+        sq_acc = tl.zeros([BLOCK_S], tl.float32)
         h_acc = tl.zeros([BLOCK_S], tl.float32)
         for s0 in range(0, S, BLOCK_S):
             seqs = s0 + offs_s
@@ -595,6 +651,8 @@ def _finish_kernel(
             a = _aggregation_weight(one, final_length, per_token, seqs_count, AGGREGATION)
             pg_acc += a * tl.load(row, mask=inside, other=0.0)
             kl_acc += a * tl.load(row + 1, mask=inside, other=0.0)
+            if LOG_RATIO_SQ:
+                sq_acc += a * tl.load(row + 9, mask=inside, other=0.0)
             if HAS_ENTROPY:
                 a_entropy = _aggregation_weight(one, final_length, per_token_entropy, seqs_count,
                                                 ENTROPY_AGGREGATION)
@@ -604,6 +662,8 @@ def _finish_kernel(
             loss = loss / factor
         if HAS_KL:
             loss = loss + kl_coef * tl.sum(kl_acc, 0)
+        if LOG_RATIO_SQ:
+            loss = loss + log_ratio_sq_coef * tl.sum(sq_acc, 0)
         if HAS_ENTROPY:
             loss = loss + -entropy_coeff * tl.sum(h_acc, 0)
         tl.store(loss_ptr, loss)
@@ -640,6 +700,8 @@ def _finish_kernel(
                 if KL_CHAINED:  # loss._add_kl's part through the sequence's ratio, chained as the policy's
                     kl_sum = tl.load(record_ptr + sid * RECORD + 8, mask=inside, other=0.0)
                     coef += tl.where(kept != 0.0, ((kl_coef * a) * kl_sum) / tl.maximum(final_length, 1.0), 0.0)
+            if LOG_RATIO_SQ:  # 2 tau a_t d_t
+                coef += ((2.0 * log_ratio_sq_coef) * a) * tl.load(sq_ptr + idx, mask=inside, other=0.0)
             tl.store(coef_ptr + idx, coef, mask=inside)
         if HAS_ENTROPY:
             if ENTROPY_AGGREGATION == AGGREGATION:
@@ -665,12 +727,13 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
     reported = torch.empty((1 + bool(codes["WEIGHTED"])) * N, **f32)
     lp_out = reported[:N]
     weights = reported[N:] if codes["WEIGHTED"] else None
-    columns = 2 + bool(codes["KL_TYPE"]) + (inputs.entropy is not None)
+    columns = 2 + bool(codes["KL_TYPE"]) + (inputs.entropy is not None) + bool(codes["LOG_RATIO_SQ"])
     internal = torch.empty(columns * N + S * RECORD_WIDTH + 1, **f32)
     views = iter(internal[i * N:(i + 1) * N] for i in range(columns))
     grad, coef = next(views), next(views)
     dkl = next(views) if codes["KL_TYPE"] else grad
     coef_entropy = next(views) if inputs.entropy is not None else None
+    sq = next(views) if codes["LOG_RATIO_SQ"] else grad
     record = internal[columns * N:columns * N + S * RECORD_WIDTH]
     loss = internal[-1]
     kept = torch.empty(N, dtype=torch.bool, device=device)
@@ -686,19 +749,19 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
                 lp.contiguous(), given(inputs.entropy), given(inputs.advantages), inputs.mask.contiguous(),
                 given(inputs.old), given(inputs.rollout), given(inputs.ref), given(inputs.is_weights),
                 given(inputs.cu_seqlens if inputs.cu_seqlens is not None else inputs.seq_id),
-                lp_out, grad, dkl, lp_out if weights is None else weights, kept, record, inputs.seq_len,
+                lp_out, grad, dkl, sq, lp_out if weights is None else weights, kept, record, inputs.seq_len,
                 *(h[name] for name in SEQUENCE_HYPERPARAMETERS),
                 HAS_CU=inputs.cu_seqlens is not None, HAS_ENTROPY=inputs.entropy is not None,
                 **{k: codes[k] for k in _SEQUENCE_OPTIONS}, BLOCK=BLOCK,
             )
         _finish_kernel[(max(1, triton.cdiv(N, BLOCK * blocks_per_program)),)](
-            record, kept, grad, dkl, given(inputs.seq_id), coef, coef if coef_entropy is None else coef_entropy,
+            record, kept, grad, dkl, sq, given(inputs.seq_id), coef, coef if coef_entropy is None else coef_entropy,
             coef if weights is None else weights, loss, N, S, blocks_per_program,
             *(h[name] for name in FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
             HAS_ENTROPY=coef_entropy is not None, CHAINED=codes["POLICY"] == POLICY_TERMS["ppo_sequence"],
             KL_CHAINED=codes["KL_TYPE"] != 0 and codes["KL_BIAS_CORRECTION"] and codes["POLICY"] in _SEQUENCE_LEVEL,
-            BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=factors,
+            LOG_RATIO_SQ=codes["LOG_RATIO_SQ"], BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=factors,
         )
     return loss, lp_out, coef, coef_entropy, weights, kept
 
@@ -706,7 +769,7 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
                      "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
-                     "GIVEN_WEIGHTS", "CISPO_CAP", "KL_BIAS_CORRECTION")
+                     "GIVEN_WEIGHTS", "CISPO_CAP", "KL_BIAS_CORRECTION", "SAMPLER", "LOG_RATIO_SQ")
 # the policy codes of ratio_level="sequence"
 _SEQUENCE_LEVEL = (POLICY_TERMS["ppo_sequence"], POLICY_TERMS["cispo_sequence"])
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
@@ -720,7 +783,8 @@ def aot_specs():
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=False,
-                SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False, KL_BIAS_CORRECTION=False)
+                SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False, KL_BIAS_CORRECTION=False, SAMPLER=False,
+                LOG_RATIO_SQ=False)
     sequence_sets = [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -750,10 +814,17 @@ def aot_specs():
         # the bias-corrected KL (TRL's, DeepSeek-V3.2's): of the token's ratio, and through the sequence's (TRL's GSPO)
         dict(base, WEIGHTED=True, IS_LEVEL=1, KL_TYPE=4, KL_BIAS_CORRECTION=True),
         dict(base, POLICY=1, RATIO_CLAMP=False, KL_TYPE=5, KL_BIAS_CORRECTION=True),
+        # prime-rl's default (bypass mode: the sampler is the proximal policy, with its own weights or its log-ratio
+        # square), the symmetric band in decoupled mode with a rejection, and the square beside PPO
+        dict(base, PROXIMAL=2, SAMPLER=True, POLICY=6, RATIO_CLAMP=False, DUAL_CLIP=False, LOG_RATIO_SQ=True),
+        dict(base, PROXIMAL=2, SAMPLER=True, POLICY=6, RATIO_CLAMP=False, WEIGHTED=True, GIVEN_WEIGHTS=True),
+        dict(base, SAMPLER=True, POLICY=5, RS_K1_MEAN=True, KL_TYPE=4),
+        dict(base, PROXIMAL=2, SAMPLER=True, POLICY=7, RATIO_CLAMP=False),  # prime-rl's IPO
+        dict(base, SAMPLER=True, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, LOG_RATIO_SQ=True),
     ]
     pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "given_ptr",
-                "cu_ptr", "lp_out_ptr", "grad_ptr", "dkl_ptr", "weights_ptr", "kept_ptr", "record_ptr")
-    types = dict(zip(pointers, ("*fp32",) * 3 + ("*i1",) + ("*fp32",) * 4 + ("*i64",) + ("*fp32",) * 4
+                "cu_ptr", "lp_out_ptr", "grad_ptr", "dkl_ptr", "sq_ptr", "weights_ptr", "kept_ptr", "record_ptr")
+    types = dict(zip(pointers, ("*fp32",) * 3 + ("*i1",) + ("*fp32",) * 4 + ("*i64",) + ("*fp32",) * 5
                      + ("*i1", "*fp32")))
     specs = []
     for i, options in enumerate(sequence_sets):
@@ -768,9 +839,10 @@ def aot_specs():
             constexprs = dict(zip(("SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "HAS_KL"),
                                   flags), AGGREGATION=aggregation, NORMALIZE=aggregation % 3, HAS_ENTROPY=i == 1,
                               ENTROPY_AGGREGATION=(aggregation + i) % len(AGGREGATIONS), CHAINED=i == 1,
-                              KL_CHAINED=i == 1,
+                              KL_CHAINED=i == 1, LOG_RATIO_SQ=i == 1,
                               BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=False)
             signature = {"record_ptr": "*fp32", "kept_ptr": "*i1", "grad_ptr": "*fp32", "dkl_ptr": "*fp32",
+                         "sq_ptr": "*fp32",
                          "seq_id_ptr": "*i64", "coef_ptr": "*fp32", "coef_entropy_ptr": "*fp32",
                          "weights_ptr": "*fp32", "loss_ptr": "*fp32",
                          "N": "i32", "S": "i32", "blocks_per_program": "i32",
@@ -782,6 +854,6 @@ def aot_specs():
                 specs.append(AotSpec(name=f"finish_stage[AGGREGATION={aggregation},flags={i},FACTORS=1]",
                                      fn=_finish_kernel, signature=signature,
                                      constexprs={**constexprs, "CHAINED": False, "KL_CHAINED": False,
-                                                 "FACTORS": True},
+                                                 "LOG_RATIO_SQ": False, "FACTORS": True},
                                      num_warps=4, num_stages=1))
     return specs
