@@ -75,6 +75,12 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
     for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
+    own = LOSS_TERMS[config.loss_type].aggregation
+    entropy_term = config.entropy_coeff or config.adaptive_entropy
+    if own is not None and entropy_term and config.entropy_agg_mode not in (None, config.loss_agg_mode) and \
+            config.entropy_agg_mode.startswith("seq-mean") and (own[1] == "all") != (config.seq_mean_over == "all"):
+        return (f"entropy_agg_mode={config.entropy_agg_mode!r} with loss_type={config.loss_type!r}'s own "
+                "aggregation (the kernels take one seq_mean_over for both)")
     if batch.ref_logprobs is not None and config.kl_coef and config.kl_type.rstrip("+") not in _KL_TYPES:
         return f"kl_type={config.kl_type!r}"
     if batch.sampler_head is not None:
@@ -214,11 +220,11 @@ def _launch_arguments(stats, batch, config):
         rejection=() if rc is None else tuple(option for option, _ in rc.rs),
         ratio_clamp=config.log_ratio_clamp is not None, dual_clip=config.clip_ratio_c is not None,
         kl_type=config.kl_type.rstrip("+") if kl else None, kl_straight=config.kl_type.endswith("+"),
-        aggregation=config.loss_agg_mode, seq_mean_over_all=config.seq_mean_over == "all",
+        **_aggregations(config),
         global_tokens=config.global_num_tokens is not None, global_seqs=config.global_num_seqs is not None,
         scale_factor=config.loss_scale_factor is not None,
         normalize=rc is not None and rc.is_level is not None and rc.is_batch_normalize,
-        entropy_aggregation=config.entropy_agg_mode or config.loss_agg_mode, policy=_policy(config),
+        policy=_policy(config),
         seq_mean_advantages=bool(config.seq_mean_advantages),
         zero_weight=rc is not None and rc.rs_mode == "zero_weight", kl_score=kl and bool(config.kl_score_gradient),
         kl_bias_correction=kl and bool(config.kl_bias_correction),
@@ -227,6 +233,19 @@ def _launch_arguments(stats, batch, config):
         seq_tokens_kept=rc is not None and bool(rc.rs) and rc.seq_tokens == "kept",
         cispo_cap=config.loss_type == "cispo" and config.cispo_cap is not None)
     return inputs, options, _hyperparameters(config, rc)
+
+
+def _aggregations(config) -> dict:
+    """The loss's and the entropy's aggregation modes, as loss.aggregation_weights decides them: a loss type's own
+    (LUSPO's seq-mean-token-sum over all sequences) stands for loss_agg_mode, the entropy's too where it has no mode
+    of its own or the same (blocker refuses the one case where the two would need different seq_mean_over)."""
+    mode, over_all = config.loss_agg_mode, config.seq_mean_over == "all"
+    entropy = config.entropy_agg_mode or mode
+    own = LOSS_TERMS[config.loss_type].aggregation
+    if own is not None:
+        entropy = own[0] if entropy == mode else entropy
+        mode, over_all = own[0], own[1] == "all"
+    return dict(aggregation=mode, seq_mean_over_all=over_all, entropy_aggregation=entropy)
 
 
 def _hyperparameters(config, rc) -> dict:

@@ -35,7 +35,8 @@ FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1
              "seq_all_k1")
 FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"),
                        ("cispo", "token"), ("cispo", "sequence"), ("dppo_binary_tv", "token"),
-                       ("dppo_binary_tv_signed", "token"), ("ipo", "token"))
+                       ("dppo_binary_tv_signed", "token"), ("ipo", "token"), ("luspo", "token"),
+                       ("luspo", "sequence"))
 TRUST_REGIONS = ("dppo_binary_tv", "dppo_binary_tv_signed", "ipo")  # weigh by p/q themselves: no IS level
 IMPLEMENTATIONS = ("triton", "cpu")  # the backend that runs the fused stage on CPU tensors
 STAGE_OP = {"triton": "triton:_sequence_kernel", "cpu": "sequence_stage"}  # one per stage run, as counted
@@ -85,7 +86,9 @@ def family_configs(draw, mode: str, one_pass: bool = False):
     return PolicyLossConfig(
         loss_type=loss_type, ratio_level=ratio_level,
         cispo_cap=draw(st.sampled_from((None, 5.0, 1.1))) if loss_type == "cispo" else None,
-        entropy_agg_mode=draw(st.sampled_from((None, None) + tuple(LOSS_AGG_MODES))),
+        # LUSPO's own aggregation stands for the config's (over every sequence, whatever seq_mean_over says); an
+        # entropy at a mode of its own would need the config's seq_mean_over beside it (blocker refuses that)
+        entropy_agg_mode=None if loss_type == "luspo" else draw(st.sampled_from((None, None) + tuple(LOSS_AGG_MODES))),
         clip_ratio_low=draw(st.sampled_from((0.2, 0.1))), clip_ratio_high=draw(st.sampled_from((0.2, 0.28))),
         clip_ratio_c=draw(st.sampled_from((3.0, None, 1.5))), loss_agg_mode=draw(st.sampled_from(LOSS_AGG_MODES)),
         entropy_coeff=draw(st.sampled_from((0.0, 0.01, -0.02))), adaptive_entropy=draw(st.booleans()),
@@ -303,8 +306,10 @@ def _policy_call(**overrides):
                                  "validate": False, **overrides})
     lp = (old + 0.1 * torch.randn(N, generator=g)).requires_grad_(True)
     adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
+    entropy = torch.rand(N, generator=g)
     return (lambda: rlkernels.policy_loss(lp, adv, mask, old_logprobs=old, rollout_logprobs=old + 0.05,
-                                          cu_seqlens=torch.tensor([0, 10, 25, N]), config=config)), None, config
+                                          entropy=entropy, cu_seqlens=torch.tensor([0, 10, 25, N]), config=config)), \
+        None, config
 
 
 @pytest.mark.parametrize("override, reason", [
@@ -314,7 +319,8 @@ def _policy_call(**overrides):
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
     (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
-    (dict(loss_type="ipo", rollout_correction=None), "loss_type='ipo'"),
+    (dict(loss_type="kpop", rollout_correction=None), "loss_type='kpop'"),
+    (dict(loss_type="luspo", entropy_agg_mode="seq-mean-token-mean", entropy_coeff=0.01), "own aggregation"),
     (dict(loss_type="gpg"), "loss_type='gpg'"),
 ])
 def test_outside_the_family_the_torch_stage_runs_and_true_is_refused(override, reason):
@@ -334,7 +340,7 @@ def _prepared(config):
     g = torch.Generator().manual_seed(3)
     lp = torch.randn(8, generator=g)
     args = Arguments(advantages=torch.randn(8, generator=g), response_mask=torch.ones(8, dtype=torch.bool),
-                     old_logprobs=lp, rollout_logprobs=lp + 0.1)
+                     old_logprobs=lp, rollout_logprobs=lp + 0.1, entropy=torch.rand(8, generator=g))
     return prepare_policy(lp, args, config, {})[1]
 
 

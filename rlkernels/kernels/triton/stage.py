@@ -776,16 +776,15 @@ _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_
                    "ENTROPY_AGGREGATION")
 
 
-def aot_specs():
-    """The option sets a launch can take, each flag on and off at least once: the families of stage/fused.py and the
-    trainers' sets named beside them, both layouts and every aggregation, the entropy's own; the inputs in float32
-    (bf16 advantages or log-probs load through the same code)."""
+def _sequence_option_sets():
+    """The sequence kernel's option sets aot_specs compiles: the families of stage/fused.py and the trainers' sets
+    named beside them, each flag on and off at least once."""
     base = dict(PROXIMAL=1, WEIGHTED=False, IS_LEVEL=0, IS_MASK=False, RS_K1_SUM=False, RS_K1_MEAN=False,
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=False,
                 SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False, KL_BIAS_CORRECTION=False, SAMPLER=False,
                 LOG_RATIO_SQ=False)
-    sequence_sets = [
+    return [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
         dict(base, WEIGHTED=True, IS_LEVEL=1, RS_K1_MEAN=True, KL_TYPE=1, KL_STRAIGHT=True),
@@ -822,6 +821,13 @@ def aot_specs():
         dict(base, PROXIMAL=2, SAMPLER=True, POLICY=7, RATIO_CLAMP=False),  # prime-rl's IPO
         dict(base, SAMPLER=True, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, LOG_RATIO_SQ=True),
     ]
+
+
+def aot_specs():
+    """The option sets a launch can take, each flag on and off at least once: the families of stage/fused.py and the
+    trainers' sets named beside them, both layouts and every aggregation, the entropy's own; the inputs in float32
+    (bf16 advantages or log-probs load through the same code)."""
+    sequence_sets = _sequence_option_sets()
     pointers = ("lp_ptr", "entropy_ptr", "adv_ptr", "mask_ptr", "old_ptr", "rollout_ptr", "ref_ptr", "given_ptr",
                 "cu_ptr", "lp_out_ptr", "grad_ptr", "dkl_ptr", "sq_ptr", "weights_ptr", "kept_ptr", "record_ptr")
     types = dict(zip(pointers, ("*fp32",) * 3 + ("*i1",) + ("*fp32",) * 4 + ("*i64",) + ("*fp32",) * 5
