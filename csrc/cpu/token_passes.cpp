@@ -946,6 +946,10 @@ constexpr int64_t kRecord = 10;
 // dppo_binary_tv_signed, IPO)
 enum PolicyCode { kPpo, kPpoSequence, kGspo, kCispo, kCispoSequence, kBinaryTv, kBinaryTvSigned, kIpo };
 
+// ratio_level="sequence": the policy terms of the sequence's ratio, which the bias-corrected KL multiplies too (GSPO's
+// token form has the token's)
+inline bool sequence_level(const int64_t* o) { return o[kPolicy] == kPpoSequence || o[kPolicy] == kCispoSequence; }
+
 // torch.clamp: NaN stays NaN
 inline float clamp(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
 
@@ -1178,9 +1182,9 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
   const int64_t policy = o[kPolicy];  // the policy ratio is the sequence's:
   const bool sequence_ratio = policy == kPpoSequence || policy == kGspo || policy == kCispoSequence;
-  // ratio_level="sequence": the ratio the bias-corrected KL multiplies is the sequence's too (GSPO's token form has
-  // the token's)
-  const bool sequence_level = policy == kPpoSequence || policy == kCispoSequence;
+  const bool seq_level = sequence_level(o);
+  // the trust regions and the log-ratio square are taken against the behaviour policy
+  const bool uses_behaviour = policy >= kBinaryTv || o[kLogRatioSq];
   // the tokens the token_* options keep (kept_length_sum) and those outside seq_all_k1's band
   LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum;
   for (int64_t t = start; t < end; ++t) {
@@ -1246,7 +1250,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     const float adv = o[kSeqMeanAdvantages] ? (kept ? seq_adv : 0.0f) : on_mask(in.adv, t, m);
     const float l_old = proximal(in, t, m, lp, o);
     // the sampler's log-probs where given, else l_old (loss._Inputs.behaviour)
-    const float behaviour = o[kSampler] ? on_mask(in.rollout, t, m) : l_old;
+    const float behaviour = !uses_behaviour ? 0.0f : o[kSampler] ? on_mask(in.rollout, t, m) : l_old;
     float w = 0.0f;
     if (o[kIsLevel] == 1) {
       const float delta_hat = clamp(l_old - on_mask(in.rollout, t, m), -kClamp, kClamp);
@@ -1282,8 +1286,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       const float ref = on_mask(in.ref, t, m);
       kl_and_grad(lp, ref, o[kKlType], o[kKlStraight], kl, dkl);
       if (o[kKlScore]) dkl = kl_score(lp, ref, kl, dkl, o[kKlType], o[kKlStraight]);
-      if (o[kKlBiasCorrection]) bias_corrected_kl(lp, ref, sequence_level ? log_s : lp - l_old, !sequence_level, o, h,
-                                                  kl, dkl);
+      if (o[kKlBiasCorrection]) bias_corrected_kl(lp, ref, seq_level ? log_s : lp - l_old, !seq_level, o, h, kl, dkl);
       kl_sum.add(t, kept ? kl : 0.0f);
       out.dkl[t] = dkl;
     }
@@ -1300,7 +1303,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   row[4] = static_cast<float>(end - start);
   row[5] = o[kIsLevel] == 1 ? weight_sum.total() : seq_weight, row[6] = length, row[7] = grad_sum.total();
   // the bias-corrected KL's sum where it goes through the sequence's ratio: the finish chains it to each token
-  const bool kl_chained = o[kKlBiasCorrection] && sequence_level && o[kKlType] != 0 &&
+  const bool kl_chained = o[kKlBiasCorrection] && seq_level && o[kKlType] != 0 &&
                           (!o[kRatioClamp] || std::fabs(log_s) <= h[kRatioClampValue]);
   row[8] = kl_chained ? row[1] : 0.0f, row[9] = sq_sum.total();
 }
@@ -1421,8 +1424,7 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
   const float* sq_d = o[kLogRatioSq] ? sq.data_ptr<float>() : nullptr;
   const float beta = h[kKlCoef], entropy_coeff = h[kEntropyCoeff];
   // the bias-corrected KL's part through the sequence's ratio (record column 8), chained as the policy's
-  const bool kl_chained =
-      has_kl && o[kKlBiasCorrection] && (o[kPolicy] == kPpoSequence || o[kPolicy] == kCispoSequence);
+  const bool kl_chained = has_kl && o[kKlBiasCorrection] && sequence_level(o);
   float* w_out = o[kNormalize] != 0 ? weights.data_ptr<float>() : nullptr;
   at::parallel_for(0, N, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

@@ -46,6 +46,8 @@ _PPO = tuple(name for name, entry in LOSS_TERMS.items() if entry.term is LOSS_TE
 # each token (token_*: the token leaves m'), and k1 bounding every token of the sequence (seq_all_k1)
 _RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3", "seq_all_k1")
 _KL_TYPES = ("k1", "k2", "abs", "k3", "k3_unclamped")
+# the kernels' policy terms on the sampler (prime-rl's), and the loss types they stand for
+_TRUST_REGIONS = {"dppo_binary_tv": "binary_tv", "dppo_binary_tv_signed": "binary_tv_signed", "ipo": "ipo"}
 
 
 class KernelInputs(NamedTuple):
@@ -71,7 +73,7 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
         return f"{dtype} statistics (the kernels compute in float32)"
     if _policy(config) is None:
         return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip and CISPO of the "
-                "token's or the sequence's ratio, GSPO's token form, or the binary-TV trust regions)")
+                "token's or the sequence's ratio, GSPO's token form, or the binary-TV and IPO trust regions)")
     for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
@@ -112,8 +114,9 @@ def _policy(config) -> Optional[str]:
         return "cispo" if config.ratio_level == "token" else "cispo_sequence"
     if config.ratio_level != "token":
         return None
-    return {"gspo": "gspo", "dppo_binary_tv": "binary_tv", "dppo_binary_tv_signed": "binary_tv_signed",
-            "ipo": "ipo"}.get(config.loss_type)
+    if config.loss_type == "gspo":
+        return "gspo"
+    return _TRUST_REGIONS.get(config.loss_type)
 
 
 def implementation(config, device: torch.device) -> Optional[str]:
@@ -228,8 +231,11 @@ def _launch_arguments(stats, batch, config):
         seq_mean_advantages=bool(config.seq_mean_advantages),
         zero_weight=rc is not None and rc.rs_mode == "zero_weight", kl_score=kl and bool(config.kl_score_gradient),
         kl_bias_correction=kl and bool(config.kl_bias_correction),
-        # the sampler's log-probs are given: what the trust regions and the log-ratio square are taken against
-        sampler=batch.rollout_logprobs is not None, log_ratio_sq=bool(config.log_ratio_sq_coef),
+        # the sampler's log-probs, given and read: what the trust regions and the log-ratio square are taken against
+        # (a flag set only where read, so that no other call compiles a variant of its own)
+        sampler=batch.rollout_logprobs is not None and (config.loss_type in _TRUST_REGIONS or
+                                                        bool(config.log_ratio_sq_coef)),
+        log_ratio_sq=bool(config.log_ratio_sq_coef),
         seq_tokens_kept=rc is not None and bool(rc.rs) and rc.seq_tokens == "kept",
         cispo_cap=config.loss_type == "cispo" and config.cispo_cap is not None)
     return inputs, options, _hyperparameters(config, rc)
