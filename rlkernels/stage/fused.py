@@ -148,7 +148,8 @@ def run(stats, batch, config, corrected=None, metrics: bool = False, evidence=No
     known = {}
     if options["rejection"]:  # the flag the notices read on every step: rejection kept none of m's tokens
         known[ALL_REJECTED] = (kept.any() < batch.mask.any()).to(lp.dtype)  # m' within m: none of m kept
-    deferred = DeferredMetrics(lambda: _torch_metrics(stats, batch, config, corrected), known)
+    stream = torch.cuda.current_stream(lp.device) if lp.is_cuda else None  # the reader's may differ
+    deferred = DeferredMetrics(lambda: _torch_metrics(stats, batch, config, corrected), known, stream)
     return StageOutput(total, coef, coef_entropy, weights, kept, deferred, None, lp)
 
 

@@ -27,10 +27,14 @@ already whole on every rank of a context-parallel group (sequences were combined
 so across that group they are taken once, not summed.
 """
 
-from collections.abc import Mapping, MutableMapping
+import collections
+import copy
+import threading
+from collections.abc import Iterable, Mapping
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
+import torch.utils._pytree
 from torch import Tensor
 
 # kinds, in packing order; each occupies one slot per record except MOMENTS (three)
@@ -331,62 +335,166 @@ def combine_moments(parts: Tensor) -> Tensor:
     return torch.stack([total, mu, m2.sum(0) + (count * (mean - mu) ** 2).sum(0)], -1)
 
 
-class DeferredMetrics(MutableMapping):
+class DeferredMetrics(dict):
     """A loss's metrics computed when first read: the fused stage's (SPEC §18). The loss and its gradient's
     coefficients take two kernel launches; the ~55 metrics are the torch stage's run on the same inputs, a few
     hundred small ops, queued when a logger reads them (after `loss.backward()` has queued the backward's kernels,
     whose GPU time then hides that host time) instead of before the loss returns. The values are the torch stage's,
-    bit for bit. A mapping in all else: read, update, `copy()` and `|` give dicts, a pickle or `copy.copy` is the
-    dict of the values (built by calling `dict`, which `torch.load(weights_only=True)` refuses: save `dict(m)`), and
-    a library that rebuilds a mapping as `type(m)(items)` gets one computed already; only `isinstance(m, dict)`
-    tells it apart. Its inputs are the call's: modifying them in place (the advantages, the
-    returned entropy) before the metrics are read changes the metrics. `known`: values the call computed anyway (the
-    all-rejected flag the notices read), readable without computing the rest."""
+    bit for bit.
 
-    def __init__(self, compute: Union[Callable[[], Dict[str, torch.Tensor]], Mapping],
-                 known: Optional[Dict[str, torch.Tensor]] = None):
+    A dict (`isinstance(m, dict)` holds), filled on the first read: every method that reads, writes or copies
+    computes it first, and from then on it is an ordinary dict's storage. Its copies are plain: `copy()`, `|`,
+    `copy.copy`, `dict(m)` give dicts; a pickle gives a `collections.OrderedDict` (the one dict type
+    `torch.load(weights_only=True)` rebuilds); `torch.utils._pytree` flattens it as a dict; a library that
+    rebuilds a mapping as `type(m)(items)` gets one computed already. Its inputs are the call's: modifying them in
+    place (the advantages, the returned entropy) before the metrics are read changes the metrics.
+
+    The computation runs as the call would have run it, whatever the reader's thread: under no_grad, once (a lock
+    holds a second reader back), and on the CUDA stream current at the call (`stream`), the reader's stream then
+    waiting for it. Autocast is not restored: the metrics run no autocast-eligible op (no matmul) and their inputs
+    are float32 or float64, which autocast leaves as they are (tests/stage/test_fused_stage.py reads them inside
+    it). `known`: values the call computed anyway (the all-rejected flag the notices read), readable without
+    computing the rest."""
+
+    def __init__(self, compute: Union[Callable[[], Dict[str, torch.Tensor]], Mapping, Iterable] = (),
+                 known: Optional[Dict[str, torch.Tensor]] = None, stream=None):
         given = isinstance(compute, Mapping) or not callable(compute)  # type(m)({...}): values, not a computation
+        super().__init__(compute if given else ())
         self._compute: Optional[Callable[[], Dict[str, torch.Tensor]]] = None if given else compute
-        self._values: Optional[Dict[str, torch.Tensor]] = dict(compute) if given else None
+        self._stream = None if given else stream
+        self._lock = threading.Lock()
         self.known: Dict[str, torch.Tensor] = dict(known or {})
 
     @property
     def ready(self) -> bool:
         """Whether the metrics have been computed (any read computes them)."""
-        return self._values is not None
+        return self._compute is None
 
-    def _computed(self) -> Dict[str, torch.Tensor]:
-        if self._values is None:
-            self._values = dict(self._compute())
-            self._compute = None  # lets go of the call's inputs
-        return self._values
+    def _computed(self) -> "DeferredMetrics":
+        if self._compute is not None:
+            with self._lock:
+                if self._compute is not None:
+                    dict.update(self, _on_stream(self._stream, self._compute))
+                    self._compute = self._stream = None  # lets go of the call's inputs
+        return self
 
+    # every dict method that reads or writes, computing first (dict's own would see empty storage)
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._computed()[name]
+        return dict.__getitem__(self._computed(), name)
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        self._computed()[name] = value
+        dict.__setitem__(self._computed(), name, value)
 
     def __delitem__(self, name: str) -> None:
-        del self._computed()[name]
+        dict.__delitem__(self._computed(), name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._computed())
+        return dict.__iter__(self._computed())
+
+    def __reversed__(self) -> Iterator[str]:
+        return dict.__reversed__(self._computed())
 
     def __len__(self) -> int:
-        return len(self._computed())
+        return dict.__len__(self._computed())
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self._computed(), name)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DeferredMetrics):
+            other._computed()  # dict's comparison reads the other's storage directly
+        return dict.__eq__(self._computed(), other)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # as dict's
 
     def __repr__(self) -> str:
-        return f"DeferredMetrics({self._computed()!r})"
+        return f"DeferredMetrics({dict.__repr__(self._computed())})"
+
+    def keys(self):
+        return dict.keys(self._computed())
+
+    def values(self):
+        return dict.values(self._computed())
+
+    def items(self):
+        return dict.items(self._computed())
+
+    def get(self, name, default=None):
+        return dict.get(self._computed(), name, default)
+
+    def pop(self, name, *default):
+        return dict.pop(self._computed(), name, *default)
+
+    def popitem(self):
+        return dict.popitem(self._computed())
+
+    def setdefault(self, name, default=None):
+        return dict.setdefault(self._computed(), name, default)
+
+    def update(self, *others, **values) -> None:
+        dict.update(self._computed(), *others, **values)
+
+    def clear(self) -> None:
+        self._compute = self._stream = None
+        dict.clear(self)
 
     def copy(self) -> Dict[str, torch.Tensor]:
-        return dict(self._computed())
+        return dict(self.items())
 
-    def __or__(self, other: Mapping) -> Dict[str, torch.Tensor]:
-        return {**self._computed(), **other}
+    def __copy__(self) -> Dict[str, torch.Tensor]:
+        return self.copy()
 
-    def __ror__(self, other: Mapping) -> Dict[str, torch.Tensor]:
-        return {**other, **self._computed()}
+    def __deepcopy__(self, memo) -> Dict[str, torch.Tensor]:
+        return copy.deepcopy(self.copy(), memo)
+
+    def __or__(self, other):
+        return self.copy().__or__(other)
+
+    def __ror__(self, other):
+        return dict(other).__or__(self.copy()) if isinstance(other, dict) else NotImplemented
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
 
     def __reduce__(self):
-        return dict, (dict(self._computed()),)
+        return collections.OrderedDict, (list(self.items()),)
+
+    def __reduce_ex__(self, protocol):
+        return self.__reduce__()
+
+
+def _on_stream(stream, compute: Callable[[], Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """compute() on the CUDA stream the call ran on (None: the current one), then the reader's stream waits for
+    it, and each value is marked used there (the caching allocator must not hand its memory to the call's stream
+    while the reader's work on it is queued)."""
+    if stream is None:
+        return compute()
+    reader = torch.cuda.current_stream(stream.device)
+    with torch.cuda.stream(stream):
+        values = compute()
+    if reader != stream:
+        reader.wait_stream(stream)
+        for value in values.values():
+            if isinstance(value, Tensor) and value.is_cuda:
+                value.record_stream(reader)
+    return values
+
+
+def _flatten_deferred(metrics: DeferredMetrics):
+    return list(metrics.values()), list(metrics.keys())
+
+
+def _unflatten_deferred(values, names) -> Dict[str, torch.Tensor]:
+    return dict(zip(names, values))
+
+
+# tree_map(f, metrics) maps the values and gives a dict, as for the dict the torch stage returns (registered with
+# the Python pytree; its types are rlkernels' own, so no other library's behaviour changes)
+torch.utils._pytree.register_pytree_node(
+    DeferredMetrics, _flatten_deferred, _unflatten_deferred,
+    serialized_type_name="rlkernels.stage.metrics.DeferredMetrics")

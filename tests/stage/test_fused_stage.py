@@ -11,6 +11,7 @@ empty and all-masked sequences, NaN padding, mismatches from 0 to 50 nats (clamp
 every aggregation with and without the global counts, every KL type, log_ratio_clamp None.
 """
 
+import collections
 import math
 
 import pytest
@@ -215,33 +216,87 @@ def test_deferred_metrics_are_computed_once_when_first_read():
 
 @needs_cpu_kernels
 def test_deferred_metrics_go_where_a_dict_goes():
-    """What trainers and their libraries do with a metrics dict, before or after the first read: pickle it (Ray, a
-    queue, torch.save), copy it, merge it with `|`, rebuild it as type(m)(items) (accelerate's send_to_device and
-    gather_for_metrics); each gives the values."""
+    """What trainers and their libraries do with a metrics dict, each on metrics not read yet: check it is a dict,
+    pickle it (Ray, a queue, torch.save with torch.load's default weights_only=True), copy it, merge it with `|` or
+    `**`, compare it, tree_map it, rebuild it as type(m)(items) (accelerate's send_to_device and gather_for_metrics);
+    each gives the values. (Found by review: it was a Mapping and not a dict, and weights_only refused its pickle.)"""
     import copy
     import io
     import pickle
 
     def fresh():
-        return _policy_call(metrics="all", fused_stage=True, backend="cpu")[0]().metrics
+        metrics = _policy_call(metrics="all", fused_stage=True, backend="cpu")[0]().metrics
+        assert isinstance(metrics, DeferredMetrics) and not metrics.ready
+        return metrics
 
     want = dict(fresh())
-    for unread in (True, False):
-        metrics = fresh()
-        if not unread:
-            dict(metrics)
-        assert pickle.loads(pickle.dumps(metrics)).keys() == want.keys()
+
+    def saved(metrics, weights_only):
         buffer = io.BytesIO()
         torch.save(metrics, buffer)
         buffer.seek(0)
-        # the pickle rebuilds a dict by calling it, which weights_only=True (torch.load's default) refuses
-        assert torch.load(buffer, weights_only=False).keys() == want.keys()
+        return torch.load(buffer, weights_only=weights_only)
+
+    def keyword_arguments(**values):
+        return values
+
+    for use in (lambda m: pickle.loads(pickle.dumps(m)), lambda m: saved(m, True), lambda m: saved(m, False),
+                copy.copy, copy.deepcopy, dict, lambda m: {**m}, lambda m: keyword_arguments(**m),
+                lambda m: m.copy(), lambda m: dict(m.items()), lambda m: m | {}, lambda m: {} | m,
+                lambda m: torch.utils._pytree.tree_map(lambda t: t, m)):
+        got = use(fresh())
+        assert isinstance(got, dict) and got == want and list(got) == list(want)
+    assert isinstance(fresh(), dict) and fresh() == want and want == fresh() and fresh() == fresh()
+    assert not (fresh() != want) and fresh() != {}
+    assert len(fresh()) == len(want) and "actor/pg_loss" in fresh() and list(reversed(fresh())) == list(want)[::-1]
+    assert "%(actor/pg_loss)s" % fresh() == str(want["actor/pg_loss"])
+    assert type(saved(fresh(), True)) is collections.OrderedDict  # the dict type weights_only=True rebuilds
     metrics = fresh()
-    assert copy.copy(metrics).keys() == metrics.copy().keys() == want.keys()
     assert (metrics | {"x": 1.0})["x"] == 1.0 and ({"x": 1.0} | metrics).keys() == {"x", *want}
+    metrics |= {"x": 1.0}
+    assert metrics.keys() == {"x", *want} and metrics.pop("x") == 1.0 and metrics == want
     rebuilt = type(metrics)({name: value * 2 for name, value in fresh().items()})
     assert rebuilt.ready and len(rebuilt) == len(want)
     assert torch.equal(rebuilt["actor/pg_loss"], want["actor/pg_loss"] * 2)
+    cleared = fresh()
+    cleared.clear()
+    assert cleared.ready and cleared == {}
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("reader", ["autocast", "grad", "thread"])
+def test_deferred_metrics_are_the_calls_whoever_reads_them(reader):
+    """The metrics are the same bits whether read where the call ran or inside autocast (which they do not restore:
+    no op of theirs is autocast-eligible), with grad enabled (they are computed under no_grad), or from other threads
+    (computed once: the second reader waits)."""
+    import threading
+    import time
+
+    call = _policy_call(metrics="all", fused_stage=True, backend="cpu")[0]
+    want = dict(call().metrics)
+    metrics = call().metrics
+    if reader == "autocast":
+        for dtype in (torch.bfloat16, torch.float16):
+            unread = call().metrics
+            with torch.autocast("cpu", dtype=dtype):
+                got = dict(unread)
+            _assert_same_metrics(got, want)
+    elif reader == "grad":
+        with torch.enable_grad():
+            got = dict(metrics)
+        assert not any(value.requires_grad for value in got.values())
+    else:
+        computed, seen = [], []
+        compute = metrics._compute
+        metrics._compute = lambda: computed.append(1) or time.sleep(0.2) or compute()  # the others arrive meanwhile
+        readers = [threading.Thread(target=lambda: seen.append(dict(metrics))) for _ in range(4)]
+        for thread in readers:
+            thread.start()
+        for thread in readers:
+            thread.join(timeout=60)
+        assert computed == [1] and len(seen) == 4
+        got = seen[-1]
+    _assert_same_metrics(got, want)
 
 
 @settings(max_examples=scaled(60), deadline=None)
@@ -739,6 +794,36 @@ def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
     for name, x, y in (("dlogprobs", got_lp, want_lp), ("dentropy", got_h, want_h)):
         assert_close(x, y, **tol("reordered", F32, scale=float(y.abs().amax())), name=name)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_metrics_read_on_another_stream_are_the_calls():
+    """The call on a side stream whose inputs are written late (after a sleep kernel), its metrics read on the
+    default stream: they are computed on the call's stream, which the reader's then waits for, so they are the
+    torch stage's bits. Computed on the reader's stream, they would read the inputs before they are written."""
+    g = torch.Generator().manual_seed(3)
+    N = 8192
+    base, noise = (-torch.rand(N, generator=g) * 3).cuda(), (0.05 * torch.randn(N, generator=g)).cuda()
+    adv, mask = torch.randn(N, generator=g).cuda(), (torch.rand(N, generator=g) > 0.05).cuda()
+    cu = torch.arange(0, N + 1, 64).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outputs = {}
+    with torch.cuda.stream(side):
+        for fused_stage in (False, None):
+            torch.cuda._sleep(100_000_000)  # ~50 ms: the inputs below are written after it, the host not waiting
+            old = base * 1.0
+            lp = old + noise
+            config = PolicyLossConfig(rollout_correction=RolloutCorrection.seq_mis(bounds=(0.9, 1.1)), kl_coef=0.05,
+                                      metrics="all", validate=False, fused_stage=fused_stage)
+            outputs[fused_stage] = rlkernels.policy_loss(lp, adv, mask, old_logprobs=old, rollout_logprobs=old + 0.01,
+                                                         ref_logprobs=old - 0.01, cu_seqlens=cu, config=config)
+        want = dict(outputs[False].metrics)  # the torch stage's, computed on the side stream
+    got = outputs[None].metrics
+    assert isinstance(got, DeferredMetrics) and not got.ready
+    got = {name: value.clone() for name, value in got.items()}  # read, and used, on the default stream
+    torch.cuda.synchronize()
+    _assert_same_metrics(got, want)
 
 
 @implementations
