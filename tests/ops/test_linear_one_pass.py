@@ -272,6 +272,13 @@ def test_tied_weight_and_a_retained_graph():
     (ref.loss + rw.square().sum()).backward()
     assert_close(first, rw.grad, **tol("linear.grad", F32, scale=float(rw.grad.abs().max())), name="weight.grad")
     assert torch.equal(w.grad, 2 * first), "second backward"
+    # both backwards hand back the saved gradients: one modified in place by a hook fails loudly (SPEC §2.4)
+    h, w, bias = _leaves(hidden, weight, b)
+    out = _loss(batch, h, w, bias)
+    w.register_hook(lambda grad: grad.mul_(2.0))  # (hidden's reaches its hook through a slice's backward: a copy)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
     again_leaves = _leaves(hidden, weight, b)
     again = _loss(batch, *again_leaves)
     with pytest.raises(RuntimeError, match="second derivatives"):

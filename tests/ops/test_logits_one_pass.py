@@ -156,6 +156,13 @@ def test_a_scaled_loss_a_retained_graph_and_logits_from_a_matmul(tier):
     once = leaf.grad.clone()
     out.loss.backward()
     assert out.path == "logits_one_pass" and torch.equal(leaf.grad, once + once)
+    # both backwards hand back the one saved tensor: one modified in place by a hook fails loudly (SPEC §2.4)
+    leaf = rows.clone().requires_grad_(True)
+    out = rlkernels.decoupled_ppo_loss(leaf, labels, adv, mask, config=config, **kwargs)
+    leaf.register_hook(lambda grad: grad.mul_(2.0))
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(18, 8, generator=g), torch.randn(29, 8, generator=g)
     got = []
