@@ -55,7 +55,8 @@ def _ppo_inputs(N: int, V: int, S: int, device: str, dtype: torch.dtype):
 # the trainers' own calls, each outside the fused stage's family until it took them: verl's GSPO with its own IS
 # weights, TRL's loss (it sets entropy_agg_mode on every call) and its GSPO with the bias-corrected KL, SkyRL's
 # token-level rejection over the kept tokens, NeMo-RL's zero-weight rejection with the KL's score term, prime-rl's
-# default loss; each with every metric, as the trainers log them. (options, the trainer's own IS weights, bypass mode)
+# default loss, verl's SAPO; each with every metric, as the trainers log them. (options, the trainer's own IS
+# weights, bypass mode)
 TRAINERS = {
     "verl_gspo": (dict(loss_type="gspo", loss_agg_mode="seq-mean-token-mean"), True, False),
     "trl": (dict(loss_agg_mode="token-mean", entropy_agg_mode="token-mean", rollout_correction=RolloutCorrection(
@@ -77,6 +78,8 @@ TRAINERS = {
     # and its default since PR #3418 (2026-08-27): IPO, |p - q| <= 0.3, no KL term
     "prime_rl_ipo": (dict(loss_type="ipo", ipo_eps=0.3, loss_agg_mode="token-sum", log_ratio_clamp=None), False,
                      True),
+    # verl's SAPO (its loss function forces seq-mean-token-mean) with its own IS weights
+    "verl_sapo": (dict(loss_type="sapo", loss_agg_mode="seq-mean-token-mean"), True, False),
 }
 
 

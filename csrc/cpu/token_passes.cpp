@@ -931,8 +931,8 @@ enum OptionCode {
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
   kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kCispoCapValue, kBinaryTvLow,
-  kBinaryTvHigh, kIpoKlTau, kIpoEps, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue,
-  kLogRatioSqCoef, kHyperCount
+  kBinaryTvHigh, kIpoKlTau, kIpoEps, kDroBeta, kTauPos, kTauNeg, kKlCoef, kEntropyCoeff, kGlobalTokensValue,
+  kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
@@ -943,12 +943,20 @@ constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped 
 constexpr int64_t kRecord = 10;
 // kPolicy: PPO's clip of the token's ratio, of its sequence's mean log-ratio (ratio_level="sequence"), GSPO's token
 // form, CISPO of the token's ratio or of its sequence's, prime-rl's trust regions on the sampler (dppo_binary_tv,
-// dppo_binary_tv_signed, IPO)
-enum PolicyCode { kPpo, kPpoSequence, kGspo, kCispo, kCispoSequence, kBinaryTv, kBinaryTvSigned, kIpo };
+// dppo_binary_tv_signed, IPO), GPG, DRO, SAPO of the token's ratio or of its sequence's
+enum PolicyCode {
+  kPpo, kPpoSequence, kGspo, kCispo, kCispoSequence, kBinaryTv, kBinaryTvSigned, kIpo, kGpg, kDro, kSapo,
+  kSapoSequence
+};
 
 // ratio_level="sequence": the policy terms of the sequence's ratio, which the bias-corrected KL multiplies too (GSPO's
 // token form has the token's)
-inline bool sequence_level(const int64_t* o) { return o[kPolicy] == kPpoSequence || o[kPolicy] == kCispoSequence; }
+inline bool sequence_level(const int64_t* o) {
+  return o[kPolicy] == kPpoSequence || o[kPolicy] == kCispoSequence || o[kPolicy] == kSapoSequence;
+}
+
+// the terms whose derivative in the sequence's mean log-ratio goes through the record (column 7), chained per token
+inline bool chained(const int64_t* o) { return o[kPolicy] == kPpoSequence || o[kPolicy] == kSapoSequence; }
 
 // torch.clamp: NaN stays NaN
 inline float clamp(float x, float lo, float hi) { return std::isnan(x) ? x : std::min(std::max(x, lo), hi); }
@@ -1145,6 +1153,35 @@ inline void trust_region_term(float lp, float behaviour, float adv, float w, con
   term_out = term, grad_out = grad;
 }
 
+// SAPO's soft gate (policy_terms.sapo): -A g 4 / tau with g = sigmoid(tau (r - 1)), tau by the advantage's sign, of
+// the ratio exp(log_r) (log_r clamped where the options clamp it), and its derivative in log_r, -A 4 g (1 - g) r where
+// the clamp passes it, both times w where the options weigh; 1 - g formed as sigmoid(-x), which keeps the slope of a
+// saturated gate.
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+inline void sapo_term(float log_r, float adv, float w, const int64_t* o, const float* h, float& term_out,
+                      float& grad_out) {
+  const float r = policy_ratio(log_r, o, h), tau = adv > 0.0f ? h[kTauPos] : h[kTauNeg];
+  const float x = tau * (r - 1.0f), gate = sigmoid(x), slope = gate * sigmoid(-x), neg_adv = -adv;
+  const bool passes = !o[kRatioClamp] || std::fabs(log_r) <= h[kRatioClampValue];
+  float term = neg_adv * gate * 4.0f / tau, grad = passes ? neg_adv * 4.0f * slope * r : 0.0f;
+  if (o[kWeighted]) term *= w, grad *= w;
+  term_out = term, grad_out = grad;
+}
+
+// GPG (-A lp, derivative -A) and DRO (policy_terms.dro: -(lp A - beta/2 d^2), d = lp - l_old unclamped, derivative
+// -A + beta d), both times w where the options weigh.
+inline void gpg_or_dro_term(float lp, float l_old, float adv, float w, const int64_t* o, const float* h,
+                            float& term_out, float& grad_out) {
+  float term = -adv * lp, grad = -adv;
+  if (o[kPolicy] == kDro) {
+    const float d = lp - l_old, beta = h[kDroBeta];
+    term = -(lp * adv - 0.5f * beta * d * d), grad = -adv + beta * d;
+  }
+  if (o[kWeighted]) term *= w, grad *= w;
+  term_out = term, grad_out = grad;
+}
+
 // l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy).
 inline float proximal(const Inputs& in, int64_t t, bool m, float lp, const int64_t* o) {
   return o[kProximal] == 1 ? on_mask(in.old, t, m) : o[kProximal] == 2 ? on_mask(in.rollout, t, m) : lp;
@@ -1181,10 +1218,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean] || token_kinds || all_k1;
   const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
   const int64_t policy = o[kPolicy];  // the policy ratio is the sequence's:
-  const bool sequence_ratio = policy == kPpoSequence || policy == kGspo || policy == kCispoSequence;
+  const bool sequence_ratio = sequence_level(o) || policy == kGspo;
   const bool seq_level = sequence_level(o);
   // the trust regions and the log-ratio square are taken against the behaviour policy
-  const bool uses_behaviour = policy >= kBinaryTv || o[kLogRatioSq];
+  const bool uses_behaviour = (policy >= kBinaryTv && policy <= kIpo) || o[kLogRatioSq];
   // the tokens the token_* options keep (kept_length_sum) and those outside seq_all_k1's band
   LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum;
   for (int64_t t = start; t < end; ++t) {
@@ -1272,11 +1309,15 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     } else if (o[kPolicy] == kCispo || o[kPolicy] == kCispoSequence) {
       // CISPO of the token's ratio, or of the sequence's (its gradient through lp alone: sg(c))
       cispo_term(lp, o[kPolicy] == kCispo ? lp - l_old : log_s, adv, w, o, h, term, grad);
+    } else if (o[kPolicy] == kGpg || o[kPolicy] == kDro) {
+      gpg_or_dro_term(lp, l_old, adv, w, o, h, term, grad);
+    } else if (o[kPolicy] == kSapo || o[kPolicy] == kSapoSequence) {  // the sequence's: d term / d log_s, chained
+      sapo_term(o[kPolicy] == kSapo ? lp - l_old : log_s, adv, w, o, h, term, grad);
     } else {
       trust_region_term(lp, behaviour, adv, w, o, h, term, grad);
     }
     pg.add(t, kept ? term : 0.0f);
-    if (o[kPolicy] == kPpoSequence) {
+    if (chained(o)) {
       grad_sum.add(t, kept ? grad : 0.0f);
     } else {
       out.grad[t] = grad;
@@ -1435,7 +1476,7 @@ std::vector<at::Tensor> sequence_stage(const at::Tensor& lp, const std::optional
       } else {
         if (w_out) w_out[t] = w_out[t] / factor;
         // loss._chain_through_ratio for PPO on the sequence's ratio: the sequence's mean of a_t g_t over m'
-        c[t] = o[kPolicy] == kPpoSequence
+        c[t] = chained(o)
                    ? sequence_coefficient(rec[sid[t] * kRecord + 7], a, final_length, out.kept[t], factor,
                                           w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f)
                    : token_coefficient(c[t], a, factor, w_out != nullptr, d != nullptr, beta, d ? d[t] : 0.0f);

@@ -5,7 +5,8 @@
 The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip) of each token's ratio, or of its
 sequence's (ratio_level="sequence", TRL's GSPO: the gradient chained through the sequence's mean log-ratio), any
 log_ratio_clamp; GSPO's token form (loss_type="gspo", verl's); CISPO of the token's or the sequence's ratio
-(MiniMax-M1's, clipped as verl's or capped as TRL's); prime-rl's trust regions on the sampler (dppo_binary_tv,
+(MiniMax-M1's, clipped as verl's or capped as TRL's); SAPO's soft gate of either ratio (verl's, TRL's); GPG's plain
+policy gradient and DRO's squared log-ratio penalty (verl's); prime-rl's trust regions on the sampler (dppo_binary_tv,
 dppo_binary_tv_signed and IPO, its defaults before and since 2026-08, with their ipo_kl_tau square on the kept
 tokens); the log-ratio square against the sampler (log_ratio_sq_coef: the Kimi-K2.5 term, prime-rl's kl_tau) beside
 any of these; on-policy, bypass without a correction, or decoupled mode with token / sequence / geometric IS weights
@@ -19,7 +20,8 @@ straight-through forms, with or without the score term (kl_score_gradient: NeMo-
 bonus at the loss's aggregation or its own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the
 global counts; a trainer's own IS weights (is_weights: verl's, TRL's, prime-rl's).
 Everything else keeps the torch stage (`loss.run`): the other rejection statistics (k2 and k3 maxima, k2 sums, the
-binary divergences, the sampler's KL), the other loss types (KPop's trust region among them),
+binary divergences, the sampler's KL), the other loss types (GMPO's geometric mean, DPPO's divergence regions on
+π_old, Clip-Cov / KL-Cov, KPop's trust region among them),
 split batches, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
@@ -72,8 +74,9 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
     if dtype != torch.float32:
         return f"{dtype} statistics (the kernels compute in float32)"
     if _policy(config) is None:
-        return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip and CISPO of the "
-                "token's or the sequence's ratio, GSPO's token form, or the binary-TV and IPO trust regions)")
+        return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip, CISPO and SAPO of "
+                "the token's or the sequence's ratio, GSPO's token form, GPG, DRO, or the binary-TV and IPO trust "
+                "regions)")
     for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
@@ -112,10 +115,12 @@ def _policy(config) -> Optional[str]:
         return "ppo" if config.ratio_level == "token" else "ppo_sequence"
     if config.loss_type == "cispo":
         return "cispo" if config.ratio_level == "token" else "cispo_sequence"
+    if config.loss_type == "sapo":
+        return "sapo" if config.ratio_level == "token" else "sapo_sequence"
     if config.ratio_level != "token":
         return None
-    if config.loss_type == "gspo":
-        return "gspo"
+    if config.loss_type in ("gspo", "gpg", "dro"):
+        return config.loss_type
     return _TRUST_REGIONS.get(config.loss_type)
 
 
@@ -279,5 +284,6 @@ def _hyperparameters(config, rc) -> dict:
         token_k2_max=upper["token_k2"], token_k3_max=upper["token_k3"], all_k1_lo=all_k1_lo, all_k1_hi=all_k1_hi,
         cispo_cap=float(config.cispo_cap or 0.0), binary_tv_low=float(config.binary_tv_low),
         binary_tv_high=float(config.binary_tv_high), ipo_kl_tau=float(config.ipo_kl_tau), ipo_eps=float(config.ipo_eps),
-        log_ratio_sq_coef=float(config.log_ratio_sq_coef))
+        log_ratio_sq_coef=float(config.log_ratio_sq_coef), dro_beta=float(config.dro_beta or 0.0),
+        tau_pos=float(config.tau_pos), tau_neg=float(config.tau_neg))
 

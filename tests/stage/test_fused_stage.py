@@ -37,7 +37,8 @@ FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1
 FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"),
                        ("cispo", "token"), ("cispo", "sequence"), ("dppo_binary_tv", "token"),
                        ("dppo_binary_tv_signed", "token"), ("ipo", "token"), ("luspo", "token"),
-                       ("luspo", "sequence"))
+                       ("luspo", "sequence"), ("gpg", "token"), ("dro", "token"), ("sapo", "token"),
+                       ("sapo", "sequence"))
 TRUST_REGIONS = ("dppo_binary_tv", "dppo_binary_tv_signed", "ipo")  # weigh by p/q themselves: no IS level
 IMPLEMENTATIONS = ("triton", "cpu")  # the backend that runs the fused stage on CPU tensors
 STAGE_OP = {"triton": "triton:_sequence_kernel", "cpu": "sequence_stage"}  # one per stage run, as counted
@@ -87,6 +88,9 @@ def family_configs(draw, mode: str, one_pass: bool = False):
     return PolicyLossConfig(
         loss_type=loss_type, ratio_level=ratio_level,
         cispo_cap=draw(st.sampled_from((None, 5.0, 1.1))) if loss_type == "cispo" else None,
+        dro_beta=draw(st.sampled_from((0.1, 1.0))) if loss_type == "dro" else None,
+        # SAPO's gate temperatures, a steep one among them (its gate saturates: the slope is formed apart)
+        tau_pos=draw(st.sampled_from((1.0, 2.0, 40.0))), tau_neg=draw(st.sampled_from((1.05, 0.5, 40.0))),
         # LUSPO's own aggregation stands for the config's (over every sequence, whatever seq_mean_over says); an
         # entropy at a mode of its own would need the config's seq_mean_over beside it (blocker refuses that)
         entropy_agg_mode=None if loss_type == "luspo" else draw(st.sampled_from((None, None) + tuple(LOSS_AGG_MODES))),
@@ -368,15 +372,15 @@ def _policy_call(**overrides):
 
 
 @pytest.mark.parametrize("override, reason", [
-    (dict(loss_type="sapo"), "loss_type='sapo'"),
-    (dict(loss_type="sapo", ratio_level="sequence"), "loss_type='sapo', ratio_level='sequence'"),
+    (dict(loss_type="geo_mean"), "loss_type='geo_mean'"),
+    (dict(loss_type="dppo_tv"), "loss_type='dppo_tv'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
     (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
     (dict(loss_type="kpop", rollout_correction=None), "loss_type='kpop'"),
     (dict(loss_type="luspo", entropy_agg_mode="seq-mean-token-mean", entropy_coeff=0.01), "own aggregation"),
-    (dict(loss_type="gpg"), "loss_type='gpg'"),
+    (dict(loss_type="clip_cov"), "loss_type='clip_cov'"),
 ])
 def test_outside_the_family_the_torch_stage_runs_and_true_is_refused(override, reason):
     call, _, config = _policy_call(**override)
@@ -576,6 +580,91 @@ def test_prime_rls_trust_regions(loss_type, own_weights, clamp, backend):
         assert bool((got_lp[dropped] == 0).all()) and bool((got_lp[mask & ~dropped] != 0).all())
 
 
+@pytest.mark.parametrize("loss_type", ["gpg", "dro"])
+@pytest.mark.parametrize("mode", ["decoupled", "bypass"])
+@implementations
+def test_verls_gpg_and_dro(loss_type, mode, backend):
+    """verl's GPG (-A lp) and DRO (-(A lp - beta/2 (lp - l_old)^2), beta 0.1) on 240 tokens a log-ratio of up to ~1
+    from l_old, with token TIS (decoupled) or verl's own IS weights (bypass), seq-mean-token-mean: the loss and each
+    token's gradient as the torch stage's, to the gradient's own size."""
+    g = torch.Generator().manual_seed(8)
+    N, S = 240, 12
+    cu = torch.arange(0, N + 1, N // S)
+    old = -torch.rand(N, generator=g) * 3
+    lp = old + 0.5 * torch.randn(N, generator=g)
+    adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
+    rollout = old + 0.1 * torch.randn(N, generator=g)
+    decoupled = mode == "decoupled"
+    config = PolicyLossConfig(loss_type=loss_type, dro_beta=0.1 if loss_type == "dro" else None,
+                              loss_agg_mode="seq-mean-token-mean", metrics="loss_only", validate=False, backend=backend,
+                              rollout_correction=RolloutCorrection.token_tis(threshold=1.5) if decoupled else None)
+    weights = None if decoupled else torch.rand(N, generator=g) + 0.5
+    results = []
+    for fused_stage in (False, True):
+        leaf = lp.clone().requires_grad_(True)
+        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old if decoupled else None,
+                                       rollout_logprobs=rollout, cu_seqlens=cu, is_weights=weights,
+                                       config=config.with_overrides(fused_stage=fused_stage))
+        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
+        results.append((out, *torch.autograd.grad(out.loss, leaf)))
+    (want, want_lp), (got, got_lp) = results
+    assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert bool((want_lp[mask] != 0).all())
+    assert_close(got_lp, want_lp, **tol("reordered", F32, scale=0.0), name="dlogprobs")  # each to its own size
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("tau, clamp", [((1.0, 1.05), None), ((40.0, 40.0), None), ((2.0, 0.5), 0.3)])
+@implementations
+def test_sapos_soft_gate(ratio_level, tau, clamp, backend):
+    """SAPO (verl's and TRL's sapo) of the token's and of the sequence's ratio, verl's temperatures, steep ones, and a
+    log_ratio_clamp that log-ratios fall on both sides of (asserted from the inputs), decoupled with seq-MIS: each
+    token's gradient as the torch stage's to its own size. At tau = 40 every gate saturates (|tau (r - 1)| > 17, where
+    1 - g cancels to 0 in float32): the whole gradient is the slope g sigmoid(-x), which 1 - g would make 0."""
+    g = torch.Generator().manual_seed(6)
+    N, S = 240, 12
+    cu = torch.arange(0, N + 1, N // S)
+    old = -torch.rand(N, generator=g) * 3
+    # |log r| of 0.6 (r - 1 of 0.82 or -0.45) and, beside a clamp, of 0.1 too; for the sequence's ratio one sign and
+    # size per sequence, so that its mean log-ratio is one of them
+    sign = torch.where(torch.rand(S, generator=g) > 0.5, 1.0, -1.0)
+    size = torch.where(torch.rand(S, generator=g) > 0.5, 0.6, 0.1) if clamp is not None else torch.full((S,), 0.6)
+    per_token = torch.rand(N, generator=g) > 0.5
+    step = (sign * size).repeat_interleave(N // S) if ratio_level == "sequence" else \
+        torch.where(per_token, 1.0, -1.0) * torch.where(torch.rand(N, generator=g) > 0.5, size.max(), size.min())
+    lp = old + step + 0.02 * torch.randn(N, generator=g)
+    adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
+    log_r = lp - old
+    if ratio_level == "sequence":
+        lengths = torch.segment_reduce(mask.float(), "sum", offsets=cu)
+        log_r = (torch.segment_reduce(torch.where(mask, log_r, 0.0), "sum", offsets=cu) / lengths.clamp_min(1))
+        log_r = log_r.repeat_interleave(N // S)
+    if clamp is not None:
+        assert bool((mask & (log_r.abs() > clamp)).any()) and bool((mask & (log_r.abs() < clamp)).any())
+    if tau[0] == 40.0:  # every rising gate saturated
+        x = 40.0 * (torch.exp(log_r) - 1.0)
+        assert bool((x[mask & (x > 0)] > 17).all()) and bool((mask & (x > 0)).sum() > 10)
+    config = PolicyLossConfig(loss_type="sapo", ratio_level=ratio_level, tau_pos=tau[0], tau_neg=tau[1],
+                              log_ratio_clamp=clamp, rollout_correction=RolloutCorrection.seq_mis(bounds=(0.5, 2.0)),
+                              metrics="loss_only", validate=False, backend=backend)
+    results = []
+    for fused_stage in (False, True):
+        leaf = lp.clone().requires_grad_(True)
+        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old,
+                                       rollout_logprobs=old + 0.01, cu_seqlens=cu,
+                                       config=config.with_overrides(fused_stage=fused_stage))
+        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
+        results.append((out, *torch.autograd.grad(out.loss, leaf)))
+    (want, want_lp), (got, got_lp) = results
+    assert torch.equal(got.mask, want.mask) and bool(want.mask.any())
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1e-6, float(want.loss.abs()))), name="loss")
+    # each token to its own size (the rtol alone); a sequence's tokens share its mean, a sum of terms of both signs
+    scale = float(want_lp.abs().amax()) if ratio_level == "sequence" else 0.0
+    assert_close(got_lp, want_lp, **tol("reordered", F32, scale=scale), name="dlogprobs")
+    assert bool((want_lp[want.mask] != 0).any())
+
+
 @pytest.mark.parametrize("fused_stage", [False, True])
 @implementations
 def test_the_unclamped_k3s_score_term_far_from_the_reference(fused_stage, backend):
@@ -759,6 +848,11 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
     ("token-sum", dict(loss_type="dppo_binary_tv_signed", rollout_correction=None, log_ratio_clamp=None,
                        binary_tv_low=0.002, binary_tv_high=0.002, log_ratio_sq_coef=1e-3)),
     ("token-sum", dict(loss_type="ipo", ipo_eps=0.002, rollout_correction=None, log_ratio_clamp=None)),
+    # verl's SAPO, GPG and DRO; TRL's SAPO of the sequence's ratio
+    ("seq-mean-token-mean", dict(loss_type="sapo")),
+    ("seq-mean-token-mean", dict(loss_type="sapo", ratio_level="sequence", tau_pos=2.0, tau_neg=40.0)),
+    ("token-mean", dict(loss_type="gpg")),
+    ("token-mean", dict(loss_type="dro", dro_beta=0.5)),
 ])
 def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not

@@ -25,9 +25,10 @@ import triton.language as tl
 
 from ..stage_options import (
     AGGREGATIONS,
+    CHAINED_TERMS,
     FINISH_HYPERPARAMETERS,
-    POLICY_TERMS,
     SEQUENCE_HYPERPARAMETERS,
+    SEQUENCE_LEVEL_TERMS,
     option_codes,
 )
 from .aot_spec import AotSpec
@@ -208,6 +209,31 @@ def cispo_term(lp, log_r, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_C
 
 
 @triton.jit
+def sapo_term(log_r, adv, ratio_clamp, tau_pos, tau_neg, RATIO_CLAMP: tl.constexpr):
+    """SAPO's soft gate (policy_terms.sapo): -A g 4 / tau with g = sigmoid(tau (r - 1)), tau by the advantage's sign,
+    of the ratio exp(log_r) (log_r clamped to log_ratio_clamp), and its derivative in log_r, -A 4 g (1 - g) r where the
+    clamp passes it, unweighted; 1 - g formed as sigmoid(-x), which keeps the slope of a saturated gate."""
+    r = _policy_ratio(log_r, ratio_clamp, RATIO_CLAMP)
+    tau = tl.where(adv > 0, tau_pos, tau_neg)
+    x = tau * (r - 1.0)
+    gate = tl.sigmoid(x)
+    slope = gate * tl.sigmoid(-x)
+    neg_adv = -adv
+    grad = neg_adv * 4.0 * slope * r
+    if RATIO_CLAMP:
+        grad = tl.where(tl.abs(log_r) <= ratio_clamp, grad, 0.0)
+    return neg_adv * gate * 4.0 / tau, grad
+
+
+@triton.jit
+def dro_term(lp, l_old, adv, beta):
+    """DRO (policy_terms.dro): -(lp A - beta/2 d^2), d = lp - l_old unclamped, and its derivative in lp, -A + beta d,
+    unweighted."""
+    d = lp - l_old
+    return -(lp * adv - 0.5 * beta * d * d), -adv + beta * d
+
+
+@triton.jit
 def _one_minus_exp(x):
     """1 - e^x = -expm1(x) for x <= 0, to a few ulps where x is near 0 (Kahan's: (1 - u) x / log u, u = e^x), which
     1 - e^x would lose to cancellation; Triton has no expm1 outside libdevice."""
@@ -289,7 +315,7 @@ def _sequence_kernel(
     # hyperparameters
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
     clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, cispo_cap,
-    binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps,
+    binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps, dro_beta, tau_pos, tau_neg,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
@@ -311,10 +337,11 @@ def _sequence_kernel(
     offs = tl.arange(0, BLOCK)
     HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL
     HAS_CORRECTION: tl.constexpr = HAS_RS or IS_LEVEL != 0
-    SEQUENCE_RATIO: tl.constexpr = POLICY == 1 or POLICY == 2 or POLICY == 4  # the policy ratio is the sequence's
-    # ratio_level="sequence": the ratio the bias-corrected KL multiplies is the sequence's too (GSPO's token form
-    # has the token's)
-    SEQUENCE_LEVEL: tl.constexpr = POLICY == 1 or POLICY == 4
+    # ratio_level="sequence" (PPO, CISPO, SAPO): the ratio the bias-corrected KL multiplies is the sequence's too
+    SEQUENCE_LEVEL: tl.constexpr = POLICY == 1 or POLICY == 4 or POLICY == 11
+    SEQUENCE_RATIO: tl.constexpr = SEQUENCE_LEVEL or POLICY == 2  # the policy ratio is the sequence's (GSPO's too)
+    CHAINED: tl.constexpr = POLICY == 1 or POLICY == 11  # the derivative in log_s, chained by the finish
+    TRUST_REGION: tl.constexpr = POLICY >= 5 and POLICY <= 7  # taken against the behaviour policy
 
     # -- first read: the sums the sequence's decisions read (correction.token_terms); vectors summed once at the end
     length_acc = tl.zeros([BLOCK], tl.float32)
@@ -435,7 +462,7 @@ def _sequence_kernel(
         else:
             adv = on_mask(adv_ptr, idx, inside, m)
         l_old = _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL)
-        if POLICY >= 5 or LOG_RATIO_SQ:  # the sampler's log-probs where given, else l_old (loss._Inputs.behaviour)
+        if TRUST_REGION or LOG_RATIO_SQ:  # the sampler's log-probs where given, else l_old (loss._Inputs.behaviour)
             if SAMPLER:
                 behaviour = on_mask(rollout_ptr, idx, inside, m)
             else:
@@ -466,6 +493,15 @@ def _sequence_kernel(
                                     CISPO_CAP)
         elif POLICY == 4:  # the sequence's ratio, its gradient through lp alone (sg(c))
             term, grad = cispo_term(lp, log_s, adv, ratio_clamp, clip_lo, clip_hi, cispo_cap, RATIO_CLAMP, CISPO_CAP)
+        elif POLICY == 8:  # GPG: -A lp
+            term = -adv * lp
+            grad = -adv
+        elif POLICY == 9:
+            term, grad = dro_term(lp, l_old, adv, dro_beta)
+        elif POLICY == 10:
+            term, grad = sapo_term(lp - l_old, adv, ratio_clamp, tau_pos, tau_neg, RATIO_CLAMP)
+        elif POLICY == 11:  # d term / d log_s, chained as PPO's
+            term, grad = sapo_term(log_s, adv, ratio_clamp, tau_pos, tau_neg, RATIO_CLAMP)
         else:
             term, grad = trust_region_term(lp, behaviour, adv, binary_tv_low, binary_tv_high, ipo_eps, ratio_clamp,
                                            ipo_kl_tau, POLICY, RATIO_CLAMP)
@@ -473,7 +509,7 @@ def _sequence_kernel(
             term = term * w
             grad = grad * w
         pg_acc += tl.where(kept, term, 0.0)
-        if POLICY == 1:
+        if CHAINED:
             g_acc += tl.where(kept, grad, 0.0)
         else:
             tl.store(grad_ptr + idx, grad, mask=inside)
@@ -619,9 +655,9 @@ def _finish_kernel(
     # instead (forward_grad.py forms it): a_t for coef, the IS weights as the sequence kernel wrote them, the
     # batch normalisation's factor for the loss. ENTROPY_AGGREGATION: the entropy bonus's mode (entropy_agg_mode,
     # else the loss's); CHAINED: each token's policy coefficient is its sequence's mean over m' (record column 7: PPO
-    # on the sequence's ratio); KL_CHAINED: the bias-corrected KL's part through the sequence's ratio too, its sum
-    # over m' (record column 8) chained as kl_coef a_t times its mean. LOG_RATIO_SQ: log_ratio_sq_coef's term, its
-    # sums in record column 9 and each token's log-ratio against the sampler in sq.
+    # and SAPO on the sequence's ratio); KL_CHAINED: the bias-corrected KL's part through the sequence's ratio too,
+    # its sum over m' (record column 8) chained as kl_coef a_t times its mean. LOG_RATIO_SQ: log_ratio_sq_coef's
+    # term, its sums in record column 9 and each token's log-ratio against the sampler in sq.
     pid = tl.program_id(0)
     offs_s = tl.arange(0, BLOCK_S)
     tokens, seqs_count, width = _normalisers(record_ptr, S, global_tokens, global_seqs, scale_factor,
@@ -759,8 +795,9 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
             coef if weights is None else weights, loss, N, S, blocks_per_program,
             *(h[name] for name in FINISH_HYPERPARAMETERS),
             **{k: codes[k] for k in _FINISH_OPTIONS}, HAS_KL=codes["KL_TYPE"] != 0,
-            HAS_ENTROPY=coef_entropy is not None, CHAINED=codes["POLICY"] == POLICY_TERMS["ppo_sequence"],
-            KL_CHAINED=codes["KL_TYPE"] != 0 and codes["KL_BIAS_CORRECTION"] and codes["POLICY"] in _SEQUENCE_LEVEL,
+            HAS_ENTROPY=coef_entropy is not None, CHAINED=codes["POLICY"] in CHAINED_TERMS,
+            KL_CHAINED=codes["KL_TYPE"] != 0 and codes["KL_BIAS_CORRECTION"] and
+            codes["POLICY"] in SEQUENCE_LEVEL_TERMS,
             LOG_RATIO_SQ=codes["LOG_RATIO_SQ"], BLOCK=BLOCK, BLOCK_S=BLOCK_S, FACTORS=factors,
         )
     return loss, lp_out, coef, coef_entropy, weights, kept
@@ -770,8 +807,6 @@ _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
                      "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
                      "GIVEN_WEIGHTS", "CISPO_CAP", "KL_BIAS_CORRECTION", "SAMPLER", "LOG_RATIO_SQ")
-# the policy codes of ratio_level="sequence"
-_SEQUENCE_LEVEL = (POLICY_TERMS["ppo_sequence"], POLICY_TERMS["cispo_sequence"])
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION")
 
@@ -819,6 +854,10 @@ def _sequence_option_sets():
         dict(base, PROXIMAL=2, SAMPLER=True, POLICY=6, RATIO_CLAMP=False, WEIGHTED=True, GIVEN_WEIGHTS=True),
         dict(base, SAMPLER=True, POLICY=5, RS_K1_MEAN=True, KL_TYPE=4),
         dict(base, PROXIMAL=2, SAMPLER=True, POLICY=7, RATIO_CLAMP=False),  # prime-rl's IPO
+        # GPG, DRO, SAPO of the token's ratio (verl's) and of the sequence's (TRL's, with GSPO's bias-corrected KL)
+        dict(base, PROXIMAL=0, POLICY=8, KL_TYPE=1), dict(base, WEIGHTED=True, IS_LEVEL=1, POLICY=9),
+        dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, POLICY=10, KL_TYPE=4),
+        dict(base, POLICY=11, KL_TYPE=4, KL_BIAS_CORRECTION=True, RATIO_CLAMP=False),
         dict(base, SAMPLER=True, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, LOG_RATIO_SQ=True),
     ]
 
