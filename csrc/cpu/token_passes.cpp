@@ -931,8 +931,8 @@ enum OptionCode {
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
   kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kCispoCapValue, kBinaryTvLow,
-  kBinaryTvHigh, kIpoKlTau, kIpoEps, kDroBeta, kTauPos, kTauNeg, kKlCoef, kEntropyCoeff, kGlobalTokensValue,
-  kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef, kHyperCount
+  kBinaryTvHigh, kIpoKlTau, kIpoEps, kDroBeta, kTauPos, kTauNeg, kEpsLo, kEpsHi, kKlCoef, kEntropyCoeff,
+  kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
@@ -943,10 +943,11 @@ constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped 
 constexpr int64_t kRecord = 10;
 // kPolicy: PPO's clip of the token's ratio, of its sequence's mean log-ratio (ratio_level="sequence"), GSPO's token
 // form, CISPO of the token's ratio or of its sequence's, prime-rl's trust regions on the sampler (dppo_binary_tv,
-// dppo_binary_tv_signed, IPO), GPG, DRO, SAPO of the token's ratio or of its sequence's
+// dppo_binary_tv_signed, IPO), GPG, DRO, SAPO of the token's ratio or of its sequence's, verl's DPPO regions on
+// π_old (dppo_tv, dppo_kl)
 enum PolicyCode {
   kPpo, kPpoSequence, kGspo, kCispo, kCispoSequence, kBinaryTv, kBinaryTvSigned, kIpo, kGpg, kDro, kSapo,
-  kSapoSequence
+  kSapoSequence, kDppoTv, kDppoKl
 };
 
 // ratio_level="sequence": the policy terms of the sequence's ratio, which the bias-corrected KL multiplies too (GSPO's
@@ -1182,6 +1183,28 @@ inline void gpg_or_dro_term(float lp, float l_old, float adv, float w, const int
   term_out = term, grad_out = grad;
 }
 
+// verl's DPPO (policy_terms._dppo): -A sg(min(r, c)) lp on the tokens inside the region (c: clip_ratio_c, else 20),
+// 0 elsewhere, and its derivative in lp, both times w where the options weigh. The region (policy_terms._dppo_inside):
+// p - p_old within eps_hi where A > 0, within -eps_lo elsewhere (dppo_tv); or the binary KL of (p_old, p) within them
+// or a move against the advantage (dppo_kl, verl's 1e-8 guards).
+inline void dppo_term(float lp, float l_old, float adv, float w, const int64_t* o, const float* h, float& term_out,
+                      float& grad_out) {
+  const float r = policy_ratio(lp - l_old, o, h), cap = o[kDualClip] ? h[kClipC] : 20.0f;
+  const float truncated = std::isnan(r) ? r : std::min(r, cap), p = std::exp(lp), p_old = std::exp(l_old);
+  const float lo = h[kEpsLo], hi = h[kEpsHi];
+  bool inside;
+  if (o[kPolicy] == kDppoTv) {
+    inside = adv > 0.0f ? p - p_old <= hi : p - p_old >= -lo;
+  } else {
+    const float bkl = p_old * (l_old - lp) + (1.0f - p_old) * std::log((1.0f - p_old + 1e-8f) / (1.0f - p + 1e-8f));
+    inside = adv > 0.0f ? bkl <= hi || p <= p_old : bkl <= lo || p >= p_old;
+  }
+  const float grad = -adv * truncated;
+  float term = inside ? grad * lp : 0.0f, coefficient = inside ? grad : 0.0f;
+  if (o[kWeighted]) term *= w, coefficient *= w;
+  term_out = term, grad_out = coefficient;
+}
+
 // l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy).
 inline float proximal(const Inputs& in, int64_t t, bool m, float lp, const int64_t* o) {
   return o[kProximal] == 1 ? on_mask(in.old, t, m) : o[kProximal] == 2 ? on_mask(in.rollout, t, m) : lp;
@@ -1313,6 +1336,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       gpg_or_dro_term(lp, l_old, adv, w, o, h, term, grad);
     } else if (o[kPolicy] == kSapo || o[kPolicy] == kSapoSequence) {  // the sequence's: d term / d log_s, chained
       sapo_term(o[kPolicy] == kSapo ? lp - l_old : log_s, adv, w, o, h, term, grad);
+    } else if (o[kPolicy] == kDppoTv || o[kPolicy] == kDppoKl) {
+      dppo_term(lp, l_old, adv, w, o, h, term, grad);
     } else {
       trust_region_term(lp, behaviour, adv, w, o, h, term, grad);
     }

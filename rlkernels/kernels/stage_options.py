@@ -17,9 +17,12 @@ PROXIMAL = {"current": 0, "old": 1, "rollout": 2}  # l_old of SPEC §1: on-polic
 # prime-rl's trust regions on the sampler, -A p/q (+ tau (log p/q)^2) on the tokens whose p - q stays inside a band
 # (dppo_binary_tv), inside it on the advantage's side (dppo_binary_tv_signed, its default until 2026-08), or whose
 # |p - q| is at most ipo_eps (IPO, its default since); the plain policy gradient -A lp (GPG); DRO's -(A lp - beta/2
-# (lp - l_old)^2); SAPO's soft gate of the token's ratio or of its sequence's (Qwen's, verl's and TRL's sapo)
+# (lp - l_old)^2); SAPO's soft gate of the token's ratio or of its sequence's (Qwen's, verl's and TRL's sapo); DPPO's
+# -A sg(min(r, c)) lp on the tokens whose p stays inside a region around p_old toward the advantage, by its total
+# variation or its binary KL (verl's dppo_tv, dppo_kl)
 POLICY_TERMS = {"ppo": 0, "ppo_sequence": 1, "gspo": 2, "cispo": 3, "cispo_sequence": 4, "binary_tv": 5,
-                "binary_tv_signed": 6, "ipo": 7, "gpg": 8, "dro": 9, "sapo": 10, "sapo_sequence": 11}
+                "binary_tv_signed": 6, "ipo": 7, "gpg": 8, "dro": 9, "sapo": 10, "sapo_sequence": 11, "dppo_tv": 12,
+                "dppo_kl": 13}
 # the terms of ratio_level="sequence" (the bias-corrected KL multiplies the sequence's ratio too), and those whose
 # derivative in the sequence's mean log-ratio goes through the record (the finish chains it to each token)
 SEQUENCE_LEVEL_TERMS = (POLICY_TERMS["ppo_sequence"], POLICY_TERMS["cispo_sequence"], POLICY_TERMS["sapo_sequence"])
@@ -31,7 +34,9 @@ SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean
                             # the sequence); k1's as a k1 range, k2's and k3's upper bounds
                             "token_k1_lo", "token_k1_hi", "token_k2_max", "token_k3_max", "all_k1_lo", "all_k1_hi",
                             "cispo_cap", "binary_tv_low", "binary_tv_high", "ipo_kl_tau",
-                            "ipo_eps", "dro_beta", "tau_pos", "tau_neg")
+                            "ipo_eps", "dro_beta", "tau_pos", "tau_neg",
+                            # the clip ratios themselves (clip_lo / clip_hi are 1 -+ them): DPPO's region's bounds
+                            "eps_lo", "eps_hi")
 # the k-statistics the token_* options bound, as bits of RS_TOKEN
 TOKEN_KINDS = {"k1": 1, "k2": 2, "k3": 4}
 FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor",

@@ -6,23 +6,22 @@ The family: PPO's clip with or without dual clip (loss types vanilla / ppo_clip)
 sequence's (ratio_level="sequence", TRL's GSPO: the gradient chained through the sequence's mean log-ratio), any
 log_ratio_clamp; GSPO's token form (loss_type="gspo", verl's); CISPO of the token's or the sequence's ratio
 (MiniMax-M1's, clipped as verl's or capped as TRL's); SAPO's soft gate of either ratio (verl's, TRL's); GPG's plain
-policy gradient and DRO's squared log-ratio penalty (verl's); prime-rl's trust regions on the sampler (dppo_binary_tv,
-dppo_binary_tv_signed and IPO, its defaults before and since 2026-08, with their ipo_kl_tau square on the kept
-tokens); the log-ratio square against the sampler (log_ratio_sq_coef: the Kimi-K2.5 term, prime-rl's kl_tau) beside
-any of these; on-policy, bypass without a correction, or decoupled mode with token / sequence / geometric IS weights
-(truncated or IcePop-masked, batch-normalised or not) and rejection on the sum or mean of k1 or k3 over the sequence
-(seq-MIS, geo-RS, K3-RS and their combinations with IS), on k1, k2 or k3 of each token (token_*) or k1 of every token
-of the sequence (seq_all_k1; SkyRL's, AReaL's), the sequence statistics over m or over the tokens the token options
-keep (seq_tokens), leaving m' or zeroing the weights (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's
-mean advantage (seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their
+policy gradient, DRO's squared log-ratio penalty and DPPO's divergence regions on π_old (verl's); prime-rl's trust
+regions on the sampler (dppo_binary_tv, dppo_binary_tv_signed and IPO, its defaults before and since 2026-08, with their
+ipo_kl_tau square on the kept tokens); the log-ratio square against the sampler (log_ratio_sq_coef: the Kimi-K2.5 term,
+prime-rl's kl_tau) beside any of these; on-policy, bypass without a correction, or decoupled mode with token / sequence
+/ geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and rejection on the sum or mean of k1 or
+k3 over the sequence (seq-MIS, geo-RS, K3-RS and their combinations with IS), on k1, k2 or k3 of each token (token_*) or
+k1 of every token of the sequence (seq_all_k1; SkyRL's, AReaL's), the sequence statistics over m or over the tokens the
+token options keep (seq_tokens), leaving m' or zeroing the weights (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each
+sequence's mean advantage (seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their
 straight-through forms, with or without the score term (kl_score_gradient: NeMo-RL's) or times the policy ratio
-(kl_bias_correction: TRL's, DeepSeek-V3.2's; through the sequence's ratio at ratio_level="sequence"); the entropy
-bonus at the loss's aggregation or its own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the
-global counts; a trainer's own IS weights (is_weights: verl's, TRL's, prime-rl's).
+(kl_bias_correction: TRL's, DeepSeek-V3.2's; through the sequence's ratio at ratio_level="sequence"); the entropy bonus
+at the loss's aggregation or its own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global
+counts; a trainer's own IS weights (is_weights: verl's, TRL's, prime-rl's).
 Everything else keeps the torch stage (`loss.run`): the other rejection statistics (k2 and k3 maxima, k2 sums, the
-binary divergences, the sampler's KL), the other loss types (GMPO's geometric mean, DPPO's divergence regions on
-π_old, Clip-Cov / KL-Cov, KPop's trust region among them),
-split batches, the sampler's evidence.
+binary divergences, the sampler's KL), the other loss types (GMPO's geometric mean, Clip-Cov / KL-Cov, KPop's
+trust region among them), split batches, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
 torch stage's run on the same inputs when they are first read (the values bit for bit), which a trainer does after
@@ -75,8 +74,8 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
         return f"{dtype} statistics (the kernels compute in float32)"
     if _policy(config) is None:
         return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip, CISPO and SAPO of "
-                "the token's or the sequence's ratio, GSPO's token form, GPG, DRO, or the binary-TV and IPO trust "
-                "regions)")
+                "the token's or the sequence's ratio, GSPO's token form, GPG, DRO, DPPO, or the binary-TV and IPO "
+                "trust regions)")
     for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
@@ -119,7 +118,7 @@ def _policy(config) -> Optional[str]:
         return "sapo" if config.ratio_level == "token" else "sapo_sequence"
     if config.ratio_level != "token":
         return None
-    if config.loss_type in ("gspo", "gpg", "dro"):
+    if config.loss_type in ("gspo", "gpg", "dro", "dppo_tv", "dppo_kl"):
         return config.loss_type
     return _TRUST_REGIONS.get(config.loss_type)
 
@@ -285,5 +284,6 @@ def _hyperparameters(config, rc) -> dict:
         cispo_cap=float(config.cispo_cap or 0.0), binary_tv_low=float(config.binary_tv_low),
         binary_tv_high=float(config.binary_tv_high), ipo_kl_tau=float(config.ipo_kl_tau), ipo_eps=float(config.ipo_eps),
         log_ratio_sq_coef=float(config.log_ratio_sq_coef), dro_beta=float(config.dro_beta or 0.0),
-        tau_pos=float(config.tau_pos), tau_neg=float(config.tau_neg))
+        tau_pos=float(config.tau_pos), tau_neg=float(config.tau_neg), eps_lo=float(config.clip_ratio_low),
+        eps_hi=float(config.clip_ratio_high))
 

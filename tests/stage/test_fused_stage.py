@@ -38,7 +38,7 @@ FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", 
                        ("cispo", "token"), ("cispo", "sequence"), ("dppo_binary_tv", "token"),
                        ("dppo_binary_tv_signed", "token"), ("ipo", "token"), ("luspo", "token"),
                        ("luspo", "sequence"), ("gpg", "token"), ("dro", "token"), ("sapo", "token"),
-                       ("sapo", "sequence"))
+                       ("sapo", "sequence"), ("dppo_tv", "token"), ("dppo_kl", "token"))
 TRUST_REGIONS = ("dppo_binary_tv", "dppo_binary_tv_signed", "ipo")  # weigh by p/q themselves: no IS level
 IMPLEMENTATIONS = ("triton", "cpu")  # the backend that runs the fused stage on CPU tensors
 STAGE_OP = {"triton": "triton:_sequence_kernel", "cpu": "sequence_stage"}  # one per stage run, as counted
@@ -373,7 +373,7 @@ def _policy_call(**overrides):
 
 @pytest.mark.parametrize("override, reason", [
     (dict(loss_type="geo_mean"), "loss_type='geo_mean'"),
-    (dict(loss_type="dppo_tv"), "loss_type='dppo_tv'"),
+    (dict(loss_type="kl_cov"), "loss_type='kl_cov'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
@@ -580,23 +580,33 @@ def test_prime_rls_trust_regions(loss_type, own_weights, clamp, backend):
         assert bool((got_lp[dropped] == 0).all()) and bool((got_lp[mask & ~dropped] != 0).all())
 
 
-@pytest.mark.parametrize("loss_type", ["gpg", "dro"])
+@pytest.mark.parametrize("loss_type", ["gpg", "dro", "dppo_tv", "dppo_kl"])
 @pytest.mark.parametrize("mode", ["decoupled", "bypass"])
 @implementations
-def test_verls_gpg_and_dro(loss_type, mode, backend):
-    """verl's GPG (-A lp) and DRO (-(A lp - beta/2 (lp - l_old)^2), beta 0.1) on 240 tokens a log-ratio of up to ~1
-    from l_old, with token TIS (decoupled) or verl's own IS weights (bypass), seq-mean-token-mean: the loss and each
-    token's gradient as the torch stage's, to the gradient's own size."""
+def test_verls_gpg_dro_and_dppo(loss_type, mode, backend):
+    """verl's GPG (-A lp), DRO (-(A lp - beta/2 (lp - l_old)^2), beta 0.1) and DPPO (-A sg(min(r, c)) lp inside a
+    TV or binary-KL region around p_old, c = 20 or a dual clip of 3 in bypass mode) on 240 tokens a log-ratio of up to
+    ~1.5 from l_old, p - p_old past the region on both sides for both signs of A (asserted from the inputs), with token
+    TIS (decoupled) or verl's own IS weights (bypass), seq-mean-token-mean: the loss and each token's gradient as the
+    torch stage's, to the gradient's own size."""
     g = torch.Generator().manual_seed(8)
     N, S = 240, 12
     cu = torch.arange(0, N + 1, N // S)
     old = -torch.rand(N, generator=g) * 3
-    lp = old + 0.5 * torch.randn(N, generator=g)
+    lp = (old + 0.6 * torch.randn(N, generator=g)).clamp_max(-1e-3)
     adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
     rollout = old + 0.1 * torch.randn(N, generator=g)
     decoupled = mode == "decoupled"
+    l_old = old if decoupled else rollout
+    if loss_type.startswith("dppo"):
+        gap = torch.exp(lp) - torch.exp(l_old)
+        for side in (adv > 0, adv <= 0):
+            assert bool((mask & side & (gap > 0.28)).any()) and bool((mask & side & (gap < -0.2)).any())
+            assert bool((mask & side & (gap.abs() < 0.2)).any())
+        assert decoupled or bool((mask & (lp - l_old > math.log(3.0))).any())  # past the dual clip's cap
     config = PolicyLossConfig(loss_type=loss_type, dro_beta=0.1 if loss_type == "dro" else None,
                               loss_agg_mode="seq-mean-token-mean", metrics="loss_only", validate=False, backend=backend,
+                              clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None if decoupled else 3.0,
                               rollout_correction=RolloutCorrection.token_tis(threshold=1.5) if decoupled else None)
     weights = None if decoupled else torch.rand(N, generator=g) + 0.5
     results = []
@@ -610,7 +620,8 @@ def test_verls_gpg_and_dro(loss_type, mode, backend):
     (want, want_lp), (got, got_lp) = results
     assert torch.equal(got.mask, want.mask)
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
-    assert bool((want_lp[mask] != 0).all())
+    assert bool((want_lp[mask] != 0).all()) if not loss_type.startswith("dppo") else \
+        bool((want_lp[mask] == 0).any() and (want_lp[mask] != 0).any())  # outside the region: no gradient
     assert_close(got_lp, want_lp, **tol("reordered", F32, scale=0.0), name="dlogprobs")  # each to its own size
 
 
@@ -848,11 +859,14 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
     ("token-sum", dict(loss_type="dppo_binary_tv_signed", rollout_correction=None, log_ratio_clamp=None,
                        binary_tv_low=0.002, binary_tv_high=0.002, log_ratio_sq_coef=1e-3)),
     ("token-sum", dict(loss_type="ipo", ipo_eps=0.002, rollout_correction=None, log_ratio_clamp=None)),
-    # verl's SAPO, GPG and DRO; TRL's SAPO of the sequence's ratio
+    # verl's SAPO, GPG, DRO and DPPO (regions narrow enough to cut this batch's 0.05-nat moves); TRL's SAPO of the
+    # sequence's ratio
     ("seq-mean-token-mean", dict(loss_type="sapo")),
     ("seq-mean-token-mean", dict(loss_type="sapo", ratio_level="sequence", tau_pos=2.0, tau_neg=40.0)),
     ("token-mean", dict(loss_type="gpg")),
     ("token-mean", dict(loss_type="dro", dro_beta=0.5)),
+    ("seq-mean-token-mean", dict(loss_type="dppo_tv", clip_ratio_high=0.01, clip_ratio_low=0.01)),
+    ("seq-mean-token-mean", dict(loss_type="dppo_kl", clip_ratio_high=1e-4, clip_ratio_low=1e-4, clip_ratio_c=3.0)),
 ])
 def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not

@@ -234,6 +234,29 @@ def dro_term(lp, l_old, adv, beta):
 
 
 @triton.jit
+def dppo_term(lp, l_old, adv, ratio_clamp, clip_c, eps_lo, eps_hi, POLICY: tl.constexpr, RATIO_CLAMP: tl.constexpr,
+              DUAL_CLIP: tl.constexpr):
+    """verl's DPPO (policy_terms._dppo): -A sg(min(r, c)) lp on the tokens inside the region (c: clip_ratio_c, else
+    20), 0 elsewhere, and its derivative in lp, unweighted. The region (policy_terms._dppo_inside): p - p_old within
+    eps_hi where A > 0, within -eps_lo elsewhere (POLICY 12, dppo_tv); or the binary KL of (p_old, p) within them or
+    a move against the advantage (13, dppo_kl, verl's 1e-8 guards)."""
+    r = _policy_ratio(lp - l_old, ratio_clamp, RATIO_CLAMP)
+    if DUAL_CLIP:
+        truncated = tl.minimum(r, clip_c, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        truncated = tl.minimum(r, 20.0, propagate_nan=tl.PropagateNan.ALL)
+    p = tl.exp(lp)
+    p_old = tl.exp(l_old)
+    if POLICY == 12:
+        inside = tl.where(adv > 0, p - p_old <= eps_hi, p - p_old >= -eps_lo)
+    else:
+        bkl = p_old * (l_old - lp) + (1.0 - p_old) * tl.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+        inside = tl.where(adv > 0, (bkl <= eps_hi) | (p <= p_old), (bkl <= eps_lo) | (p >= p_old))
+    grad = -adv * truncated
+    return tl.where(inside, grad * lp, 0.0), tl.where(inside, grad, 0.0)
+
+
+@triton.jit
 def _one_minus_exp(x):
     """1 - e^x = -expm1(x) for x <= 0, to a few ulps where x is near 0 (Kahan's: (1 - u) x / log u, u = e^x), which
     1 - e^x would lose to cancellation; Triton has no expm1 outside libdevice."""
@@ -315,7 +338,7 @@ def _sequence_kernel(
     # hyperparameters
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
     clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, cispo_cap,
-    binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps, dro_beta, tau_pos, tau_neg,
+    binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps, dro_beta, tau_pos, tau_neg, eps_lo, eps_hi,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
@@ -502,6 +525,8 @@ def _sequence_kernel(
             term, grad = sapo_term(lp - l_old, adv, ratio_clamp, tau_pos, tau_neg, RATIO_CLAMP)
         elif POLICY == 11:  # d term / d log_s, chained as PPO's
             term, grad = sapo_term(log_s, adv, ratio_clamp, tau_pos, tau_neg, RATIO_CLAMP)
+        elif POLICY >= 12:
+            term, grad = dppo_term(lp, l_old, adv, ratio_clamp, clip_c, eps_lo, eps_hi, POLICY, RATIO_CLAMP, DUAL_CLIP)
         else:
             term, grad = trust_region_term(lp, behaviour, adv, binary_tv_low, binary_tv_high, ipo_eps, ratio_clamp,
                                            ipo_kl_tau, POLICY, RATIO_CLAMP)
@@ -858,6 +883,8 @@ def _sequence_option_sets():
         dict(base, PROXIMAL=0, POLICY=8, KL_TYPE=1), dict(base, WEIGHTED=True, IS_LEVEL=1, POLICY=9),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, POLICY=10, KL_TYPE=4),
         dict(base, POLICY=11, KL_TYPE=4, KL_BIAS_CORRECTION=True, RATIO_CLAMP=False),
+        # verl's DPPO regions
+        dict(base, POLICY=12, DUAL_CLIP=False), dict(base, WEIGHTED=True, IS_LEVEL=1, POLICY=13, KL_TYPE=4),
         dict(base, SAMPLER=True, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, LOG_RATIO_SQ=True),
     ]
 
