@@ -926,13 +926,14 @@ enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
   kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kRsToken, kRsAll, kSeqTokensKept,
-  kGivenWeights, kCispoCap, kKlBiasCorrection, kSampler, kLogRatioSq, kOptionCount
+  kGivenWeights, kCispoCap, kKlBiasCorrection, kSampler, kLogRatioSq, kRsK2, kRsK3Max, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
   kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kCispoCapValue, kBinaryTvLow,
-  kBinaryTvHigh, kIpoKlTau, kIpoEps, kDroBeta, kTauPos, kTauNeg, kEpsLo, kEpsHi, kKlCoef, kEntropyCoeff,
-  kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef, kHyperCount
+  kBinaryTvHigh, kIpoKlTau, kIpoEps, kDroBeta, kTauPos, kTauNeg, kEpsLo, kEpsHi, kK2SumMax, kK2MeanMax, kK2MaxBound,
+  kK3MaxBound, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef,
+  kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
@@ -1238,7 +1239,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const int64_t start = in.cu ? in.cu[s] : s * in.seq_len, end = in.cu ? in.cu[s + 1] : start + in.seq_len;
   const int64_t token_kinds = o[kRsToken];
   const bool all_k1 = o[kRsAll];  // seq_all_k1
-  const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean] || token_kinds || all_k1;
+  const int64_t k2_scopes = o[kRsK2];  // seq_sum_k2, seq_mean_k2, seq_max_k2 (stage_options.K2_SCOPES bits)
+  const bool peaks = (k2_scopes & 4) || o[kRsK3Max];  // a k2 or k3 maximum over the sequence
+  const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean] || token_kinds || all_k1 ||
+                       k2_scopes || o[kRsK3Max];
   const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
   const int64_t policy = o[kPolicy];  // the policy ratio is the sequence's:
   const bool sequence_ratio = sequence_level(o) || policy == kGspo;
@@ -1246,7 +1250,10 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   // the trust regions and the log-ratio square are taken against the behaviour policy
   const bool uses_behaviour = (policy >= kBinaryTv && policy <= kIpo) || o[kLogRatioSq];
   // the tokens the token_* options keep (kept_length_sum) and those outside seq_all_k1's band
-  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum;
+  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum, k2_sum;
+  // the maxima over m (correction's add_max), and whether a statistic is NaN (its maximum then is, as torch's)
+  float k2_peak = -std::numeric_limits<float>::infinity(), k3_peak = k2_peak;
+  bool nan_peak = false;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];
     length_sum.add(t, m ? 1.0f : 0.0f);
@@ -1265,6 +1272,14 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       const bool over = !over_kept || token_keep;
       delta_sum.add(t, over ? delta : 0.0f), k1_sum.add(t, over ? -delta_hat : 0.0f);
       k3_sum.add(t, over ? k3_token : 0.0f);
+      if (k2_scopes || o[kRsK3Max]) {
+        const float k2_token = over ? 0.5f * delta_hat * delta_hat : 0.0f, k3_over = over ? k3_token : 0.0f;
+        k2_sum.add(t, k2_token);
+        if (peaks && m) {
+          if (std::isnan(k2_token)) nan_peak = true;  // k3 is NaN with k2 (a NaN delta)
+          k2_peak = std::max(k2_peak, k2_token), k3_peak = std::max(k3_peak, k3_over);
+        }
+      }
     }
     const bool summed = zero_weight ? m : token_keep;  // what loss._kept_sums sums (every token of m: zero_weight)
     if (sequence_ratio) {  // the sequence's policy log-ratio (pg_delta)
@@ -1289,6 +1304,18 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   if (o[kRsK3Sum]) keep = keep && k3 <= h[kK3SumMax];
   if (o[kRsK3Mean]) keep = keep && k3 / stat_count <= h[kK3MeanMax];
   if (all_k1) keep = keep && rejecting_sum.total() == 0.0f;  // every token of the sequence inside the band
+  if (k2_scopes & 3) {
+    const float k2 = k2_sum.total();
+    if (k2_scopes & 1) keep = keep && k2 <= h[kK2SumMax];
+    if (k2_scopes & 2) keep = keep && k2 / stat_count <= h[kK2MeanMax];
+  }
+  if (peaks) {  // 0 for a sequence without a token in m
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float k2_max = nan_peak ? nan : (length > 0.0f ? k2_peak : 0.0f);
+    const float k3_max = nan_peak ? nan : (length > 0.0f ? k3_peak : 0.0f);
+    if (k2_scopes & 4) keep = keep && k2_max <= h[kK2MaxBound];
+    if (o[kRsK3Max]) keep = keep && k3_max <= h[kK3MaxBound];
+  }
   // m' = m & token keep & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
   if (zero_weight && !keep) seq_weight = 0.0f;
   // over 1 where rejection emptied the sequence

@@ -36,9 +36,13 @@ SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean
                             "cispo_cap", "binary_tv_low", "binary_tv_high", "ipo_kl_tau",
                             "ipo_eps", "dro_beta", "tau_pos", "tau_neg",
                             # the clip ratios themselves (clip_lo / clip_hi are 1 -+ them): DPPO's region's bounds
-                            "eps_lo", "eps_hi")
+                            "eps_lo", "eps_hi",
+                            # the bounds of k2's sum, mean and maximum over the sequence, and of k3's maximum
+                            "k2_sum_max", "k2_mean_max", "k2_max_bound", "k3_max_bound")
 # the k-statistics the token_* options bound, as bits of RS_TOKEN
 TOKEN_KINDS = {"k1": 1, "k2": 2, "k3": 4}
+# how the seq_*_k2 options reduce k2 over the sequence, as bits of RS_K2
+K2_SCOPES = {"sum": 1, "mean": 2, "max": 4}
 FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor",
                           "log_ratio_sq_coef")
 HYPERPARAMETERS = SEQUENCE_HYPERPARAMETERS + FINISH_HYPERPARAMETERS
@@ -63,7 +67,9 @@ def option_codes(options: dict) -> dict:
         RS_ALL="seq_all_k1" in rejection,
         SEQ_TOKENS_KEPT=options["seq_tokens_kept"], GIVEN_WEIGHTS=options["given_weights"],
         CISPO_CAP=options["cispo_cap"], KL_BIAS_CORRECTION=options["kl_bias_correction"],
-        SAMPLER=options["sampler"], LOG_RATIO_SQ=options["log_ratio_sq"])
+        SAMPLER=options["sampler"], LOG_RATIO_SQ=options["log_ratio_sq"],
+        RS_K2=sum(bit for scope, bit in K2_SCOPES.items() if f"seq_{scope}_k2" in rejection),
+        RS_K3_MAX="seq_max_k3" in rejection)
 
 
 class TokenFactors(NamedTuple):

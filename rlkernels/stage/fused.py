@@ -10,17 +10,18 @@ policy gradient, DRO's squared log-ratio penalty and DPPO's divergence regions o
 regions on the sampler (dppo_binary_tv, dppo_binary_tv_signed and IPO, its defaults before and since 2026-08, with their
 ipo_kl_tau square on the kept tokens); the log-ratio square against the sampler (log_ratio_sq_coef: the Kimi-K2.5 term,
 prime-rl's kl_tau) beside any of these; on-policy, bypass without a correction, or decoupled mode with token / sequence
-/ geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and rejection on the sum or mean of k1 or
-k3 over the sequence (seq-MIS, geo-RS, K3-RS and their combinations with IS), on k1, k2 or k3 of each token (token_*) or
-k1 of every token of the sequence (seq_all_k1; SkyRL's, AReaL's), the sequence statistics over m or over the tokens the
-token options keep (seq_tokens), leaving m' or zeroing the weights (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each
-sequence's mean advantage (seq_mean_advantages: AReaL's); the KL penalties k1, k2, abs, k3, k3_unclamped and their
-straight-through forms, with or without the score term (kl_score_gradient: NeMo-RL's) or times the policy ratio
-(kl_bias_correction: TRL's, DeepSeek-V3.2's; through the sequence's ratio at ratio_level="sequence"); the entropy bonus
-at the loss's aggregation or its own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode, with the global
-counts; a trainer's own IS weights (is_weights: verl's, TRL's, prime-rl's).
-Everything else keeps the torch stage (`loss.run`): the other rejection statistics (k2 and k3 maxima, k2 sums, the
-binary divergences, the sampler's KL), the other loss types (GMPO's geometric mean, Clip-Cov / KL-Cov, KPop's
+/ geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and rejection on the sum or mean of k1, k2
+or k3 over the sequence or the largest k2 or k3 in it (seq-MIS, geo-RS, K3-RS and their combinations with IS; AReaL's k2
+options), on k1, k2 or k3 of each token (token_*) or k1 of every token of the sequence (seq_all_k1; SkyRL's, AReaL's),
+the sequence statistics over m or over the tokens the token options keep (seq_tokens), leaving m' or zeroing the weights
+(rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage (seq_mean_advantages: AReaL's); the KL
+penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with or without the score term
+(kl_score_gradient: NeMo-RL's) or times the policy ratio (kl_bias_correction: TRL's, DeepSeek-V3.2's; through the
+sequence's ratio at ratio_level="sequence"); the entropy bonus at the loss's aggregation or its own (entropy_agg_mode:
+TRL's "token-mean"); every aggregation mode, with the global counts; a trainer's own IS weights (is_weights: verl's,
+TRL's, prime-rl's).
+Everything else keeps the torch stage (`loss.run`): the other rejection statistics (the binary divergences, the
+sampler's KL), the other loss types (GMPO's geometric mean, Clip-Cov / KL-Cov, KPop's
 trust region among them), split batches, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
@@ -43,9 +44,11 @@ from .policy_terms import LOSS_TERMS
 from .segments import _log
 
 _PPO = tuple(name for name, entry in LOSS_TERMS.items() if entry.term is LOSS_TERMS["vanilla"].term)
-# rejection options the sequence kernel decides: k1 / k3 summed or averaged over the sequence, k1 / k2 / k3 bounding
-# each token (token_*: the token leaves m'), and k1 bounding every token of the sequence (seq_all_k1)
-_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3", "seq_all_k1")
+# rejection options the sequence kernel decides: k1 / k2 / k3 summed or averaged over the sequence, k2 / k3 at their
+# largest in it, k1 / k2 / k3 bounding each token (token_*: the token leaves m'), and k1 bounding every token of the
+# sequence (seq_all_k1)
+_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3", "seq_all_k1",
+       "seq_sum_k2", "seq_mean_k2", "seq_max_k2", "seq_max_k3")
 _KL_TYPES = ("k1", "k2", "abs", "k3", "k3_unclamped")
 # the kernels' policy terms on the sampler (prime-rl's), and the loss types they stand for
 _TRUST_REGIONS = {"dppo_binary_tv": "binary_tv", "dppo_binary_tv_signed": "binary_tv_signed", "ipo": "ipo"}
@@ -285,5 +288,7 @@ def _hyperparameters(config, rc) -> dict:
         binary_tv_high=float(config.binary_tv_high), ipo_kl_tau=float(config.ipo_kl_tau), ipo_eps=float(config.ipo_eps),
         log_ratio_sq_coef=float(config.log_ratio_sq_coef), dro_beta=float(config.dro_beta or 0.0),
         tau_pos=float(config.tau_pos), tau_neg=float(config.tau_neg), eps_lo=float(config.clip_ratio_low),
-        eps_hi=float(config.clip_ratio_high))
+        eps_hi=float(config.clip_ratio_high), k2_sum_max=float(bounds.get("seq_sum_k2", 0.0)),
+        k2_mean_max=float(bounds.get("seq_mean_k2", 0.0)), k2_max_bound=float(bounds.get("seq_max_k2", 0.0)),
+        k3_max_bound=float(bounds.get("seq_max_k3", 0.0)))
 

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.interpret,
 
 FAMILY_KL = ("k1", "k2", "abs", "k3", "k3_unclamped", "low_var_kl", "k1+", "k3+", "abs+")
 FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3",
-             "seq_all_k1")
+             "seq_all_k1", "seq_sum_k2", "seq_mean_k2", "seq_max_k2", "seq_max_k3")
 FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"),
                        ("cispo", "token"), ("cispo", "sequence"), ("dppo_binary_tv", "token"),
                        ("dppo_binary_tv_signed", "token"), ("ipo", "token"), ("luspo", "token"),
@@ -51,9 +51,9 @@ implementations = pytest.mark.parametrize("backend", [
 @st.composite
 def family_corrections(draw, zero_weight: bool = True, is_weights: bool = True):
     """A rollout correction inside the family: an IS level (or none; `is_weights` False: none), truncated or masked,
-    batch-normalised or not, rejection on k1 / k3 sums and means over the sequence and on k1 / k2 / k3 of each token or
-    of every token of the sequence, its statistics over m or over the tokens the token options keep, leaving m' or
-    zeroing weights."""
+    batch-normalised or not, rejection on k1 / k2 / k3 sums and means and k2 / k3 maxima over the sequence and on
+    k1 / k2 / k3 of each token or of every token of the sequence, its statistics over m or over the tokens the token
+    options keep, leaving m' or zeroing weights."""
     is_level = draw(st.sampled_from((None, "token", "sequence", "geometric") if is_weights else (None,)))
     threshold = draw(st.sampled_from((2.0, 1.2, (0.5, 5.0), (0.8, 1.25), (0.0, 3.0))))
     rs = {}
@@ -377,7 +377,7 @@ def _policy_call(**overrides):
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
-    (dict(rollout_correction=RolloutCorrection(rs={"seq_max_k3": 0.5})), "rejection options"),
+    (dict(rollout_correction=RolloutCorrection(rs={"seq_mean_btv": 0.5})), "rejection options"),
     (dict(loss_type="kpop", rollout_correction=None), "loss_type='kpop'"),
     (dict(loss_type="luspo", entropy_agg_mode="seq-mean-token-mean", entropy_coeff=0.01), "own aggregation"),
     (dict(loss_type="clip_cov"), "loss_type='clip_cov'"),
@@ -578,6 +578,46 @@ def test_prime_rls_trust_regions(loss_type, own_weights, clamp, backend):
         dropped = mask & torch.where(adv > 0, gap > 0.05, gap < -0.1)
     if own_weights:  # no other term: a dropped token's gradient is 0
         assert bool((got_lp[dropped] == 0).all()) and bool((got_lp[mask & ~dropped] != 0).all())
+
+
+@pytest.mark.parametrize("option, bound", [("seq_sum_k2", 0.05), ("seq_mean_k2", 0.004), ("seq_max_k2", 0.02),
+                                           ("seq_max_k3", 0.02)])
+@pytest.mark.parametrize("seq_tokens", ["mask", "kept"])
+@implementations
+def test_k2_and_maximum_rejection(option, bound, seq_tokens, backend):
+    """AReaL's k2 rejection of whole sequences (its sum, mean or maximum over the sequence) and k3's maximum, over m
+    or over the tokens a token_k1 band keeps, with sequence IS: 24 sequences whose trainer-sampler mismatch grows
+    with their index, so that the bound keeps some and rejects others (asserted from the torch stage's mask), one
+    sequence without a token in m (its maximum is 0). The final mask exactly, the loss and gradient as the torch
+    stage's."""
+    g = torch.Generator().manual_seed(10)
+    S, T = 24, 10
+    N = S * T
+    cu = torch.arange(0, N + 1, T)
+    old = -torch.rand(N, generator=g) * 3
+    spread = torch.linspace(0.005, 0.3, S).repeat_interleave(T)  # each sequence's mismatch scale
+    rollout = old + spread * torch.randn(N, generator=g)
+    lp = old + 0.1 * torch.randn(N, generator=g)
+    adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
+    mask[:T] = False
+    rs = {option: bound, **({"token_k1": (0.8, 1.25)} if seq_tokens == "kept" else {})}
+    config = PolicyLossConfig(rollout_correction=RolloutCorrection(is_level="sequence", is_threshold=3.0, rs=rs,
+                                                                   seq_tokens=seq_tokens),
+                              metrics="loss_only", validate=False, backend=backend)
+    results = []
+    for fused_stage in (False, True):
+        leaf = lp.clone().requires_grad_(True)
+        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old,
+                                       rollout_logprobs=rollout, cu_seqlens=cu,
+                                       config=config.with_overrides(fused_stage=fused_stage))
+        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
+        results.append((out, *torch.autograd.grad(out.loss, leaf)))
+    (want, want_lp), (got, got_lp) = results
+    kept_sequences = want.mask.view(S, T).any(1)
+    assert 3 <= int(kept_sequences.sum()) <= S - 4, kept_sequences
+    assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert_close(got_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())), name="dlogprobs")
 
 
 @pytest.mark.parametrize("loss_type", ["gpg", "dro", "dppo_tv", "dppo_kl"])
@@ -867,6 +907,9 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
     ("token-mean", dict(loss_type="dro", dro_beta=0.5)),
     ("seq-mean-token-mean", dict(loss_type="dppo_tv", clip_ratio_high=0.01, clip_ratio_low=0.01)),
     ("seq-mean-token-mean", dict(loss_type="dppo_kl", clip_ratio_high=1e-4, clip_ratio_low=1e-4, clip_ratio_c=3.0)),
+    # AReaL's k2 rejection (the sampler's 0.02-nat noise: k2 ~ 2e-4 a token) and the k3 maximum
+    ("token-mean", dict(rollout_correction=RolloutCorrection(is_level="token", is_threshold=2.0, rs={
+        "seq_max_k2": 1e-3, "seq_mean_k2": 3e-4, "seq_max_k3": 2e-3}))),
 ])
 def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not

@@ -338,7 +338,8 @@ def _sequence_kernel(
     # hyperparameters
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
     clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, cispo_cap,
-    binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps, dro_beta, tau_pos, tau_neg, eps_lo, eps_hi,
+    binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps, dro_beta, tau_pos, tau_neg, eps_lo, eps_hi, k2_sum_max,
+    k2_mean_max, k2_max_bound, k3_max_bound,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
@@ -346,7 +347,8 @@ def _sequence_kernel(
     KL_TYPE: tl.constexpr, KL_STRAIGHT: tl.constexpr, POLICY: tl.constexpr, SEQ_MEAN_ADVANTAGES: tl.constexpr,
     ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, RS_TOKEN: tl.constexpr, RS_ALL: tl.constexpr,
     SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, CISPO_CAP: tl.constexpr,
-    KL_BIAS_CORRECTION: tl.constexpr, SAMPLER: tl.constexpr, LOG_RATIO_SQ: tl.constexpr, BLOCK: tl.constexpr,
+    KL_BIAS_CORRECTION: tl.constexpr, SAMPLER: tl.constexpr, LOG_RATIO_SQ: tl.constexpr, RS_K2: tl.constexpr,
+    RS_K3_MAX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -358,7 +360,9 @@ def _sequence_kernel(
         start = s * seq_len
         end = start + seq_len
     offs = tl.arange(0, BLOCK)
-    HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL
+    HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL or \
+        RS_K2 != 0 or RS_K3_MAX
+    PEAKS: tl.constexpr = RS_K2 >= 4 or RS_K3_MAX  # a k2 or k3 maximum over the sequence
     HAS_CORRECTION: tl.constexpr = HAS_RS or IS_LEVEL != 0
     # ratio_level="sequence" (PPO, CISPO, SAPO): the ratio the bias-corrected KL multiplies is the sequence's too
     SEQUENCE_LEVEL: tl.constexpr = POLICY == 1 or POLICY == 4 or POLICY == 11
@@ -375,6 +379,10 @@ def _sequence_kernel(
     adv_acc = tl.zeros([BLOCK], tl.float32)
     kept_length_acc = tl.zeros([BLOCK], tl.float32)  # the tokens the token_* options keep
     rejecting_acc = tl.zeros([BLOCK], tl.float32)  # the tokens outside seq_all_k1's band
+    k2_acc = tl.zeros([BLOCK], tl.float32)
+    k2_peak = tl.full([BLOCK], float("-inf"), tl.float32)  # maxima over m (correction's add_max)
+    k3_peak = tl.full([BLOCK], float("-inf"), tl.float32)
+    nan_acc = tl.zeros([BLOCK], tl.float32)  # a NaN statistic makes its maximum NaN, as torch's max
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
@@ -398,6 +406,18 @@ def _sequence_kernel(
                 delta_acc += delta
                 k1_acc += -delta_hat
                 k3_acc += k3_token
+            if RS_K2 != 0 or RS_K3_MAX:  # k2 summed, and k2 / k3 at their largest, over m or the tokens kept
+                if SEQ_TOKENS_KEPT:
+                    k2_token = tl.where(token_keep, 0.5 * delta_hat * delta_hat, 0.0)
+                    k3_over = tl.where(token_keep, k3_token, 0.0)
+                else:
+                    k2_token = tl.where(m, 0.5 * delta_hat * delta_hat, 0.0)
+                    k3_over = k3_token
+                k2_acc += k2_token
+                if PEAKS:
+                    k2_peak = tl.maximum(k2_peak, tl.where(m, k2_token, float("-inf")))
+                    k3_peak = tl.maximum(k3_peak, tl.where(m, k3_over, float("-inf")))
+                    nan_acc += tl.where(k2_token != k2_token, 1.0, 0.0)  # k3 is NaN with k2 (a NaN delta)
         # what loss._kept_sums sums: the tokens no token option drops (every token of m with zero_weight)
         summed = m if ZERO_WEIGHT else token_keep
         if SEQUENCE_RATIO:  # the sequence's policy log-ratio (pg_delta)
@@ -441,6 +461,20 @@ def _sequence_kernel(
             keep = tl.where(k3 / stat_count <= k3_mean_max, keep, 0.0)
     if RS_ALL:  # every token of the sequence inside seq_all_k1's band
         keep = tl.where(tl.sum(rejecting_acc, 0) == 0.0, keep, 0.0)
+    if RS_K2 & 3:
+        k2 = tl.sum(k2_acc, 0)
+        if RS_K2 & 1:
+            keep = tl.where(k2 <= k2_sum_max, keep, 0.0)
+        if RS_K2 & 2:
+            keep = tl.where(k2 / stat_count <= k2_mean_max, keep, 0.0)
+    if PEAKS:  # the maxima: 0 for a sequence without a token in m, NaN where a statistic is
+        has_nan = tl.sum(nan_acc, 0) > 0.0
+        if RS_K2 & 4:
+            peak = tl.where(has_nan, float("nan"), tl.where(length > 0, tl.max(k2_peak, 0), 0.0))
+            keep = tl.where(peak <= k2_max_bound, keep, 0.0)
+        if RS_K3_MAX:
+            peak = tl.where(has_nan, float("nan"), tl.where(length > 0, tl.max(k3_peak, 0), 0.0))
+            keep = tl.where(peak <= k3_max_bound, keep, 0.0)
     keep_block = (tl.zeros([BLOCK], tl.float32) + keep) != 0.0
     # m' = m & keep; with rs_mode="zero_weight" m' = m, and rejection zeroes the IS weights instead
     if ZERO_WEIGHT:
@@ -831,7 +865,8 @@ def stage_fwd(inputs, options: dict, hyper: dict, factors: bool = False) -> tupl
 _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM", "RS_K1_MEAN", "RS_K3_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
                      "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
-                     "GIVEN_WEIGHTS", "CISPO_CAP", "KL_BIAS_CORRECTION", "SAMPLER", "LOG_RATIO_SQ")
+                     "GIVEN_WEIGHTS", "CISPO_CAP", "KL_BIAS_CORRECTION", "SAMPLER", "LOG_RATIO_SQ", "RS_K2",
+                     "RS_K3_MAX")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION")
 
@@ -843,7 +878,7 @@ def _sequence_option_sets():
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=False,
                 SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False, KL_BIAS_CORRECTION=False, SAMPLER=False,
-                LOG_RATIO_SQ=False)
+                LOG_RATIO_SQ=False, RS_K2=0, RS_K3_MAX=False)
     return [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -883,6 +918,9 @@ def _sequence_option_sets():
         dict(base, PROXIMAL=0, POLICY=8, KL_TYPE=1), dict(base, WEIGHTED=True, IS_LEVEL=1, POLICY=9),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, POLICY=10, KL_TYPE=4),
         dict(base, POLICY=11, KL_TYPE=4, KL_BIAS_CORRECTION=True, RATIO_CLAMP=False),
+        # AReaL's k2 rejection (sum, mean, max), the k3 maximum, over m or over the tokens kept
+        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_K2=7, RS_K3_MAX=True), dict(base, RS_K2=4, RS_TOKEN=2,
+                                                                           SEQ_TOKENS_KEPT=True),
         # verl's DPPO regions
         dict(base, POLICY=12, DUAL_CLIP=False), dict(base, WEIGHTED=True, IS_LEVEL=1, POLICY=13, KL_TYPE=4),
         dict(base, SAMPLER=True, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, LOG_RATIO_SQ=True),
