@@ -926,14 +926,14 @@ enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
   kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kRsToken, kRsAll, kSeqTokensKept,
-  kGivenWeights, kCispoCap, kKlBiasCorrection, kSampler, kLogRatioSq, kRsK2, kRsK3Max, kOptionCount
+  kGivenWeights, kCispoCap, kKlBiasCorrection, kSampler, kLogRatioSq, kRsK2, kRsK3Max, kRsBinary, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
   kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kCispoCapValue, kBinaryTvLow,
   kBinaryTvHigh, kIpoKlTau, kIpoEps, kDroBeta, kTauPos, kTauNeg, kEpsLo, kEpsHi, kK2SumMax, kK2MeanMax, kK2MaxBound,
-  kK3MaxBound, kKlCoef, kEntropyCoeff, kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef,
-  kHyperCount
+  kK3MaxBound, kTokenBklMax, kTokenBtvMax, kBklMeanMax, kBtvMeanMax, kKlCoef, kEntropyCoeff, kGlobalTokensValue,
+  kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
@@ -1107,6 +1107,35 @@ inline Mismatch mismatch(const Inputs& in, int64_t t, bool m) {
   return {delta, delta_hat, m ? std::exp(delta_hat) - 1.0f - delta_hat : 0.0f};
 }
 
+// The sampled token's binary KL(μ || π_old) of (token, rest) and its probability gap |μ - π_old| (correction's bkl and
+// btv: OpenRLHF's binary_kl and tv gates), 0 off the mask and where not asked for; each probability clamped to
+// [eps, 1 - eps] (correction.BINARY_EPS), 1 - x formed as -expm1(log x) (policy_terms.binary_kl).
+struct Binary {
+  float bkl, btv;
+};
+
+inline Binary binary_stats(const Inputs& in, int64_t t, bool m, bool bkl, bool btv) {
+  if (!m || !(bkl || btv)) return {0.0f, 0.0f};
+  constexpr double kEps = 1e-6;
+  const float log_lo = static_cast<float>(std::log(kEps)), log_hi = static_cast<float>(std::log1p(-kEps));
+  const float lo = static_cast<float>(kEps), hi = static_cast<float>(1.0 - kEps);
+  const auto parts = [&](float log_x, float& x, float& log_clamped, float& log_rest) {
+    log_clamped = clamp(log_x, log_lo, log_hi), x = std::exp(log_clamped);
+    log_rest = std::log(clamp(-std::expm1(log_x), lo, hi));
+  };
+  float mu, log_mu, log_mu_rest, pi, log_pi, log_pi_rest;
+  parts(in.rollout[t], mu, log_mu, log_mu_rest), parts(in.old[t], pi, log_pi, log_pi_rest);
+  return {bkl ? mu * (log_mu - log_pi) + std::exp(log_mu_rest) * (log_mu_rest - log_pi_rest) : 0.0f,
+          btv ? std::fabs(mu - pi) : 0.0f};
+}
+
+// token_keeps' twin for the binary divergences (TOKEN_KINDS bits 8: bkl, 16: btv); a NaN statistic fails.
+inline bool binary_keeps(bool keep, const Binary& b, int64_t kinds, const float* h) {
+  if (kinds & 8) keep = keep && b.bkl <= h[kTokenBklMax];
+  if (kinds & 16) keep = keep && b.btv <= h[kTokenBtvMax];
+  return keep;
+}
+
 // The token of m keeps its k-statistics of the set `kinds` (kernels/stage_options.py TOKEN_KINDS bits: 1 k1, 2 k2,
 // 4 k3) inside their bounds (k1 in [k1_lo, k1_hi], k2 <= k2_max, k3 <= k3_max: correction._keeps); a NaN statistic
 // fails.
@@ -1240,9 +1269,12 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const int64_t token_kinds = o[kRsToken];
   const bool all_k1 = o[kRsAll];  // seq_all_k1
   const int64_t k2_scopes = o[kRsK2];  // seq_sum_k2, seq_mean_k2, seq_max_k2 (stage_options.K2_SCOPES bits)
+  // the binary divergences: of each token (token_kinds bits 8, 16), their means over the sequence (BINARY_MEANS bits)
+  const int64_t binary_means = o[kRsBinary];
+  const bool need_bkl = (token_kinds & 8) || (binary_means & 1), need_btv = (token_kinds & 16) || (binary_means & 2);
   const bool peaks = (k2_scopes & 4) || o[kRsK3Max];  // a k2 or k3 maximum over the sequence
   const bool rejects = o[kRsK1Sum] || o[kRsK1Mean] || o[kRsK3Sum] || o[kRsK3Mean] || token_kinds || all_k1 ||
-                       k2_scopes || o[kRsK3Max];
+                       k2_scopes || o[kRsK3Max] || binary_means;
   const bool corrects = rejects || o[kIsLevel] != 0, zero_weight = o[kZeroWeight], over_kept = o[kSeqTokensKept];
   const int64_t policy = o[kPolicy];  // the policy ratio is the sequence's:
   const bool sequence_ratio = sequence_level(o) || policy == kGspo;
@@ -1250,7 +1282,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   // the trust regions and the log-ratio square are taken against the behaviour policy
   const bool uses_behaviour = (policy >= kBinaryTv && policy <= kIpo) || o[kLogRatioSq];
   // the tokens the token_* options keep (kept_length_sum) and those outside seq_all_k1's band
-  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum, k2_sum;
+  LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum, k2_sum,
+      bkl_sum, btv_sum;
   // the maxima over m (correction's add_max), and whether a statistic is NaN (its maximum then is, as torch's)
   float k2_peak = -std::numeric_limits<float>::infinity(), k3_peak = k2_peak;
   bool nan_peak = false;
@@ -1260,9 +1293,11 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     bool token_keep = m;
     if (corrects) {
       const auto [delta, delta_hat, k3_token] = mismatch(in, t, m);
+      const Binary binary = binary_stats(in, t, m, need_bkl, need_btv);
       if (token_kinds) {
         token_keep = token_keeps(m, delta_hat, k3_token, token_kinds, h[kTokenK1Lo], h[kTokenK1Hi], h[kTokenK2Max],
                                  h[kTokenK3Max]);
+        token_keep = binary_keeps(token_keep, binary, token_kinds, h);
         kept_length_sum.add(t, token_keep ? 1.0f : 0.0f);
       }
       if (all_k1 && m && !token_keeps(m, delta_hat, k3_token, 1, h[kAllK1Lo], h[kAllK1Hi], 0.0f, 0.0f)) {
@@ -1272,6 +1307,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       const bool over = !over_kept || token_keep;
       delta_sum.add(t, over ? delta : 0.0f), k1_sum.add(t, over ? -delta_hat : 0.0f);
       k3_sum.add(t, over ? k3_token : 0.0f);
+      if (binary_means) bkl_sum.add(t, over ? binary.bkl : 0.0f), btv_sum.add(t, over ? binary.btv : 0.0f);
       if (k2_scopes || o[kRsK3Max]) {
         const float k2_token = over ? 0.5f * delta_hat * delta_hat : 0.0f, k3_over = over ? k3_token : 0.0f;
         k2_sum.add(t, k2_token);
@@ -1309,6 +1345,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     if (k2_scopes & 1) keep = keep && k2 <= h[kK2SumMax];
     if (k2_scopes & 2) keep = keep && k2 / stat_count <= h[kK2MeanMax];
   }
+  if (binary_means & 1) keep = keep && bkl_sum.total() / stat_count <= h[kBklMeanMax];
+  if (binary_means & 2) keep = keep && btv_sum.total() / stat_count <= h[kBtvMeanMax];
   if (peaks) {  // 0 for a sequence without a token in m
     const float nan = std::numeric_limits<float>::quiet_NaN();
     const float k2_max = nan_peak ? nan : (length > 0.0f ? k2_peak : 0.0f);
@@ -1331,6 +1369,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       const Mismatch x = mismatch(in, t, m);
       token_keep = token_keeps(m, x.delta_hat, x.k3, token_kinds, h[kTokenK1Lo], h[kTokenK1Hi], h[kTokenK2Max],
                                h[kTokenK3Max]);
+      token_keep = binary_keeps(token_keep, binary_stats(in, t, m, token_kinds & 8, token_kinds & 16), token_kinds, h);
     }
     const bool kept = zero_weight ? m : token_keep && keep;
     const float lp = on_mask(in.lp, t, m);

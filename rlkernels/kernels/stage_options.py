@@ -38,9 +38,14 @@ SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean
                             # the clip ratios themselves (clip_lo / clip_hi are 1 -+ them): DPPO's region's bounds
                             "eps_lo", "eps_hi",
                             # the bounds of k2's sum, mean and maximum over the sequence, and of k3's maximum
-                            "k2_sum_max", "k2_mean_max", "k2_max_bound", "k3_max_bound")
-# the k-statistics the token_* options bound, as bits of RS_TOKEN
-TOKEN_KINDS = {"k1": 1, "k2": 2, "k3": 4}
+                            "k2_sum_max", "k2_mean_max", "k2_max_bound", "k3_max_bound",
+                            # the binary divergences' bounds: of each token, of the sequence's mean
+                            "token_bkl_max", "token_btv_max", "bkl_mean_max", "btv_mean_max")
+# the statistics the token_* options bound, as bits of RS_TOKEN: the k-statistics, the binary KL and TV
+TOKEN_KINDS = {"k1": 1, "k2": 2, "k3": 4, "bkl": 8, "btv": 16}
+# the binary divergences' means over the sequence (seq_mean_bkl, seq_mean_btv), as bits of RS_BINARY
+BINARY_MEANS = {"bkl": 1, "btv": 2}
+BINARY_EPS = 1e-6  # stage.correction.BINARY_EPS (the kernels import nothing above them; a test holds the two equal)
 # how the seq_*_k2 options reduce k2 over the sequence, as bits of RS_K2
 K2_SCOPES = {"sum": 1, "mean": 2, "max": 4}
 FINISH_HYPERPARAMETERS = ("kl_coef", "entropy_coeff", "global_tokens", "global_seqs", "scale_factor",
@@ -69,7 +74,8 @@ def option_codes(options: dict) -> dict:
         CISPO_CAP=options["cispo_cap"], KL_BIAS_CORRECTION=options["kl_bias_correction"],
         SAMPLER=options["sampler"], LOG_RATIO_SQ=options["log_ratio_sq"],
         RS_K2=sum(bit for scope, bit in K2_SCOPES.items() if f"seq_{scope}_k2" in rejection),
-        RS_K3_MAX="seq_max_k3" in rejection)
+        RS_K3_MAX="seq_max_k3" in rejection,
+        RS_BINARY=sum(bit for kind, bit in BINARY_MEANS.items() if f"seq_mean_{kind}" in rejection))
 
 
 class TokenFactors(NamedTuple):

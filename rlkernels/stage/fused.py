@@ -13,15 +13,16 @@ prime-rl's kl_tau) beside any of these; on-policy, bypass without a correction, 
 / geometric IS weights (truncated or IcePop-masked, batch-normalised or not) and rejection on the sum or mean of k1, k2
 or k3 over the sequence or the largest k2 or k3 in it (seq-MIS, geo-RS, K3-RS and their combinations with IS; AReaL's k2
 options), on k1, k2 or k3 of each token (token_*) or k1 of every token of the sequence (seq_all_k1; SkyRL's, AReaL's),
-the sequence statistics over m or over the tokens the token options keep (seq_tokens), leaving m' or zeroing the weights
-(rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage (seq_mean_advantages: AReaL's); the KL
-penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with or without the score term
+on the binary KL or TV of each token or their means over the sequence (token_bkl / btv, seq_mean_bkl / btv: OpenRLHF's
+gates), the sequence statistics over m or over the tokens the token options keep (seq_tokens), leaving m' or zeroing the
+weights (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage (seq_mean_advantages: AReaL's);
+the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with or without the score term
 (kl_score_gradient: NeMo-RL's) or times the policy ratio (kl_bias_correction: TRL's, DeepSeek-V3.2's; through the
 sequence's ratio at ratio_level="sequence"); the entropy bonus at the loss's aggregation or its own (entropy_agg_mode:
 TRL's "token-mean"); every aggregation mode, with the global counts; a trainer's own IS weights (is_weights: verl's,
 TRL's, prime-rl's).
-Everything else keeps the torch stage (`loss.run`): the other rejection statistics (the binary divergences, the
-sampler's KL), the other loss types (GMPO's geometric mean, Clip-Cov / KL-Cov, KPop's
+Everything else keeps the torch stage (`loss.run`): the other rejection statistics (the binary divergences' maxima,
+the sampler's KL), the other loss types (GMPO's geometric mean, Clip-Cov / KL-Cov, KPop's
 trust region among them), split batches, the sampler's evidence.
 
 The metrics: the kernels write none. With metrics="all" the output's metrics are a `metrics.DeferredMetrics`: the
@@ -45,10 +46,11 @@ from .segments import _log
 
 _PPO = tuple(name for name, entry in LOSS_TERMS.items() if entry.term is LOSS_TERMS["vanilla"].term)
 # rejection options the sequence kernel decides: k1 / k2 / k3 summed or averaged over the sequence, k2 / k3 at their
-# largest in it, k1 / k2 / k3 bounding each token (token_*: the token leaves m'), and k1 bounding every token of the
-# sequence (seq_all_k1)
+# largest in it, k1 / k2 / k3 and the binary KL / TV bounding each token (token_*: the token leaves m'), the binary
+# KL / TV averaged over the sequence (OpenRLHF's gates), and k1 bounding every token of the sequence (seq_all_k1)
 _RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3", "seq_all_k1",
-       "seq_sum_k2", "seq_mean_k2", "seq_max_k2", "seq_max_k3")
+       "seq_sum_k2", "seq_mean_k2", "seq_max_k2", "seq_max_k3", "token_bkl", "token_btv", "seq_mean_bkl",
+       "seq_mean_btv")
 _KL_TYPES = ("k1", "k2", "abs", "k3", "k3_unclamped")
 # the kernels' policy terms on the sampler (prime-rl's), and the loss types they stand for
 _TRUST_REGIONS = {"dppo_binary_tv": "binary_tv", "dppo_binary_tv_signed": "binary_tv_signed", "ipo": "ipo"}
@@ -274,7 +276,8 @@ def _hyperparameters(config, rc) -> dict:
     is_lo, is_hi = rc.is_range if rc is not None else (0.0, 1.0)
     (k1_sum_lo, k1_sum_hi), (k1_mean_lo, k1_mean_hi) = k1_range("seq_sum_k1"), k1_range("seq_mean_k1")
     (token_k1_lo, token_k1_hi), (all_k1_lo, all_k1_hi) = k1_range("token_k1"), k1_range("seq_all_k1")
-    upper = {option: float(bounds.get(option, 0.0)) for option in ("token_k2", "token_k3")}
+    upper = {option: float(bounds.get(option, 0.0)) for option in ("token_k2", "token_k3", "token_bkl", "token_btv",
+                                                                    "seq_mean_bkl", "seq_mean_btv")}
     return dict(
         is_lo=float(is_lo), is_hi=float(is_hi), k1_sum_lo=k1_sum_lo, k1_sum_hi=k1_sum_hi, k1_mean_lo=k1_mean_lo,
         k1_mean_hi=k1_mean_hi, k3_sum_max=float(bounds.get("seq_sum_k3", 0.0)),
@@ -290,5 +293,6 @@ def _hyperparameters(config, rc) -> dict:
         tau_pos=float(config.tau_pos), tau_neg=float(config.tau_neg), eps_lo=float(config.clip_ratio_low),
         eps_hi=float(config.clip_ratio_high), k2_sum_max=float(bounds.get("seq_sum_k2", 0.0)),
         k2_mean_max=float(bounds.get("seq_mean_k2", 0.0)), k2_max_bound=float(bounds.get("seq_max_k2", 0.0)),
-        k3_max_bound=float(bounds.get("seq_max_k3", 0.0)))
+        k3_max_bound=float(bounds.get("seq_max_k3", 0.0)), token_bkl_max=upper["token_bkl"],
+        token_btv_max=upper["token_btv"], bkl_mean_max=upper["seq_mean_bkl"], btv_mean_max=upper["seq_mean_btv"])
 

@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.interpret,
 
 FAMILY_KL = ("k1", "k2", "abs", "k3", "k3_unclamped", "low_var_kl", "k1+", "k3+", "abs+")
 FAMILY_RS = ("seq_sum_k1", "seq_mean_k1", "seq_sum_k3", "seq_mean_k3", "token_k1", "token_k2", "token_k3",
-             "seq_all_k1", "seq_sum_k2", "seq_mean_k2", "seq_max_k2", "seq_max_k3")
+             "seq_all_k1", "seq_sum_k2", "seq_mean_k2", "seq_max_k2", "seq_max_k3", "token_bkl", "token_btv",
+             "seq_mean_bkl", "seq_mean_btv")
 FAMILY_POLICY_TERMS = (("vanilla", "token"), ("ppo_clip", "token"), ("vanilla", "sequence"), ("gspo", "token"),
                        ("cispo", "token"), ("cispo", "sequence"), ("dppo_binary_tv", "token"),
                        ("dppo_binary_tv_signed", "token"), ("ipo", "token"), ("luspo", "token"),
@@ -376,8 +377,8 @@ def _policy_call(**overrides):
     (dict(loss_type="kl_cov"), "loss_type='kl_cov'"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
-    (dict(rollout_correction=RolloutCorrection.token_tis(rs={"token_bkl": 0.1})), "rejection options"),
-    (dict(rollout_correction=RolloutCorrection(rs={"seq_mean_btv": 0.5})), "rejection options"),
+    (dict(rollout_correction=RolloutCorrection.token_tis(rs={"seq_max_bkl": 0.1})), "rejection options"),
+    (dict(rollout_correction=RolloutCorrection(rs={"seq_max_btv": 0.5})), "rejection options"),
     (dict(loss_type="kpop", rollout_correction=None), "loss_type='kpop'"),
     (dict(loss_type="luspo", entropy_agg_mode="seq-mean-token-mean", entropy_coeff=0.01), "own aggregation"),
     (dict(loss_type="clip_cov"), "loss_type='clip_cov'"),
@@ -616,6 +617,51 @@ def test_k2_and_maximum_rejection(option, bound, seq_tokens, backend):
     kept_sequences = want.mask.view(S, T).any(1)
     assert 3 <= int(kept_sequences.sum()) <= S - 4, kept_sequences
     assert torch.equal(got.mask, want.mask)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    assert_close(got_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())), name="dlogprobs")
+
+
+@pytest.mark.parametrize("level, gating", [("token", "binary_kl"), ("token", "tv"), ("seq", "binary_kl"),
+                                           ("seq", "tv")])
+@implementations
+def test_openrlhfs_binary_gates(level, gating, backend):
+    """OpenRLHF's binary-KL and TV gates (rlkernels.integrations.openrlhf: token_bkl / token_btv, seq_mean_bkl /
+    seq_mean_btv, the dropped units' weights zeroed) on 24 sequences whose trainer-sampler mismatch grows with their
+    index, some tokens' probabilities near 0 and 1 (the divergences' clamps to [1e-6, 1 - 1e-6]), and one sequence
+    without a token in m: some units dropped and some kept (asserted from the torch stage's weights), the weights, the
+    loss and the gradient as the torch stage's. (stage_options.BINARY_EPS is correction.BINARY_EPS.)"""
+    from rlkernels.integrations.openrlhf import rollout_correction_from_openrlhf
+    from rlkernels.kernels.stage_options import BINARY_EPS
+    from rlkernels.stage.correction import BINARY_EPS as CORRECTION_EPS
+
+    assert BINARY_EPS == CORRECTION_EPS
+    g = torch.Generator().manual_seed(12)
+    S, T = 24, 10
+    N = S * T
+    cu = torch.arange(0, N + 1, T)
+    old = -torch.rand(N, generator=g) * 3
+    old[5::17] = -1e-8  # p within 1e-6 of 1: the complement is clamped
+    old[7::19] = -30.0  # p below 1e-6
+    spread = torch.linspace(0.005, 0.5, S).repeat_interleave(T)
+    rollout = (old + spread * torch.randn(N, generator=g)).clamp_max(0.0)
+    lp = old + 0.1 * torch.randn(N, generator=g)
+    adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
+    mask[:T] = False
+    rc = rollout_correction_from_openrlhf(level, "mask", gating, (0.5, 0.01 if gating == "binary_kl" else 0.05))
+    config = PolicyLossConfig(rollout_correction=rc, metrics="loss_only", validate=False, backend=backend)
+    results = []
+    for fused_stage in (False, True):
+        leaf = lp.clone().requires_grad_(True)
+        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old,
+                                       rollout_logprobs=rollout, cu_seqlens=cu,
+                                       config=config.with_overrides(fused_stage=fused_stage))
+        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
+        results.append((out, *torch.autograd.grad(out.loss, leaf)))
+    (want, want_lp), (got, got_lp) = results
+    dropped = mask & (want.is_weights == 0)
+    assert int(dropped.sum()) >= 5 and int((mask & ~dropped).sum()) >= 20
+    assert torch.equal(got.mask, want.mask) and torch.equal(got.is_weights == 0, want.is_weights == 0)
+    assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
     assert_close(got_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())), name="dlogprobs")
 
@@ -910,6 +956,10 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
     # AReaL's k2 rejection (the sampler's 0.02-nat noise: k2 ~ 2e-4 a token) and the k3 maximum
     ("token-mean", dict(rollout_correction=RolloutCorrection(is_level="token", is_threshold=2.0, rs={
         "seq_max_k2": 1e-3, "seq_mean_k2": 3e-4, "seq_max_k3": 2e-3}))),
+    # OpenRLHF's binary-KL gate per token and its TV gate over the sequence, the dropped units' weights zeroed
+    ("token-mean", dict(rollout_correction=RolloutCorrection(
+        is_level="token", is_threshold=(0.0, math.inf), is_mode="mask", rs={"token_bkl": 1e-4, "seq_mean_btv": 3e-3},
+        rs_mode="zero_weight"))),
 ])
 def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not

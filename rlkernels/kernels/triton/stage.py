@@ -19,12 +19,15 @@ the torch stage's, in float32, in a different summation order: stage/fused.py sa
 tests/stage/test_fused_stage.py holds it to the torch stage.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ..stage_options import (
     AGGREGATIONS,
+    BINARY_EPS,
     CHAINED_TERMS,
     FINISH_HYPERPARAMETERS,
     SEQUENCE_HYPERPARAMETERS,
@@ -44,6 +47,11 @@ BLOCK_S = 256  # sequences per step of the finish programs' record reduction
 RECORD_WIDTH = 10
 RECORD = tl.constexpr(RECORD_WIDTH)
 CLAMP = tl.constexpr(20.0)  # SPEC §4: every importance log-ratio is clamped to [-20, 20] before exp
+# the binary divergences' probabilities are clamped to [eps, 1 - eps] (correction.BINARY_EPS), their logs to the logs
+BINARY_LO = tl.constexpr(BINARY_EPS)
+BINARY_HI = tl.constexpr(1.0 - BINARY_EPS)
+LOG_BINARY_LO = tl.constexpr(math.log(BINARY_EPS))
+LOG_BINARY_HI = tl.constexpr(math.log1p(-BINARY_EPS))
 
 
 @triton.jit
@@ -316,6 +324,41 @@ def _token_keeps(m, delta_hat, k3, k1_lo, k1_hi, k2_max, k3_max, KINDS: tl.const
 
 
 @triton.jit
+def _binary_parts(log_x):
+    """(x, log x, log(1 - x)) of a probability given by its log, x clamped to [eps, 1 - eps] (policy_terms.binary_kl:
+    1 - x formed as -expm1(log x))."""
+    log_clamped = _clamp(log_x, LOG_BINARY_LO, LOG_BINARY_HI)
+    return tl.exp(log_clamped), log_clamped, tl.log(_clamp(_one_minus_exp(log_x), BINARY_LO, BINARY_HI))
+
+
+@triton.jit
+def _binary_stats(old_ptr, rollout_ptr, idx, inside, m, BKL: tl.constexpr, BTV: tl.constexpr):
+    """The sampled token's binary KL(μ || π_old) of (token, rest) and its probability gap |μ - π_old| (correction's
+    bkl and btv: OpenRLHF's binary_kl and tv gates), 0 off the mask and where not asked for."""
+    train = on_mask(old_ptr, idx, inside, m)
+    rollout = on_mask(rollout_ptr, idx, inside, m)
+    mu, log_mu, log_mu_rest = _binary_parts(rollout)
+    pi, log_pi, log_pi_rest = _binary_parts(train)
+    bkl = tl.zeros(idx.shape, tl.float32)
+    btv = tl.zeros(idx.shape, tl.float32)
+    if BKL:
+        bkl = tl.where(m, mu * (log_mu - log_pi) + tl.exp(log_mu_rest) * (log_mu_rest - log_pi_rest), 0.0)
+    if BTV:
+        btv = tl.where(m, tl.abs(mu - pi), 0.0)
+    return bkl, btv
+
+
+@triton.jit
+def _binary_keeps(keep, bkl, btv, bkl_max, btv_max, KINDS: tl.constexpr):
+    """_token_keeps' twin for the binary divergences (KINDS bits 8: bkl <= bkl_max, 16: btv <= btv_max)."""
+    if KINDS & 8:
+        keep = keep & (bkl <= bkl_max)
+    if KINDS & 16:
+        keep = keep & (btv <= btv_max)
+    return keep
+
+
+@triton.jit
 def _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL: tl.constexpr):
     """l_old of SPEC §1 on the mask: π_old (decoupled), μ (bypass), or the current log-prob (on-policy)."""
     if PROXIMAL == 1:
@@ -339,7 +382,7 @@ def _sequence_kernel(
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
     clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, cispo_cap,
     binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps, dro_beta, tau_pos, tau_neg, eps_lo, eps_hi, k2_sum_max,
-    k2_mean_max, k2_max_bound, k3_max_bound,
+    k2_mean_max, k2_max_bound, k3_max_bound, token_bkl_max, token_btv_max, bkl_mean_max, btv_mean_max,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
@@ -348,7 +391,7 @@ def _sequence_kernel(
     ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, RS_TOKEN: tl.constexpr, RS_ALL: tl.constexpr,
     SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, CISPO_CAP: tl.constexpr,
     KL_BIAS_CORRECTION: tl.constexpr, SAMPLER: tl.constexpr, LOG_RATIO_SQ: tl.constexpr, RS_K2: tl.constexpr,
-    RS_K3_MAX: tl.constexpr, BLOCK: tl.constexpr,
+    RS_K3_MAX: tl.constexpr, RS_BINARY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -361,7 +404,11 @@ def _sequence_kernel(
         end = start + seq_len
     offs = tl.arange(0, BLOCK)
     HAS_RS: tl.constexpr = RS_K1_SUM or RS_K1_MEAN or RS_K3_SUM or RS_K3_MEAN or RS_TOKEN != 0 or RS_ALL or \
-        RS_K2 != 0 or RS_K3_MAX
+        RS_K2 != 0 or RS_K3_MAX or RS_BINARY != 0
+    # the binary divergences: of each token (RS_TOKEN bits 8, 16) or their means over the sequence (RS_BINARY bits)
+    BKL: tl.constexpr = (RS_TOKEN & 8) != 0 or (RS_BINARY & 1) != 0
+    BTV: tl.constexpr = (RS_TOKEN & 16) != 0 or (RS_BINARY & 2) != 0
+    BINARY_TOKEN: tl.constexpr = RS_TOKEN >= 8
     PEAKS: tl.constexpr = RS_K2 >= 4 or RS_K3_MAX  # a k2 or k3 maximum over the sequence
     HAS_CORRECTION: tl.constexpr = HAS_RS or IS_LEVEL != 0
     # ratio_level="sequence" (PPO, CISPO, SAPO): the ratio the bias-corrected KL multiplies is the sequence's too
@@ -383,6 +430,8 @@ def _sequence_kernel(
     k2_peak = tl.full([BLOCK], float("-inf"), tl.float32)  # maxima over m (correction's add_max)
     k3_peak = tl.full([BLOCK], float("-inf"), tl.float32)
     nan_acc = tl.zeros([BLOCK], tl.float32)  # a NaN statistic makes its maximum NaN, as torch's max
+    bkl_acc = tl.zeros([BLOCK], tl.float32)
+    btv_acc = tl.zeros([BLOCK], tl.float32)
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
@@ -391,9 +440,13 @@ def _sequence_kernel(
         token_keep = m
         if HAS_CORRECTION:
             delta, delta_hat, k3_token = _mismatch(old_ptr, rollout_ptr, idx, inside, m)
+            if BKL or BTV:
+                bkl, btv = _binary_stats(old_ptr, rollout_ptr, idx, inside, m, BKL, BTV)
             if RS_TOKEN != 0:
                 token_keep = _token_keeps(m, delta_hat, k3_token, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max,
-                                          RS_TOKEN)
+                                          RS_TOKEN & 7)
+                if BINARY_TOKEN:
+                    token_keep = _binary_keeps(token_keep, bkl, btv, token_bkl_max, token_btv_max, RS_TOKEN)
                 kept_length_acc += token_keep.to(tl.float32)
             if RS_ALL:  # seq_all_k1's band
                 inside_all = _token_keeps(m, delta_hat, k3_token, all_k1_lo, all_k1_hi, 0.0, 0.0, 1)
@@ -418,6 +471,13 @@ def _sequence_kernel(
                     k2_peak = tl.maximum(k2_peak, tl.where(m, k2_token, float("-inf")))
                     k3_peak = tl.maximum(k3_peak, tl.where(m, k3_over, float("-inf")))
                     nan_acc += tl.where(k2_token != k2_token, 1.0, 0.0)  # k3 is NaN with k2 (a NaN delta)
+            if RS_BINARY != 0:  # the binary divergences' sums, over m or the tokens kept
+                if SEQ_TOKENS_KEPT:
+                    bkl_acc += tl.where(token_keep, bkl, 0.0)
+                    btv_acc += tl.where(token_keep, btv, 0.0)
+                else:
+                    bkl_acc += bkl
+                    btv_acc += btv
         # what loss._kept_sums sums: the tokens no token option drops (every token of m with zero_weight)
         summed = m if ZERO_WEIGHT else token_keep
         if SEQUENCE_RATIO:  # the sequence's policy log-ratio (pg_delta)
@@ -467,6 +527,10 @@ def _sequence_kernel(
             keep = tl.where(k2 <= k2_sum_max, keep, 0.0)
         if RS_K2 & 2:
             keep = tl.where(k2 / stat_count <= k2_mean_max, keep, 0.0)
+    if RS_BINARY & 1:
+        keep = tl.where(tl.sum(bkl_acc, 0) / stat_count <= bkl_mean_max, keep, 0.0)
+    if RS_BINARY & 2:
+        keep = tl.where(tl.sum(btv_acc, 0) / stat_count <= btv_mean_max, keep, 0.0)
     if PEAKS:  # the maxima: 0 for a sequence without a token in m, NaN where a statistic is
         has_nan = tl.sum(nan_acc, 0) > 0.0
         if RS_K2 & 4:
@@ -508,7 +572,10 @@ def _sequence_kernel(
         if RS_TOKEN != 0:  # the first read's decision again, from π_old and μ (cheaper than storing it)
             _, delta_hat, k3_token = _mismatch(old_ptr, rollout_ptr, idx, inside, m)
             token_keep = _token_keeps(m, delta_hat, k3_token, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max,
-                                      RS_TOKEN)
+                                      RS_TOKEN & 7)
+            if BINARY_TOKEN:
+                bkl, btv = _binary_stats(old_ptr, rollout_ptr, idx, inside, m, RS_TOKEN & 8, RS_TOKEN & 16)
+                token_keep = _binary_keeps(token_keep, bkl, btv, token_bkl_max, token_btv_max, RS_TOKEN)
         if ZERO_WEIGHT:
             kept = m
         else:
@@ -866,7 +933,7 @@ _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
                      "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
                      "GIVEN_WEIGHTS", "CISPO_CAP", "KL_BIAS_CORRECTION", "SAMPLER", "LOG_RATIO_SQ", "RS_K2",
-                     "RS_K3_MAX")
+                     "RS_K3_MAX", "RS_BINARY")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION")
 
@@ -878,7 +945,7 @@ def _sequence_option_sets():
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=False,
                 SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False, KL_BIAS_CORRECTION=False, SAMPLER=False,
-                LOG_RATIO_SQ=False, RS_K2=0, RS_K3_MAX=False)
+                LOG_RATIO_SQ=False, RS_K2=0, RS_K3_MAX=False, RS_BINARY=0)
     return [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -921,6 +988,10 @@ def _sequence_option_sets():
         # AReaL's k2 rejection (sum, mean, max), the k3 maximum, over m or over the tokens kept
         dict(base, WEIGHTED=True, IS_LEVEL=1, RS_K2=7, RS_K3_MAX=True), dict(base, RS_K2=4, RS_TOKEN=2,
                                                                            SEQ_TOKENS_KEPT=True),
+        # OpenRLHF's binary-KL and TV gates, of each token and of the sequence's mean, zeroing the weights
+        dict(base, WEIGHTED=True, IS_LEVEL=1, IS_MASK=True, RS_TOKEN=8, ZERO_WEIGHT=True),
+        dict(base, WEIGHTED=True, IS_LEVEL=1, IS_MASK=True, RS_BINARY=1, ZERO_WEIGHT=True),
+        dict(base, WEIGHTED=True, IS_LEVEL=1, RS_TOKEN=17, RS_BINARY=2, SEQ_TOKENS_KEPT=True),
         # verl's DPPO regions
         dict(base, POLICY=12, DUAL_CLIP=False), dict(base, WEIGHTED=True, IS_LEVEL=1, POLICY=13, KL_TYPE=4),
         dict(base, SAMPLER=True, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, LOG_RATIO_SQ=True),
