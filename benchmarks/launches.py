@@ -27,6 +27,7 @@ On CUDA each case also reports the kernels the profiler saw per forward + backwa
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -55,8 +56,8 @@ def _ppo_inputs(N: int, V: int, S: int, device: str, dtype: torch.dtype):
 # the trainers' own calls, each outside the fused stage's family until it took them: verl's GSPO with its own IS
 # weights, TRL's loss (it sets entropy_agg_mode on every call) and its GSPO with the bias-corrected KL, SkyRL's
 # token-level rejection over the kept tokens, NeMo-RL's zero-weight rejection with the KL's score term, prime-rl's
-# default loss, verl's SAPO; each with every metric, as the trainers log them. (options, the trainer's own IS
-# weights, bypass mode)
+# default loss, verl's SAPO, OpenRLHF's binary-KL gate; each with every metric, as the trainers log them. (options,
+# the trainer's own IS weights, bypass mode)
 TRAINERS = {
     "verl_gspo": (dict(loss_type="gspo", loss_agg_mode="seq-mean-token-mean"), True, False),
     "trl": (dict(loss_agg_mode="token-mean", entropy_agg_mode="token-mean", rollout_correction=RolloutCorrection(
@@ -80,6 +81,11 @@ TRAINERS = {
                      True),
     # verl's SAPO (its loss function forces seq-mean-token-mean) with its own IS weights
     "verl_sapo": (dict(loss_type="sapo", loss_agg_mode="seq-mean-token-mean"), True, False),
+    # OpenRLHF's binary-KL gate per token (rlkernels.integrations.openrlhf.rollout_correction_from_openrlhf("token",
+    # "mask", "binary_kl", (0.5, 0.01))): dropped tokens' weights zeroed, the survivors' untruncated
+    "openrlhf_bkl": (dict(rollout_correction=RolloutCorrection(is_level="token", is_threshold=(0.0, math.inf),
+                                                              is_mode="mask", rs={"token_bkl": 0.01},
+                                                              rs_mode="zero_weight")), False, False),
 }
 
 
