@@ -30,7 +30,7 @@ so across that group they are taken once, not summed.
 import collections
 import copy
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -335,115 +335,83 @@ def combine_moments(parts: Tensor) -> Tensor:
     return torch.stack([total, mu, m2.sum(0) + (count * (mean - mu) ** 2).sum(0)], -1)
 
 
-class DeferredMetrics(dict):
+class DeferredMetrics(MutableMapping):
     """A loss's metrics computed when first read: the fused stage's (SPEC §18). The loss and its gradient's
     coefficients take two kernel launches; the ~55 metrics are the torch stage's run on the same inputs, a few
     hundred small ops, queued when a logger reads them (after `loss.backward()` has queued the backward's kernels,
     whose GPU time then hides that host time) instead of before the loss returns. The values are the torch stage's,
     bit for bit.
 
-    A dict (`isinstance(m, dict)` holds), filled on the first read: every method that reads, writes or copies
-    computes it first, and from then on it is an ordinary dict's storage. Its copies are plain: `copy()`, `|`,
-    `copy.copy`, `dict(m)` give dicts; a pickle gives a `collections.OrderedDict` (the one dict type
-    `torch.load(weights_only=True)` rebuilds); `torch.utils._pytree` flattens it as a dict; a library that
-    rebuilds a mapping as `type(m)(items)` gets one computed already. Its inputs are the call's: modifying them in
-    place (the advantages, the returned entropy) before the metrics are read changes the metrics.
+    A mapping, not a dict, on purpose: C code that reads a dict's storage directly (json's encoder, orjson, an
+    OrderedDict's ==, torch.compile's guards) would find a dict subclass empty before its first read and answer
+    `{}` silently; a Mapping makes such code go through its methods or refuse it loudly. Everything else goes where a
+    dict goes: read, update, `copy()`, `|`, `copy.copy` and `dict(m)` give dicts; a pickle gives a
+    `collections.OrderedDict` (the one dict type `torch.load(weights_only=True)` rebuilds); `torch.utils._pytree`
+    flattens it as a dict, with keys; a library that rebuilds a mapping as `type(m)(items)` or `type(m)(**items)`
+    gets one computed already. Its inputs are the call's: modifying them in place (the advantages, the returned
+    entropy) before the metrics are read changes the metrics.
 
-    The computation runs as the call would have run it, whatever the reader's thread: under no_grad, once (a lock
-    holds a second reader back), and on the CUDA stream current at the call (`stream`), the reader's stream then
-    waiting for it. Autocast is not restored: the metrics run no autocast-eligible op (no matmul) and their inputs
-    are float32 or float64, which autocast leaves as they are (tests/stage/test_fused_stage.py reads them inside
-    it). `known`: values the call computed anyway (the all-rejected flag the notices read), readable without
-    computing the rest."""
+    The computation runs as the call would have run it, whatever the reader's thread or mode: under no_grad, in the
+    call's inference mode, once (a lock holds a second reader back), and on the CUDA stream current at the call
+    (`stream`), the reader's stream then waiting for it. Autocast is not restored: the metrics run no
+    autocast-eligible op (no matmul) and their inputs are float32 or float64, which autocast leaves as they are
+    (tests/stage/test_fused_stage.py reads them inside it). `known`: values the call computed anyway (the
+    all-rejected flag the notices read), readable without computing the rest."""
 
     def __init__(self, compute: Union[Callable[[], Dict[str, torch.Tensor]], Mapping, Iterable] = (),
-                 known: Optional[Dict[str, torch.Tensor]] = None, stream=None):
+                 known: Optional[Dict[str, torch.Tensor]] = None, stream=None, /, **values: torch.Tensor):
         given = isinstance(compute, Mapping) or not callable(compute)  # type(m)({...}): values, not a computation
-        super().__init__(compute if given else ())
         self._compute: Optional[Callable[[], Dict[str, torch.Tensor]]] = None if given else compute
+        self._values: Optional[Dict[str, torch.Tensor]] = {**dict(compute), **values} if given else None
         self._stream = None if given else stream
+        self._inference = torch.is_inference_mode_enabled()
         self._lock = threading.Lock()
         self.known: Dict[str, torch.Tensor] = dict(known or {})
 
     @property
     def ready(self) -> bool:
         """Whether the metrics have been computed (any read computes them)."""
-        return self._compute is None
+        return self._values is not None
 
-    def _computed(self) -> "DeferredMetrics":
-        if self._compute is not None:
+    def _computed(self) -> Dict[str, torch.Tensor]:
+        if self._values is None:
             with self._lock:
-                if self._compute is not None:
-                    dict.update(self, _on_stream(self._stream, self._compute))
+                if self._values is None:
+                    with torch.inference_mode(self._inference):
+                        self._values = dict(_on_stream(self._stream, self._compute))
                     self._compute = self._stream = None  # lets go of the call's inputs
-        return self
+        return self._values
 
-    # every dict method that reads or writes, computing first (dict's own would see empty storage)
     def __getitem__(self, name: str) -> torch.Tensor:
-        return dict.__getitem__(self._computed(), name)
+        return self._computed()[name]
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        dict.__setitem__(self._computed(), name, value)
+        self._computed()[name] = value
 
     def __delitem__(self, name: str) -> None:
-        dict.__delitem__(self._computed(), name)
+        del self._computed()[name]
 
     def __iter__(self) -> Iterator[str]:
-        return dict.__iter__(self._computed())
+        return iter(self._computed())
 
     def __reversed__(self) -> Iterator[str]:
-        return dict.__reversed__(self._computed())
+        return reversed(self._computed())
 
     def __len__(self) -> int:
-        return dict.__len__(self._computed())
+        return len(self._computed())
 
     def __contains__(self, name: object) -> bool:
-        return dict.__contains__(self._computed(), name)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, DeferredMetrics):
-            other._computed()  # dict's comparison reads the other's storage directly
-        return dict.__eq__(self._computed(), other)
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = None  # as dict's
+        return name in self._computed()
 
     def __repr__(self) -> str:
-        return f"DeferredMetrics({dict.__repr__(self._computed())})"
-
-    def keys(self):
-        return dict.keys(self._computed())
-
-    def values(self):
-        return dict.values(self._computed())
-
-    def items(self):
-        return dict.items(self._computed())
-
-    def get(self, name, default=None):
-        return dict.get(self._computed(), name, default)
-
-    def pop(self, name, *default):
-        return dict.pop(self._computed(), name, *default)
-
-    def popitem(self):
-        return dict.popitem(self._computed())
-
-    def setdefault(self, name, default=None):
-        return dict.setdefault(self._computed(), name, default)
-
-    def update(self, *others, **values) -> None:
-        dict.update(self._computed(), *others, **values)
+        return f"DeferredMetrics({self._computed()!r})"
 
     def clear(self) -> None:
-        self._compute = self._stream = None
-        dict.clear(self)
+        with self._lock:  # a reader computing meanwhile must not refill it
+            self._values, self._compute, self._stream = {}, None, None
 
     def copy(self) -> Dict[str, torch.Tensor]:
-        return dict(self.items())
+        return dict(self._computed())
 
     def __copy__(self) -> Dict[str, torch.Tensor]:
         return self.copy()
@@ -452,20 +420,17 @@ class DeferredMetrics(dict):
         return copy.deepcopy(self.copy(), memo)
 
     def __or__(self, other):
-        return self.copy().__or__(other)
+        return {**self._computed(), **other} if isinstance(other, Mapping) else NotImplemented
 
     def __ror__(self, other):
-        return dict(other).__or__(self.copy()) if isinstance(other, dict) else NotImplemented
+        return {**other, **self._computed()} if isinstance(other, Mapping) else NotImplemented
 
     def __ior__(self, other):
         self.update(other)
         return self
 
     def __reduce__(self):
-        return collections.OrderedDict, (list(self.items()),)
-
-    def __reduce_ex__(self, protocol):
-        return self.__reduce__()
+        return collections.OrderedDict, (list(self._computed().items()),)
 
 
 def _on_stream(stream, compute: Callable[[], Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
@@ -489,12 +454,16 @@ def _flatten_deferred(metrics: DeferredMetrics):
     return list(metrics.values()), list(metrics.keys())
 
 
+def _flatten_deferred_with_keys(metrics: DeferredMetrics):
+    return [(torch.utils._pytree.MappingKey(name), value) for name, value in metrics.items()], list(metrics.keys())
+
+
 def _unflatten_deferred(values, names) -> Dict[str, torch.Tensor]:
     return dict(zip(names, values))
 
 
-# tree_map(f, metrics) maps the values and gives a dict, as for the dict the torch stage returns (registered with
-# the Python pytree; its types are rlkernels' own, so no other library's behaviour changes)
+# tree_map(f, metrics) maps the values and gives a dict, as for the dict the torch stage returns; paths are the
+# dict's (registered with the Python pytree; its type is rlkernels' own, so no other library's behaviour changes)
 torch.utils._pytree.register_pytree_node(
     DeferredMetrics, _flatten_deferred, _unflatten_deferred,
-    serialized_type_name="rlkernels.stage.metrics.DeferredMetrics")
+    serialized_type_name="rlkernels.stage.metrics.DeferredMetrics", flatten_with_keys_fn=_flatten_deferred_with_keys)

@@ -221,17 +221,20 @@ def test_deferred_metrics_are_computed_once_when_first_read():
 
 @needs_cpu_kernels
 def test_deferred_metrics_go_where_a_dict_goes():
-    """What trainers and their libraries do with a metrics dict, each on metrics not read yet: check it is a dict,
-    pickle it (Ray, a queue, torch.save with torch.load's default weights_only=True), copy it, merge it with `|` or
-    `**`, compare it, tree_map it, rebuild it as type(m)(items) (accelerate's send_to_device and gather_for_metrics);
-    each gives the values. (Found by review: it was a Mapping and not a dict, and weights_only refused its pickle.)"""
+    """What trainers and their libraries do with a metrics dict, each on metrics not read yet: pickle it (Ray, a
+    queue, torch.save with torch.load's default weights_only=True), copy it, merge it with `|` or `**`, compare it
+    (with an OrderedDict on the left too), tree_map it (with paths), rebuild it as type(m)(items) or type(m)(**items)
+    (accelerate's send_to_device and gather_for_metrics); each gives the values. JSON refuses it loudly: a dict
+    subclass gave '{}' there, before its first read (found by review), hence a Mapping that is not a dict."""
     import copy
     import io
+    import json
     import pickle
+    from collections.abc import Mapping
 
     def fresh():
         metrics = _policy_call(metrics="all", fused_stage=True, backend="cpu")[0]().metrics
-        assert isinstance(metrics, DeferredMetrics) and not metrics.ready
+        assert isinstance(metrics, DeferredMetrics) and isinstance(metrics, Mapping) and not metrics.ready
         return metrics
 
     want = dict(fresh())
@@ -251,29 +254,36 @@ def test_deferred_metrics_go_where_a_dict_goes():
                 lambda m: torch.utils._pytree.tree_map(lambda t: t, m)):
         got = use(fresh())
         assert isinstance(got, dict) and got == want and list(got) == list(want)
-    assert isinstance(fresh(), dict) and fresh() == want and want == fresh() and fresh() == fresh()
-    assert not (fresh() != want) and fresh() != {}
+    assert fresh() == want and want == fresh() and fresh() == fresh() and collections.OrderedDict(want) == fresh()
+    assert not (fresh() != want) and fresh() != {} and not (collections.OrderedDict(want) != fresh())
     assert len(fresh()) == len(want) and "actor/pg_loss" in fresh() and list(reversed(fresh())) == list(want)[::-1]
     assert "%(actor/pg_loss)s" % fresh() == str(want["actor/pg_loss"])
     assert type(saved(fresh(), True)) is collections.OrderedDict  # the dict type weights_only=True rebuilds
+    paths, _ = torch.utils._pytree.tree_flatten_with_path(fresh())
+    assert [path[0].key for path, _ in paths] == list(want)
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        json.dumps(fresh(), default=lambda value: float(value) if isinstance(value, torch.Tensor) else
+                   json.JSONEncoder().default(value))
     metrics = fresh()
     assert (metrics | {"x": 1.0})["x"] == 1.0 and ({"x": 1.0} | metrics).keys() == {"x", *want}
     metrics |= {"x": 1.0}
     assert metrics.keys() == {"x", *want} and metrics.pop("x") == 1.0 and metrics == want
-    rebuilt = type(metrics)({name: value * 2 for name, value in fresh().items()})
-    assert rebuilt.ready and len(rebuilt) == len(want)
-    assert torch.equal(rebuilt["actor/pg_loss"], want["actor/pg_loss"] * 2)
+    for rebuilt in (type(metrics)({name: value * 2 for name, value in fresh().items()}),
+                    type(metrics)(**{name.replace("/", "_"): value * 2 for name, value in fresh().items()})):
+        assert rebuilt.ready and len(rebuilt) == len(want)
+        assert torch.equal(rebuilt.get("actor/pg_loss", rebuilt.get("actor_pg_loss")), want["actor/pg_loss"] * 2)
     cleared = fresh()
     cleared.clear()
     assert cleared.ready and cleared == {}
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("reader", ["autocast", "grad", "thread"])
+@pytest.mark.parametrize("reader", ["autocast", "grad", "inference", "thread"])
 def test_deferred_metrics_are_the_calls_whoever_reads_them(reader):
     """The metrics are the same bits whether read where the call ran or inside autocast (which they do not restore:
-    no op of theirs is autocast-eligible), with grad enabled (they are computed under no_grad), or from other threads
-    (computed once: the second reader waits)."""
+    no op of theirs is autocast-eligible), with grad enabled (they are computed under no_grad), inside inference mode
+    (they are computed in the call's: a logger may still edit them in place outside it), or from other threads
+    (computed once: the second reader waits; a clear() meanwhile is not undone by the reader)."""
     import threading
     import time
 
@@ -290,6 +300,11 @@ def test_deferred_metrics_are_the_calls_whoever_reads_them(reader):
         with torch.enable_grad():
             got = dict(metrics)
         assert not any(value.requires_grad for value in got.values())
+    elif reader == "inference":
+        with torch.inference_mode():
+            got = dict(metrics)
+        assert not any(value.is_inference() for value in got.values())
+        got["actor/pg_loss"].clone().add_(0.0), metrics["actor/pg_loss"].add_(0.0)
     else:
         computed, seen = [], []
         compute = metrics._compute
@@ -301,6 +316,15 @@ def test_deferred_metrics_are_the_calls_whoever_reads_them(reader):
             thread.join(timeout=60)
         assert computed == [1] and len(seen) == 4
         got = seen[-1]
+        racing = call().metrics
+        compute = racing._compute
+        racing._compute = lambda: time.sleep(0.2) or compute()
+        reader = threading.Thread(target=lambda: len(racing))
+        reader.start()
+        time.sleep(0.05)
+        racing.clear()
+        reader.join(timeout=60)
+        assert racing.ready and len(racing) == 0
     _assert_same_metrics(got, want)
 
 
