@@ -926,14 +926,14 @@ enum OptionCode {
   kProximal, kWeighted, kIsLevel, kIsMask, kRsK1Sum, kRsK1Mean, kRsK3Sum, kRsK3Mean, kRatioClamp, kDualClip,
   kKlType, kKlStraight, kAggregation, kSeqMeanOverAll, kGlobalTokens, kGlobalSeqs, kScaleFactor, kNormalize,
   kEntropyAggregation, kPolicy, kSeqMeanAdvantages, kZeroWeight, kKlScore, kRsToken, kRsAll, kSeqTokensKept,
-  kGivenWeights, kCispoCap, kKlBiasCorrection, kSampler, kLogRatioSq, kRsK2, kRsK3Max, kRsBinary, kOptionCount
+  kGivenWeights, kCispoCap, kKlBiasCorrection, kSampler, kLogRatioSq, kRsK2, kRsK3Max, kRsBinary, kOpsm, kOptionCount
 };
 enum HyperCode {
   kIsLo, kIsHi, kK1SumLo, kK1SumHi, kK1MeanLo, kK1MeanHi, kK3SumMax, kK3MeanMax, kRatioClampValue, kClipLo, kClipHi,
   kClipC, kTokenK1Lo, kTokenK1Hi, kTokenK2Max, kTokenK3Max, kAllK1Lo, kAllK1Hi, kCispoCapValue, kBinaryTvLow,
   kBinaryTvHigh, kIpoKlTau, kIpoEps, kDroBeta, kTauPos, kTauNeg, kEpsLo, kEpsHi, kK2SumMax, kK2MeanMax, kK2MaxBound,
-  kK3MaxBound, kTokenBklMax, kTokenBtvMax, kBklMeanMax, kBtvMeanMax, kKlCoef, kEntropyCoeff, kGlobalTokensValue,
-  kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef, kHyperCount
+  kK3MaxBound, kTokenBklMax, kTokenBtvMax, kBklMeanMax, kBtvMeanMax, kOpsmThreshold, kKlCoef, kEntropyCoeff,
+  kGlobalTokensValue, kGlobalSeqsValue, kScaleFactorValue, kLogRatioSqCoef, kHyperCount
 };
 constexpr float kClamp = 20.0f;  // SPEC §4: importance log-ratios are clamped to [-20, 20] before exp
 // a sequence's record: policy-term sum, KL sum, entropy sum (over m'), final length, width, the IS weights' sum (the
@@ -1283,7 +1283,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   const bool uses_behaviour = (policy >= kBinaryTv && policy <= kIpo) || o[kLogRatioSq];
   // the tokens the token_* options keep (kept_length_sum) and those outside seq_all_k1's band
   LaneSum length_sum, delta_sum, k1_sum, k3_sum, pg_delta_sum, adv_sum, kept_length_sum, rejecting_sum, k2_sum,
-      bkl_sum, btv_sum;
+      bkl_sum, btv_sum, opsm_sum;
   // the maxima over m (correction's add_max), and whether a statistic is NaN (its maximum then is, as torch's)
   float k2_peak = -std::numeric_limits<float>::infinity(), k3_peak = k2_peak;
   bool nan_peak = false;
@@ -1323,6 +1323,11 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
       pg_delta_sum.add(t, summed ? lp - proximal(in, t, m, lp, o) : 0.0f);
     }
     if (o[kSeqMeanAdvantages]) adv_sum.add(t, summed ? on_mask(in.adv, t, m) : 0.0f);
+    if (o[kOpsm]) {  // loss._kept_sums' opsm: the behaviour policy's log-prob less the current one
+      const float lp = on_mask(in.lp, t, m);
+      const float behaviour = o[kSampler] ? on_mask(in.rollout, t, m) : proximal(in, t, m, lp, o);
+      opsm_sum.add(t, summed ? behaviour - lp : 0.0f);
+    }
   }
   const float length = length_sum.total(), count = std::max(length, 1.0f), k1 = k1_sum.total(), k3 = k3_sum.total();
   const float kept_length = token_kinds ? kept_length_sum.total() : length;
@@ -1361,6 +1366,8 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
   // the sequence's mean policy log-ratio and advantage over its final mask
   const float log_s = sequence_ratio ? pg_delta_sum.total() / final_count : 0.0f;
   const float seq_adv = o[kSeqMeanAdvantages] ? adv_sum.total() / final_count : 0.0f;
+  // OPSM: the sequence's mean sampler-to-current log-ratio over m' within delta (a NaN one is not)
+  const bool opsm_within = o[kOpsm] && opsm_sum.total() / final_count <= h[kOpsmThreshold];
   LaneSum pg, kl_sum, entropy_sum, kept_count, weight_sum, grad_sum, sq_sum;
   for (int64_t t = start; t < end; ++t) {
     const bool m = in.mask[t];
@@ -1407,6 +1414,7 @@ __attribute__((noinline)) void sequence(int64_t s, const Inputs& in, const Outpu
     } else {
       trust_region_term(lp, behaviour, adv, w, o, h, term, grad);
     }
+    if (o[kOpsm] && !(adv >= 0.0f || opsm_within)) term = 0.0f, grad = 0.0f;  // loss._weigh_and_mask
     pg.add(t, kept ? term : 0.0f);
     if (chained(o)) {
       grad_sum.add(t, kept ? grad : 0.0f);

@@ -40,7 +40,9 @@ SEQUENCE_HYPERPARAMETERS = ("is_lo", "is_hi", "k1_sum_lo", "k1_sum_hi", "k1_mean
                             # the bounds of k2's sum, mean and maximum over the sequence, and of k3's maximum
                             "k2_sum_max", "k2_mean_max", "k2_max_bound", "k3_max_bound",
                             # the binary divergences' bounds: of each token, of the sequence's mean
-                            "token_bkl_max", "token_btv_max", "bkl_mean_max", "btv_mean_max")
+                            "token_bkl_max", "token_btv_max", "bkl_mean_max", "btv_mean_max",
+                            # DeepSeek-V3.2's off-policy sequence mask's delta
+                            "opsm_threshold")
 # the statistics the token_* options bound, as bits of RS_TOKEN: the k-statistics, the binary KL and TV
 TOKEN_KINDS = {"k1": 1, "k2": 2, "k3": 4, "bkl": 8, "btv": 16}
 # the binary divergences' means over the sequence (seq_mean_bkl, seq_mean_btv), as bits of RS_BINARY
@@ -75,7 +77,8 @@ def option_codes(options: dict) -> dict:
         SAMPLER=options["sampler"], LOG_RATIO_SQ=options["log_ratio_sq"],
         RS_K2=sum(bit for scope, bit in K2_SCOPES.items() if f"seq_{scope}_k2" in rejection),
         RS_K3_MAX="seq_max_k3" in rejection,
-        RS_BINARY=sum(bit for kind, bit in BINARY_MEANS.items() if f"seq_mean_{kind}" in rejection))
+        RS_BINARY=sum(bit for kind, bit in BINARY_MEANS.items() if f"seq_mean_{kind}" in rejection),
+        OPSM=options["opsm"])
 
 
 class TokenFactors(NamedTuple):

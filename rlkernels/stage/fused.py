@@ -16,11 +16,11 @@ options), on k1, k2 or k3 of each token (token_*) or k1 of every token of the se
 on the binary KL or TV of each token or their means over the sequence (token_bkl / btv, seq_mean_bkl / btv: OpenRLHF's
 gates), the sequence statistics over m or over the tokens the token options keep (seq_tokens), leaving m' or zeroing the
 weights (rs_mode="zero_weight": OpenRLHF's, NeMo-RL's); each sequence's mean advantage (seq_mean_advantages: AReaL's);
-the KL penalties k1, k2, abs, k3, k3_unclamped and their straight-through forms, with or without the score term
-(kl_score_gradient: NeMo-RL's) or times the policy ratio (kl_bias_correction: TRL's, DeepSeek-V3.2's; through the
-sequence's ratio at ratio_level="sequence"); the entropy bonus at the loss's aggregation or its own (entropy_agg_mode:
-TRL's "token-mean"); every aggregation mode, with the global counts; a trainer's own IS weights (is_weights: verl's,
-TRL's, prime-rl's).
+DeepSeek-V3.2's off-policy sequence mask (off_policy_mask_threshold: TRL's); the KL penalties k1, k2, abs, k3,
+k3_unclamped and their straight-through forms, with or without the score term (kl_score_gradient: NeMo-RL's) or times
+the policy ratio (kl_bias_correction: TRL's, DeepSeek-V3.2's; through the sequence's ratio at ratio_level="sequence");
+the entropy bonus at the loss's aggregation or its own (entropy_agg_mode: TRL's "token-mean"); every aggregation mode,
+with the global counts; a trainer's own IS weights (is_weights: verl's, TRL's, prime-rl's).
 Everything else keeps the torch stage (`loss.run`): the other rejection statistics (the binary divergences' maxima,
 the sampler's KL), the other loss types (GMPO's geometric mean, Clip-Cov / KL-Cov, KPop's
 trust region among them), split batches, the sampler's evidence.
@@ -81,7 +81,7 @@ def blocker(batch, config, dtype: torch.dtype) -> Optional[str]:
         return (f"loss_type={config.loss_type!r}, ratio_level={config.ratio_level!r} (PPO's clip, CISPO and SAPO of "
                 "the token's or the sequence's ratio, GSPO's token form, GPG, DRO, DPPO, or the binary-TV and IPO "
                 "trust regions)")
-    for name in ("off_policy_mask_threshold", "m2po_threshold", "vaco_threshold"):
+    for name in ("m2po_threshold", "vaco_threshold"):
         if getattr(config, name) is not None:  # a threshold of 0 is on
             return f"{name}={getattr(config, name)!r}"
     own = LOSS_TERMS[config.loss_type].aggregation
@@ -175,6 +175,8 @@ def factors_blocker(config) -> Optional[str]:
         return f"{name} (the one-pass kernel forms the KL's plain derivative)"
     if config.log_ratio_sq_coef:
         return "log_ratio_sq_coef (the one-pass kernel forms no term of the sampler's log-ratio)"
+    if config.off_policy_mask_threshold is not None:
+        return "off_policy_mask_threshold (its sequence mask reads the current log-probs, which the factors precede)"
     return None
 
 
@@ -221,6 +223,7 @@ def _launch_arguments(stats, batch, config):
     kl = batch.ref_logprobs is not None and bool(config.kl_coef)
     entropy_term = stats.entropy is not None and (config.adaptive_entropy or bool(config.entropy_coeff))
     proximal = 1 if batch.old_logprobs is not None else 2 if batch.rollout_logprobs is not None else 0
+    opsm = config.off_policy_mask_threshold is not None  # DeepSeek-V3.2's off-policy sequence mask
     inputs = KernelInputs(stats.logprobs, stats.entropy if entropy_term else None, batch.advantages, batch.mask,
                           batch.old_logprobs, batch.rollout_logprobs,
                           batch.ref_logprobs if kl else None, seg.cu_seqlens, seg.padded_T or 0, seg.seq_id,
@@ -244,8 +247,8 @@ def _launch_arguments(stats, batch, config):
         # the sampler's log-probs, given and read: what the trust regions and the log-ratio square are taken against
         # (a flag set only where read, so that no other call compiles a variant of its own)
         sampler=batch.rollout_logprobs is not None and (config.loss_type in _TRUST_REGIONS or
-                                                        bool(config.log_ratio_sq_coef)),
-        log_ratio_sq=bool(config.log_ratio_sq_coef),
+                                                        bool(config.log_ratio_sq_coef) or opsm),
+        log_ratio_sq=bool(config.log_ratio_sq_coef), opsm=opsm,
         seq_tokens_kept=rc is not None and bool(rc.rs) and rc.seq_tokens == "kept",
         cispo_cap=config.loss_type == "cispo" and config.cispo_cap is not None)
     return inputs, options, _hyperparameters(config, rc)
@@ -294,5 +297,6 @@ def _hyperparameters(config, rc) -> dict:
         eps_hi=float(config.clip_ratio_high), k2_sum_max=float(bounds.get("seq_sum_k2", 0.0)),
         k2_mean_max=float(bounds.get("seq_mean_k2", 0.0)), k2_max_bound=float(bounds.get("seq_max_k2", 0.0)),
         k3_max_bound=float(bounds.get("seq_max_k3", 0.0)), token_bkl_max=upper["token_bkl"],
-        token_btv_max=upper["token_btv"], bkl_mean_max=upper["seq_mean_bkl"], btv_mean_max=upper["seq_mean_btv"])
+        token_btv_max=upper["token_btv"], bkl_mean_max=upper["seq_mean_bkl"], btv_mean_max=upper["seq_mean_btv"],
+        opsm_threshold=float(config.off_policy_mask_threshold or 0.0))
 

@@ -196,6 +196,7 @@ def test_without_validation_on_cpu_tensors(tier):
     (dict(kl_coef=0.1, kl_score_gradient=True), "kl_score_gradient"),
     (dict(kl_coef=0.1, kl_bias_correction=True), "kl_bias_correction"),
     (dict(log_ratio_sq_coef=1e-3), "log_ratio_sq_coef"),
+    (dict(off_policy_mask_threshold=0.05), "off_policy_mask_threshold"),
     (dict(loss_type="cispo"), "loss_type='cispo' (the one-pass kernel forms PPO's clip)"),
     (dict(fused_stage=False), "the fused stage's kernels are not the pass's backend's"),
     (dict(numerics="vllm"), "a numerics mode"),

@@ -107,6 +107,8 @@ def family_configs(draw, mode: str, one_pass: bool = False):
         binary_tv_low=draw(st.sampled_from((0.2, 0.02))), binary_tv_high=draw(st.sampled_from((0.2, 0.05))),
         ipo_kl_tau=draw(st.sampled_from((0.0, 0.01))), ipo_eps=draw(st.sampled_from((0.3, 0.05))),
         log_ratio_sq_coef=0.0 if one_pass else draw(st.sampled_from((0.0, 0.0, 1e-3, 0.1))),
+        # DeepSeek-V3.2's off-policy sequence mask (TRL's); 0 is a threshold, not "off"
+        off_policy_mask_threshold=None if one_pass else draw(st.sampled_from((None, None, None, 0.0, 0.05))),
         global_num_tokens=13.0 if globals_ else None, global_num_seqs=3.0 if globals_ else None,
         loss_scale_factor=draw(st.sampled_from((None, 4.0))), seq_mean_over=draw(st.sampled_from(("nonempty", "all"))),
         log_ratio_clamp=draw(st.sampled_from((20.0, 5.0, None))), metrics="loss_only", validate=False)
@@ -399,8 +401,8 @@ def _policy_call(**overrides):
 @pytest.mark.parametrize("override, reason", [
     (dict(loss_type="geo_mean"), "loss_type='geo_mean'"),
     (dict(loss_type="kl_cov"), "loss_type='kl_cov'"),
-    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-    (dict(off_policy_mask_threshold=0.0), "off_policy_mask_threshold=0.0"),  # 0 is a threshold, not "off"
+    (dict(m2po_threshold=0.5), "m2po_threshold"),
+    (dict(vaco_threshold=0.1), "vaco_threshold=0.1"),
     (dict(rollout_correction=RolloutCorrection.token_tis(rs={"seq_max_bkl": 0.1})), "rejection options"),
     (dict(rollout_correction=RolloutCorrection(rs={"seq_max_btv": 0.5})), "rejection options"),
     (dict(loss_type="kpop", rollout_correction=None), "loss_type='kpop'"),
@@ -688,6 +690,53 @@ def test_openrlhfs_binary_gates(level, gating, backend):
     assert_close(got.is_weights, want.is_weights, **tol("reordered", F32), name="is_weights")
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
     assert_close(got_lp, want_lp, **tol("reordered", F32, scale=float(want_lp.abs().amax())), name="dlogprobs")
+
+
+@pytest.mark.parametrize("mode, policy", [("decoupled", {}), ("bypass", {}),
+                                          ("decoupled", dict(ratio_level="sequence", loss_type="cispo")),
+                                          ("decoupled", dict(loss_type="dro", dro_beta=0.1))])
+@implementations
+def test_the_off_policy_sequence_mask(mode, policy, backend):
+    """DeepSeek-V3.2's off-policy sequence mask (off_policy_mask_threshold, TRL's): the policy term is zeroed for the
+    tokens with A < 0 of the sequences whose mean log-ratio of the sampler to the current policy over m' exceeds
+    delta; 24 sequences whose current policy drifts from the sampler more with their index, so that some exceed it
+    and some do not (asserted from the inputs), with advantages of both signs and 0 (kept: DRO's term is not 0
+    there) in each. Decoupled, π_old lies 0.05 from the sampler (the mask is taken against the sampler, not π_old)
+    and a token_k1 band drops some tokens (the mean is over m'). Loss and each token's gradient as the torch
+    stage's; without a KL or entropy term, a masked token's gradient is exactly 0."""
+    g = torch.Generator().manual_seed(14)
+    S, T, delta = 24, 10, 0.05
+    N = S * T
+    cu = torch.arange(0, N + 1, T)
+    rollout = -torch.rand(N, generator=g) * 3
+    drift = torch.linspace(0.0, 0.2, S).repeat_interleave(T)
+    lp = rollout - drift + 0.01 * torch.randn(N, generator=g)  # the sampler's log-prob above the current one
+    old = rollout + 0.05 + 0.01 * torch.randn(N, generator=g)
+    adv, mask = torch.randn(N, generator=g), torch.rand(N, generator=g) > 0.1
+    adv[::7] = 0.0
+    seq_kl = torch.where(mask, rollout - lp, 0.0).view(S, T).sum(1) / mask.view(S, T).sum(1).clamp_min(1)
+    assert bool((seq_kl > delta).any()) and bool((seq_kl < delta).any())
+    decoupled = mode == "decoupled"
+    band = RolloutCorrection.token_tis(rs={"token_k1": (1.045, 1.06)})  # rho = e^(old - rollout) ~ e^0.05
+    config = PolicyLossConfig(off_policy_mask_threshold=delta, metrics="loss_only", validate=False, backend=backend,
+                              rollout_correction=band if decoupled else None, **policy)
+    results = []
+    for fused_stage in (False, True):
+        leaf = lp.clone().requires_grad_(True)
+        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old if decoupled else None,
+                                       rollout_logprobs=rollout, cu_seqlens=cu,
+                                       config=config.with_overrides(fused_stage=fused_stage))
+        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
+        results.append((out, *torch.autograd.grad(out.loss, leaf)))
+    (want, want_lp), (got, got_lp) = results
+    masked = want.mask & (adv < 0) & (seq_kl > delta).repeat_interleave(T)  # (seq_kl over m: the mean's a guide)
+    assert int(masked.sum()) >= 10
+    if policy.get("loss_type") != "dro":
+        assert bool((want_lp[masked] == 0).all()) and bool((got_lp[masked] == 0).all())
+    assert torch.equal(got.mask, want.mask) and (not decoupled or int((mask & ~want.mask).sum()) >= 10)
+    assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
+    scale = float(want_lp.abs().amax()) if policy else 0.0  # a sequence's tokens share its mean; else each its own
+    assert_close(got_lp, want_lp, **tol("reordered", F32, scale=scale), name="dlogprobs")
 
 
 @pytest.mark.parametrize("loss_type", ["gpg", "dro", "dppo_tv", "dppo_kl"])
@@ -984,6 +1033,8 @@ def test_the_one_pass_chunks_take_it_with_every_metric(monkeypatch):
     ("token-mean", dict(rollout_correction=RolloutCorrection(
         is_level="token", is_threshold=(0.0, math.inf), is_mode="mask", rs={"token_bkl": 1e-4, "seq_mean_btv": 3e-3},
         rs_mode="zero_weight"))),
+    # DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold) at a delta inside the batch's spread
+    ("token-mean", dict(off_policy_mask_threshold=2e-4)),
 ])
 def test_on_a_gpu_the_default_takes_it_and_matches_the_torch_stage(agg, policy):
     """On CUDA, fused_stage=None with metrics="loss_only" runs the two kernels (compiled for the device, not

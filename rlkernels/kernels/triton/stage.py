@@ -382,7 +382,7 @@ def _sequence_kernel(
     is_lo, is_hi, k1_sum_lo, k1_sum_hi, k1_mean_lo, k1_mean_hi, k3_sum_max, k3_mean_max, ratio_clamp, clip_lo,
     clip_hi, clip_c, token_k1_lo, token_k1_hi, token_k2_max, token_k3_max, all_k1_lo, all_k1_hi, cispo_cap,
     binary_tv_low, binary_tv_high, ipo_kl_tau, ipo_eps, dro_beta, tau_pos, tau_neg, eps_lo, eps_hi, k2_sum_max,
-    k2_mean_max, k2_max_bound, k3_max_bound, token_bkl_max, token_btv_max, bkl_mean_max, btv_mean_max,
+    k2_mean_max, k2_max_bound, k3_max_bound, token_bkl_max, token_btv_max, bkl_mean_max, btv_mean_max, opsm_threshold,
     # the option set
     HAS_CU: tl.constexpr, HAS_ENTROPY: tl.constexpr, PROXIMAL: tl.constexpr, WEIGHTED: tl.constexpr,
     IS_LEVEL: tl.constexpr, IS_MASK: tl.constexpr, RS_K1_SUM: tl.constexpr, RS_K1_MEAN: tl.constexpr,
@@ -391,7 +391,7 @@ def _sequence_kernel(
     ZERO_WEIGHT: tl.constexpr, KL_SCORE: tl.constexpr, RS_TOKEN: tl.constexpr, RS_ALL: tl.constexpr,
     SEQ_TOKENS_KEPT: tl.constexpr, GIVEN_WEIGHTS: tl.constexpr, CISPO_CAP: tl.constexpr,
     KL_BIAS_CORRECTION: tl.constexpr, SAMPLER: tl.constexpr, LOG_RATIO_SQ: tl.constexpr, RS_K2: tl.constexpr,
-    RS_K3_MAX: tl.constexpr, RS_BINARY: tl.constexpr, BLOCK: tl.constexpr,
+    RS_K3_MAX: tl.constexpr, RS_BINARY: tl.constexpr, OPSM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Long on purpose: the two reads and the decisions between them are one sequence's work, in the torch stage's
     # order (correction.token_terms -> decide -> loss.run), and split into helpers they would pass a dozen values.
@@ -432,6 +432,7 @@ def _sequence_kernel(
     nan_acc = tl.zeros([BLOCK], tl.float32)  # a NaN statistic makes its maximum NaN, as torch's max
     bkl_acc = tl.zeros([BLOCK], tl.float32)
     btv_acc = tl.zeros([BLOCK], tl.float32)
+    opsm_acc = tl.zeros([BLOCK], tl.float32)  # the sampler's log-ratio to the current policy (OPSM)
     for off in range(start, end, BLOCK):
         idx = off + offs
         inside = idx < end
@@ -485,6 +486,12 @@ def _sequence_kernel(
             pg_delta_acc += tl.where(summed, lp - _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL), 0.0)
         if SEQ_MEAN_ADVANTAGES:
             adv_acc += tl.where(summed, on_mask(adv_ptr, idx, inside, m), 0.0)
+        if OPSM:  # loss._kept_sums' opsm: the behaviour policy's log-prob less the current one
+            lp = on_mask(lp_ptr, idx, inside, m)
+            if SAMPLER:
+                opsm_acc += tl.where(summed, on_mask(rollout_ptr, idx, inside, m) - lp, 0.0)
+            else:
+                opsm_acc += tl.where(summed, _proximal(lp, old_ptr, rollout_ptr, idx, inside, m, PROXIMAL) - lp, 0.0)
     length = tl.sum(length_acc, 0)
     count = tl.maximum(length, 1.0)
     kept_length = length
@@ -555,6 +562,11 @@ def _sequence_kernel(
     seq_adv = tl.zeros([BLOCK], tl.float32)
     if SEQ_MEAN_ADVANTAGES:  # AReaL's: each token of m' takes its sequence's mean advantage
         seq_adv += tl.sum(adv_acc, 0) / final_count
+    # OPSM: whether the sequence's mean sampler-to-current log-ratio over m' is within delta (a NaN one is not), as
+    # a block (a 0-d flag does not combine with blocks in the interpreter)
+    opsm_within = tl.zeros([BLOCK], tl.float32)
+    if OPSM:
+        opsm_within += tl.where(tl.sum(opsm_acc, 0) / final_count <= opsm_threshold, 1.0, 0.0)
 
     # -- second read: each token's weight, final mask, policy term and derivatives, and the sequence's loss sums
     pg_acc = tl.zeros([BLOCK], tl.float32)
@@ -634,6 +646,10 @@ def _sequence_kernel(
         if WEIGHTED:
             term = term * w
             grad = grad * w
+        if OPSM:  # zero policy term for A < 0 in a sequence too far off-policy (loss._weigh_and_mask)
+            opsm_keep = (adv >= 0) | (opsm_within != 0.0)
+            term = tl.where(opsm_keep, term, 0.0)
+            grad = tl.where(opsm_keep, grad, 0.0)
         pg_acc += tl.where(kept, term, 0.0)
         if CHAINED:
             g_acc += tl.where(kept, grad, 0.0)
@@ -933,7 +949,7 @@ _SEQUENCE_OPTIONS = ("PROXIMAL", "WEIGHTED", "IS_LEVEL", "IS_MASK", "RS_K1_SUM",
                      "RS_K3_MEAN", "RATIO_CLAMP", "DUAL_CLIP", "KL_TYPE", "KL_STRAIGHT", "POLICY",
                      "SEQ_MEAN_ADVANTAGES", "ZERO_WEIGHT", "KL_SCORE", "RS_TOKEN", "RS_ALL", "SEQ_TOKENS_KEPT",
                      "GIVEN_WEIGHTS", "CISPO_CAP", "KL_BIAS_CORRECTION", "SAMPLER", "LOG_RATIO_SQ", "RS_K2",
-                     "RS_K3_MAX", "RS_BINARY")
+                     "RS_K3_MAX", "RS_BINARY", "OPSM")
 _FINISH_OPTIONS = ("AGGREGATION", "SEQ_MEAN_OVER_ALL", "GLOBAL_TOKENS", "GLOBAL_SEQS", "SCALE_FACTOR", "NORMALIZE",
                    "ENTROPY_AGGREGATION")
 
@@ -945,7 +961,7 @@ def _sequence_option_sets():
                 RS_K3_SUM=False, RS_K3_MEAN=False, RATIO_CLAMP=True, DUAL_CLIP=True, KL_TYPE=0, KL_STRAIGHT=False,
                 POLICY=0, SEQ_MEAN_ADVANTAGES=False, ZERO_WEIGHT=False, KL_SCORE=False, RS_TOKEN=0, RS_ALL=False,
                 SEQ_TOKENS_KEPT=False, GIVEN_WEIGHTS=False, CISPO_CAP=False, KL_BIAS_CORRECTION=False, SAMPLER=False,
-                LOG_RATIO_SQ=False, RS_K2=0, RS_K3_MAX=False, RS_BINARY=0)
+                LOG_RATIO_SQ=False, RS_K2=0, RS_K3_MAX=False, RS_BINARY=0, OPSM=False)
     return [
         dict(base, PROXIMAL=0, DUAL_CLIP=False, RATIO_CLAMP=False),
         dict(base, WEIGHTED=True, IS_LEVEL=2, RS_K1_SUM=True, KL_TYPE=4),
@@ -992,6 +1008,8 @@ def _sequence_option_sets():
         dict(base, WEIGHTED=True, IS_LEVEL=1, IS_MASK=True, RS_TOKEN=8, ZERO_WEIGHT=True),
         dict(base, WEIGHTED=True, IS_LEVEL=1, IS_MASK=True, RS_BINARY=1, ZERO_WEIGHT=True),
         dict(base, WEIGHTED=True, IS_LEVEL=1, RS_TOKEN=17, RS_BINARY=2, SEQ_TOKENS_KEPT=True),
+        # DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold), on the sampler and on π_old
+        dict(base, SAMPLER=True, OPSM=True, KL_TYPE=4, KL_BIAS_CORRECTION=True), dict(base, OPSM=True, POLICY=1),
         # verl's DPPO regions
         dict(base, POLICY=12, DUAL_CLIP=False), dict(base, WEIGHTED=True, IS_LEVEL=1, POLICY=13, KL_TYPE=4),
         dict(base, SAMPLER=True, WEIGHTED=True, IS_LEVEL=1, RS_K1_SUM=True, LOG_RATIO_SQ=True),
