@@ -56,8 +56,8 @@ def _ppo_inputs(N: int, V: int, S: int, device: str, dtype: torch.dtype):
 # the trainers' own calls, each outside the fused stage's family until it took them: verl's GSPO with its own IS
 # weights, TRL's loss (it sets entropy_agg_mode on every call) and its GSPO with the bias-corrected KL, SkyRL's
 # token-level rejection over the kept tokens, NeMo-RL's zero-weight rejection with the KL's score term, prime-rl's
-# default loss, verl's SAPO, OpenRLHF's binary-KL gate; each with every metric, as the trainers log them. (options,
-# the trainer's own IS weights, bypass mode)
+# default loss, verl's SAPO, OpenRLHF's binary-KL gate, TRL's off-policy sequence mask; each with every metric, as the
+# trainers log them. (options, the trainer's own IS weights, bypass mode)
 TRAINERS = {
     "verl_gspo": (dict(loss_type="gspo", loss_agg_mode="seq-mean-token-mean"), True, False),
     "trl": (dict(loss_agg_mode="token-mean", entropy_agg_mode="token-mean", rollout_correction=RolloutCorrection(
@@ -86,6 +86,10 @@ TRAINERS = {
     "openrlhf_bkl": (dict(rollout_correction=RolloutCorrection(is_level="token", is_threshold=(0.0, math.inf),
                                                               is_mode="mask", rs={"token_bkl": 0.01},
                                                               rs_mode="zero_weight")), False, False),
+    # TRL's loss with DeepSeek-V3.2's off-policy sequence mask (its off_policy_mask_threshold)
+    "trl_opsm": (dict(loss_agg_mode="token-mean", entropy_agg_mode="token-mean", off_policy_mask_threshold=0.5,
+                      rollout_correction=RolloutCorrection(is_level="sequence", is_threshold=3.0, is_mode="mask")),
+                 False, False),
 }
 
 

@@ -171,12 +171,12 @@ def test_the_fused_stage_meets_the_hot_path_target(backend, metrics):
 
 @pytest.mark.skipif(not backends.is_available("cpu"), reason="the CPU kernels are not built here")
 @pytest.mark.parametrize("trainer", ["verl_gspo", "trl", "trl_gspo_kl", "skyrl", "nemo_rl", "prime_rl",
-                                     "prime_rl_ipo", "verl_sapo", "openrlhf_bkl"])
+                                     "prime_rl_ipo", "verl_sapo", "openrlhf_bkl", "trl_opsm"])
 def test_the_trainers_calls_take_the_fused_stage(trainer):
     """The trainers' own calls of benchmarks/launches.py TRAINERS (verl's GSPO with its IS weights, TRL's entropy
     aggregation and its bias-corrected KL, SkyRL's token rejection, NeMo-RL's zero weights and KL score term,
-    prime-rl's default, verl's SAPO, OpenRLHF's gate), every metric on, on the CPU kernels: the fused stage's hot
-    path (measured 22-26 launches, 35-39 ops), where the torch stage took 163-270 launches
+    prime-rl's default, verl's SAPO, OpenRLHF's gate, TRL's OPSM), every metric on, on the CPU kernels: the fused
+    stage's hot path (measured 22-26 launches, 35-39 ops), where the torch stage took 163-270 launches
     (`python -m benchmarks.launches --trainers`)."""
     launches = pytest.importorskip("benchmarks.launches")
     calls = launches.trainer_cases(256, 512, 8, "cpu", torch.float32)
