@@ -290,5 +290,5 @@ def test_the_stage_benchmark_sets_the_fused_stage_against_the_torch_stage(tmp_pa
     covered, family = rows
     assert {"eager_ms", "compiled_ms", "fused_ms"} <= set(covered)
     assert max(covered["loss_max_rel_diff"].values()) <= TOL[("reordered", torch.float32)].rtol
-    assert family["fused"].startswith("not covered: off_policy_mask_threshold=0.3")
+    assert family["fused"].startswith("not covered: m2po_threshold=0.04")  # its OPSM is covered since 7cbe13a
     assert json.loads((tmp_path / "s.json").read_text()) == rows
