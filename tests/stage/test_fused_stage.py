@@ -171,6 +171,19 @@ def _assert_same_metrics(got, want):
             (name, got[name], value)
 
 
+def _torch_and_fused(lp, adv, mask, config, backend, **inputs):
+    """((output, d loss / d lp) of the torch stage, the same of the fused stage) of one policy_loss call on the
+    statistics `lp`; the fused one runs the stage's kernels once, the torch one never."""
+    results = []
+    for fused_stage in (False, True):
+        leaf = lp.clone().requires_grad_(True)
+        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask,
+                                       config=config.with_overrides(fused_stage=fused_stage), **inputs)
+        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
+        results.append((out, *torch.autograd.grad(out.loss, leaf)))
+    return results
+
+
 def _largest_ratio(batch, mode: str, config, logprobs) -> float:
     """The largest policy ratio r on the mask (1 at least). The bias-corrected KL is k r: k3 = e^d - d - 1 cancels
     to ~1e-3 from parts of ~1, so an ulp of e^d in either implementation's exp (1e-7) is a relative error of 1e-4 in
@@ -631,15 +644,8 @@ def test_k2_and_maximum_rejection(option, bound, seq_tokens, backend):
     config = PolicyLossConfig(rollout_correction=RolloutCorrection(is_level="sequence", is_threshold=3.0, rs=rs,
                                                                    seq_tokens=seq_tokens),
                               metrics="loss_only", validate=False, backend=backend)
-    results = []
-    for fused_stage in (False, True):
-        leaf = lp.clone().requires_grad_(True)
-        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old,
-                                       rollout_logprobs=rollout, cu_seqlens=cu,
-                                       config=config.with_overrides(fused_stage=fused_stage))
-        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
-        results.append((out, *torch.autograd.grad(out.loss, leaf)))
-    (want, want_lp), (got, got_lp) = results
+    (want, want_lp), (got, got_lp) = _torch_and_fused(lp, adv, mask, config, backend, old_logprobs=old,
+                                                     rollout_logprobs=rollout, cu_seqlens=cu)
     kept_sequences = want.mask.view(S, T).any(1)
     assert 3 <= int(kept_sequences.sum()) <= S - 4, kept_sequences
     assert torch.equal(got.mask, want.mask)
@@ -675,15 +681,8 @@ def test_openrlhfs_binary_gates(level, gating, backend):
     mask[:T] = False
     rc = rollout_correction_from_openrlhf(level, "mask", gating, (0.5, 0.01 if gating == "binary_kl" else 0.05))
     config = PolicyLossConfig(rollout_correction=rc, metrics="loss_only", validate=False, backend=backend)
-    results = []
-    for fused_stage in (False, True):
-        leaf = lp.clone().requires_grad_(True)
-        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old,
-                                       rollout_logprobs=rollout, cu_seqlens=cu,
-                                       config=config.with_overrides(fused_stage=fused_stage))
-        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
-        results.append((out, *torch.autograd.grad(out.loss, leaf)))
-    (want, want_lp), (got, got_lp) = results
+    (want, want_lp), (got, got_lp) = _torch_and_fused(lp, adv, mask, config, backend, old_logprobs=old,
+                                                     rollout_logprobs=rollout, cu_seqlens=cu)
     dropped = mask & (want.is_weights == 0)
     assert int(dropped.sum()) >= 5 and int((mask & ~dropped).sum()) >= 20
     assert torch.equal(got.mask, want.mask) and torch.equal(got.is_weights == 0, want.is_weights == 0)
@@ -720,15 +719,9 @@ def test_the_off_policy_sequence_mask(mode, policy, backend):
     band = RolloutCorrection.token_tis(rs={"token_k1": (1.045, 1.06)})  # rho = e^(old - rollout) ~ e^0.05
     config = PolicyLossConfig(off_policy_mask_threshold=delta, metrics="loss_only", validate=False, backend=backend,
                               rollout_correction=band if decoupled else None, **policy)
-    results = []
-    for fused_stage in (False, True):
-        leaf = lp.clone().requires_grad_(True)
-        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old if decoupled else None,
-                                       rollout_logprobs=rollout, cu_seqlens=cu,
-                                       config=config.with_overrides(fused_stage=fused_stage))
-        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
-        results.append((out, *torch.autograd.grad(out.loss, leaf)))
-    (want, want_lp), (got, got_lp) = results
+    (want, want_lp), (got, got_lp) = _torch_and_fused(lp, adv, mask, config, backend,
+                                                     old_logprobs=old if decoupled else None,
+                                                     rollout_logprobs=rollout, cu_seqlens=cu)
     masked = want.mask & (adv < 0) & (seq_kl > delta).repeat_interleave(T)  # (seq_kl over m: the mean's a guide)
     assert int(masked.sum()) >= 10
     if policy.get("loss_type") != "dro":
@@ -768,15 +761,9 @@ def test_verls_gpg_dro_and_dppo(loss_type, mode, backend):
                               clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None if decoupled else 3.0,
                               rollout_correction=RolloutCorrection.token_tis(threshold=1.5) if decoupled else None)
     weights = None if decoupled else torch.rand(N, generator=g) + 0.5
-    results = []
-    for fused_stage in (False, True):
-        leaf = lp.clone().requires_grad_(True)
-        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old if decoupled else None,
-                                       rollout_logprobs=rollout, cu_seqlens=cu, is_weights=weights,
-                                       config=config.with_overrides(fused_stage=fused_stage))
-        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
-        results.append((out, *torch.autograd.grad(out.loss, leaf)))
-    (want, want_lp), (got, got_lp) = results
+    (want, want_lp), (got, got_lp) = _torch_and_fused(lp, adv, mask, config, backend,
+                                                     old_logprobs=old if decoupled else None,
+                                                     rollout_logprobs=rollout, cu_seqlens=cu, is_weights=weights)
     assert torch.equal(got.mask, want.mask)
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1.0, float(want.loss.abs()))), name="loss")
     assert bool((want_lp[mask] != 0).all()) if not loss_type.startswith("dppo") else \
@@ -818,15 +805,8 @@ def test_sapos_soft_gate(ratio_level, tau, clamp, backend):
     config = PolicyLossConfig(loss_type="sapo", ratio_level=ratio_level, tau_pos=tau[0], tau_neg=tau[1],
                               log_ratio_clamp=clamp, rollout_correction=RolloutCorrection.seq_mis(bounds=(0.5, 2.0)),
                               metrics="loss_only", validate=False, backend=backend)
-    results = []
-    for fused_stage in (False, True):
-        leaf = lp.clone().requires_grad_(True)
-        out, launched = count_launches(rlkernels.policy_loss, leaf, adv, mask, old_logprobs=old,
-                                       rollout_logprobs=old + 0.01, cu_seqlens=cu,
-                                       config=config.with_overrides(fused_stage=fused_stage))
-        assert launched.ops[STAGE_OP[backend]] == int(fused_stage)
-        results.append((out, *torch.autograd.grad(out.loss, leaf)))
-    (want, want_lp), (got, got_lp) = results
+    (want, want_lp), (got, got_lp) = _torch_and_fused(lp, adv, mask, config, backend, old_logprobs=old,
+                                                     rollout_logprobs=old + 0.01, cu_seqlens=cu)
     assert torch.equal(got.mask, want.mask) and bool(want.mask.any())
     assert_close(got.loss, want.loss, **tol("reordered", F32, scale=max(1e-6, float(want.loss.abs()))), name="loss")
     # each token to its own size (the rtol alone); a sequence's tokens share its mean, a sum of terms of both signs
